@@ -219,6 +219,15 @@ _HINTS = {
     "extra_forbidden": "remove it or check the spelling (see `draftline config show` for valid keys)",
     "missing": "add it",
     "literal_error": "use one of the allowed values",
+    "int_parsing": "use a whole number",
+    "int_from_float": "use a whole number",
+    "float_parsing": "use a number",
+    "bool_parsing": "use true or false",
+    "list_type": "use a YAML list, e.g. [1, 3, 5]",
+    "greater_than_equal": "raise the value",
+    "greater_than": "raise the value",
+    "less_than_equal": "lower the value",
+    "model_type": "use a mapping (key: value lines) here",
 }
 
 

@@ -50,3 +50,44 @@ def stage_digest(stage: str, config: Any, inputs: dict[str, str] | None = None,
     }
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- per-stage addresses
+# One function per stage, used by the stage itself and by the Prefect cache policy,
+# so both always agree on where an artifact lives. Scheduling-only keys (devices,
+# prefetch, batch sizes that do not change the bytes) are left out on purpose.
+
+def _target_identity(cfg) -> dict[str, Any]:
+    t = cfg.target
+    ident: dict[str, Any] = {"model": t.model, "revision": t.revision, "max_model_len": t.max_model_len}
+    if t.chat_template:
+        from pathlib import Path
+
+        p = Path(t.chat_template)
+        ident["chat_template_sha256"] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else t.chat_template
+    return ident
+
+
+def prepare(cfg) -> str:
+    return stage_digest("prepare", {"target": _target_identity(cfg), "data": cfg.data})
+
+
+def regenerate(cfg, prepared) -> str:
+    return stage_digest("regenerate", {"target": _target_identity(cfg), "regenerate": cfg.regenerate},
+                        {"data": prepared.digest})
+
+
+def vocab(cfg, data) -> str:
+    return stage_digest("vocab", cfg.vocab, {"data": data.digest})
+
+
+def train(cfg, vocab_ref, shard_refs) -> str:
+    section = cfg.train.model_dump(exclude={"device", "prefetch", "eval_batches", "checkpoint_every"})
+    shards = hashlib.sha256(",".join(r.digest for r in shard_refs).encode()).hexdigest()[:32]
+    return stage_digest("train", {"train": section, "target": _target_identity(cfg)},
+                        {"vocab": vocab_ref.digest, "extract": shards})
+
+
+def benchmark(cfg, trained, data) -> str:
+    return stage_digest("benchmark", {"benchmark": cfg.benchmark, "target": _target_identity(cfg)},
+                        {"train": trained.digest, "data": data.digest})

@@ -104,7 +104,18 @@ class ArtifactRef(BaseModel):
     stage: str
     digest: str
     uri: str
+    attempt: str = ""
+    created: str = ""
     stats: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def executed_here(self) -> bool:
+        """True when this process computed the artifact (False: reused from the store or cache)."""
+        return self.attempt in COMMITTED_HERE
+
+
+# Attempts committed by this process: how a run tells work it did from work it reused.
+COMMITTED_HERE: set[str] = set()
 
 
 def resolve_credentials(cfg: StoreConfig) -> dict[str, Any]:
@@ -171,7 +182,8 @@ class Artifact:
         return self.store.uri_of(self.stage, self.digest)
 
     def ref(self) -> ArtifactRef:
-        return ArtifactRef(stage=self.stage, digest=self.digest, uri=self.uri, stats=self.stats)
+        return ArtifactRef(stage=self.stage, digest=self.digest, uri=self.uri, attempt=self.manifest.attempt,
+                           created=self.manifest.created, stats=self.stats)
 
     def files(self, prefix: str = "") -> list[str]:
         return [f.path for f in self.manifest.files if f.path.startswith(prefix)]
@@ -187,10 +199,15 @@ class Artifact:
         except FileNotFoundError:
             raise ArtifactCorrupt(f"{self.uri}: file {name} listed in the manifest is missing") from None
         if len(data) != entry.bytes:
-            raise ArtifactCorrupt(f"{self.uri}: {name} has {len(data)} bytes, manifest says {entry.bytes}")
+            self._corrupt(f"{name} has {len(data)} bytes, manifest says {entry.bytes}")
         if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise ArtifactCorrupt(f"{self.uri}: {name} fails its sha256 check (corrupted on the store)")
+            self._corrupt(f"{name} fails its sha256 check (corrupted on the store)")
         return data
+
+    def _corrupt(self, why: str) -> None:
+        """Un-commit the artifact so the stage that made it runs again, then raise."""
+        self.store.quarantine(self.stage, self.digest, why)
+        raise ArtifactCorrupt(f"{self.uri}: {why}; the artifact was un-committed and will be recomputed on retry")
 
     def read_json(self, name: str) -> Any:
         return json.loads(self.read_bytes(name))
@@ -222,9 +239,9 @@ class Artifact:
                     h.update(chunk)
                     n += len(chunk)
         except FileNotFoundError:
-            raise ArtifactCorrupt(f"{self.uri}: file {name} listed in the manifest is missing") from None
+            self._corrupt(f"file {name} listed in the manifest is missing")
         if n != entry.bytes or h.hexdigest() != entry.sha256:
-            raise ArtifactCorrupt(f"{self.uri}: {name} fails its size/sha256 check (corrupted on the store)")
+            self._corrupt(f"{name} fails its size/sha256 check (corrupted on the store)")
 
     def verify(self, checksums: bool = True) -> None:
         for f in self.manifest.files:
@@ -303,6 +320,7 @@ class ArtifactWriter:
             config=self.config, run=run or {},
         )
         self.store._publish(manifest)
+        COMMITTED_HERE.add(self.attempt)
         self.committed = Artifact(self.store, manifest)
         return self.committed
 
@@ -325,7 +343,8 @@ class Store:
         else:
             root = rest.rstrip("/")
             try:
-                self.fs = fsspec.filesystem(self.scheme, **self.storage_options)
+                # No instance cache: credentials in the environment may change between stores.
+                self.fs = fsspec.filesystem(self.scheme, skip_instance_cache=True, **self.storage_options)
             except ImportError as exc:
                 raise StoreError(f"{self.scheme}:// needs {exc.name}: pip install s3fs") from None
         self.root = root
@@ -475,6 +494,15 @@ class Store:
             self.fs.pipe_file(key, payload)  # one PUT: atomic on S3
             self.fs.invalidate_cache(self._key(manifest.stage, manifest.digest))
 
+    def quarantine(self, stage: str, digest: str, why: str) -> None:
+        """Move a bad manifest aside (kept for inspection as manifest.corrupt-*.json)."""
+        key = self._key(stage, digest, MANIFEST)
+        with contextlib.suppress(FileNotFoundError):
+            raw = self.fs.cat_file(key)
+            self.fs.pipe_file(self._key(stage, digest, f"manifest.corrupt-{uuid.uuid4().hex[:8]}.json"),
+                              json.dumps({"reason": why, "manifest": json.loads(raw)}).encode())
+            self.fs.rm_file(key)
+
     def delete(self, stage: str, digest: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._key(check_name("stage", stage), check_name("digest", digest)), recursive=True)
@@ -484,6 +512,8 @@ class Store:
         """Keys of uncommitted attempt folders and temp files older than min_age_s."""
         out = []
         now = time.time()
+        if not self.is_local:
+            self.fs.invalidate_cache()
         for s in self._dirs(self.root):
             if s.startswith("_"):
                 continue
@@ -493,8 +523,12 @@ class Store:
                 for a in self._dirs(self._key(s, d)):
                     if a == live or not a.startswith("a"):
                         continue
-                    if self._age(self._key(s, d, a), now) >= min_age_s:
-                        out.append(self._key(s, d, a))
+                    key = self._key(s, d, a)
+                    found = self.fs.find(key, detail=True)
+                    if not any(i.get("type") == "file" and k.rstrip("/") != key for k, i in found.items()):
+                        continue  # an empty prefix some S3 servers keep after deletion: nothing to free
+                    if self._age(key, now) >= min_age_s:
+                        out.append(key)
                 try:
                     files = self.fs.ls(self._key(s, d), detail=False)
                 except FileNotFoundError:

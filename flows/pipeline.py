@@ -1,0 +1,436 @@
+"""The draftline Prefect flow: prepare -> regenerate -> vocab -> extract[shards] -> train -> benchmark.
+
+Each stage is a thin task around a plain function in tasks/. Tasks are keyed by
+their artifact digest (flows/caching.py); the stage functions themselves also
+return at once when their artifact is committed, so the store, not Prefect's
+database, decides what runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.futures import wait
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.caching import stage_options
+from tasks.config import STAGES, RunConfig, load_config
+from tasks.store import ArtifactRef, Store
+
+
+# --------------------------------------------------------------------------- run record
+
+@dataclass
+class StageRecord:
+    status: str = "pending"          # pending | ran | cached | partial | failed | skipped
+    artifact: str | None = None
+    executed: int = 0
+    cached: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunRecord:
+    config_path: str | None
+    overrides: list[str]
+    flow_run_id: str | None = None
+    state: str = "RUNNING"
+    stages: dict[str, StageRecord] = field(default_factory=lambda: {s: StageRecord() for s in STAGES})
+    benchmark: dict[str, Any] | None = None
+    store: str = ""
+    started: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "flow_run_id": self.flow_run_id,
+            "state": self.state,
+            "store": self.store,
+            "seconds": round(time.time() - self.started, 1),
+            "stages": {
+                name: {k: v for k, v in vars(r).items() if k != "stats" or v}
+                for name, r in self.stages.items()
+            },
+        }
+        if self.benchmark is not None:
+            out["benchmark"] = self.benchmark
+        return out
+
+
+# The CLI reads the record of the run it just started (same process).
+LAST_RUN: RunRecord | None = None
+
+
+def _count(record: StageRecord, refs: list[ArtifactRef]) -> None:
+    record.executed = sum(1 for r in refs if r.executed_here)
+    record.cached = len(refs) - record.executed
+
+
+def _finish(record: StageRecord, t0: float, refs: list[ArtifactRef], failed: int = 0) -> None:
+    _count(record, refs)
+    record.failed = failed
+    record.seconds = round(time.time() - t0, 1)
+    if failed:
+        record.status = "failed" if not refs else "partial"
+    else:
+        record.status = "ran" if record.executed else "cached"
+
+
+# --------------------------------------------------------------------------- tasks
+
+@task(name="prepare", task_run_name="prepare")
+def prepare_task(cfg: RunConfig, digest: str) -> ArtifactRef:
+    from tasks.prepare import run_prepare
+
+    return run_prepare(cfg, Store.from_config(cfg.store))
+
+
+@task(name="regenerate", task_run_name="regenerate")
+def regenerate_task(cfg: RunConfig, digest: str, prepared: ArtifactRef) -> ArtifactRef:
+    from tasks.engine import EngineProcess
+    from tasks.regenerate import run_regenerate
+    from tasks.target import resolve_model
+
+    model = resolve_model(cfg.target)
+
+    def engine_factory() -> EngineProcess:
+        return EngineProcess(kind="vllm", model=model, llm_kwargs=vllm_generate_kwargs(cfg),
+                             env=cpu_engine_env(cfg), name="regenerate")
+
+    return run_regenerate(cfg, Store.from_config(cfg.store), prepared, engine_factory)
+
+
+@task(name="vocab", task_run_name="vocab")
+def vocab_task(cfg: RunConfig, digest: str, data: ArtifactRef) -> ArtifactRef:
+    from tasks.vocab import run_vocab
+
+    ref = run_vocab(cfg, Store.from_config(cfg.store), data)
+    summary = ref.stats.get("summary_md")
+    if summary:
+        create_markdown_artifact(summary, key="draft-vocabulary", description="Draft vocabulary coverage")
+    return ref
+
+
+@task(name="extract-shard", task_run_name="extract-shard-{shard}", retries=0)
+def extract_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: "EnginePool") -> ArtifactRef:
+    from tasks.extract import extract_shard
+
+    store = Store.from_config(cfg.store)
+    hit = store.find("extract", digest)
+    if hit is not None:
+        return hit.ref()  # never pay for a finished shard twice, even without Prefect's record
+    with pool.engine() as engine:
+        return extract_shard(cfg, store, plan, engine)
+
+
+@task(name="train", task_run_name="train")
+def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[ArtifactRef]) -> ArtifactRef:
+    from tasks.train import run_train
+
+    logger = get_run_logger()
+    progress = _Progress("train-progress", "Training steps")
+
+    def on_metrics(m: dict[str, Any]) -> None:
+        if "step" in m and "max_steps" in m:
+            progress.update(100.0 * m["step"] / max(1, m["max_steps"]))
+        if m.get("log"):
+            logger.info(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                 for k, v in m.items() if k != "log"))
+
+    ref = run_train(cfg, Store.from_config(cfg.store), vocab, shards, on_metrics=on_metrics)
+    progress.update(100.0)
+    acc = ref.stats.get("val_acc_per_pos")
+    if acc:
+        create_table_artifact(
+            [{"position": i + 1, "accuracy": round(a, 4)} for i, a in enumerate(acc)],
+            key="train-heldout-accuracy", description="Draft accuracy per TTT position on held-out data")
+    return ref
+
+
+@task(name="benchmark", task_run_name="benchmark")
+def benchmark_task(cfg: RunConfig, digest: str, trained: ArtifactRef, data: ArtifactRef) -> ArtifactRef:
+    from tasks.benchmark import run_benchmark
+
+    ref = run_benchmark(cfg, Store.from_config(cfg.store), trained, data)
+    return ref
+
+
+# --------------------------------------------------------------------------- engines
+
+def cpu_engine_env(cfg: RunConfig) -> dict[str, str]:
+    return {"VLLM_CPU_KVCACHE_SPACE": str(int(max(1, cfg.extract.kv_cache_gib)))}
+
+
+def vllm_generate_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    return dict(
+        max_model_len=cfg.target.max_model_len,
+        dtype=cfg.target.dtype,
+        trust_remote_code=cfg.target.trust_remote_code,
+        enforce_eager=cfg.extract.enforce_eager,
+        tensor_parallel_size=cfg.extract.tensor_parallel_size,
+        seed=cfg.data.seed,
+    )
+
+
+class EnginePool:
+    """One extraction engine per GPU group, started on first use, shared by shard tasks.
+
+    A shard borrows a group's engine; if the engine died (killed, OOM), the shard
+    that was using it fails and the next borrower gets a fresh engine.
+    """
+
+    def __init__(self, factory: Callable[[list[int]], Any], groups: list[list[int]]):
+        self.factory = factory
+        self.groups = groups
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(len(groups)):
+            self._free.put(i)
+        self._engines: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def engine(self):
+        pool = self
+
+        class _Borrow:
+            def __enter__(self_inner):
+                self_inner.idx = pool._free.get()
+                try:
+                    eng = pool._engines.get(self_inner.idx)
+                    if eng is None or not eng.alive:
+                        if eng is not None:
+                            eng.close()
+                        eng = pool.factory(pool.groups[self_inner.idx])
+                        eng.start()
+                        pool._engines[self_inner.idx] = eng
+                    return eng
+                except BaseException:
+                    pool._free.put(self_inner.idx)
+                    raise
+
+            def __exit__(self_inner, *exc):
+                pool._free.put(self_inner.idx)
+                return False
+
+        return _Borrow()
+
+    def close(self) -> None:
+        for eng in self._engines.values():
+            try:
+                eng.close()
+            except Exception:
+                pass
+        self._engines.clear()
+
+
+class _Progress:
+    """A Prefect progress artifact that tolerates running outside a flow."""
+
+    def __init__(self, key: str, description: str):
+        self.id = None
+        self.last = -1.0
+        try:
+            self.id = create_progress_artifact(0.0, key=key, description=description)
+        except Exception:
+            pass
+
+    def update(self, pct: float, description: str | None = None) -> None:
+        if self.id is None or (pct - self.last < 1.0 and pct < 100.0):
+            return
+        self.last = pct
+        try:
+            update_progress_artifact(self.id, min(100.0, pct), description=description)
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------- the flow
+
+def _stop_after(until: str | None, stage: str) -> bool:
+    return until is not None and STAGES.index(stage) >= STAGES.index(until)
+
+
+@flow(name="draftline", log_prints=True, persist_result=False)
+def pipeline(config_path: str | None = None, overrides: list[str] | None = None, until: str | None = None) -> dict:
+    """Train an EAGLE-3 draft: parameters are a config file path plus `a.b=c` overrides."""
+    global LAST_RUN
+    from prefect.runtime import flow_run
+
+    overrides = list(overrides or [])
+    cfg = load_config(config_path, overrides)
+    if until is not None and until not in STAGES:
+        raise ValueError(f"--until {until!r}: use one of {', '.join(STAGES)}")
+    store = Store.from_config(cfg.store)
+    store.check()
+    rec = LAST_RUN = RunRecord(config_path=config_path, overrides=overrides, flow_run_id=str(flow_run.id or ""),
+                               store=store.uri)
+    logger = get_run_logger()
+    if cfg.target.trust_remote_code:
+        logger.warning("target.trust_remote_code is ON: the target repository's own Python code will run")
+    try:
+        _run_stages(cfg, store, rec, until, logger)
+    except BaseException as exc:
+        rec.state = "FAILED"
+        _publish_summary(rec)
+        raise exc
+    rec.state = "FAILED" if any(r.status in ("failed", "partial") for r in rec.stages.values()) else "COMPLETED"
+    _publish_summary(rec)
+    if rec.state != "COMPLETED":
+        failed = [n for n, r in rec.stages.items() if r.status in ("failed", "partial")]
+        raise RuntimeError(f"stages failed: {', '.join(failed)}; fix the cause and `draftline retry` the run "
+                           "(finished work is reused)")
+    return rec.to_json()
+
+
+def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None, logger) -> None:
+    from tasks import digest as digests
+
+    def run_single(name: str, fn: Callable[[], ArtifactRef]) -> ArtifactRef:
+        r = rec.stages[name]
+        t0 = time.time()
+        r.status = "running"
+        try:
+            ref = fn()
+        except Exception as exc:
+            r.status, r.failed, r.error = "failed", 1, f"{type(exc).__name__}: {exc}"
+            r.seconds = round(time.time() - t0, 1)
+            raise
+        _finish(r, t0, [ref])
+        r.artifact, r.stats = ref.uri, _brief(ref.stats)
+        logger.info(f"{name}: {r.status} in {r.seconds}s -> {ref.uri}")
+        return ref
+
+    def skip_rest(after: str) -> None:
+        for s in STAGES[STAGES.index(after) + 1:]:
+            rec.stages[s].status = "skipped"
+
+    opts = lambda stage: stage_options(stage, store)  # noqa: E731
+
+    # prepare
+    d = digests.prepare(cfg)
+    prepared = run_single("prepare", lambda: prepare_task.with_options(**opts("prepare"))(cfg, d))
+    if _stop_after(until, "prepare"):
+        return skip_rest("prepare")
+
+    # regenerate
+    data = prepared
+    if cfg.regenerate.enabled:
+        d = digests.regenerate(cfg, prepared)
+        data = run_single("regenerate", lambda: regenerate_task.with_options(**opts("regenerate"))(cfg, d, prepared))
+    else:
+        rec.stages["regenerate"].status = "skipped"
+    if _stop_after(until, "regenerate"):
+        return skip_rest("regenerate")
+
+    # vocab
+    d = digests.vocab(cfg, data)
+    vocab = run_single("vocab", lambda: vocab_task.with_options(**opts("vocab"))(cfg, d, data))
+    if _stop_after(until, "vocab"):
+        return skip_rest("vocab")
+
+    # extract: one task per shard, fanned out over GPU groups
+    shards = _run_extract(cfg, store, rec, data, logger)
+    if _stop_after(until, "extract"):
+        return skip_rest("extract")
+
+    d = digests.train(cfg, vocab, shards)
+    trained = run_single("train", lambda: train_task.with_options(**opts("train"))(cfg, d, vocab, shards))
+    if _stop_after(until, "train"):
+        return skip_rest("train")
+
+    if not cfg.benchmark.enabled:
+        rec.stages["benchmark"].status = "skipped"
+        return
+    d = digests.benchmark(cfg, trained, data)
+    bench = run_single("benchmark", lambda: benchmark_task.with_options(**opts("benchmark"))(cfg, d, trained, data))
+    from flows.report_artifacts import publish_summary
+    from tasks.benchmark import load_report
+
+    report = load_report(store, bench)
+    rec.benchmark = report.get("benchmark")
+    try:
+        publish_summary(report)
+    except Exception as exc:  # the figures are in the store either way
+        logger.warning(f"could not publish benchmark artifacts to Prefect: {exc}")
+
+
+def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, logger) -> list[ArtifactRef]:
+    from tasks.extract import engine_for_group, gpu_groups, plan_extract
+    from tasks.target import resolve_model
+
+    r = rec.stages["extract"]
+    t0 = time.time()
+    r.status = "running"
+    model = resolve_model(cfg.target)
+    plans = plan_extract(cfg, data)
+    groups = gpu_groups(cfg)
+    pool = EnginePool(lambda group: engine_for_group(cfg, model, group), groups)
+    progress = _Progress("extract-progress", f"Extraction: 0/{len(plans)} shards")
+    done = 0
+    tokens = 0
+    refs: list[ArtifactRef] = []
+    errors: list[str] = []
+    runner_task = extract_task.with_options(**stage_options("extract", store))
+    try:
+        futures = [runner_task.submit(cfg, p.digest, p.shard, p, pool) for p in plans]
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(list(pending), timeout=5)
+            for fut in finished:
+                state = fut.state
+                if state.is_completed():
+                    ref = fut.result()
+                    refs.append(ref)
+                    tokens += int(ref.stats.get("tokens", 0))
+                else:
+                    try:
+                        fut.result()
+                    except Exception as exc:
+                        errors.append(f"{type(exc).__name__}: {exc}")
+                done += 1
+            el = max(1e-6, time.time() - t0)
+            progress.update(100.0 * done / len(plans),
+                            f"Extraction: {done}/{len(plans)} shards, {len(errors)} failed, "
+                            f"{tokens / el:,.0f} tok/s (incl. cached)")
+    finally:
+        pool.close()
+    refs.sort(key=lambda x: int(x.stats.get("shard", 0)))
+    _finish(r, t0, refs, failed=len(errors))
+    r.artifact = f"{store.uri}/extract/"
+    r.stats = {"shards": len(plans), "tokens": sum(int(x.stats.get("tokens", 0)) for x in refs)}
+    if errors:
+        r.error = errors[0]
+        logger.error(f"extract: {len(errors)} of {len(plans)} shards failed; first error: {errors[0]}")
+        raise RuntimeError(f"{len(errors)} of {len(plans)} extraction shards failed (retry runs only those): {errors[0]}")
+    logger.info(f"extract: {r.executed} shards ran, {r.cached} cached, in {r.seconds}s")
+    return refs
+
+
+def _brief(stats: dict[str, Any]) -> dict[str, Any]:
+    """Small scalar stats for the summary (no tables or markdown)."""
+    out = {}
+    for k, v in stats.items():
+        if isinstance(v, (int, float, str, bool)) and not (isinstance(v, str) and len(v) > 80):
+            out[k] = v
+    return out
+
+
+def _publish_summary(rec: RunRecord) -> None:
+    rows = []
+    for name, r in rec.stages.items():
+        rows.append({"stage": name, "status": r.status, "ran": r.executed, "cached": r.cached,
+                     "failed": r.failed, "seconds": r.seconds, "artifact": r.artifact or ""})
+    try:
+        create_table_artifact(rows, key="run-summary", description=f"draftline run: {rec.state}")
+    except Exception:
+        pass

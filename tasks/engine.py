@@ -1,0 +1,742 @@
+"""The one way draftline runs a model: an engine in its own child process.
+
+    with EngineProcess("vllm", model_path, {"max_model_len": 2048}, env={"VLLM_CPU_KVCACHE_SPACE": "2"}) as eng:
+        outs = eng.generate([[1, 2, 3]], {"max_tokens": 16, "temperature": 0})
+    with EngineProcess("vllm", model_path, vllm_extract_kwargs([2, 15, 27, 30])) as eng:
+        hs = eng.extract([[1, 2, 3]], [2, 15, 27, 30])   # [tensor [3, 4, 576] bf16]
+
+Why a child process: the engine is loaded once (a 1T model takes many minutes)
+and serves many requests; it gets its own environment (CUDA_VISIBLE_DEVICES,
+VLLM_CPU_KVCACHE_SPACE); and when it dies (OOM, kill -9, a node losing a GPU)
+the caller gets an `EngineError` carrying the tail of the engine's log instead
+of a hung or crashed pipeline, and may start a new one.
+
+Protocol: `python -m tasks.engine --fd N` talks over one end of a socketpair
+(`multiprocessing.connection` framing, small pickled dicts). Hidden states never
+travel through the socket: the engine writes safetensors files into a private
+work folder and answers with their paths; the caller loads and deletes them.
+The engine's stdout/stderr go to `<workdir>/engine.log`.
+
+Backends (child side):
+- vllm: `vllm.LLM`; extraction = the `extract_hidden_states` speculative method
+  plus `tasks.vllm_connector.SyncHiddenStatesConnector` (see `vllm_extract_kwargs`).
+- transformers: `from_pretrained` + forward hooks on the decoder layers (id k =
+  output of decoder layer k-1; id N = the last layer's output before the final
+  norm). Finds the decoder under `model.layers`, `model.language_model.layers`
+  or `language_model.model.layers` (multimodal wrappers such as Kimi-K2.5).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Literal
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG_TAIL_CHARS = 4000
+HS_CONNECTOR = "SyncHiddenStatesConnector"
+HS_CONNECTOR_MODULE = "tasks.vllm_connector"
+
+
+class EngineError(RuntimeError):
+    """The engine failed. `log_tail` holds the end of its log; `fatal` says whether it is gone."""
+
+    def __init__(self, message: str, log_tail: str = "", fatal: bool = True):
+        self.log_tail = log_tail
+        self.fatal = fatal
+        super().__init__(message + (f"\n--- engine log (tail) ---\n{log_tail}" if log_tail else ""))
+
+
+def vllm_extract_kwargs(layer_ids: list[int]) -> dict[str, Any]:
+    """`vllm.LLM` kwargs that turn a target into a hidden-state extractor for `layer_ids`.
+
+    The connector's `shared_storage_path` is filled in by the engine (its work folder).
+    """
+    return {
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+        },
+        "kv_transfer_config": {
+            "kv_connector": HS_CONNECTOR,
+            "kv_connector_module_path": HS_CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {},
+        },
+    }
+
+
+# ============================================================================ parent side
+
+_LIVE: "weakref.WeakSet[EngineProcess]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for eng in list(_LIVE):
+        with contextlib.suppress(Exception):
+            eng.close(timeout_s=10)
+
+
+class EngineProcess:
+    """A model engine in a child process; see the module docstring."""
+
+    def __init__(self, kind: Literal["vllm", "transformers"], model: str, llm_kwargs: dict | None = None,
+                 env: dict[str, str] | None = None, name: str = "engine"):
+        if kind not in ("vllm", "transformers"):
+            raise ValueError(f"engine kind must be 'vllm' or 'transformers', got {kind!r}")
+        self.kind = kind
+        self.model = model
+        self.llm_kwargs = dict(llm_kwargs or {})
+        self.env = dict(env or {})
+        self.name = name
+        self.info: dict[str, Any] = {}
+        self.workdir: str | None = None
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._dead = False
+        self._lock = threading.Lock()
+        self._seq = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and not self._dead and self._proc.poll() is None
+
+    @property
+    def log_path(self) -> str | None:
+        return os.path.join(self.workdir, "engine.log") if self.workdir else None
+
+    def start(self, timeout_s: float = 600) -> None:
+        """Spawn the engine and wait until it has loaded the model (or raise EngineError)."""
+        if self.alive:
+            return
+        self._cleanup()
+        self._dead = False
+        base = os.environ.get("DRAFTLINE_ENGINE_TMP") or None
+        self.workdir = tempfile.mkdtemp(prefix=f"draftline-{self.name}-", dir=base)
+        env = {**os.environ, **self.env}
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        parent_sock, child_sock = socket.socketpair()
+        with open(self.log_path, "wb") as log:  # type: ignore[arg-type]
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "tasks.engine", "--fd", str(child_sock.fileno()),
+                     "--parent", str(os.getpid())],
+                    pass_fds=[child_sock.fileno()], stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+                    start_new_session=True,  # its own process group: close() reaps vLLM's workers too
+                )
+            finally:
+                child_sock.close()
+        self._conn = Connection(parent_sock.detach())
+        _LIVE.add(self)
+        self._conn.send({"op": "init", "kind": self.kind, "model": self.model,
+                         "llm_kwargs": self.llm_kwargs, "workdir": self.workdir})
+        self.info = self._receive(timeout_s, "starting")
+
+    def close(self, timeout_s: float = 60) -> None:
+        """Shut the engine down (politely, then by force) and remove its work folder."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None and self._conn is not None and not self._dead:
+            with contextlib.suppress(Exception):
+                self._conn.send({"op": "close"})
+                deadline = time.monotonic() + timeout_s
+                while proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.1)
+        self._dead = True
+        self._kill_group()
+        self._cleanup()
+        _LIVE.discard(self)
+
+    def __enter__(self) -> "EngineProcess":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "alive" if self.alive else "stopped"
+        return f"EngineProcess({self.kind}, {self.model!r}, pid={self.pid}, {state})"
+
+    # ------------------------------------------------------------------ requests
+    def generate(self, prompt_token_ids: list[list[int]], sampling: dict) -> list[dict]:
+        """One completion per prompt: {"token_ids", "text", "finish_reason", "prompt_tokens"}.
+
+        `sampling` holds `vllm.SamplingParams` keyword arguments (max_tokens, temperature, top_p,
+        seed, stop_token_ids, ...).
+        """
+        return self._call("generate", prompt_token_ids=_as_lists(prompt_token_ids), sampling=dict(sampling))
+
+    def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int]) -> list[Any]:
+        """Hidden states per prompt: bf16 tensors [T, L, H], slots in `layer_ids` order."""
+        import torch
+        from safetensors.torch import load_file
+
+        prompts = _as_lists(prompt_token_ids)
+        if not prompts:
+            return []
+        res = self._call("extract", prompt_token_ids=prompts, layer_ids=list(layer_ids))
+        out: list[torch.Tensor] = []
+        try:
+            if "paths" in res:  # vLLM: one connector file per request
+                for ids, path in zip(prompts, res["paths"]):
+                    data = load_file(path)
+                    got = data["token_ids"].tolist()
+                    if got != ids:
+                        raise EngineError(f"{self.name}: hidden states at {path} belong to other tokens "
+                                          f"({len(got)} vs {len(ids)} tokens)", fatal=False)
+                    out.append(data["hidden_states"].to(torch.bfloat16))
+            else:  # transformers: one file, samples concatenated
+                data = load_file(res["path"])
+                hs = data["hidden_states"].to(torch.bfloat16)
+                offs = data["offsets"].tolist()
+                out = [hs[offs[i]:offs[i + 1]] for i in range(len(prompts))]
+        finally:
+            for path in res.get("paths", []) + ([res["path"]] if "path" in res else []):
+                for p in (path, path + ".lock"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(p)
+        for ids, t in zip(prompts, out):
+            if t.ndim != 3 or t.shape[0] != len(ids) or t.shape[1] != len(layer_ids):
+                raise EngineError(f"{self.name}: expected hidden states [{len(ids)}, {len(layer_ids)}, H], "
+                                  f"got {list(t.shape)}", fatal=False)
+        return out
+
+    def metrics(self) -> dict[str, Any]:
+        """vLLM's `llm.get_metrics()` flattened: counters/gauges -> number, vectors -> list,
+        histograms -> {"count", "sum"}; same-named metrics (several engines) are summed."""
+        return self._call("metrics")
+
+    def _call(self, op: str, **args: Any) -> Any:
+        with self._lock:
+            if not self.alive or self._conn is None:
+                raise EngineError(f"{self.name} is not running ({self._exit_text()}); call start() first",
+                                  self._log_tail())
+            self._seq += 1
+            try:
+                self._conn.send({"op": op, "seq": self._seq, **args})
+            except (BrokenPipeError, ConnectionError, OSError):
+                self._mark_dead()
+                raise EngineError(f"{self.name} died before {op} could be sent ({self._exit_text()})",
+                                  self._log_tail()) from None
+            return self._receive(None, op)
+
+    def _receive(self, timeout_s: float | None, what: str) -> Any:
+        assert self._conn is not None and self._proc is not None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                ready = self._conn.poll(0.2)
+            except (OSError, EOFError):
+                ready = True
+            if ready:
+                try:
+                    msg = self._conn.recv()
+                except (EOFError, OSError):
+                    self._wait_exit(5)
+                    self._mark_dead()
+                    raise EngineError(f"{self.name} died while {what} ({self._exit_text()})",
+                                      self._log_tail()) from None
+                if msg.get("ok"):
+                    return msg.get("result")
+                fatal = bool(msg.get("fatal"))
+                if fatal:
+                    self._wait_exit(10)
+                    self._mark_dead()
+                raise EngineError(f"{self.name} failed while {what}: {msg.get('error')}",
+                                  msg.get("traceback", "") if not fatal else self._log_tail(), fatal=fatal)
+            if self._proc.poll() is not None:
+                self._mark_dead()
+                raise EngineError(f"{self.name} died while {what} ({self._exit_text()})", self._log_tail())
+            if deadline is not None and time.monotonic() > deadline:
+                self._mark_dead()
+                raise EngineError(f"{self.name} did not answer within {timeout_s:.0f} s while {what}; killed it",
+                                  self._log_tail())
+
+    # ------------------------------------------------------------------ helpers
+    def _wait_exit(self, seconds: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            assert self._proc is not None
+            self._proc.wait(seconds)
+
+    def _mark_dead(self) -> None:
+        self._dead = True
+        self._kill_group()
+
+    def _kill_group(self) -> None:
+        """Kill the engine and everything it started (vLLM's engine-core/worker processes)."""
+        proc = self._proc
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # pgid == pid: start_new_session
+        with contextlib.suppress(Exception):
+            proc.wait(10)
+
+    def _cleanup(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
+        if self.workdir and os.path.isdir(self.workdir) and not os.environ.get("DRAFTLINE_KEEP_ENGINE_DIR"):
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _exit_text(self) -> str:
+        if self._proc is None:
+            return "never started"
+        rc = self._proc.poll()
+        if rc is None:
+            return "still running"
+        if rc < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-rc).name}"
+        return f"exit code {rc}"
+
+    def _log_tail(self) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - LOG_TAIL_CHARS))
+            return fh.read().decode("utf-8", "replace")
+
+
+def _as_lists(prompts: Any) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        if hasattr(p, "tolist"):
+            p = p.tolist()
+        out.append([int(t) for t in p])
+    return out
+
+
+# ============================================================================ child side
+
+
+def _check_lengths(prompts: list[list[int]], limit: int, extra: int) -> None:
+    bad = [(i, len(p)) for i, p in enumerate(prompts) if len(p) + extra > limit or not p]
+    if bad:
+        shown = ", ".join(f"#{i}: {n} tokens" for i, n in bad[:5])
+        raise ValueError(
+            f"{len(bad)} prompt(s) are empty or do not fit max_model_len={limit} (with {extra} new token(s)): "
+            f"{shown}; filter or truncate them first (data.max_length < target.max_model_len)"
+        )
+
+
+class _VllmBackend:
+    def __init__(self, model: str, llm_kwargs: dict, workdir: str):
+        from vllm import LLM
+
+        kwargs = dict(llm_kwargs)
+        kwargs.setdefault("disable_log_stats", False)  # metrics() needs the stat loggers
+        kv = kwargs.get("kv_transfer_config")
+        self.layer_ids: list[int] | None = None
+        if kv is not None:
+            kv = dict(kv)
+            extra = dict(kv.get("kv_connector_extra_config") or {})
+            extra.setdefault("shared_storage_path", os.path.join(workdir, "hidden_states"))
+            kv["kv_connector_extra_config"] = extra
+            kwargs["kv_transfer_config"] = kv
+            spec = (kwargs.get("speculative_config") or {})
+            if spec.get("method") == "extract_hidden_states":
+                hf = spec.get("draft_model_config", {}).get("hf_config", {})
+                self.layer_ids = list(hf.get("eagle_aux_hidden_state_layer_ids") or [])
+        self.llm = LLM(model=model, **kwargs)
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+
+    def info(self) -> dict:
+        return {"max_model_len": self.max_model_len, "layer_ids": self.layer_ids}
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: dict) -> list[dict]:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(**sampling)
+        _check_lengths(prompt_token_ids, self.max_model_len, params.max_tokens or 1)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_token_ids], params,
+                                 use_tqdm=False)
+        res = []
+        for o in outs:
+            c = o.outputs[0]
+            res.append({"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
+                        "prompt_tokens": len(o.prompt_token_ids or [])})
+        return res
+
+    def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int]) -> dict:
+        from vllm import SamplingParams, TokensPrompt
+
+        if self.layer_ids is None:
+            raise ValueError("this vLLM engine was not started for extraction; pass "
+                             "tasks.engine.vllm_extract_kwargs(layer_ids) in llm_kwargs")
+        if list(layer_ids) != self.layer_ids:
+            raise ValueError(f"this engine extracts layers {self.layer_ids}, asked for {list(layer_ids)}; "
+                             "start an engine for those ids")
+        _check_lengths(prompt_token_ids, self.max_model_len, 1)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_token_ids],
+                                 SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        paths = []
+        for o in outs:
+            params = o.kv_transfer_params or {}
+            path = params.get("hidden_states_path")
+            if not path:
+                raise RuntimeError(f"vLLM returned no hidden_states_path for request {o.request_id} "
+                                   f"(kv_transfer_params={params})")
+            paths.append(path)
+        for path in paths:
+            _wait_written(path, timeout_s=600)
+        return {"paths": paths}
+
+    def metrics(self) -> dict:
+        from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Vector
+
+        out: dict[str, Any] = {}
+        for m in self.llm.get_metrics():
+            if isinstance(m, (Counter, Gauge)):
+                out[m.name] = out.get(m.name, 0) + m.value
+            elif isinstance(m, Vector):
+                prev = out.get(m.name) or [0] * len(m.values)
+                out[m.name] = [a + b for a, b in zip(prev, m.values)] + list(m.values[len(prev):])
+            elif isinstance(m, Histogram):
+                prev = out.get(m.name) or {"count": 0, "sum": 0.0}
+                out[m.name] = {"count": prev["count"] + m.count, "sum": prev["sum"] + m.sum}
+        return out
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+def _wait_written(path: str, timeout_s: float) -> None:
+    """The connector holds LOCK_EX on PATH.lock until PATH is written."""
+    lock = path + ".lock"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if os.path.exists(lock):
+            with open(lock) as fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+                    if os.path.exists(path):
+                        return
+                except BlockingIOError:
+                    pass
+        elif os.path.exists(path):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"hidden states {path} were not written within {timeout_s:.0f} s")
+        time.sleep(0.002)
+
+
+def find_decoder_layers(model: Any, num_layers: int) -> tuple[str, Any]:
+    """(dotted name, ModuleList) of the text decoder's layers, wherever the wrapper keeps them."""
+    import torch
+
+    preferred = ["model.layers", "model.language_model.layers", "language_model.model.layers",
+                 "language_model.layers", "model.model.layers", "transformer.h", "model.decoder.layers"]
+    found = {name: mod for name, mod in model.named_modules()
+             if isinstance(mod, torch.nn.ModuleList) and len(mod) == num_layers}
+    for name in preferred:
+        if name in found:
+            return name, found[name]
+    skip = ("vision", "visual", "audio", "encoder", "mm_", "image")
+    rest = [n for n in found if n.rsplit(".", 1)[-1] in ("layers", "h") and not any(s in n for s in skip)]
+    if len(rest) == 1:
+        return rest[0], found[rest[0]]
+    raise ValueError(
+        f"cannot find the decoder's {num_layers} layers in {type(model).__name__} (candidates: "
+        f"{sorted(found) or 'none'}); supported layouts: model.layers, model.language_model.layers, "
+        "language_model.model.layers"
+    )
+
+
+class _TransformersBackend:
+    def __init__(self, model: str, llm_kwargs: dict, workdir: str):
+        import torch
+        import transformers
+        from transformers import AutoConfig
+
+        kw = dict(llm_kwargs)
+        trust = bool(kw.pop("trust_remote_code", False))
+        revision = kw.pop("revision", None)
+        self.max_batch_tokens = int(kw.pop("max_batch_tokens", 8192))
+        max_len = kw.pop("max_model_len", None)
+        device = kw.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype_name = kw.pop("dtype", None) or ("bfloat16" if device.startswith("cuda") else "float32")
+        # vLLM-only knobs that callers may pass to either backend.
+        for k in ("tensor_parallel_size", "enforce_eager", "gpu_memory_utilization", "disable_log_stats",
+                  "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "seed"):
+            kw.pop(k, None)
+        if kw:
+            raise ValueError(f"the transformers backend does not take {sorted(kw)}; remove them")
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                 "auto": "auto"}[dtype_name]
+        self.workdir = workdir
+        self.config = AutoConfig.from_pretrained(model, trust_remote_code=trust, revision=revision)
+        text = getattr(self.config, "text_config", None) or self.config
+        self.num_layers = int(text.num_hidden_layers)
+        self.max_model_len = int(max_len or getattr(text, "max_position_embeddings", 0) or 1 << 20)
+        load = {"dtype": dtype, "trust_remote_code": trust, "revision": revision}
+        multi = device.startswith("cuda") and torch.cuda.device_count() > 1
+        if multi:
+            load["device_map"] = "auto"
+        last_err: Exception | None = None
+        self.model = None
+        for auto_name in ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModel"):
+            auto = getattr(transformers, auto_name, None)
+            if auto is None:
+                continue
+            try:
+                self.model = auto.from_pretrained(model, **load)
+                break
+            except ValueError as exc:  # "Unrecognized configuration class ..."
+                last_err = exc
+        if self.model is None:
+            raise ValueError(f"transformers cannot load {model}: {last_err}")
+        if not multi:
+            self.model.to(device)
+        self.model.eval()
+        self.device = torch.device(device if not multi else "cuda:0")
+        self.layers_name, self.layers = find_decoder_layers(self.model, self.num_layers)
+        self.decoder = self.model.get_submodule(self.layers_name.rsplit(".", 1)[0])
+        self.tokenizer = None
+        with contextlib.suppress(Exception):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust, revision=revision)
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self._n = 0
+
+    def info(self) -> dict:
+        return {"max_model_len": self.max_model_len, "layers": self.layers_name, "num_layers": self.num_layers,
+                "device": str(self.device)}
+
+    def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int]) -> dict:
+        import torch
+        from safetensors.torch import save_file
+
+        n = self.num_layers
+        if not layer_ids or any(not 1 <= k <= n for k in layer_ids):
+            raise ValueError(f"layer ids {layer_ids} out of range 1..{n} (id k = output of decoder layer k-1)")
+        _check_lengths(prompt_token_ids, self.max_model_len, 0)
+        lengths = [len(p) for p in prompt_token_ids]
+        offsets = [0]
+        for t in lengths:
+            offsets.append(offsets[-1] + t)
+        hidden = getattr(self.config, "text_config", None) or self.config
+        out = torch.empty(offsets[-1], len(layer_ids), int(hidden.hidden_size), dtype=torch.bfloat16)
+        captured: dict[int, Any] = {}
+
+        def hook(slot: int):
+            def fn(_mod, _inp, output):
+                captured[slot] = output[0] if isinstance(output, (tuple, list)) else output
+            return fn
+
+        handles = []
+        # several slots may share a layer only if ids repeat, which validation forbids
+        for slot, k in enumerate(layer_ids):
+            handles.append(self.layers[k - 1].register_forward_hook(hook(slot)))
+        try:
+            order = sorted(range(len(prompt_token_ids)), key=lambda i: -lengths[i])
+            i = 0
+            while i < len(order):
+                width = lengths[order[i]]  # longest in this batch (sorted descending)
+                batch = order[i:i + max(1, self.max_batch_tokens // max(width, 1))]
+                i += len(batch)
+                ids = torch.zeros(len(batch), width, dtype=torch.long)
+                mask = torch.zeros(len(batch), width, dtype=torch.long)
+                for r, j in enumerate(batch):
+                    ids[r, :lengths[j]] = torch.tensor(prompt_token_ids[j])
+                    mask[r, :lengths[j]] = 1
+                captured.clear()
+                with torch.inference_mode():
+                    self.decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                 use_cache=False)
+                for slot in range(len(layer_ids)):
+                    h = captured[slot]
+                    for r, j in enumerate(batch):
+                        out[offsets[j]:offsets[j + 1], slot] = h[r, :lengths[j]].to("cpu", torch.bfloat16)
+        finally:
+            for h in handles:
+                h.remove()
+            captured.clear()
+        self._n += 1
+        path = os.path.join(self.workdir, f"extract-{self._n}.safetensors")
+        save_file({"hidden_states": out, "offsets": torch.tensor(offsets, dtype=torch.int64)}, path)
+        self.requests += len(prompt_token_ids)
+        self.prompt_tokens += offsets[-1]
+        return {"path": path}
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: dict) -> list[dict]:
+        import torch
+
+        s = dict(sampling)
+        max_tokens = int(s.pop("max_tokens", 16) or 16)
+        temperature = float(s.pop("temperature", 1.0))
+        top_p = float(s.pop("top_p", 1.0))
+        top_k = int(s.pop("top_k", 0) or 0)
+        seed = s.pop("seed", None)
+        stop_ids = list(s.pop("stop_token_ids", None) or [])
+        s.pop("skip_special_tokens", None)
+        if int(s.pop("n", 1)) != 1:
+            raise ValueError("the transformers backend returns one completion per prompt (n=1)")
+        if s:
+            raise ValueError(f"the transformers backend does not support sampling options {sorted(s)}")
+        _check_lengths(prompt_token_ids, self.max_model_len, max_tokens)
+        if seed is not None:
+            torch.manual_seed(int(seed))
+        gen_cfg = self.model.generation_config
+        eos = gen_cfg.eos_token_id if gen_cfg is not None else None
+        eos_ids = ([eos] if isinstance(eos, int) else list(eos or [])) + stop_ids
+        pad = gen_cfg.pad_token_id if gen_cfg is not None and gen_cfg.pad_token_id is not None else (eos_ids or [0])[0]
+        results: list[dict] = [{} for _ in prompt_token_ids]
+        order = sorted(range(len(prompt_token_ids)), key=lambda i: -len(prompt_token_ids[i]))
+        i = 0
+        while i < len(order):
+            width = len(prompt_token_ids[order[i]])
+            batch = order[i:i + max(1, self.max_batch_tokens // (width + max_tokens))]
+            i += len(batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for r, j in enumerate(batch):  # left padding for generation
+                p = prompt_token_ids[j]
+                ids[r, width - len(p):] = torch.tensor(p)
+                mask[r, width - len(p):] = 1
+            kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "pad_token_id": pad,
+                                      "eos_token_id": eos_ids or None}
+            if temperature > 0:
+                kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None)
+            else:
+                kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            with torch.inference_mode():
+                gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                          **kwargs)
+            for r, j in enumerate(batch):
+                toks = gen[r, width:].tolist()
+                finish = "length"
+                for t_i, t in enumerate(toks):
+                    if t in eos_ids:
+                        toks = toks[:t_i + 1]
+                        finish = "stop"
+                        break
+                text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer else ""
+                results[j] = {"token_ids": toks, "text": text, "finish_reason": finish,
+                              "prompt_tokens": len(prompt_token_ids[j])}
+                self.generation_tokens += len(toks)
+            self.requests += len(batch)
+            self.prompt_tokens += sum(len(prompt_token_ids[j]) for j in batch)
+        return results
+
+    def metrics(self) -> dict:
+        return {"draftline:requests": self.requests, "vllm:prompt_tokens": self.prompt_tokens,
+                "vllm:generation_tokens": self.generation_tokens}
+
+    def close(self) -> None:
+        pass
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """If the caller dies, take the engine (and its process group) down with it.
+
+    (Not PR_SET_PDEATHSIG: it fires when the parent THREAD exits, and callers start
+    engines from thread pools.)
+    """
+
+    def kill_group(*_: Any) -> None:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        kill_group()
+
+    signal.signal(signal.SIGTERM, kill_group)
+    threading.Thread(target=watch, name="draftline-parent-watch", daemon=True).start()
+
+
+def serve(fd: int, parent_pid: int) -> int:
+    conn = Connection(fd)
+    os.set_inheritable(fd, False)
+    _die_with_parent(parent_pid)
+    try:
+        init = conn.recv()
+    except EOFError:
+        return 1
+    backend: Any = None
+    try:
+        cls = _VllmBackend if init["kind"] == "vllm" else _TransformersBackend
+        t0 = time.monotonic()
+        backend = cls(init["model"], init["llm_kwargs"], init["workdir"])
+        info = backend.info()
+        info["load_s"] = round(time.monotonic() - t0, 2)
+        info["pid"] = os.getpid()
+        conn.send({"ok": True, "result": info})
+    except BaseException as exc:
+        traceback.print_exc()
+        with contextlib.suppress(Exception):
+            conn.send({"ok": False, "fatal": True, "error": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()})
+        return 1
+    code = 0
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break  # the caller went away
+        op = msg.pop("op")
+        msg.pop("seq", None)
+        if op == "close":
+            break
+        try:
+            if op not in ("generate", "extract", "metrics"):
+                raise ValueError(f"unknown engine request {op!r}")
+            result = getattr(backend, op)(**msg)
+            conn.send({"ok": True, "result": result})
+        except Exception as exc:
+            traceback.print_exc()
+            conn.send({"ok": False, "fatal": False, "error": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()})
+    with contextlib.suppress(Exception):
+        backend.close()
+    sys.stdout.flush()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="draftline engine process (started by tasks.engine.EngineProcess)")
+    ap.add_argument("--fd", type=int, required=True)
+    ap.add_argument("--parent", type=int, required=True)
+    args = ap.parse_args(argv)
+    return serve(args.fd, args.parent)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: vLLM's atexit hooks can hang after shutdown

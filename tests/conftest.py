@@ -1,0 +1,48 @@
+"""Session fixtures: a real SeaweedFS S3 server, stores on file:// and s3://."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from s3server import S3Server  # noqa: E402
+
+from tasks.config import StoreConfig  # noqa: E402
+from tasks.store import Store  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    server = S3Server(tmp_path_factory.mktemp("seaweedfs")).start()
+    old = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    server.make_bucket("draftline-test")
+    yield server
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(params=["file", "s3"])
+def store(request, tmp_path) -> Store:
+    """The same tests against a local folder and the real S3 server."""
+    if request.param == "file":
+        return Store.from_config(StoreConfig(uri=f"file://{tmp_path}/store"))
+    request.getfixturevalue("s3_server")
+    return Store.from_config(StoreConfig(uri=f"s3://draftline-test/{uuid.uuid4().hex[:12]}"))

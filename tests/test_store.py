@@ -1,0 +1,165 @@
+"""The artifact store, on a local folder and on a real S3 server (SeaweedFS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from tasks.config import StoreConfig
+from tasks.store import ArtifactCorrupt, ArtifactMissing, Store, StoreError, check_name
+
+
+def _write(store: Store, digest: str, payload: bytes, stage: str = "prepare") -> None:
+    with store.write(stage, digest, "v1", {"up": "x"}, {"k": 1}) as w:
+        w.write_bytes("data/part-0.bin", payload)
+        w.write_json("meta.json", {"n": len(payload)})
+        w.commit({"rows": 3})
+
+
+def test_commit_then_read_back(store):
+    _write(store, "d1", b"abc" * 1000)
+    art = store.open("prepare", "d1", checksums=True)
+    assert art.read_bytes("data/part-0.bin") == b"abc" * 1000
+    assert art.read_json("meta.json") == {"n": 3000}
+    m = art.manifest
+    assert m.stage == "prepare" and m.digest == "d1" and m.inputs == {"up": "x"} and m.stats == {"rows": 3}
+    assert {f.path: f.bytes for f in m.files} == {"data/part-0.bin": 3000, "meta.json": len(json.dumps({"n": 3000}, indent=2))}
+    assert [x.digest for x in store.list()] == ["d1"]
+    with art.local_copy("data/part-0.bin") as p:
+        assert open(p, "rb").read() == b"abc" * 1000
+
+
+def test_exception_inside_writer_commits_nothing(store):
+    with pytest.raises(RuntimeError, match="boom"):
+        with store.write("prepare", "d2", "v1") as w:
+            w.write_bytes("x.bin", b"1234")
+            raise RuntimeError("boom")
+    assert store.find("prepare", "d2") is None
+    with pytest.raises(ArtifactMissing):
+        store.open("prepare", "d2")
+    assert store.list() == []
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.getcwd()
+    return env
+
+
+def test_writer_killed_before_manifest_leaves_nothing_visible(store):
+    """A real SIGKILL while a writer is mid-artifact: readers see nothing, gc cleans up."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from tasks.store import Store
+        s = Store({store.uri!r}, {store.storage_options!r})
+        w = s.writer("extract", "dkill", "v1")
+        w.write_bytes("part-00000.safetensors", b"x" * 100000)
+        print("written", flush=True)
+        time.sleep(60)
+        w.commit()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=_child_env())
+    assert proc.stdout.readline().strip() == b"written"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert store.find("extract", "dkill") is None
+    assert store.list() == []
+    leftovers = store.garbage(min_age_s=0)
+    assert len(leftovers) == 1 and "/extract/dkill/a" in leftovers[0]
+    assert store.garbage(min_age_s=3600) == []  # a writer that might still be running is protected
+    store.gc(min_age_s=0)
+    assert store.garbage(min_age_s=0) == []
+
+
+def test_corrupted_file_is_detected_and_uncommitted(store):
+    _write(store, "d3", b"0123456789" * 100)
+    art = store.open("prepare", "d3")
+    key = art._key("data/part-0.bin")
+    raw = bytearray(store.fs.cat_file(key))
+    raw[10] ^= 0xFF  # same size, different bytes: only the checksum can tell
+    store.fs.pipe_file(key, bytes(raw))
+    assert store.find("prepare", "d3") is not None  # sizes still match
+    with pytest.raises(ArtifactCorrupt, match="part-0.bin.*sha256"):
+        store.open("prepare", "d3").read_bytes("data/part-0.bin")
+    # Un-committed so the stage runs again; the evidence is kept beside it.
+    assert store.find("prepare", "d3") is None
+    names = [p.rsplit("/", 1)[-1] for p in store.fs.ls(store._key("prepare", "d3"), detail=False)]
+    assert any(n.startswith("manifest.corrupt-") for n in names)
+
+
+def test_truncated_file_counts_as_missing(store):
+    _write(store, "d4", b"z" * 5000)
+    art = store.open("prepare", "d4")
+    store.fs.pipe_file(art._key("data/part-0.bin"), b"z" * 10)
+    assert store.find("prepare", "d4") is None
+
+
+def test_two_concurrent_writers_of_one_digest_end_with_one_valid_artifact(store):
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def writer(tag: bytes):
+        try:
+            w = store.writer("extract", "dsame", "v1")
+            w.write_bytes("part.bin", tag * 50000)
+            barrier.wait()
+            w.commit({"tag": tag.decode()})
+        except Exception as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in (b"A", b"B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    art = store.open("extract", "dsame", checksums=True)
+    data = art.read_bytes("part.bin")
+    assert data == art.stats["tag"].encode() * 50000  # the manifest and its files agree
+    store.gc(min_age_s=0)  # the losing attempt is garbage; the winner survives gc
+    assert store.open("extract", "dsame", checksums=True).read_bytes("part.bin") == data
+
+
+@pytest.mark.parametrize("bad", ["../up", "a/b", "", ".hidden", "x" * 200, "a..b"])
+def test_names_from_data_cannot_escape_the_store(bad):
+    with pytest.raises(ValueError, match="invalid"):
+        check_name("sample id", bad)
+
+
+def test_file_paths_cannot_escape_the_artifact(store):
+    w = store.writer("prepare", "d5", "v1")
+    for bad in ("../../etc/passwd", "/abs", "a//b", "./x"):
+        with pytest.raises(ValueError):
+            w.write_bytes(bad, b"x")
+    w.abort()
+
+
+def test_s3_wrong_credentials_named(s3_server, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    st = Store.from_config(StoreConfig(uri="s3://draftline-test/x"))
+    with pytest.raises(StoreError, match="credentials"):
+        st.check()
+
+
+def test_s3_missing_bucket_named(s3_server):
+    st = Store.from_config(StoreConfig(uri="s3://no-such-bucket-here/x"))
+    with pytest.raises(StoreError, match="bucket 'no-such-bucket-here' does not exist"):
+        st.check()
+
+
+def test_s3_unreachable_named(s3_server, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    st = Store.from_config(StoreConfig(uri="s3://draftline-test/x"))
+    t0 = time.time()
+    with pytest.raises(StoreError, match="unreachable"):
+        st.check()
+    assert time.time() - t0 < 60
