@@ -10,6 +10,7 @@ empty Prefect database, pointed at the same store, gets the same hits.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,30 +23,37 @@ from tasks.store import Store
 
 @dataclass
 class StoreArtifactPolicy(CachePolicy):
-    """Key = STAGE-DIGEST, only while the store holds that committed artifact."""
+    """Key = STAGE-DIGEST: the artifact's address, from the task's `digest` argument."""
 
     stage: str = ""
-    store_uri: str = ""
-    storage_options: dict[str, Any] | None = None
 
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs) -> str | None:
         digest = inputs.get("digest")
-        if not digest:
-            return None
-        store = Store(self.store_uri, self.storage_options or {})
-        if store.find(self.stage, digest) is None:
-            return None  # not committed (or corrupt): the store is the truth, run the task
-        return f"{self.stage}-{digest}"
+        return f"{self.stage}-{digest}" if digest else None
+
+
+_SAVED: dict[str, Any] = {}
 
 
 def result_storage(store: Store):
+    """A filesystem block over STORE/_prefect, saved under a name derived from the store URI.
+
+    Prefect wants result storage saved server-side. The block holds the path and the
+    endpoint only; S3 keys stay in the environment, where s3fs reads them.
+    """
+    name = "draftline-" + hashlib.sha256(store.uri.encode()).hexdigest()[:16]
+    if name in _SAVED:
+        return _SAVED[name]
     if store.is_local:
         path = Path(store.root) / "_prefect"
         path.mkdir(parents=True, exist_ok=True)
-        return LocalFileSystem(basepath=str(path))
-    # Settings hold the endpoint only; keys stay in the environment (s3fs reads them).
-    settings = {k: v for k, v in store.storage_options.items() if k in ("client_kwargs",)}
-    return RemoteFileSystem(basepath=f"s3://{store.root}/_prefect", settings=settings)
+        block = LocalFileSystem(basepath=str(path))
+    else:
+        settings = {k: v for k, v in store.storage_options.items() if k in ("client_kwargs",)}
+        block = RemoteFileSystem(basepath=f"s3://{store.root}/_prefect", settings=settings)
+    block.save(name, overwrite=True)
+    _SAVED[name] = block
+    return block
 
 
 def lock_manager(store: Store):
@@ -58,10 +66,15 @@ def lock_manager(store: Store):
     return None
 
 
-def stage_options(stage: str, store: Store) -> dict[str, Any]:
-    """Task options for a stage task whose signature has a `digest` parameter."""
+def stage_options(stage: str, store: Store, digest: str) -> dict[str, Any]:
+    """Task options for a stage task whose signature has a `digest` parameter.
+
+    The store is the truth: when the artifact at `digest` is not committed (never made,
+    deleted, or un-committed as corrupt) the task ignores any Prefect record and runs
+    (`refresh_cache`); its new record is written as usual.
+    """
     storage = result_storage(store)
-    policy = StoreArtifactPolicy(stage=stage, store_uri=store.uri, storage_options=store.storage_options)
+    policy = StoreArtifactPolicy(stage=stage)
     lm = lock_manager(store)
     policy = policy.configure(key_storage=storage, lock_manager=lm,
                               isolation_level="SERIALIZABLE" if lm else None)
@@ -70,4 +83,5 @@ def stage_options(stage: str, store: Store) -> dict[str, Any]:
         persist_result=True,
         result_storage=storage,
         result_serializer="json",
+        refresh_cache=store.find(stage, digest) is None,
     )

@@ -314,7 +314,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         for s in STAGES[STAGES.index(after) + 1:]:
             rec.stages[s].status = "skipped"
 
-    opts = lambda stage: stage_options(stage, store)  # noqa: E731
+    opts = lambda stage: stage_options(stage, store, d)  # noqa: E731  (d: the digest computed just before)
 
     # prepare
     d = digests.prepare(cfg)
@@ -380,9 +380,9 @@ def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef
     tokens = 0
     refs: list[ArtifactRef] = []
     errors: list[str] = []
-    runner_task = extract_task.with_options(**stage_options("extract", store))
     try:
-        futures = [runner_task.submit(cfg, p.digest, p.shard, p, pool) for p in plans]
+        futures = [extract_task.with_options(**stage_options("extract", store, p.digest)).submit(cfg, p.digest, p.shard, p, pool)
+                   for p in plans]
         pending = set(futures)
         while pending:
             finished, pending = wait(list(pending), timeout=5)
