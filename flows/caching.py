@@ -35,22 +35,22 @@ class StoreArtifactPolicy(CachePolicy):
 _SAVED: dict[str, Any] = {}
 
 
-def result_storage(store: Store):
-    """A filesystem block over STORE/_prefect, saved under a name derived from the store URI.
+def result_storage(store: Store, sub: str = "results"):
+    """A filesystem block over STORE/_prefect/SUB, saved under a name derived from the store URI.
 
     Prefect wants result storage saved server-side. The block holds the path and the
     endpoint only; S3 keys stay in the environment, where s3fs reads them.
     """
-    name = "draftline-" + hashlib.sha256(store.uri.encode()).hexdigest()[:16]
+    name = f"draftline-{sub}-" + hashlib.sha256(store.uri.encode()).hexdigest()[:16]
     if name in _SAVED:
         return _SAVED[name]
     if store.is_local:
-        path = Path(store.root) / "_prefect"
+        path = Path(store.root) / "_prefect" / sub
         path.mkdir(parents=True, exist_ok=True)
         block = LocalFileSystem(basepath=str(path))
     else:
         settings = {k: v for k, v in store.storage_options.items() if k in ("client_kwargs",)}
-        block = RemoteFileSystem(basepath=f"s3://{store.root}/_prefect", settings=settings)
+        block = RemoteFileSystem(basepath=f"s3://{store.root}/_prefect/{sub}", settings=settings)
     block.save(name, overwrite=True)
     _SAVED[name] = block
     return block
@@ -76,7 +76,8 @@ def stage_options(stage: str, store: Store, digest: str) -> dict[str, Any]:
     storage = result_storage(store)
     policy = StoreArtifactPolicy(stage=stage)
     lm = lock_manager(store)
-    policy = policy.configure(key_storage=storage, lock_manager=lm,
+    # Cache records (metadata) and results under different folders: same key names.
+    policy = policy.configure(key_storage=result_storage(store, "cache-keys"), lock_manager=lm,
                               isolation_level="SERIALIZABLE" if lm else None)
     return dict(
         cache_policy=policy,

@@ -72,6 +72,11 @@ class RunRecord:
 LAST_RUN: RunRecord | None = None
 
 
+def as_ref(value: Any) -> ArtifactRef:
+    """Task results are stored as JSON (never pickle); cached ones come back as dicts."""
+    return value if isinstance(value, ArtifactRef) else ArtifactRef.model_validate(value)
+
+
 def _count(record: StageRecord, refs: list[ArtifactRef]) -> None:
     record.executed = sum(1 for r in refs if r.executed_here)
     record.cached = len(refs) - record.executed
@@ -300,7 +305,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         t0 = time.time()
         r.status = "running"
         try:
-            ref = fn()
+            ref = as_ref(fn())
         except Exception as exc:
             r.status, r.failed, r.error = "failed", 1, f"{type(exc).__name__}: {exc}"
             r.seconds = round(time.time() - t0, 1)
@@ -389,7 +394,7 @@ def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef
             for fut in finished:
                 state = fut.state
                 if state.is_completed():
-                    ref = fut.result()
+                    ref = as_ref(fut.result())
                     refs.append(ref)
                     tokens += int(ref.stats.get("tokens", 0))
                 else:

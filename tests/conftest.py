@@ -18,6 +18,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from prefect_server import PrefectServer  # noqa: E402
 from s3server import S3Server  # noqa: E402
 
 from tasks.config import StoreConfig  # noqa: E402
@@ -46,3 +47,18 @@ def store(request, tmp_path) -> Store:
         return Store.from_config(StoreConfig(uri=f"file://{tmp_path}/store"))
     request.getfixturevalue("s3_server")
     return Store.from_config(StoreConfig(uri=f"s3://draftline-test/{uuid.uuid4().hex[:12]}"))
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """One real Prefect server for the session; flows in this process and children report to it."""
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-a")).start()
+    old = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    yield server
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from prefect_server import PrefectServer
 
 from tasks.digest import stage_digest
 from tasks.config import RunConfig
@@ -23,9 +24,8 @@ from tasks import digest as digests
 TOY = Path(__file__).parent / "toy_flow.py"
 
 
-def run_toy(store_uri: str, marker: Path, home: Path) -> dict:
-    env = dict(os.environ, PREFECT_HOME=str(home), PYTHONPATH=os.getcwd())
-    env.pop("PREFECT_API_URL", None)
+def run_toy(store_uri: str, marker: Path, server) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), **server.env())
     out = subprocess.run([sys.executable, str(TOY), store_uri, str(marker)], env=env, capture_output=True,
                          text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -37,14 +37,20 @@ def bodies(marker: Path) -> list[str]:
 
 
 @pytest.mark.s3
-def test_fresh_prefect_home_against_same_s3_store_runs_no_stage_body(s3_server, tmp_path):
+def test_fresh_prefect_home_against_same_s3_store_runs_no_stage_body(s3_server, prefect_server, tmp_path):
+    """Machine A (the session's Prefect server) runs; machine B (a second server with a fresh
+    home and empty database) and then A again share nothing but the S3 store."""
     uri = f"s3://draftline-test/cache-{uuid.uuid4().hex[:8]}"
     marker = tmp_path / "bodies.txt"
-    first = run_toy(uri, marker, tmp_path / "home-a")
+    first = run_toy(uri, marker, prefect_server)
     assert bodies(marker) == ["prepare", "vocab"]
     assert first == {"prepare": "Completed", "vocab": "Completed"}
 
-    second = run_toy(uri, marker, tmp_path / "home-b")  # another "machine": empty Prefect DB
+    other = PrefectServer(tmp_path / "home-b").start()  # another "machine": empty Prefect DB
+    try:
+        second = run_toy(uri, marker, other)
+    finally:
+        other.stop()
     assert bodies(marker) == ["prepare", "vocab"]  # nothing recomputed
     assert second == {"prepare": "Cached", "vocab": "Cached"}  # hits from records on the store
 
@@ -53,7 +59,7 @@ def test_fresh_prefect_home_against_same_s3_store_runs_no_stage_body(s3_server, 
     from tasks.store import Store
 
     Store(uri).delete("prepare", stage_digest("prepare", {"x": 1}))
-    third = run_toy(uri, marker, tmp_path / "home-c")
+    third = run_toy(uri, marker, prefect_server)
     assert bodies(marker) == ["prepare", "vocab", "prepare"]
     assert third["prepare"] == "Completed" and third["vocab"] == "Cached"
 

@@ -12,7 +12,7 @@ from prefect import flow, task
 
 from flows.caching import stage_options
 from tasks.digest import stage_digest
-from tasks.store import Store
+from tasks.store import ArtifactRef, Store
 
 STORE_URI, MARKER = sys.argv[1], sys.argv[2]
 
@@ -44,7 +44,7 @@ def toy():
     store = Store(STORE_URI)
     d1 = stage_digest("prepare", {"x": 1})
     s1 = first.with_options(**stage_options("prepare", store, d1))(d1, return_state=True)
-    r1 = s1.result()
+    r1 = ArtifactRef.model_validate(s1.result())  # JSON results may come back as dicts
     d2 = stage_digest("vocab", {"y": 2}, {"data": r1.digest})
     s2 = second.with_options(**stage_options("vocab", store, d2))(d2, r1, return_state=True)
     s2.result()

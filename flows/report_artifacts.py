@@ -1,0 +1,42 @@
+"""The benchmark report in the Prefect UI: a table artifact and a markdown artifact with the plot.
+
+`publish_summary(report)` takes report.json (as `tasks.benchmark.load_report` returns it),
+so a cached benchmark publishes the same figures, with the run that measured them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from tasks.benchmark import plot_data_uri, report_markdown, report_table_rows
+
+TABLE_KEY = "benchmark"
+MARKDOWN_KEY = "benchmark-report"
+
+
+def summary_markdown(report: dict[str, Any], embed_plot: bool = True) -> str:
+    """report.md with the plot on top: embedded as a data: URI, plus the store path of report.png."""
+    md = report_markdown(report)
+    head, _, rest = md.partition("\n")  # keep the title first
+    plot = ""
+    uri = report.get("uri")
+    if embed_plot:
+        plot += f"\n![acceptance per position and speedup]({plot_data_uri(report)})\n"
+    if uri:
+        plot += f"\nPlot and full report on the store: `{uri}/` (report.png, report.json, report.md)\n"
+    return head + "\n" + plot + rest
+
+
+def publish_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """Create the table and markdown artifacts for the current flow run; returns their ids."""
+    mb = report.get("measured_by") or {}
+    when = f"measured {mb.get('date', '?')}" + (f" by run {mb['flow_run_id']}" if mb.get("flow_run_id") else "")
+    table_id = create_table_artifact(
+        report_table_rows(report), key=TABLE_KEY,
+        description=f"Draft vs baseline in vLLM per eval, k (0 = no draft) and batch size; {when}")
+    md_id = create_markdown_artifact(
+        summary_markdown(report), key=MARKDOWN_KEY,
+        description=f"Draft benchmark report ({when})")
+    return {"table": table_id, "markdown": md_id}
