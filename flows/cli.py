@@ -102,14 +102,17 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    table = Table(title=f"draftline run {summary.get('flow_run_id', '')} - {summary.get('state')}")
+    store = summary.get("store", "")
+    table = Table(title=f"draftline run {summary.get('flow_run_id', '')} - {summary.get('state')}",
+                  caption=f"artifacts under {store}" if store else None)
     for col in ("stage", "status", "ran", "cached", "failed", "time", "artifact"):
         table.add_column(col, justify="right" if col in ("ran", "cached", "failed", "time") else "left")
     colors = {"ran": "green", "cached": "cyan", "failed": "red", "partial": "yellow", "skipped": "dim"}
     for name, r in summary.get("stages", {}).items():
         st = r.get("status", "")
         table.add_row(name, f"[{colors.get(st, 'white')}]{st}[/]", str(r.get("executed", 0)), str(r.get("cached", 0)),
-                      str(r.get("failed", 0)), f"{r.get('seconds', 0):.1f}s", r.get("artifact") or "")
+                      str(r.get("failed", 0)), f"{r.get('seconds', 0):.1f}s",
+                      (r.get("artifact") or "").removeprefix(store).lstrip("/"))
     console.print(table)
     for name, r in summary.get("stages", {}).items():
         if r.get("error"):

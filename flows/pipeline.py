@@ -371,13 +371,13 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
 
 def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, logger) -> list[ArtifactRef]:
     from tasks.extract import engine_for_group, gpu_groups, plan_extract
-    from tasks.target import resolve_model
+    from tasks.target import load_hf_config, resolve_model
 
     r = rec.stages["extract"]
     t0 = time.time()
     r.status = "running"
     model = resolve_model(cfg.target)
-    plans = plan_extract(cfg, data)
+    plans = plan_extract(cfg, data, load_hf_config(cfg.target, model))
     groups = gpu_groups(cfg)
     pool = EnginePool(lambda group: engine_for_group(cfg, model, group), groups)
     progress = _Progress("extract-progress", f"Extraction: 0/{len(plans)} shards")
