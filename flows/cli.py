@@ -169,6 +169,9 @@ def report(target: str = typer.Argument(..., help="A benchmark artifact digest, 
         render_terminal(rep.get("benchmark", {}), console, rep)
 
 
+from flows.ops import register; register(app)  # noqa: E402,E702  (doctor, deploy, submit, status, retry, ui)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

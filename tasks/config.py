@@ -94,6 +94,11 @@ class RegenerateConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     thinking: bool = Field(True, description="Keep the target's reasoning in regenerated answers.")
     batch_size: int = Field(64, ge=1, description="Prompts per engine call (checkpointed per shard).")
+    max_turns: int = Field(
+        1, ge=1,
+        description="User turns answered per conversation, in order (later turns of the source are dropped: "
+                    "they reply to the original answer, not to the target's).",
+    )
 
 
 class VocabConfig(Section):
@@ -145,6 +150,10 @@ class TrainConfig(Section):
     eval_batches: int = Field(4, ge=0)
     seed: int = 0
     prefetch: int = Field(2, ge=0, description="Parts fetched ahead of the training loop.")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on the store; older ones are deleted.")
+    loss_impl: Literal["eager", "fused"] = Field(
+        "eager", description="speculators' loss kernels: eager (any device) or fused (Triton, GPU only)."
+    )
 
 
 class EvalConfig(Section):
@@ -166,6 +175,12 @@ class BenchmarkConfig(Section):
     max_tokens: int = Field(128, ge=1)
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 16])
     mismatch_threshold: float = Field(0.15, ge=0)
+    offline_replay: bool = Field(
+        True,
+        description="At temperature 0, also replay the draft offline (transformers) on the baseline's own "
+        "outputs: splits a measured/simulated acceptance gap into distribution shift, draft-start sampling "
+        "and engine effects. Costs one transformers load of the target (~20 s on the CPU demo).",
+    )
 
     @field_validator("num_speculative_tokens", "batch_sizes")
     @classmethod
@@ -273,6 +288,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+# Set by deployments (job variable `store_uri`): overrides the file's store.uri; --set still wins.
+STORE_URI_ENV = "DRAFTLINE_STORE_URI"
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
     data: dict = {}
     origin = "defaults"
@@ -287,6 +306,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             raise ConfigError(f"{p}: not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections (target:, data:, ...)")
+    env_uri = os.environ.get(STORE_URI_ENV, "").strip()
+    if env_uri:  # a deployment's job variable: above the file, below --set
+        if data.get("store") is None:
+            data["store"] = {}
+        if isinstance(data["store"], dict):  # (anything else fails validation below)
+            data["store"]["uri"] = env_uri
+            origin += f" (store.uri from ${STORE_URI_ENV})"
     data = apply_overrides(data, overrides or [])
     try:
         return RunConfig.model_validate(data)

@@ -232,6 +232,8 @@ class EngineProcess:
     def _call(self, op: str, **args: Any) -> Any:
         with self._lock:
             if not self.alive or self._conn is None:
+                if self._proc is not None:
+                    self._mark_dead()  # reap what it left behind (vLLM's engine core)
                 raise EngineError(f"{self.name} is not running ({self._exit_text()}); call start() first",
                                   self._log_tail())
             self._seq += 1
@@ -294,6 +296,15 @@ class EngineProcess:
             os.killpg(proc.pid, signal.SIGKILL)  # pgid == pid: start_new_session
         with contextlib.suppress(Exception):
             proc.wait(10)
+        # vLLM's engine-core process is reparented when its parent dies; wait until
+        # the group is really gone so a new engine does not compete with a dying one.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
 
     def _cleanup(self) -> None:
         if self._conn is not None:
@@ -374,7 +385,9 @@ class _VllmBackend:
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(**sampling)
-        _check_lengths(prompt_token_ids, self.max_model_len, params.max_tokens or 1)
+        # vLLM's own rule (one bad prompt would fail the whole batch): a prompt leaves room for
+        # at least one new token; generation stops at max_model_len ("length").
+        _check_lengths(prompt_token_ids, self.max_model_len, 1)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_token_ids], params,
                                  use_tqdm=False)
         res = []
@@ -605,7 +618,7 @@ class _TransformersBackend:
             raise ValueError("the transformers backend returns one completion per prompt (n=1)")
         if s:
             raise ValueError(f"the transformers backend does not support sampling options {sorted(s)}")
-        _check_lengths(prompt_token_ids, self.max_model_len, max_tokens)
+        _check_lengths(prompt_token_ids, self.max_model_len, 1)
         if seed is not None:
             torch.manual_seed(int(seed))
         gen_cfg = self.model.generation_config
@@ -625,7 +638,8 @@ class _TransformersBackend:
                 p = prompt_token_ids[j]
                 ids[r, width - len(p):] = torch.tensor(p)
                 mask[r, width - len(p):] = 1
-            kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "pad_token_id": pad,
+            kwargs: dict[str, Any] = {"max_new_tokens": min(max_tokens, self.max_model_len - width),
+                                      "pad_token_id": pad,
                                       "eos_token_id": eos_ids or None}
             if temperature > 0:
                 kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None)

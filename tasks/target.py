@@ -82,7 +82,22 @@ def _convert_smollm2(dest: Path) -> None:
     tmp = dest.with_name(dest.name + ".tmp")
     clean.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
+    _drop_gguf_quantization(tmp)
     os.replace(tmp, dest)
+
+
+def _drop_gguf_quantization(folder: Path) -> bool:
+    """The GGUF loader leaves `quantization_config: {quant_method: gguf}` in the config of the
+    dequantized model; vLLM then refuses the folder ("Unknown quantization method: gguf")."""
+    path = folder / "config.json"
+    conf = json.loads(path.read_text())
+    if (conf.get("quantization_config") or {}).get("quant_method") != "gguf":
+        return False
+    del conf["quantization_config"]
+    tmp = path.with_name("config.json.tmp")
+    tmp.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)  # readers never see a half-written config
+    return True
 
 
 def resolve_model(cfg: TargetConfig) -> str:
@@ -94,6 +109,9 @@ def resolve_model(cfg: TargetConfig) -> str:
                 if not (dest / "config.json").is_file():
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     _convert_smollm2(dest)
+        if "gguf" in (dest / "config.json").read_text():  # converted by an older draftline
+            with file_lock(cache_home() / "locks" / f"{cfg.model}.lock"):
+                _drop_gguf_quantization(dest)
         return str(dest)
     p = Path(cfg.model).expanduser()
     if p.exists():

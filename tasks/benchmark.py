@@ -1,0 +1,1141 @@
+"""The benchmark stage: the target in vLLM without and with the trained draft.
+
+    ref = run_benchmark(cfg, store, trained, data)     # report.json, report.md, report.png on the store
+    report = load_report(store, ref)                   # the figures, with the run that measured them
+
+One session on one machine measures everything that is compared: a baseline
+engine (no draft) and one engine per `num_speculative_tokens` k, each serving
+every eval and batch size before it is closed (a CPU engine costs 30-40 s to
+start; a 1T target many minutes). Per eval, k and batch size:
+
+- mean acceptance length = 1 + accepted / drafts, from the deltas of vLLM's
+  spec-decode counters around the measured requests (warm-up excluded);
+- per-position acceptance = accepted at position i / drafts (the share of
+  drafts whose first i+1 tokens were all accepted), and the draft acceptance
+  rate = accepted / draft tokens;
+- output tokens/s = output tokens / wall time of the generate calls (at batch
+  size 1 that is one stream's speed; batched, the engine's throughput);
+- TTFT and TPOT per request from vLLM's own histograms (deltas), with a
+  client-side fallback for engines without them;
+- speedup = tokens/s with the draft / baseline tokens/s at the same batch size,
+  in the same session: reported as measured, also when it is below 1;
+- token_identical: at temperature 0 the outputs must equal the baseline's.
+
+Beside the measured acceptance length sits the offline estimate from the train
+artifact's `val_acc_per_pos` (see `simulated_acceptance_length`); a relative gap
+beyond `benchmark.mismatch_threshold` becomes a warning with the usual causes.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import io
+import json
+import math
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from tasks import digest as digests
+from tasks.config import EvalConfig, RunConfig
+from tasks.store import Artifact, ArtifactRef, Store
+
+STAGE = "benchmark"
+SCHEMA = "draftline.benchmark/1"
+
+M_DRAFTS = "vllm:spec_decode_num_drafts"
+M_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+M_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+M_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+M_TTFT = "vllm:time_to_first_token_seconds"
+M_TPOT = "vllm:request_time_per_output_token_seconds"
+
+DRAFT_FILES = ("draft/config.json", "draft/model.safetensors")
+
+MISMATCH_CAUSES = [
+    "layer ids: the draft must be fed the auxiliary layers it was trained on (vLLM id k = output of "
+    "decoder layer k-1; the last slot is the final layer BEFORE the norm)",
+    "norms: the verifier norm applied to the last hidden state in training must be the one vLLM applies "
+    "(norm_before_residual / norm_before_fc / fc_norm / norm_output in the draft's config.json)",
+    "vocabulary map: d2t/t2d must come from the same vocab artifact; in training the target is the best "
+    "token INSIDE the draft vocabulary, while in vLLM a target token outside it can never be accepted "
+    "(see the vocab stage's coverage on eval-like text)",
+    "chat template: benchmark prompts and training data must be rendered with the same template "
+    "(system prompt, generation prompt, thinking flags)",
+    "distribution shift: validation tokens come from the training distribution (e.g. regenerated "
+    "chitchat, every assistant turn of long conversations); eval prompts (MT-Bench first turns) differ",
+    "teacher forcing: validation accuracy is measured with the true previous tokens at every position and "
+    "averaged over all positions, while vLLM chains the draft's own tokens and stops at the first reject; "
+    "per-position accuracies multiplied together overstate chained acceptance when the positions where the "
+    "draft is right are not the same positions the chain reaches",
+]
+
+
+class BenchmarkError(ValueError):
+    """The benchmark cannot run as configured; the message says what to change."""
+
+
+# =========================================================================== pure math
+
+@dataclass
+class SpecCounters:
+    """vLLM's cumulative spec-decode counters (or a difference of two snapshots)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    per_pos: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_metrics(cls, m: dict[str, Any]) -> "SpecCounters":
+        return cls(int(m.get(M_DRAFTS, 0) or 0), int(m.get(M_DRAFT_TOKENS, 0) or 0),
+                   int(m.get(M_ACCEPTED, 0) or 0), [int(v) for v in (m.get(M_PER_POS) or [])])
+
+    def __sub__(self, other: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.per_pos), len(other.per_pos))
+        a = self.per_pos + [0] * (n - len(self.per_pos))
+        b = other.per_pos + [0] * (n - len(other.per_pos))
+        return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
+                            self.accepted - other.accepted, [x - y for x, y in zip(a, b)])
+
+
+def acceptance_figures(delta: SpecCounters, k: int) -> dict[str, Any]:
+    """Acceptance figures from counter deltas over a measured run with k speculative tokens."""
+    if delta.drafts <= 0:
+        raise BenchmarkError(
+            f"vLLM reported no speculative drafts (k={k}) during the measured requests: the draft was not "
+            "used. Check that the engine was started with speculative_config and disable_log_stats=False"
+        )
+    per_pos = (delta.per_pos + [0] * k)[:k]
+    cumulative = [p / delta.drafts for p in per_pos]
+    conditional = []
+    prev = delta.drafts
+    for p in per_pos:
+        conditional.append(p / prev if prev > 0 else 0.0)
+        prev = p
+    return {
+        "mean_acceptance_length": 1.0 + delta.accepted / delta.drafts,
+        "per_position_acceptance": cumulative,
+        "per_position_conditional": conditional,
+        "draft_acceptance_rate": delta.accepted / delta.draft_tokens if delta.draft_tokens > 0 else 0.0,
+        "drafts": delta.drafts,
+        "draft_tokens": delta.draft_tokens,
+        "accepted_tokens": delta.accepted,
+    }
+
+
+def histogram_delta(before: dict[str, Any], after: dict[str, Any], name: str) -> tuple[int, float] | None:
+    """(count, sum) observed between two metric snapshots, or None when the engine has no such histogram."""
+    a, b = after.get(name), before.get(name) or {"count": 0, "sum": 0.0}
+    if not isinstance(a, dict):
+        return None
+    return int(a["count"]) - int(b["count"]), float(a["sum"]) - float(b["sum"])
+
+
+def simulated_acceptance_length(acc_per_pos: list[float] | None, k: int | None = None) -> float | None:
+    """Offline estimate: 1 + sum_{j=1..k} prod_{i<=j} acc_i (acceptance stops at the first miss).
+
+    Same formula as tasks/train.py's `simulated_acceptance_length` stat. With k beyond the trained
+    positions the last position's accuracy is repeated (an extrapolation; the report marks it).
+    """
+    if not acc_per_pos:
+        return None
+    acc = [min(1.0, max(0.0, float(a))) for a in acc_per_pos]
+    k = len(acc) if k is None else k
+    total, run = 1.0, 1.0
+    for j in range(k):
+        run *= acc[min(j, len(acc) - 1)]
+        total += run
+    return total
+
+
+def relative_difference(measured: float, simulated: float) -> float:
+    return (measured - simulated) / simulated if simulated else math.inf
+
+
+def select_evenly(available: int, want: int) -> list[int]:
+    """`want` indices spread evenly over `available` items (MT-Bench is ordered by category)."""
+    if want >= available:
+        return list(range(available))
+    return [(i * available) // want for i in range(want)]
+
+
+# =========================================================================== prompts
+
+@dataclass
+class EvalPrompts:
+    name: str
+    source: str
+    prompts: list[list[int]]
+    sample_ids: list[str]
+    available: int
+    too_long: int = 0
+    requested: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        lens = [len(p) for p in self.prompts]
+        return {"source": self.source, "prompts": len(self.prompts), "requested": self.requested,
+                "available": self.available,
+                "dropped_too_long": self.too_long,
+                "prompt_tokens_mean": round(sum(lens) / max(1, len(lens)), 1), "sample_ids": self.sample_ids}
+
+
+def first_turn(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The system message (if any) and the first user turn: what every eval asks the target."""
+    out = []
+    for m in messages:
+        if m["role"] == "system" and not out:
+            out.append(m)
+        elif m["role"] == "user":
+            out.append(m)
+            return out
+    return []
+
+
+def load_eval_prompts(cfg: RunConfig, store: Store, data: ArtifactRef, ev: EvalConfig,
+                      render: Callable[[list[dict]], list[int]]) -> EvalPrompts:
+    """Token ids of the first user turn of `ev.num_prompts` conversations, chat-templated with the
+    generation prompt. 'heldout' reads the data artifact's heldout.parquet; a source is loaded like
+    training data (prompt-only rows allowed)."""
+    convs: list[tuple[str, list[dict]]]
+    if ev.source == "heldout":
+        from tasks.prepare import read_samples
+
+        art = store.open(data.stage, data.digest)
+        if "heldout.parquet" not in art.files():
+            raise BenchmarkError(f"eval {ev.name!r}: {art.uri} has no heldout.parquet; set data.heldout > 0 "
+                                 "or drop the 'heldout' eval from benchmark.evals")
+        convs = [(s.sample_id, s.messages) for s in read_samples(art, "heldout.parquet")]
+        label = f"heldout of {data.stage}/{data.digest[:8]}"
+        if not convs:
+            raise BenchmarkError(f"eval {ev.name!r}: heldout.parquet is empty; set data.heldout > 0 "
+                                 "or drop the 'heldout' eval from benchmark.evals")
+    else:
+        from tasks.data_sources import load_source
+
+        loaded = load_source(ev.source, keep_thinking=cfg.data.keep_thinking, require_assistant=False,
+                             system_prompt=cfg.data.system_prompt, seen=None)
+        convs = [(c.sample_id, c.messages) for c in loaded.conversations]
+        label = ev.source.label
+    limit = cfg.target.max_model_len - cfg.benchmark.max_tokens
+    usable: list[tuple[str, list[int]]] = []
+    too_long = 0
+    for sid, messages in convs:
+        turn = first_turn(messages)
+        if not turn:
+            continue
+        ids = render(turn)
+        if len(ids) > limit:
+            too_long += 1
+            continue
+        usable.append((sid, ids))
+    if not usable:
+        raise BenchmarkError(
+            f"eval {ev.name!r}: none of {len(convs)} conversations gives a usable prompt ({too_long} longer than "
+            f"target.max_model_len - benchmark.max_tokens = {limit} tokens)")
+    picked = [usable[i] for i in select_evenly(len(usable), ev.num_prompts)]
+    return EvalPrompts(ev.name, label, [p for _, p in picked], [s for s, _ in picked], len(usable), too_long,
+                       ev.num_prompts)
+
+
+# =========================================================================== measuring
+
+@dataclass
+class RunResult:
+    """One eval at one batch size on one engine."""
+
+    batch_size: int
+    outputs: list[list[int]]
+    seconds: float
+    ttft_ms: float | None
+    tpot_ms: float | None
+    spec: SpecCounters | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    def throughput(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "requests": len(self.outputs), "output_tokens": self.output_tokens,
+                "seconds": round(self.seconds, 3),
+                "output_tokens_per_s": self.output_tokens / self.seconds if self.seconds > 0 else 0.0,
+                "tpot_ms": self.tpot_ms, "ttft_ms": self.ttft_ms}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def measure(engine: Any, prompts: list[list[int]], sampling: dict, batch_size: int) -> RunResult:
+    """Generate for every prompt, `batch_size` requests per engine call, and time it.
+
+    TTFT/TPOT come from vLLM's per-request histograms (deltas around the run; at batch size 1 one
+    request per delta); engines without them get client-side figures (TTFT unknown, TPOT = latency
+    per output token).
+    """
+    outputs: list[list[int]] = []
+    wall = 0.0
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    first = engine.metrics()
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i:i + batch_size]
+        before = engine.metrics() if i else first
+        t0 = time.perf_counter()
+        outs = engine.generate(chunk, sampling)
+        dt_s = time.perf_counter() - t0
+        after = engine.metrics()
+        wall += dt_s
+        got = [list(o["token_ids"]) for o in outs]
+        outputs.extend(got)
+        ttft = histogram_delta(before, after, M_TTFT)
+        tpot = histogram_delta(before, after, M_TPOT)
+        if ttft and ttft[0] > 0:
+            ttfts.append(1000.0 * ttft[1] / ttft[0])
+        if tpot and tpot[0] > 0:
+            tpots.append(1000.0 * tpot[1] / tpot[0])
+        elif tpot is None:
+            n = max(g for g in map(len, got)) if got else 0
+            if n:
+                tpots.append(1000.0 * dt_s / n)
+    last = engine.metrics()
+    spec = SpecCounters.from_metrics(last) - SpecCounters.from_metrics(first)
+    return RunResult(batch_size, outputs, wall, _mean(ttfts), _mean(tpots), spec)
+
+
+def identical(a: list[list[int]], b: list[list[int]]) -> tuple[int, list[int | None]]:
+    """(requests whose tokens are equal, first differing position per request or None)."""
+    firsts: list[int | None] = []
+    same = 0
+    for x, y in zip(a, b):
+        if x == y:
+            same += 1
+            firsts.append(None)
+            continue
+        pos = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        firsts.append(pos)
+    return same, firsts
+
+
+def spec_figures(run: RunResult, base: RunResult, k: int, temperature: float,
+                 simulated: float | None) -> dict[str, Any]:
+    """Everything the report says about one eval, k and batch size."""
+    out = run.throughput()
+    out.update(acceptance_figures(run.spec or SpecCounters(), k))
+    b = base.throughput()
+    out["baseline_output_tokens_per_s"] = b["output_tokens_per_s"]
+    out["baseline_tpot_ms"] = b["tpot_ms"]
+    out["baseline_ttft_ms"] = b["ttft_ms"]
+    out["speedup"] = out["output_tokens_per_s"] / b["output_tokens_per_s"] if b["output_tokens_per_s"] else None
+    if temperature == 0:
+        same, firsts = identical(run.outputs, base.outputs)
+        out["token_identical"] = same == len(run.outputs) == len(base.outputs)
+        out["identical_requests"] = same
+        diverged = [f for f in firsts if f is not None]
+        out["first_divergence"] = min(diverged) if diverged else None
+    else:
+        out["token_identical"] = None  # sampling: outputs are not expected to match
+        out["identical_requests"] = None
+    out["simulated_acceptance_length"] = simulated
+    return out
+
+
+# =========================================================================== engines and the draft
+
+def engine_kwargs(cfg: RunConfig, speculative: dict | None) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        max_model_len=cfg.target.max_model_len, dtype=cfg.target.dtype,
+        trust_remote_code=cfg.target.trust_remote_code, enforce_eager=cfg.extract.enforce_eager,
+        tensor_parallel_size=cfg.extract.tensor_parallel_size, seed=cfg.data.seed,
+        disable_log_stats=False,  # the spec-decode counters and latency histograms need the stat loggers
+    )
+    if cfg.target.revision:
+        kw["revision"] = cfg.target.revision
+    if speculative is not None:
+        kw["speculative_config"] = speculative
+    return kw
+
+
+def engine_env(cfg: RunConfig) -> dict[str, str]:
+    return {"VLLM_CPU_KVCACHE_SPACE": str(int(max(1, cfg.extract.kv_cache_gib)))}
+
+
+EngineFactory = Callable[[str, dict], Any]  # (name, llm_kwargs) -> an unstarted EngineProcess
+
+
+def default_engine_factory(cfg: RunConfig, model: str) -> EngineFactory:
+    from tasks.engine import EngineProcess
+
+    def make(name: str, llm_kwargs: dict) -> Any:
+        return EngineProcess(kind="vllm", model=model, llm_kwargs=llm_kwargs, env=engine_env(cfg), name=name)
+
+    return make
+
+
+@contextlib.contextmanager
+def draft_folder(art: Artifact) -> Iterator[str]:
+    """A local folder holding the train artifact's draft/ (verified; a temp copy when the store is remote)."""
+    missing = [f for f in DRAFT_FILES if f not in art.files()]
+    if missing:
+        raise BenchmarkError(f"{art.uri} has no {', '.join(missing)}: not a finished train artifact "
+                             "(re-run the train stage)")
+    names = art.files("draft/")
+    if art.store.is_local:
+        for n in names:
+            art.verify_file(n)
+        yield os.path.dirname(art._key("draft/config.json"))
+        return
+    with tempfile.TemporaryDirectory(prefix="draftline-draft-") as tmp:
+        for n in names:
+            dest = Path(tmp, n)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(art.read_bytes(n))
+        yield str(Path(tmp, "draft"))
+
+
+def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
+    """The draft's identity, and a clear error when it cannot serve this target."""
+    from tasks.target import text_config
+
+    conf = json.loads(Path(draft_dir, "config.json").read_text())
+    if conf.get("speculators_model_type") != "eagle3":
+        raise BenchmarkError(f"{draft_dir}/config.json is not an EAGLE-3 draft "
+                             f"(speculators_model_type={conf.get('speculators_model_type')!r})")
+    text = text_config(target_hf_config)
+    layer = conf.get("transformer_layer_config") or {}
+    if layer.get("hidden_size") not in (None, text.hidden_size):
+        raise BenchmarkError(f"the draft was trained for hidden size {layer.get('hidden_size')}, the target has "
+                             f"{text.hidden_size}: it belongs to another target (check target.model)")
+    if layer.get("vocab_size") not in (None, text.vocab_size):
+        raise BenchmarkError(f"the draft maps a {layer.get('vocab_size')}-token vocabulary, the target has "
+                             f"{text.vocab_size}: it belongs to another target (check target.model)")
+    proposals = (conf.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return {
+        "draft_vocab_size": conf.get("draft_vocab_size"),
+        "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids"),
+        "num_layers": layer.get("num_hidden_layers"),
+        "trained_speculative_tokens": proposals[0].get("speculative_tokens"),
+        "norm_before_residual": conf.get("norm_before_residual"),
+    }
+
+
+# =========================================================================== offline replay
+
+def chain_lengths(preds: list[list[int]], seq: list[int], k: int) -> list[int]:
+    """Tokens a draft started at t would get accepted, for every t (greedy verification).
+
+    A draft started at t sees the hidden state of position t and token seq[t+1] (what vLLM gives
+    the draft right after the target produced seq[t+1]); step j proposes seq[t+2+j]. `preds[j][t]`
+    is step j's proposal in target ids; acceptance stops at the first wrong step.
+    """
+    out = []
+    n = len(seq)
+    for t in range(n - 2):
+        a = 0
+        while a < k and t + 2 + a < n and preds[a][t] == seq[t + 2 + a]:
+            a += 1
+        out.append(a)
+    return out
+
+
+def replay(chain: list[int], first: int) -> tuple[int, int]:
+    """(drafts, accepted tokens) when drafts start where vLLM starts them: at `first` (the first
+    output token), then after every accepted run plus its bonus token."""
+    drafts = accepted = 0
+    t = first
+    while t < len(chain):
+        a = chain[t]
+        drafts += 1
+        accepted += a
+        t += a + 1
+    return drafts, accepted
+
+
+def position_average(chains: list[tuple[list[int], int]], k: int) -> dict[str, Any]:
+    """Acceptance if a draft started at EVERY output position (what a validation average measures)."""
+    starts = [a for chain, first in chains for a in chain[first:]]
+    if not starts:
+        return {"mean_acceptance_length": None, "per_position_acceptance": [], "starts": 0}
+    return {"mean_acceptance_length": 1.0 + sum(starts) / len(starts),
+            "per_position_acceptance": [sum(1 for a in starts if a > j) / len(starts) for j in range(k)],
+            "starts": len(starts)}
+
+
+def replay_average(chains: list[tuple[list[int], int]]) -> dict[str, Any]:
+    drafts = accepted = 0
+    for chain, first in chains:
+        d, a = replay(chain, first)
+        drafts += d
+        accepted += a
+    return {"mean_acceptance_length": 1.0 + accepted / drafts if drafts else None, "drafts": drafts}
+
+
+def load_draft_for_replay(draft_dir: str, model_path: str, dtype: str) -> tuple[Any, Any]:
+    """(Eagle3DraftModel on CPU/GPU in eval mode, d2t offsets or None) from an exported draft folder."""
+    import torch
+    from safetensors.torch import load_file
+    from speculators.models.eagle3.config import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    conf = Eagle3SpeculatorConfig.from_pretrained(draft_dir)
+    conf.transformer_layer_config._attn_implementation = "sdpa"  # flex attention is GPU-oriented
+    model = Eagle3DraftModel(conf)
+    state = load_file(str(Path(draft_dir, "model.safetensors")))
+    missing, _ = model.load_state_dict(state, strict=False)
+    if "embed_tokens.weight" in missing:  # a draft that borrows the verifier's embeddings
+        from tasks.target import load_verifier_weights
+
+        tie = bool(getattr(conf.transformer_layer_config, "tie_word_embeddings", False))
+        model.embed_tokens.weight.data.copy_(load_verifier_weights(model_path, tie)["embed_tokens"])
+    needed = [m for m in missing if not m.startswith(("verifier_", "embed_tokens"))]
+    if needed:
+        raise BenchmarkError(f"{draft_dir}/model.safetensors lacks {needed[:5]}: not a complete EAGLE-3 draft")
+    # float16 matmuls are slow or missing on CPUs; bfloat16 mirrors what vLLM runs
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float32, "float32": torch.float32}[dtype]
+    model = model.to(torch_dtype).eval()
+    d2t = state.get("d2t")
+    return model, d2t
+
+
+def draft_predictions(model: Any, d2t: Any, hidden: Any, seq: list[int], k: int) -> list[list[int]]:
+    """Step j's proposal (target ids) for a draft started at every position, teacher-forced."""
+    import torch
+
+    n = len(seq)
+    dtype = next(model.parameters()).dtype
+    hs = hidden[:-1].reshape(1, n - 1, -1).to(dtype)
+    ids = torch.tensor(seq[1:], dtype=torch.long).unsqueeze(0)
+    with torch.inference_mode():
+        steps = model(hidden_states=hs, input_ids=ids, document_ids=torch.zeros_like(ids),
+                      position_ids=torch.arange(1, n, dtype=torch.long).unsqueeze(0), ttt_steps=k)
+    out = []
+    for d in steps:
+        d = d.reshape(-1).to(torch.long)
+        if d2t is not None:
+            d = d + d2t.to(torch.long)[d]
+        out.append(d.tolist())
+    return out
+
+
+def offline_replay(cfg: RunConfig, model_path: str, draft_dir: str, draft_info: dict[str, Any],
+                   evals: list["EvalPrompts"], outputs: dict[str, list[list[int]]],
+                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Replay the draft on the baseline's greedy outputs (hidden states from transformers).
+
+    Per eval and k: the position-averaged acceptance length (the quantity a validation accuracy
+    estimates, here on the eval's own text) and the replayed one (drafts started where vLLM starts
+    them), to set beside vLLM's measured figure.
+    """
+    from tasks.extract import engine_for_group, gpu_groups, resolve_layer_ids
+    from tasks.target import load_hf_config
+
+    t0 = time.time()
+    layer_ids = resolve_layer_ids(cfg, load_hf_config(cfg.target, model_path))
+    aux = len(layer_ids) - 1
+    seqs: dict[str, list[list[int]]] = {ev.name: [p + o for p, o in zip(ev.prompts, outputs[ev.name])]
+                                        for ev in evals}
+    hidden: dict[str, list[Any]] = {}
+    # The extraction engine of the extract stage: the hidden states the draft was trained on.
+    with engine_for_group(cfg, model_path, gpu_groups(cfg)[0]) as eng:
+        for name, ss in seqs.items():
+            hidden[name] = [h[:, :aux] for h in eng.extract(ss, layer_ids)]
+    model, d2t = load_draft_for_replay(draft_dir, model_path, cfg.target.dtype)
+    kmax = max(cfg.benchmark.num_speculative_tokens)
+    out: dict[str, Any] = {}
+    for ev in evals:
+        chains_by_k: dict[int, list[tuple[list[int], int]]] = {k: [] for k in cfg.benchmark.num_speculative_tokens}
+        for prompt, seq, hs in zip(ev.prompts, seqs[ev.name], hidden[ev.name]):
+            if len(seq) - len(prompt) < 2:
+                continue
+            preds = draft_predictions(model, d2t, hs, seq, kmax)
+            for k in chains_by_k:
+                chains_by_k[k].append((chain_lengths(preds, seq, k), len(prompt) - 1))
+        out[ev.name] = {}
+        for k, chains in chains_by_k.items():
+            pos = position_average(chains, k)
+            rep = replay_average(chains)
+            out[ev.name][str(k)] = {"position_average": pos["mean_acceptance_length"],
+                                    "position_average_per_position": pos["per_position_acceptance"],
+                                    "replayed": rep["mean_acceptance_length"], "replayed_drafts": rep["drafts"],
+                                    "starts": pos["starts"]}
+    _log(log, f"benchmark: offline replay in {time.time() - t0:.1f}s")
+    return {"by_eval": out, "seconds": round(time.time() - t0, 1)}
+
+
+# =========================================================================== the stage
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 0
+    gpus: list[str] = []
+    with contextlib.suppress(Exception):
+        import torch
+
+        if torch.cuda.is_available():
+            gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    load = None
+    with contextlib.suppress(OSError, AttributeError):
+        load = round(os.getloadavg()[0], 2)
+    desc = f"{platform.node()}: {cores} x {cpu}" + (f", {len(gpus)} x {gpus[0]}" if gpus else ", no GPU")
+    versions = {}
+    for mod in ("vllm", "torch", "speculators"):
+        with contextlib.suppress(Exception):
+            versions[mod] = __import__(mod).__version__
+    return {"machine": desc, "hostname": platform.node(), "cpu": cpu, "cpus": cores, "gpus": gpus,
+            "load_avg_1m": load, "versions": versions}
+
+
+def _log(log: Callable[[str], None] | None, msg: str) -> None:
+    if log is not None:
+        log(msg)
+
+
+def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef, data: ArtifactRef, *,
+                  engine_factory: EngineFactory | None = None, flow_run_id: str | None = None,
+                  log: Callable[[str], None] | None = None) -> ArtifactRef:
+    """Measure the draft against the baseline in vLLM and commit report.json/.md/.png.
+
+    Returns at once when the benchmark for these inputs is already committed. `flow_run_id`
+    (default: env PREFECT__FLOW_RUN_ID / DRAFTLINE_FLOW_RUN_ID) is recorded as the run that measured.
+    """
+    digest = digests.benchmark(cfg, trained, data)
+    hit = store.find(STAGE, digest)
+    if hit is not None:
+        return hit.ref()
+    from tasks.target import load_hf_config, resolve_model
+
+    b = cfg.benchmark
+    if not b.evals:
+        raise BenchmarkError("benchmark.evals is empty: add e.g. {name: mtbench, source: {preset: mtbench}}")
+    names = [e.name for e in b.evals]
+    if len(set(names)) != len(names):
+        raise BenchmarkError(f"benchmark.evals names must be unique, got {names}")
+    started = time.time()
+    measured_by = {"flow_run_id": flow_run_id or os.environ.get("PREFECT__FLOW_RUN_ID")
+                   or os.environ.get("DRAFTLINE_FLOW_RUN_ID"),
+                   "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **_machine()}
+    model = resolve_model(cfg.target)
+    hf_config = load_hf_config(cfg.target, model)
+    train_art = store.open("train", trained.digest)
+
+    from tasks.prepare import make_masker
+
+    masker = make_masker(cfg)
+    evals = [load_eval_prompts(cfg, store, data, ev, masker.prompt_ids) for ev in b.evals]
+    for ev in evals:
+        _log(log, f"benchmark: eval {ev.name}: {len(ev.prompts)} prompts from {ev.source}")
+    sampling = {"max_tokens": b.max_tokens, "temperature": b.temperature, "seed": cfg.data.seed}
+    factory = engine_factory or default_engine_factory(cfg, model)
+    warmup = evals[0].prompts[0]
+    timing: dict[str, Any] = {"engine_start_s": {}, "measure_s": {}}
+
+    def serve(name: str, kwargs: dict) -> dict[str, dict[int, RunResult]]:
+        engine = factory(name, kwargs)
+        t0 = time.time()
+        try:
+            engine.start()
+            timing["engine_start_s"][name] = round(time.time() - t0, 1)
+            engine.generate([warmup], {"max_tokens": 8, "temperature": 0.0})  # first-call costs stay out
+            t1 = time.time()
+            res: dict[str, dict[int, RunResult]] = {}
+            for ev in evals:
+                res[ev.name] = {bs: measure(engine, ev.prompts, sampling, bs) for bs in b.batch_sizes}
+            timing["measure_s"][name] = round(time.time() - t1, 1)
+            return res
+        finally:
+            engine.close()
+
+    with draft_folder(train_art) as draft_dir:
+        draft_info = check_draft(draft_dir, hf_config)
+        from tasks.extract import resolve_layer_ids
+        from tasks.target import text_config
+
+        draft_info["target_num_layers"] = int(text_config(hf_config).num_hidden_layers)
+        draft_info["extract_layer_ids"] = resolve_layer_ids(cfg, hf_config)
+        _log(log, "benchmark: baseline engine (no draft)")
+        baseline = serve("baseline", engine_kwargs(cfg, None))
+        spec: dict[int, dict[str, dict[int, RunResult]]] = {}
+        for k in b.num_speculative_tokens:
+            _log(log, f"benchmark: eagle3 engine, k={k}")
+            spec[k] = serve(f"eagle3-k{k}", engine_kwargs(
+                cfg, {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}))
+        replayed: dict[str, Any] | None = None
+        if b.offline_replay and b.temperature == 0:
+            smallest = min(b.batch_sizes)
+            t1 = time.time()
+            try:
+                replayed = offline_replay(cfg, model, draft_dir, draft_info, evals,
+                                          {ev.name: baseline[ev.name][smallest].outputs for ev in evals}, log)
+                replayed["batch_size"] = smallest
+            except Exception as exc:  # a diagnosis must not cost the measured figures
+                replayed = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            timing["replay_s"] = round(time.time() - t1, 1)
+    timing["total_s"] = round(time.time() - started, 1)
+    with contextlib.suppress(OSError, AttributeError):
+        timing["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+
+    report = assemble_report(cfg, evals, baseline, spec, train_art.stats, draft_info, measured_by, timing,
+                             replayed)
+    report.update({"digest": digest, "uri": store.uri_of(STAGE, digest),
+                   "target": {"model": cfg.target.model, "path": model},
+                   "draft": {"train_digest": trained.digest, "uri": trained.uri, **draft_info},
+                   "data": {"stage": data.stage, "digest": data.digest, "uri": data.uri}})
+    png = plot_report(report)
+    md = report_markdown(report)
+    inputs = {"train": trained.digest, "data": data.digest}
+    with store.write(STAGE, digest, digests.VERSIONS[STAGE], inputs,
+                     config=json.loads(cfg.benchmark.model_dump_json())) as w:
+        w.write_bytes("report.json", json.dumps(report, indent=2, sort_keys=False).encode())
+        w.write_bytes("report.md", md.encode())
+        w.write_bytes("report.png", png)
+        art = w.commit(stats=report_stats(report), run={"flow_run_id": measured_by["flow_run_id"]})
+    _log(log, f"benchmark: committed {art.uri} in {timing['total_s']}s")
+    return art.ref()
+
+
+def assemble_report(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str, dict[int, RunResult]],
+                    spec: dict[int, dict[str, dict[int, RunResult]]], train_stats: dict[str, Any],
+                    draft_info: dict[str, Any], measured_by: dict[str, Any],
+                    timing: dict[str, Any], replayed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """report.json without the addresses (pure: runs on fabricated RunResults in tests)."""
+    b = cfg.benchmark
+    acc = train_stats.get("val_acc_per_pos") or None
+    trained_sim = train_stats.get("simulated_acceptance_length")
+    if trained_sim is None and acc:
+        trained_sim = simulated_acceptance_length(acc)
+    sim_by_k = {str(k): simulated_acceptance_length(acc, k) for k in b.num_speculative_tokens} if acc else {}
+    extrapolated = [k for k in b.num_speculative_tokens if acc and k > len(acc)]
+    largest = max(b.batch_sizes)
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "measured_by": measured_by,
+        "settings": {"temperature": b.temperature, "max_tokens": b.max_tokens, "batch_sizes": b.batch_sizes,
+                     "num_speculative_tokens": b.num_speculative_tokens,
+                     "mismatch_threshold": b.mismatch_threshold},
+        "evals": {ev.name: ev.summary() for ev in evals},
+        "simulated_acceptance_length": trained_sim,
+        "simulated": {"val_acc_per_pos": acc, "by_k": sim_by_k, "extrapolated_k": extrapolated,
+                      "formula": "1 + sum_{j=1..k} prod_{i<=j} val_acc_per_pos[i]"},
+        "baseline": {},
+        "benchmark": {},
+        "timing": timing,
+    }
+    for ev in evals:
+        by_bs = {str(bs): baseline[ev.name][bs].throughput() for bs in b.batch_sizes}
+        report["baseline"][ev.name] = {**by_bs[str(largest)], "by_batch_size": by_bs}
+        report["benchmark"][ev.name] = {}
+        for k in b.num_speculative_tokens:
+            sim = sim_by_k.get(str(k))
+            figs = {str(bs): spec_figures(spec[k][ev.name][bs], baseline[ev.name][bs], k, b.temperature, sim)
+                    for bs in b.batch_sizes}
+            report["benchmark"][ev.name][str(k)] = {**figs[str(largest)], "by_batch_size": figs}
+    if replayed is not None:
+        report["replay"] = replayed
+    report["draft_checks"] = draft_checks(cfg, draft_info)
+    report["comparison"], report["warnings"] = compare(report)
+    report["notes"] = notes(report)
+    return report
+
+
+def draft_checks(cfg: RunConfig, info: dict[str, Any]) -> list[str]:
+    """Problems visible in the draft's config alone."""
+    out = []
+    ids, want = info.get("layer_ids"), info.get("extract_layer_ids")
+    if ids and want and list(ids) != list(want[:-1]):
+        out.append(f"the draft reads target layers {ids} but the extract stage is configured for {want[:-1]} "
+                   f"(+ {want[-1]}): vLLM feeds the draft the layers in ITS config, so a draft trained on other "
+                   "layers sees the wrong hidden states; re-export the draft with the extract stage's layer ids")
+    n, m = info.get("num_layers"), info.get("target_num_layers")
+    if n and m and n > 1 and 2 * n >= m:
+        out.append(f"the draft has {n} decoder layers for a {m}-layer target: a draft that deep costs about as much "
+                   "as the target per token, so speculation cannot pay off (EAGLE-3 drafts have 1 layer)")
+    return out
+
+
+def compare(report: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Measured vs simulated acceptance per eval/k/batch size, plus the warnings the report must carry."""
+    threshold = report["settings"]["mismatch_threshold"]
+    extrapolated = set(report["simulated"].get("extrapolated_k") or [])
+    rows: list[dict[str, Any]] = []
+    warnings: list[str] = []
+    mismatched: list[str] = []
+    for ev, ks in report["benchmark"].items():
+        for k, fig in ks.items():
+            sim = fig.get("simulated_acceptance_length")
+            for bs, f in fig["by_batch_size"].items():
+                meas = f["mean_acceptance_length"]
+                row = {"eval": ev, "k": int(k), "batch_size": int(bs), "measured": meas, "simulated": sim,
+                       "relative_difference": None, "mismatch": False, "extrapolated": int(k) in extrapolated}
+                if sim is not None:
+                    rel = relative_difference(meas, sim)
+                    row["relative_difference"] = rel
+                    row["mismatch"] = abs(rel) > threshold and not row["extrapolated"]
+                rows.append(row)
+            bad = [r for r in rows if r["eval"] == ev and r["k"] == int(k) and r["mismatch"]]
+            if bad:
+                got = ", ".join(f"{r['measured']:.2f} at batch {r['batch_size']}" for r in bad)
+                mismatched.append(f"{ev} k={k}: measured {got} vs simulated {sim:.2f} "
+                                  f"({bad[0]['relative_difference']:+.0%})")
+            for bs, f in fig["by_batch_size"].items():
+                if f.get("token_identical") is False:
+                    warnings.append(
+                        f"{ev} k={k} batch {bs}: {f['requests'] - f['identical_requests']} of {f['requests']} "
+                        f"outputs differ from the baseline at temperature 0 (first difference at token "
+                        f"{f['first_divergence']}). Speculative decoding must not change greedy outputs: a few late "
+                        "divergences are bf16 near-ties (the verifier scores k+1 tokens per forward), early or "
+                        "widespread ones are a bug")
+    replayed = report.get("replay") or {}
+    if replayed.get("error"):
+        warnings.append(f"the offline replay (diagnosis only) failed: {replayed['error']}")
+    engine_gap = []
+    for ev, ks in (replayed.get("by_eval") or {}).items():
+        for k, r in ks.items():
+            f = report["benchmark"].get(ev, {}).get(k, {}).get("by_batch_size", {}).get(str(replayed["batch_size"]))
+            if f and r.get("replayed"):
+                rel = relative_difference(f["mean_acceptance_length"], r["replayed"])
+                if abs(rel) > threshold:
+                    engine_gap.append(f"{ev} k={k}: vLLM {f['mean_acceptance_length']:.2f} vs replay "
+                                      f"{r['replayed']:.2f} ({rel:+.0%})")
+    if engine_gap:
+        warnings.append("vLLM's acceptance differs from the same draft replayed offline on the same greedy outputs: "
+                        + "; ".join(engine_gap) + ". That gap is in the engine integration, not in training: check "
+                        "the draft's layer ids, norm flags and d2t against what training used")
+    warnings.extend(report.get("draft_checks") or [])
+    if mismatched:
+        warnings.insert(0, f"measured acceptance length differs from the offline estimate by more than "
+                           f"{threshold:.0%}: " + "; ".join(mismatched)
+                        + ". Usual causes: " + "; ".join(c.split(":")[0] for c in MISMATCH_CAUSES)
+                        + " (see report.md)")
+    for name, ev in report.get("evals", {}).items():
+        if ev.get("dropped_too_long"):
+            warnings.append(f"eval {name}: {ev['dropped_too_long']} prompt(s) longer than target.max_model_len - "
+                            "benchmark.max_tokens were skipped")
+        if ev.get("requested") and ev["prompts"] < ev["requested"]:
+            warnings.append(f"eval {name}: asked for {ev['requested']} prompts, only {ev['prompts']} usable")
+    return rows, warnings
+
+
+def notes(report: dict[str, Any]) -> list[str]:
+    """Plain statements about the measured speed (no dressing up)."""
+    out = []
+    for ev, ks in report["benchmark"].items():
+        parts = []
+        for k, fig in ks.items():
+            for bs, f in fig["by_batch_size"].items():
+                if f.get("speedup") is not None:
+                    parts.append(f"k={k} batch {bs}: {f['speedup']:.2f}x")
+        slower = [p for p in parts if float(p.rsplit(" ", 1)[1][:-1]) < 1.0]
+        if slower and len(slower) == len(parts):
+            out.append(f"{ev}: speculation was SLOWER than plain decoding in every configuration ("
+                       + ", ".join(parts) + "). Expected on a CPU, where decoding is compute-bound and "
+                       "verifying k+1 tokens costs about k+1 times one token; the same draft pays off on a GPU, "
+                       "where decoding is memory-bound.")
+        elif parts:
+            out.append(f"{ev}: speedup " + ", ".join(parts) + ".")
+    return out
+
+
+def report_stats(report: dict[str, Any]) -> dict[str, Any]:
+    """Small per-eval/k figures for the manifest (the full report is report.json)."""
+    out: dict[str, Any] = {"simulated_acceptance_length": report.get("simulated_acceptance_length"),
+                           "warnings": len(report.get("warnings", []))}
+    for ev, ks in report["benchmark"].items():
+        for k, f in ks.items():
+            out[f"{ev}_k{k}_acceptance_length"] = round(f["mean_acceptance_length"], 4)
+            out[f"{ev}_k{k}_tokens_per_s"] = round(f["output_tokens_per_s"], 2)
+            if f.get("speedup") is not None:
+                out[f"{ev}_k{k}_speedup"] = round(f["speedup"], 4)
+    return out
+
+
+# =========================================================================== reading reports
+
+def load_report(store: Store, ref: ArtifactRef | str) -> dict[str, Any]:
+    """report.json of a committed benchmark artifact (a ref or a digest)."""
+    digest = ref if isinstance(ref, str) else ref.digest
+    art = store.open(STAGE, digest)
+    return art.read_json("report.json")
+
+
+def find_report(store: Store, target: str) -> dict[str, Any] | None:
+    """The report for a benchmark digest (or a unique prefix of one), an artifact URI, or the
+    flow run id that measured it; None when there is none."""
+    target = target.strip().rstrip("/")
+    if "://" in target or "/" in target:
+        parts = target.split("/")
+        if len(parts) >= 2 and parts[-2] == STAGE:
+            target = parts[-1]
+        else:
+            return None
+    with contextlib.suppress(ValueError):
+        m = store.manifest(STAGE, target)
+        if m is not None:
+            return load_report(store, target)
+    manifests = store.list(STAGE)
+    by_prefix = [m for m in manifests if len(target) >= 6 and m.digest.startswith(target)]
+    if len(by_prefix) == 1:
+        return load_report(store, by_prefix[0].digest)
+    for m in sorted(manifests, key=lambda m: m.created, reverse=True):
+        if (m.run or {}).get("flow_run_id") == target:
+            return load_report(store, m.digest)
+    for m in sorted(manifests, key=lambda m: m.created, reverse=True):
+        with contextlib.suppress(Exception):
+            rep = load_report(store, m.digest)
+            if (rep.get("measured_by") or {}).get("flow_run_id") == target:
+                return rep
+    return None
+
+
+# =========================================================================== rendering
+
+def _f(x: Any, fmt: str = ".2f", none: str = "-") -> str:
+    if x is None:
+        return none
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return format(x, fmt)
+
+
+def report_table_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One flat row per eval, k and batch size (plus the baseline rows): for tables and CSV."""
+    rows = []
+    for ev, base in report.get("baseline", {}).items():
+        for bs, f in base["by_batch_size"].items():
+            rows.append({"eval": ev, "k": 0, "batch_size": int(bs), "acceptance_length": None,
+                         "simulated_acceptance_length": None, "per_position_acceptance": "",
+                         "draft_acceptance_rate": None,
+                         "output_tokens_per_s": round(f["output_tokens_per_s"], 1), "speedup": 1.0,
+                         "tpot_ms": _round(f["tpot_ms"], 2), "ttft_ms": _round(f["ttft_ms"], 1),
+                         "token_identical": None})
+    for ev, ks in report.get("benchmark", {}).items():
+        for k, fig in ks.items():
+            for bs, f in fig["by_batch_size"].items():
+                rows.append({
+                    "eval": ev, "k": int(k), "batch_size": int(bs),
+                    "acceptance_length": round(f["mean_acceptance_length"], 3),
+                    "simulated_acceptance_length": _round(f.get("simulated_acceptance_length"), 3),
+                    "per_position_acceptance": " ".join(f"{p:.2f}" for p in f["per_position_acceptance"]),
+                    "draft_acceptance_rate": round(f["draft_acceptance_rate"], 3),
+                    "output_tokens_per_s": round(f["output_tokens_per_s"], 1),
+                    "speedup": _round(f.get("speedup"), 3),
+                    "tpot_ms": _round(f["tpot_ms"], 2), "ttft_ms": _round(f["ttft_ms"], 1),
+                    "token_identical": f.get("token_identical"),
+                })
+    rows.sort(key=lambda r: (r["eval"], r["k"], r["batch_size"]))
+    return rows
+
+
+def _round(x: Any, n: int) -> Any:
+    return None if x is None else round(float(x), n)
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    """A self-contained markdown report (tables only; the PNG sits beside it as report.png)."""
+    mb = report.get("measured_by", {})
+    s = report.get("settings", {})
+    lines = ["# Draft benchmark", ""]
+    lines.append(f"Measured {mb.get('date', '?')} on {mb.get('machine', '?')}"
+                 + (f" (1-min load {mb['load_avg_1m']})" if mb.get("load_avg_1m") is not None else "")
+                 + (f", flow run `{mb['flow_run_id']}`" if mb.get("flow_run_id") else "") + ".")
+    tgt = report.get("target", {}).get("model")
+    dr = report.get("draft", {})
+    if tgt:
+        lines.append(f"Target `{tgt}`; draft `{dr.get('uri', '?')}` (draft vocabulary {dr.get('draft_vocab_size')}, "
+                     f"layer ids {dr.get('layer_ids')}).")
+    lines.append(f"Temperature {s.get('temperature')}, max {s.get('max_tokens')} new tokens, batch sizes "
+                 f"{s.get('batch_sizes')}, speculative tokens {s.get('num_speculative_tokens')}.")
+    lines.append("")
+    for name, ev in report.get("evals", {}).items():
+        lines.append(f"- **{name}**: {ev['prompts']} prompts from {ev['source']} "
+                     f"(mean {ev['prompt_tokens_mean']} prompt tokens)")
+    lines.append("")
+    sim = report.get("simulated_acceptance_length")
+    acc = (report.get("simulated") or {}).get("val_acc_per_pos")
+    if sim is not None:
+        lines.append(f"Offline estimate from training validation: acceptance length **{sim:.2f}** "
+                     f"(val accuracy per position {', '.join(f'{a:.3f}' for a in acc or [])}; "
+                     f"formula {report['simulated']['formula']}).")
+        lines.append("")
+    lines += ["## Results", "",
+              "| eval | k | batch | accept len | simulated | per-position acceptance | draft accept rate "
+              "| tok/s | baseline tok/s | speedup | TPOT ms | TTFT ms | identical |",
+              "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    extrap = set((report.get("simulated") or {}).get("extrapolated_k") or [])
+    for ev, ks in report.get("benchmark", {}).items():
+        for k, fig in ks.items():
+            for bs, f in fig["by_batch_size"].items():
+                simv = _f(f.get("simulated_acceptance_length")) + ("*" if int(k) in extrap else "")
+                ident = {True: "yes", False: f"no ({f.get('identical_requests')}/{f['requests']})",
+                         None: "n/a"}[f.get("token_identical")]
+                lines.append(
+                    f"| {ev} | {k} | {bs} | {f['mean_acceptance_length']:.2f} | {simv} | "
+                    f"{' '.join(f'{p:.2f}' for p in f['per_position_acceptance'])} | "
+                    f"{f['draft_acceptance_rate']:.2f} | {f['output_tokens_per_s']:.1f} | "
+                    f"{f['baseline_output_tokens_per_s']:.1f} | {_f(f.get('speedup'))}x | {_f(f['tpot_ms'], '.1f')} | "
+                    f"{_f(f['ttft_ms'], '.1f')} | {ident} |")
+    if extrap:
+        lines += ["", "\\* k beyond the trained positions: the last position's accuracy is repeated (extrapolated)."]
+    lines += ["", "## Baseline (no draft)", "", "| eval | batch | tok/s | TPOT ms | TTFT ms | output tokens |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for ev, base in report.get("baseline", {}).items():
+        for bs, f in base["by_batch_size"].items():
+            lines.append(f"| {ev} | {bs} | {f['output_tokens_per_s']:.1f} | {_f(f['tpot_ms'], '.1f')} | "
+                         f"{_f(f['ttft_ms'], '.1f')} | {f['output_tokens']} |")
+    lines += replay_markdown(report)
+    if report.get("notes"):
+        lines += ["", "## Speed", ""] + [f"- {n}" for n in report["notes"]]
+    if report.get("warnings"):
+        lines += ["", "## Warnings", ""] + [f"- {w}" for w in report["warnings"]]
+    if any(r.get("mismatch") for r in report.get("comparison", [])):
+        lines += ["", "## Why measured and simulated acceptance differ", "",
+                  "The offline estimate multiplies per-position validation accuracies; vLLM measures chained "
+                  "acceptance on the eval prompts. Check, in this order:", ""]
+        lines += [f"{i}. {c}" for i, c in enumerate(MISMATCH_CAUSES, 1)]
+    t = report.get("timing") or {}
+    if t:
+        starts = ", ".join(f"{k} {v}s" for k, v in (t.get("engine_start_s") or {}).items())
+        lines += ["", f"Benchmark wall time {t.get('total_s')}s (engine starts: {starts}"
+                  + (f"; offline replay {t['replay_s']}s" if t.get("replay_s") is not None else "") + ")."]
+    lines += ["", "## How these figures are measured", "", METHOD, ""]
+    return "\n".join(lines)
+
+
+METHOD = (
+    "One engine per configuration (no draft; the draft with k speculative tokens), each serving every eval "
+    "and batch size after a warm-up request. Acceptance length = 1 + accepted / drafts from vLLM's "
+    "spec-decode counters over the measured requests; per-position acceptance = drafts whose first i tokens "
+    "were all accepted / drafts; draft acceptance rate = accepted / drafted tokens. Tokens/s = output tokens "
+    "/ wall time of the generate calls (batch 1: one stream; larger batches: throughput). TTFT and TPOT are "
+    "vLLM's per-request means. Speedup = tokens/s with the draft / without, same eval, batch size and "
+    "session. Timings are only as quiet as the machine: see the load average above."
+)
+
+REPLAY_EXPLAINED = (
+    "The draft was replayed offline on the baseline's own greedy outputs, with the extract stage's hidden "
+    "states. *Every position* starts a draft at each output token: the quantity a validation accuracy "
+    "averages. *vLLM's starts* starts one only where vLLM does: at the first output token, then after each "
+    "accepted run and its bonus token. Reading the columns left to right: validation -> every position is the "
+    "distribution shift between training text and eval text; every position -> vLLM's starts is draft-start "
+    "sampling (acceptance per draft is a token-weighted HARMONIC mean of the local acceptance length, the "
+    "position average an ARITHMETIC one, so it is lower whenever easy and hard stretches alternate); "
+    "vLLM's starts -> measured is the engine (numerics, integration)."
+)
+
+
+def replay_markdown(report: dict[str, Any]) -> list[str]:
+    rep = report.get("replay")
+    if not rep:
+        return []
+    if rep.get("error"):
+        return ["", "## Offline replay", "", f"The offline replay failed: {rep['error']}"]
+    sim = (report.get("simulated") or {}).get("by_k") or {}
+    bs = str(rep.get("batch_size"))
+    lines = ["", "## Where the acceptance goes (offline replay)", "", REPLAY_EXPLAINED, "",
+             f"| eval | k | validation estimate | eval text, every position | eval text, vLLM's starts "
+             f"| vLLM measured (batch {bs}) |", "|---|---:|---:|---:|---:|---:|"]
+    for ev, ks in rep.get("by_eval", {}).items():
+        for k, r in ks.items():
+            meas = report["benchmark"].get(ev, {}).get(k, {}).get("by_batch_size", {}).get(bs, {})
+            lines.append(f"| {ev} | {k} | {_f(sim.get(k))} | {_f(r.get('position_average'))} | "
+                         f"{_f(r.get('replayed'))} | {_f(meas.get('mean_acceptance_length'))} |")
+    return lines
+
+
+def plot_report(report: dict[str, Any], dpi: int = 80) -> bytes:
+    """PNG: acceptance per position per k (left), speedup per k per batch size (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    bench = report.get("benchmark", {})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=dpi)
+    styles = ["-", "--", ":", "-."]
+    for i, (ev, ks) in enumerate(bench.items()):
+        for k, f in ks.items():
+            pp = f["per_position_acceptance"]
+            ax1.plot(range(1, len(pp) + 1), pp, styles[i % len(styles)], marker="o",
+                     label=f"{ev} k={k} (AL {f['mean_acceptance_length']:.2f})")
+    acc = (report.get("simulated") or {}).get("val_acc_per_pos")
+    if acc:
+        cum, run = [], 1.0
+        for a in acc:
+            run *= a
+            cum.append(run)
+        ax1.plot(range(1, len(cum) + 1), cum, "k:", marker="x", label="simulated (validation)")
+    ax1.set_xlabel("draft position")
+    ax1.set_ylabel("share of drafts accepted up to here")
+    ax1.set_ylim(0, 1)
+    ax1.set_title("Acceptance per position (largest batch)")
+    ax1.legend(fontsize=7)
+    ax1.grid(alpha=0.3)
+    batch_sizes = [str(b) for b in report.get("settings", {}).get("batch_sizes", [])]
+    groups = [(ev, k) for ev, ks in bench.items() for k in ks]
+    width = 0.8 / max(1, len(batch_sizes))
+    for j, bs in enumerate(batch_sizes):
+        vals = [bench[ev][k]["by_batch_size"].get(bs, {}).get("speedup") or 0.0 for ev, k in groups]
+        ax2.bar([g + j * width for g in range(len(groups))], vals, width, label=f"batch {bs}")
+    ax2.axhline(1.0, color="k", lw=0.8)
+    ax2.set_xticks([g + width * (len(batch_sizes) - 1) / 2 for g in range(len(groups))])
+    ax2.set_xticklabels([f"{ev}\nk={k}" for ev, k in groups], fontsize=7)
+    ax2.set_ylabel("tokens/s vs no draft")
+    ax2.set_title("Speedup (1.0 = no draft)")
+    ax2.legend(fontsize=7)
+    ax2.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def plot_data_uri(report: dict[str, Any]) -> str:
+    return "data:image/png;base64," + base64.b64encode(plot_report(report, dpi=64)).decode()
+
+
+def render_terminal(benchmark: dict[str, Any], console: Any, report: dict[str, Any] | None = None) -> None:
+    """A rich table of the figures (`benchmark` = report['benchmark']), warnings underneath."""
+    from rich.table import Table
+
+    title = "draft benchmark"
+    if report and report.get("measured_by"):
+        mb = report["measured_by"]
+        title += f" (measured {mb.get('date', '?')}" + (f", run {mb['flow_run_id']}" if mb.get("flow_run_id") else "") + ")"
+    table = Table(title=title)
+    for col in ("eval", "k", "batch", "accept len", "simulated", "per position", "tok/s", "baseline",
+                "speedup", "TPOT ms", "TTFT ms", "identical"):
+        table.add_column(col, justify="left" if col in ("eval", "per position") else "right")
+    for ev, ks in benchmark.items():
+        for k, fig in ks.items():
+            by_bs = fig.get("by_batch_size") or {str(fig.get("batch_size", "?")): fig}
+            for bs, f in by_bs.items():
+                sp = f.get("speedup")
+                color = "green" if sp and sp >= 1 else "red"
+                ident = {True: "[green]yes[/]", False: "[red]no[/]", None: "n/a"}[f.get("token_identical")]
+                table.add_row(ev, str(k), str(bs), f"{f['mean_acceptance_length']:.2f}",
+                              _f(f.get("simulated_acceptance_length")),
+                              " ".join(f"{p:.2f}" for p in f.get("per_position_acceptance", [])),
+                              f"{f['output_tokens_per_s']:.1f}", f"{f['baseline_output_tokens_per_s']:.1f}",
+                              f"[{color}]{_f(sp)}x[/]", _f(f.get("tpot_ms"), ".1f"), _f(f.get("ttft_ms"), ".1f"),
+                              ident)
+    console.print(table)
+    if report:
+        for w in report.get("warnings", []):
+            console.print(f"[yellow]warning[/]: {w}")
+        for n in report.get("notes", []):
+            console.print(f"[dim]{n}[/]")

@@ -1,0 +1,427 @@
+"""Stage `extract`: run the target over each data shard once and store its hidden states.
+
+One artifact per shard (`extract/DIGEST/`), so a failed or killed shard is the
+only work repeated: every other shard is committed and found on the store.
+
+    plans = plan_extract(cfg, data_ref, hf_config)           # one ShardPlan (and digest) per shard
+    for group in gpu_groups(cfg):                            # the flow fans shards over groups
+        with engine_for_group(cfg, model_path, group) as engine:
+            refs = [extract_shard(cfg, store, p, engine) for p in my_plans]
+
+A shard's parts hold `hidden_states` [T, L, H] for the auxiliary layers
+`layer_ids[:-1]` plus the last decoder layer's pre-norm output, `input_ids`,
+`loss_mask` and `offsets` (docs/ARTIFACTS.md); `load_part` reads one back as
+bf16 whatever the storage dtype. `storage_dtype: fp8` stores float8_e4m3fn with
+one float32 scale per token and layer, about half the bytes of bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import time
+from typing import Any, BinaryIO, Callable, Iterator
+
+from pydantic import BaseModel, Field
+
+from tasks.config import RunConfig
+from tasks.digest import VERSIONS, stage_digest
+from tasks.engine import EngineError, EngineProcess, vllm_extract_kwargs
+from tasks.store import ArtifactRef, ArtifactWriter, Store
+from tasks.target import default_layer_ids, load_hf_config, text_config, validate_layer_ids
+
+STAGE = "extract"
+# Keys that decide where and how fast extraction runs, not what it produces.
+SCHEDULING_KEYS = {"gpus", "kv_cache_gib", "batch_tokens", "tensor_parallel_size", "enforce_eager"}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+DATA_STAGES = ("prepare", "regenerate")
+
+ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in the shard)
+
+
+class ExtractError(RuntimeError):
+    """Extraction cannot proceed; the message names the problem and the fix."""
+
+
+class ShardPlan(BaseModel):
+    """Everything one shard's extraction needs, and the digest its artifact lives under."""
+
+    shard: int
+    digest: str
+    data_stage: str
+    data_digest: str
+    data_file: str
+    layer_ids: list[int]
+    hidden_size: int
+    num_layers: int
+    config: dict[str, Any] = Field(default_factory=dict, description="the extract section that made the digest")
+
+    @property
+    def inputs(self) -> dict[str, str]:
+        return {"data": self.data_digest, "shard": str(self.shard)}
+
+
+# ============================================================================ planning
+
+
+def resolve_layer_ids(cfg: RunConfig, hf_config: Any) -> list[int]:
+    n = int(text_config(hf_config).num_hidden_layers)
+    ids = list(cfg.extract.layer_ids) if cfg.extract.layer_ids else default_layer_ids(n)
+    return validate_layer_ids(ids, n)
+
+
+def digest_section(cfg: RunConfig, layer_ids: list[int]) -> dict[str, Any]:
+    """The extract section minus scheduling-only keys, with the layer ids resolved
+    (so `layer_ids: null` and the same ids written out share a digest)."""
+    section = cfg.extract.model_dump(mode="json", exclude=SCHEDULING_KEYS)
+    section["layer_ids"] = list(layer_ids)
+    return section
+
+
+def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[ShardPlan]:
+    if data_ref.stage not in DATA_STAGES:
+        raise ExtractError(f"extract reads a prepare or regenerate artifact, got stage {data_ref.stage!r}")
+    num_shards = data_ref.stats.get("num_shards")
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ExtractError(
+            f"{data_ref.uri}: its stats have no num_shards ({data_ref.stats.get('num_shards')!r}); "
+            "re-run the prepare stage (its manifest must list num_shards)"
+        )
+    text = text_config(hf_config)
+    layer_ids = resolve_layer_ids(cfg, hf_config)
+    section = digest_section(cfg, layer_ids)
+    plans = []
+    for i in range(num_shards):
+        digest = stage_digest(STAGE, section, {"data": data_ref.digest, "shard": str(i)})
+        plans.append(ShardPlan(shard=i, digest=digest, data_stage=data_ref.stage, data_digest=data_ref.digest,
+                               data_file=f"shard-{i:05d}.parquet", layer_ids=layer_ids,
+                               hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
+                               config=section))
+    return plans
+
+
+# ============================================================================ GPU groups and engines
+
+
+def visible_gpus() -> list[int]:
+    """GPU ids as CUDA_VISIBLE_DEVICES names them (or 0..n-1 when it is unset)."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        items = [x.strip() for x in cvd.split(",") if x.strip()]
+        try:
+            return [int(x) for x in items]
+        except ValueError:
+            raise ExtractError(
+                f"CUDA_VISIBLE_DEVICES={cvd!r}: draftline needs numeric GPU ids to form groups; use indices"
+            ) from None
+    try:
+        import torch
+
+        return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    except Exception:
+        return []
+
+
+def gpu_groups(cfg: RunConfig) -> list[list[int]]:
+    """Visible GPUs split into groups of `tensor_parallel_size`; on CPU one group `[]`."""
+    e = cfg.extract
+    visible = visible_gpus()
+    if e.gpus == 0:
+        return [[]]
+    if not visible:
+        if e.gpus:
+            raise ExtractError(f"extract.gpus={e.gpus} but no GPU is visible; set extract.gpus: 0 to use the CPU")
+        return [[]]
+    n = len(visible) if e.gpus is None else e.gpus
+    if n > len(visible):
+        raise ExtractError(f"extract.gpus={n} but only {len(visible)} GPU(s) are visible ({visible})")
+    tp = e.tensor_parallel_size
+    if n < tp:
+        raise ExtractError(
+            f"extract.tensor_parallel_size={tp} needs {tp} GPUs per engine, only {n} to use; "
+            f"lower tensor_parallel_size or raise extract.gpus"
+        )
+    use = visible[: n - n % tp]
+    return [use[i:i + tp] for i in range(0, len(use), tp)]
+
+
+def engine_for_group(cfg: RunConfig, model_path: str, group: list[int]) -> EngineProcess:
+    """An extraction engine (not yet started: `with engine_for_group(...) as eng:` starts it)
+    that sees only the group's GPUs."""
+    e = cfg.extract
+    hf_config = load_hf_config(cfg.target, model_path)
+    layer_ids = resolve_layer_ids(cfg, hf_config)
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in group),  # "" = no GPU for a CPU group
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(e.kv_cache_gib))),
+    }
+    common: dict[str, Any] = {"max_model_len": cfg.target.max_model_len,
+                              "trust_remote_code": cfg.target.trust_remote_code}
+    if cfg.target.revision:
+        common["revision"] = cfg.target.revision
+    if e.backend == "vllm":
+        kwargs = {**common, "dtype": cfg.target.dtype, "tensor_parallel_size": e.tensor_parallel_size,
+                  "enforce_eager": e.enforce_eager, "seed": 0, **vllm_extract_kwargs(layer_ids)}
+    else:
+        kwargs = dict(common)
+        if group:
+            kwargs["dtype"] = cfg.target.dtype
+    name = "extract-" + ("cpu" if not group else "gpu" + "-".join(str(g) for g in group))
+    return EngineProcess(e.backend, model_path, kwargs, env=env, name=name)
+
+
+# ============================================================================ parts on disk
+
+_ST_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32", "int32": "I32",
+              "uint8": "U8", "int64": "I64"}
+
+
+def _tensor_bytes(t: Any) -> memoryview:
+    import torch
+
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+
+
+def write_safetensors_stream(fh: BinaryIO, tensors: list[tuple[str, str, list[int], list[Any]]],
+                             metadata: dict[str, str]) -> int:
+    """Write a safetensors file from chunks, without concatenating them in memory.
+
+    tensors: (name, torch dtype name, shape, chunks); the chunks of one tensor, in
+    order, make up its row-major data. Returns the bytes written.
+    """
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape, chunks in tensors:
+        nbytes = sum(c.numel() * c.element_size() for c in chunks)
+        elem = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        if nbytes != math.prod(shape) * elem:
+            raise ValueError(f"{name}: chunks hold {nbytes} bytes, shape {shape} of {dtype} needs "
+                             f"{math.prod(shape) * elem}")
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    fh.write(struct.pack("<Q", len(raw)))
+    fh.write(raw)
+    for _name, _dtype, _shape, chunks in tensors:
+        for c in chunks:
+            fh.write(_tensor_bytes(c))
+    return 8 + len(raw) + offset
+
+
+def quantize_fp8(hidden: Any) -> tuple[Any, Any]:
+    """[T, L, H] -> (float8_e4m3fn [T, L, H], float32 scales [T, L]); x ~= q * scale."""
+    import torch
+
+    x = hidden.float()
+    scale = (x.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+    q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: Any, scale: Any) -> Any:
+    import torch
+
+    return (q.float() * scale.float().unsqueeze(-1)).to(torch.bfloat16)
+
+
+class _PartBuffer:
+    """Samples collected for one part; flushed as one safetensors file."""
+
+    def __init__(self, layer_ids: list[int], hidden_size: int, storage_dtype: str):
+        self.layer_ids = layer_ids
+        self.hidden_size = hidden_size
+        self.storage_dtype = storage_dtype
+        self.reset()
+
+    def reset(self) -> None:
+        self.hidden: list[Any] = []
+        self.scales: list[Any] = []
+        self.input_ids: list[Any] = []
+        self.loss_mask: list[Any] = []
+        self.sample_ids: list[str] = []
+        self.lengths: list[int] = []
+        self.tokens = 0
+
+    def add(self, sample_id: str, input_ids: Any, loss_mask: Any, hidden: Any) -> None:
+        import torch
+
+        if self.storage_dtype == "fp8":
+            q, s = quantize_fp8(hidden)
+            self.hidden.append(q)
+            self.scales.append(s)
+        else:
+            self.hidden.append(hidden.to(torch.bfloat16))
+        self.input_ids.append(torch.as_tensor(input_ids, dtype=torch.int32))
+        self.loss_mask.append(torch.as_tensor(loss_mask, dtype=torch.uint8))
+        self.sample_ids.append(sample_id)
+        self.lengths.append(int(hidden.shape[0]))
+        self.tokens += int(hidden.shape[0])
+
+    def write(self, fh: BinaryIO) -> int:
+        import torch
+
+        t, n_l, h = self.tokens, len(self.layer_ids), self.hidden_size
+        offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(self.lengths, dtype=torch.int64).cumsum(0)
+        tensors = [("hidden_states", "float8_e4m3fn" if self.storage_dtype == "fp8" else "bfloat16",
+                    [t, n_l, h], self.hidden)]
+        if self.storage_dtype == "fp8":
+            tensors.append(("hidden_scales", "float32", [t, n_l], self.scales))
+        tensors += [("input_ids", "int32", [t], self.input_ids),
+                    ("loss_mask", "uint8", [t], self.loss_mask),
+                    ("offsets", "int64", [len(self.lengths) + 1], [offsets])]
+        meta = {"sample_ids": json.dumps(self.sample_ids), "layer_ids": json.dumps(self.layer_ids),
+                "storage_dtype": self.storage_dtype, "hidden_size": str(h), "format": "draftline-extract-v1"}
+        return write_safetensors_stream(fh, tensors, meta)
+
+
+def load_part(path: str) -> dict[str, Any]:
+    """One part as {"hidden_states" bf16 [T, L, H], "input_ids" int32 [T], "loss_mask" uint8 [T],
+    "offsets" int64 [N+1], "sample_ids" list[str], "layer_ids" list[int], "storage_dtype" str}.
+    fp8 parts are dequantized with their per-token-per-layer scales."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        meta = f.metadata() or {}
+        names = set(f.keys())
+        missing = {"hidden_states", "input_ids", "loss_mask", "offsets"} - names
+        if missing:
+            raise ExtractError(f"{path} is not an extraction part: it lacks {sorted(missing)}")
+        hs = f.get_tensor("hidden_states")
+        if hs.dtype == torch.float8_e4m3fn:
+            if "hidden_scales" not in names:
+                raise ExtractError(f"{path}: fp8 hidden_states without hidden_scales; the part is corrupt")
+            hs = dequantize_fp8(hs, f.get_tensor("hidden_scales"))
+        else:
+            hs = hs.to(torch.bfloat16)
+        out = {
+            "hidden_states": hs,
+            "input_ids": f.get_tensor("input_ids"),
+            "loss_mask": f.get_tensor("loss_mask"),
+            "offsets": f.get_tensor("offsets"),
+        }
+    out["sample_ids"] = json.loads(meta.get("sample_ids", "[]"))
+    out["layer_ids"] = json.loads(meta.get("layer_ids", "[]"))
+    out["storage_dtype"] = meta.get("storage_dtype", "bf16")
+    return out
+
+
+# ============================================================================ the stage
+
+
+def _read_shard(store: Store, plan: ShardPlan) -> list[tuple[str, list[int], list[int]]]:
+    import pyarrow.parquet as pq
+
+    data = store.open(plan.data_stage, plan.data_digest)
+    if plan.data_file not in data.files():
+        raise ExtractError(f"{data.uri} has no {plan.data_file} (files: {data.files()[:5]}...); "
+                           "its num_shards does not match its files: re-run the data stage")
+    with data.local_copy(plan.data_file) as path:
+        table = pq.read_table(path, columns=["sample_id", "input_ids", "loss_mask"])
+    rows = table.to_pydict()
+    samples = []
+    for sid, ids, mask in zip(rows["sample_id"], rows["input_ids"], rows["loss_mask"]):
+        if len(ids) != len(mask):
+            raise ExtractError(f"{data.uri}/{plan.data_file}: sample {sid} has {len(ids)} input_ids but "
+                               f"{len(mask)} loss_mask values; re-run the data stage")
+        if ids:
+            samples.append((sid, ids, mask))
+    return samples
+
+
+def _batches(samples: list, batch_tokens: int) -> Iterator[list]:
+    batch: list = []
+    tokens = 0
+    for s in samples:
+        n = len(s[1])
+        if batch and tokens + n > batch_tokens:
+            yield batch
+            batch, tokens = [], 0
+        batch.append(s)
+        tokens += n
+    if batch:
+        yield batch
+
+
+def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProcess,
+                  progress_cb: ProgressCallback | None = None) -> ArtifactRef:
+    """Extract one shard into `extract/<plan.digest>/`; returns at once if it is already committed.
+
+    A failure (the engine dying included) raises and commits nothing.
+    """
+    found = store.find(STAGE, plan.digest)
+    if found is not None:
+        return found.ref()
+
+    e = cfg.extract
+    samples = _read_shard(store, plan)
+    total = sum(len(s[1]) for s in samples)
+    limit = int(engine.info.get("max_model_len") or cfg.target.max_model_len)
+    too_long = [(s[0], len(s[1])) for s in samples if len(s[1]) >= limit]
+    if too_long:
+        raise ExtractError(
+            f"shard {plan.shard}: {len(too_long)} sample(s) do not fit the engine's max_model_len={limit} "
+            f"(e.g. {too_long[0][0]}: {too_long[0][1]} tokens); raise target.max_model_len above "
+            "data.max_length or lower data.max_length"
+        )
+    engine_ids = engine.info.get("layer_ids")
+    if engine_ids is not None and list(engine_ids) != plan.layer_ids:
+        raise ExtractError(f"the engine extracts layers {engine_ids}, shard {plan.shard} needs {plan.layer_ids}; "
+                           "start it with engine_for_group(cfg, ...) for this config")
+
+    t0 = time.monotonic()
+    parts: list[tuple[str, int]] = []
+    done = masked = 0
+    buf = _PartBuffer(plan.layer_ids, plan.hidden_size, e.storage_dtype)
+
+    def flush(w: ArtifactWriter) -> None:
+        if not buf.tokens:
+            return
+        name = f"part-{len(parts):05d}.safetensors"
+        with w.open(name) as fh:
+            buf.write(fh)
+        parts.append((name, buf.tokens))
+        buf.reset()
+
+    with store.write(STAGE, plan.digest, VERSIONS[STAGE], inputs=plan.inputs, config=plan.config) as w:
+        if progress_cb:
+            progress_cb(0, total)
+        for batch in _batches(samples, e.batch_tokens):
+            hidden = engine.extract([s[1] for s in batch], plan.layer_ids)
+            for (sid, ids, mask), hs in zip(batch, hidden):
+                if hs.shape[-1] != plan.hidden_size:
+                    raise ExtractError(f"the engine returned hidden size {hs.shape[-1]}, the target config says "
+                                       f"{plan.hidden_size}: the engine runs a different model than planned")
+                buf.add(sid, ids, mask, hs)
+                masked += int(sum(mask))
+            done += sum(len(s[1]) for s in batch)
+            if buf.tokens >= e.part_tokens:
+                flush(w)
+            if progress_cb:
+                progress_cb(done, total)
+        flush(w)
+        seconds = time.monotonic() - t0
+        stored = sum(f.bytes for f in w.files)
+        stats = {
+            "shard": plan.shard, "samples": len(samples), "tokens": total, "masked_tokens": masked,
+            "layer_ids": plan.layer_ids, "hidden_size": plan.hidden_size, "storage_dtype": e.storage_dtype,
+            "bytes": stored, "bytes_per_token": round(stored / total, 2) if total else 0.0,
+            "tokens_per_s": round(total / seconds, 1) if seconds > 0 else 0.0, "seconds": round(seconds, 2),
+            "parts": [{"name": n, "tokens": t} for n, t in parts], "backend": engine.kind,
+        }
+        art = w.commit(stats)
+    return art.ref()
+
+
+__all__ = [
+    "EngineError", "ExtractError", "ShardPlan", "SCHEDULING_KEYS", "plan_extract", "extract_shard", "load_part",
+    "gpu_groups", "engine_for_group", "visible_gpus", "resolve_layer_ids", "quantize_fp8", "dequantize_fp8",
+    "write_safetensors_stream",
+]

@@ -1,0 +1,257 @@
+"""regenerate: the target answers the prepared prompts itself, so the draft learns what it says.
+
+For each training shard of the prepare artifact: take every conversation's
+system prompt and its first `regenerate.max_turns` user turns, let the target
+answer them through the engine (vLLM; greedy by default), re-apply the chat
+template and the verified loss mask of prepare, and commit the shard as its
+own small artifact (`regenerate-shard/DIGEST`). A crash loses at most the shard
+in flight: a re-run finds the committed shards and only generates the rest.
+The final `regenerate` artifact has prepare's layout and Parquet schema.
+
+Multi-turn: turn t of every conversation in the shard is generated in one
+batched pass (batches of `regenerate.batch_size`), then turn t+1 with the
+target's own answers in the history. Only the first turn by default
+(`max_turns: 1`): a source's later user turns reply to the ORIGINAL answer, so
+after a regenerated answer they are off-topic or contradictory (chit-chat
+especially), and each extra turn costs a full generation pass. Prompt sets
+whose turns stand alone (MT-Bench's two turns) can raise it.
+
+Thinking: `regenerate.thinking` is passed to the template as `enable_thinking`
+(Qwen3-style templates honour it, others ignore it); when off, `<think>` blocks
+are also stripped from the answers.
+
+Prompts that do not fit `target.max_model_len` are dropped BEFORE generating
+(one overlong prompt fails a whole vLLM batch); a prompt that fits but leaves
+less than `max_tokens` room gets a shorter budget.
+
+The held-out split is copied unchanged: its prompts are what benchmark asks.
+Rows keep the `sample_id` of the prepared conversation they answer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from tasks.config import RunConfig
+from tasks.data_sources import Conversation, strip_thinking, user_turns
+from tasks.digest import VERSIONS, stage_digest
+from tasks.digest import regenerate as _regenerate_digest
+from tasks.prepare import (
+    HELDOUT,
+    ChatMasker,
+    Sample,
+    SampleDropped,
+    encode_sample,
+    make_masker,
+    parquet_bytes,
+    read_samples,
+    shard_name,
+    token_stats,
+)
+from tasks.store import Artifact, ArtifactRef, Store
+
+STAGE = "regenerate"
+SHARD_STAGE = "regenerate-shard"
+SHARD_FILE = "shard.parquet"
+
+
+class Engine(Protocol):
+    def start(self) -> None: ...
+    def generate(self, prompt_token_ids: list[list[int]], sampling: dict) -> list[dict]: ...
+    def close(self) -> None: ...
+
+
+class RegenerateError(RuntimeError):
+    pass
+
+
+def regenerate_key(cfg: RunConfig, prepared: ArtifactRef) -> str:
+    return _regenerate_digest(cfg, prepared)
+
+
+def shard_key(regenerate_digest: str, shard: int) -> str:
+    return stage_digest(SHARD_STAGE, {"shard": shard}, {"regenerate": regenerate_digest},
+                        version=VERSIONS[STAGE])
+
+
+@dataclass
+class _Dialog:
+    sample: Sample
+    users: list[str]
+    messages: list[dict[str, str]] = field(default_factory=list)
+    answered: int = 0
+    done: bool = False
+    stop: str = ""  # why the dialog ended before its last user turn
+
+
+def _sampling(cfg: RunConfig, max_tokens: int) -> dict[str, Any]:
+    r = cfg.regenerate
+    return {"max_tokens": int(max_tokens), "temperature": r.temperature, "top_p": r.top_p, "seed": cfg.data.seed}
+
+
+def regenerate_samples(cfg: RunConfig, masker: ChatMasker, engine: Engine, samples: list[Sample]) -> tuple[
+        list[Sample], dict[str, Any]]:
+    """Answer `samples`' prompts with the engine; returns new samples and counters."""
+    r, limit = cfg.regenerate, cfg.target.max_model_len
+    dialogs = []
+    for s in samples:
+        system, users = user_turns(s.messages)
+        d = _Dialog(sample=s, users=users[: r.max_turns])
+        if system is not None:
+            d.messages.append({"role": "system", "content": system})
+        dialogs.append(d)
+    counts: Counter = Counter()
+    generated = 0
+    for turn in range(r.max_turns):
+        todo: list[tuple[_Dialog, list[int]]] = []
+        for d in dialogs:
+            if d.done or turn >= len(d.users):
+                continue
+            messages = d.messages + [{"role": "user", "content": d.users[turn]}]
+            try:
+                ids = masker.prompt_ids(messages)
+            except Exception:  # the template refused this conversation
+                d.done, d.stop = True, "template_error"
+                continue
+            if len(ids) >= limit:  # filtered BEFORE generating: one overlong prompt fails a vLLM batch
+                d.done, d.stop = True, "prompt_too_long"
+                continue
+            d.messages = messages
+            todo.append((d, ids))
+        # Prompts with room for max_tokens go in full batches; the rest one by one with what is left.
+        roomy = [(d, ids) for d, ids in todo if len(ids) + r.max_tokens <= limit]
+        tight = [(d, ids) for d, ids in todo if len(ids) + r.max_tokens > limit]
+        calls = [(roomy[i:i + r.batch_size], r.max_tokens) for i in range(0, len(roomy), r.batch_size)]
+        calls += [([item], limit - len(item[1])) for item in tight]
+        for batch, budget in calls:
+            outs = engine.generate([ids for _, ids in batch], _sampling(cfg, budget))
+            if len(outs) != len(batch):
+                raise RegenerateError(f"the engine returned {len(outs)} answers for {len(batch)} prompts")
+            for (d, _), out in zip(batch, outs):
+                generated += len(out.get("token_ids") or [])
+                text = out.get("text") or ""
+                if not r.thinking:
+                    text = strip_thinking(text)
+                text = text.strip()
+                if out.get("finish_reason") == "length":
+                    counts["answers_cut"] += 1
+                if not text:
+                    d.messages.pop()  # the unanswered user turn
+                    d.done, d.stop = True, "empty_answer"
+                    continue
+                d.messages.append({"role": "assistant", "content": text})
+                d.answered += 1
+    out_samples: list[Sample] = []
+    dropped: Counter = Counter()
+    truncated = 0
+    for d in dialogs:
+        if d.answered == 0:
+            dropped[d.stop or "no_user"] += 1
+            continue
+        if d.stop:
+            counts["turns_cut"] += 1
+        conv = Conversation(messages=d.messages, source=d.sample.source, sample_id=d.sample.sample_id)
+        try:
+            sample, cut = encode_sample(masker, conv, cfg.data)
+        except SampleDropped as drop:
+            dropped[drop.reason] += 1
+            continue
+        truncated += cut
+        out_samples.append(sample)
+    return out_samples, {"dropped": dict(dropped), "generated_tokens": generated, "truncated": truncated,
+                         **{k: v for k, v in counts.items()}}
+
+
+def _regenerate_shard(cfg: RunConfig, store: Store, key: str, index: int, prep_art: Artifact,
+                      masker: ChatMasker, engine: Engine, inputs: dict[str, str]) -> Artifact:
+    t0 = time.time()
+    samples = read_samples(prep_art, shard_name(index))
+    new, info = regenerate_samples(cfg, masker, engine, samples)
+    per_source = Counter(s.source for s in new)
+    stats = {**token_stats(new), **info, "shard": index, "prompts": len(samples),
+             "per_source": dict(per_source), "seconds": round(time.time() - t0, 2)}
+    config = {"regenerate": cfg.regenerate.model_dump(mode="json")}
+    with store.write(SHARD_STAGE, key, VERSIONS[STAGE], {**inputs, "shard": str(index)}, config) as w:
+        w.write_bytes(SHARD_FILE, parquet_bytes(new))
+        return w.commit(stats)
+
+
+def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
+                   engine_factory: Callable[[], Engine]) -> ArtifactRef:
+    """Regenerate the answers of the prepare artifact `prepared`; resumable per shard.
+
+    `engine_factory()` returns an engine (`tasks.engine.EngineProcess`); it is started only when a
+    shard needs generating and closed before this returns.
+    """
+    digest = regenerate_key(cfg, prepared)
+    hit = store.find(STAGE, digest)
+    if hit is not None:
+        return hit.ref()
+    t0 = time.time()
+    prep_art = store.open(prepared.stage, prepared.digest)
+    n = int(prep_art.stats.get("num_shards") or len([f for f in prep_art.files() if f.startswith("shard-")]))
+    think = {"enable_thinking": bool(cfg.regenerate.thinking)}
+    masker = make_masker(cfg, template_kwargs=think)
+    inputs = {prepared.stage: prepared.digest}
+    engine: Engine | None = None
+    shard_arts: list[Artifact] = []
+    reused = 0
+    try:
+        for i in range(n):
+            key = shard_key(digest, i)
+            art = store.find(SHARD_STAGE, key)
+            if art is None:
+                if engine is None:
+                    engine = engine_factory()
+                    engine.start()
+                art = _regenerate_shard(cfg, store, key, i, prep_art, masker, engine, inputs)
+            else:
+                reused += 1
+            shard_arts.append(art)
+    finally:
+        if engine is not None:
+            engine.close()
+
+    totals: Counter = Counter()
+    dropped: Counter = Counter()
+    per_source: Counter = Counter()
+    for art in shard_arts:
+        s = art.stats
+        for k in ("samples", "tokens", "masked_tokens", "generated_tokens", "prompts", "truncated",
+                  "answers_cut", "turns_cut"):
+            totals[k] += int(s.get(k, 0))
+        dropped.update(s.get("dropped", {}))
+        per_source.update(s.get("per_source", {}))
+    if totals["samples"] == 0:
+        raise RegenerateError(
+            f"no regenerated sample survived (dropped: {dict(dropped)}); check target.max_model_len, "
+            "regenerate.max_tokens and data.max_length"
+        )
+    stats: dict[str, Any] = {
+        **{k: totals[k] for k in ("samples", "tokens", "masked_tokens")},
+        "dropped": dict(sorted(dropped.items())),
+        "num_shards": n,
+        "heldout": int(prep_art.stats.get("heldout", 0)),
+        "heldout_tokens": int(prep_art.stats.get("heldout_tokens", 0)),
+        "per_source": dict(sorted(per_source.items())),
+        "prompts": totals["prompts"],
+        "generated_tokens": totals["generated_tokens"],
+        "answers_cut": totals["answers_cut"],
+        "turns_cut": totals["turns_cut"],
+        "truncated": totals["truncated"],
+        "max_turns": cfg.regenerate.max_turns,
+        "shard_samples": [int(a.stats.get("samples", 0)) for a in shard_arts],
+        "shards_reused": reused,
+        "seconds": round(sum(float(a.stats.get("seconds", 0)) for a in shard_arts), 2),
+    }
+    with store.write(STAGE, digest, VERSIONS[STAGE], {**inputs, **{f"shard-{i}": a.digest for i, a in
+                                                                    enumerate(shard_arts)}},
+                     {"regenerate": cfg.regenerate.model_dump(mode="json")}) as w:
+        for i, art in enumerate(shard_arts):
+            w.write_bytes(shard_name(i), art.read_bytes(SHARD_FILE))
+        w.write_bytes(HELDOUT, prep_art.read_bytes(HELDOUT))
+        stats["assemble_seconds"] = round(time.time() - t0, 2)
+        return w.commit(stats).ref()

@@ -1,0 +1,458 @@
+"""The benchmark stage: report math and rendering on fabricated counters (fast), one real vLLM run (slow)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tasks import digest as digests
+from tasks.benchmark import (
+    BenchmarkError,
+    chain_lengths,
+    position_average,
+    replay,
+    replay_average,
+    RunResult,
+    SpecCounters,
+    acceptance_figures,
+    assemble_report,
+    check_draft,
+    draft_folder,
+    find_report,
+    histogram_delta,
+    load_eval_prompts,
+    load_report,
+    measure,
+    plot_report,
+    render_terminal,
+    report_markdown,
+    report_table_rows,
+    run_benchmark,
+    select_evenly,
+    simulated_acceptance_length,
+)
+from tasks.config import BenchmarkConfig, EvalConfig, RunConfig, SourceConfig
+from tasks.store import Store
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- helpers
+
+def bench_cfg(**kw) -> RunConfig:
+    b = dict(evals=[EvalConfig(name="mtbench", source=SourceConfig(preset="mtbench"), num_prompts=2),
+                    EvalConfig(name="heldout", source="heldout", num_prompts=2)],
+             num_speculative_tokens=[1, 3], batch_sizes=[1, 4], temperature=0.0, max_tokens=8)
+    b.update(kw)
+    return RunConfig(benchmark=BenchmarkConfig(**b))
+
+
+def run(bs: int, outputs: list[list[int]], seconds: float, spec: SpecCounters | None = None,
+        ttft: float | None = 12.0, tpot: float | None = 4.0) -> RunResult:
+    return RunResult(bs, outputs, seconds, ttft, tpot, spec)
+
+
+OUTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+
+
+def fabricated_report(cfg: RunConfig, acc=(0.5, 0.4, 0.3), k3_diverges: bool = True,
+                      replayed: dict | None = None, draft_info: dict | None = None) -> dict:
+    """Baseline 12 tokens/s... figures chosen so the expected numbers are easy to check by hand."""
+    from tasks.benchmark import EvalPrompts
+
+    evals = [EvalPrompts(e.name, e.name, [[1, 2]] * 2, ["a", "b"], 2, requested=2) for e in cfg.benchmark.evals]
+    base = {e.name: {1: run(1, OUTS, 1.0), 4: run(4, OUTS, 0.5)} for e in evals}
+    k1 = SpecCounters(drafts=100, draft_tokens=100, accepted=45, per_pos=[45])       # AL 1.45
+    k3 = SpecCounters(drafts=100, draft_tokens=300, accepted=44, per_pos=[30, 10, 4])  # AL 1.44
+    diverged = [[1, 2, 3, 4, 5, 6], [7, 8, 99, 10, 11, 12]] if k3_diverges else OUTS
+    spec = {
+        1: {e.name: {1: run(1, OUTS, 2.0, k1), 4: run(4, OUTS, 1.0, k1)} for e in evals},
+        3: {e.name: {1: run(1, diverged, 1.5, k3), 4: run(4, diverged, 2.0, k3)} for e in evals},
+    }
+    stats = {"val_acc_per_pos": list(acc)} if acc else {}
+    mb = {"flow_run_id": "run-123", "date": "2026-12-02T00:00:00+00:00", "machine": "test: 2 x cpu"}
+    return assemble_report(cfg, evals, base, spec, stats, draft_info or {"draft_vocab_size": 8}, mb,
+                           {"total_s": 1.0, "engine_start_s": {"baseline": 30.0}}, replayed)
+
+
+# --------------------------------------------------------------------------- math
+
+def test_simulated_acceptance_length_is_the_cumulative_product():
+    assert simulated_acceptance_length([0.5, 0.4, 0.3]) == pytest.approx(1 + 0.5 + 0.2 + 0.06)
+    assert simulated_acceptance_length([0.5, 0.4, 0.3], k=1) == pytest.approx(1.5)
+    # beyond the trained positions the last accuracy repeats
+    assert simulated_acceptance_length([0.5, 0.4], k=3) == pytest.approx(1 + 0.5 + 0.2 + 0.08)
+    assert simulated_acceptance_length([]) is None
+    assert simulated_acceptance_length([1.0, 1.0, 1.0]) == pytest.approx(4.0)
+
+
+def test_acceptance_figures_from_counter_deltas():
+    before = SpecCounters.from_metrics({"vllm:spec_decode_num_drafts": 10, "vllm:spec_decode_num_draft_tokens": 30,
+                                        "vllm:spec_decode_num_accepted_tokens": 12,
+                                        "vllm:spec_decode_num_accepted_tokens_per_pos": [6, 4, 2]})
+    after = SpecCounters.from_metrics({"vllm:spec_decode_num_drafts": 110, "vllm:spec_decode_num_draft_tokens": 330,
+                                       "vllm:spec_decode_num_accepted_tokens": 132,
+                                       "vllm:spec_decode_num_accepted_tokens_per_pos": [66, 44, 22]})
+    f = acceptance_figures(after - before, k=3)
+    assert f["mean_acceptance_length"] == pytest.approx(2.2)
+    assert f["per_position_acceptance"] == pytest.approx([0.6, 0.4, 0.2])
+    assert f["per_position_conditional"] == pytest.approx([0.6, 0.4 / 0.6, 0.5])
+    assert f["draft_acceptance_rate"] == pytest.approx(0.4)
+    # per-position acceptance can never rise with the position, and sums to the accepted share
+    assert sum(f["per_position_acceptance"]) == pytest.approx(f["mean_acceptance_length"] - 1)
+
+
+def test_no_drafts_is_an_error_that_says_why():
+    with pytest.raises(BenchmarkError, match="no speculative drafts"):
+        acceptance_figures(SpecCounters(), k=3)
+
+
+def test_histogram_delta():
+    before = {"h": {"count": 2, "sum": 0.5}}
+    after = {"h": {"count": 5, "sum": 2.0}}
+    assert histogram_delta(before, after, "h") == (3, 1.5)
+    assert histogram_delta({}, after, "h") == (5, 2.0)
+    assert histogram_delta(before, {}, "h") is None
+
+
+def test_select_evenly_spreads_over_categories():
+    assert select_evenly(80, 8) == [0, 10, 20, 30, 40, 50, 60, 70]
+    assert select_evenly(3, 8) == [0, 1, 2]
+
+
+class FakeEngine:
+    """Counts like vLLM: per request 10 ms TTFT and 2 ms per output token; k=2 drafts, 1 accepted per draft."""
+
+    def __init__(self):
+        self.m = {"vllm:time_to_first_token_seconds": {"count": 0, "sum": 0.0},
+                  "vllm:request_time_per_output_token_seconds": {"count": 0, "sum": 0.0},
+                  "vllm:spec_decode_num_drafts": 0, "vllm:spec_decode_num_draft_tokens": 0,
+                  "vllm:spec_decode_num_accepted_tokens": 0, "vllm:spec_decode_num_accepted_tokens_per_pos": [0, 0]}
+        self.calls = []
+
+    def generate(self, prompts, sampling):
+        self.calls.append(len(prompts))
+        n = sampling["max_tokens"]
+        m = self.m
+        for _ in prompts:
+            m["vllm:time_to_first_token_seconds"]["count"] += 1
+            m["vllm:time_to_first_token_seconds"]["sum"] += 0.010
+            m["vllm:request_time_per_output_token_seconds"]["count"] += 1
+            m["vllm:request_time_per_output_token_seconds"]["sum"] += 0.002
+            m["vllm:spec_decode_num_drafts"] += n // 2
+            m["vllm:spec_decode_num_draft_tokens"] += n
+            m["vllm:spec_decode_num_accepted_tokens"] += n // 2
+            pp = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+            m["vllm:spec_decode_num_accepted_tokens_per_pos"] = [pp[0] + n // 2, pp[1]]
+        return [{"token_ids": list(range(n)), "text": "", "finish_reason": "length"} for _ in prompts]
+
+    def metrics(self):
+        return json.loads(json.dumps(self.m))
+
+
+def test_measure_batches_and_reads_engine_latencies():
+    eng = FakeEngine()
+    eng.generate([[1]], {"max_tokens": 4})  # warm-up before the run must not count
+    r = measure(eng, [[1, 2]] * 5, {"max_tokens": 8}, batch_size=2)
+    assert eng.calls[1:] == [2, 2, 1]
+    assert r.output_tokens == 40 and len(r.outputs) == 5
+    assert r.ttft_ms == pytest.approx(10.0) and r.tpot_ms == pytest.approx(2.0)
+    assert r.spec.drafts == 20 and r.spec.accepted == 20
+    assert acceptance_figures(r.spec, 2)["mean_acceptance_length"] == pytest.approx(2.0)
+    assert r.throughput()["output_tokens_per_s"] > 0
+
+
+def test_chain_lengths_follow_vllm_alignment():
+    seq = [10, 11, 12, 13, 14]
+    # a draft started at t sees token seq[t+1]; step j proposes seq[t+2+j]
+    preds = [[12, 99, 14, 0], [13, 14, 0, 0]]
+    assert chain_lengths(preds, seq, k=2) == [2, 0, 1]
+    assert chain_lengths(preds, seq, k=1) == [1, 0, 1]
+
+
+def test_replay_walks_like_vllm_and_is_a_harmonic_mean():
+    assert replay([9, 2, 0, 0, 1, 0, 0], first=1) == (3, 3)  # starts at 1, 4, 6
+    # an easy stretch (every draft fully accepted, k=2) then a hard one (nothing accepted)
+    chains = [([2] * 30 + [0] * 30, 0)]
+    assert position_average(chains, 2)["mean_acceptance_length"] == pytest.approx(2.0)   # arithmetic
+    assert position_average(chains, 2)["per_position_acceptance"] == pytest.approx([0.5, 0.5])
+    assert replay_average(chains)["mean_acceptance_length"] == pytest.approx(1.5)        # 60 tokens / 40 drafts
+
+
+# --------------------------------------------------------------------------- the report
+
+def test_report_shape_matches_the_issue_contract():
+    cfg = bench_cfg()
+    rep = fabricated_report(cfg)
+    assert set(rep["benchmark"]) == {"mtbench", "heldout"}
+    assert set(rep["benchmark"]["mtbench"]) == {"1", "3"}
+    k3 = rep["benchmark"]["mtbench"]["3"]
+    for key in ("mean_acceptance_length", "per_position_acceptance", "draft_acceptance_rate", "output_tokens_per_s",
+                "baseline_output_tokens_per_s", "speedup", "tpot_ms", "ttft_ms", "token_identical", "batch_size"):
+        assert key in k3, key
+    assert k3["batch_size"] == 4 and set(k3["by_batch_size"]) == {"1", "4"}
+    assert rep["measured_by"]["flow_run_id"] == "run-123"
+    assert rep["baseline"]["heldout"]["by_batch_size"]["1"]["output_tokens_per_s"] == pytest.approx(12.0)
+    json.dumps(rep)  # report.json must serialize
+
+
+def test_speedup_and_token_identity():
+    rep = fabricated_report(bench_cfg())
+    k1 = rep["benchmark"]["heldout"]["1"]["by_batch_size"]
+    assert k1["1"]["speedup"] == pytest.approx(0.5)    # 6 tok/s vs 12 tok/s
+    assert k1["4"]["speedup"] == pytest.approx(0.5)    # 12 vs 24
+    assert k1["1"]["token_identical"] is True
+    k3 = rep["benchmark"]["heldout"]["3"]["by_batch_size"]["1"]
+    assert k3["token_identical"] is False and k3["identical_requests"] == 1 and k3["first_divergence"] == 2
+    assert any("differ from the baseline at temperature 0" in w for w in rep["warnings"])
+    # slower than plain decoding is said plainly
+    assert any("SLOWER" in n for n in rep["notes"])
+
+
+def test_mismatch_beyond_threshold_is_warned_with_causes():
+    rep = fabricated_report(bench_cfg())
+    # k=3: measured 1.44 vs simulated 1.76 (-18%): beyond 15%; k=1: 1.45 vs 1.5 (-3%): fine
+    rows = {(r["eval"], r["k"], r["batch_size"]): r for r in rep["comparison"]}
+    assert rows[("mtbench", 3, 4)]["mismatch"] and rows[("mtbench", 3, 4)]["simulated"] == pytest.approx(1.76)
+    assert not rows[("mtbench", 1, 4)]["mismatch"]
+    first = rep["warnings"][0]
+    assert "1.44" in first and "1.76" in first and "layer ids" in first and "teacher forcing" in first
+    md = report_markdown(rep)
+    assert "Why measured and simulated acceptance differ" in md and "distribution shift" in md
+
+
+def test_no_mismatch_warning_within_threshold():
+    rep = fabricated_report(bench_cfg(mismatch_threshold=0.25), k3_diverges=False)
+    assert rep["warnings"] == []
+    assert "Why measured and simulated" not in report_markdown(rep)
+
+
+def test_replay_table_splits_the_gap_and_flags_engine_loss():
+    r = {"batch_size": 1, "seconds": 3.0, "by_eval": {
+        ev: {"1": {"position_average": 1.47, "replayed": 1.46, "position_average_per_position": [0.47]},
+             "3": {"position_average": 1.70, "replayed": 1.45, "position_average_per_position": [0.4, 0.2, 0.1]}}
+        for ev in ("mtbench", "heldout")}}
+    rep = fabricated_report(bench_cfg(), k3_diverges=False, replayed=r)
+    md = report_markdown(rep)
+    assert "## Where the acceptance goes (offline replay)" in md
+    assert "| mtbench | 3 | 1.76 | 1.70 | 1.45 | 1.44 |" in md
+    assert "HARMONIC" in md
+    assert not any("engine integration" in w for w in rep["warnings"])  # 1.44 vs replay 1.45: the engine is fine
+    r["by_eval"]["mtbench"]["3"]["replayed"] = 2.0
+    rep = fabricated_report(bench_cfg(), k3_diverges=False, replayed=r)
+    assert any("engine integration" in w and "mtbench k=3" in w for w in rep["warnings"])
+    failed = fabricated_report(bench_cfg(), k3_diverges=False, replayed={"error": "EngineError: boom"})
+    assert any("offline replay" in w and "boom" in w for w in failed["warnings"])
+
+
+def test_draft_checks_catch_wrong_layers_and_a_full_depth_draft():
+    info = {"layer_ids": [2, 15, 27], "extract_layer_ids": [3, 15, 27, 30], "num_layers": 30,
+            "target_num_layers": 30}
+    rep = fabricated_report(bench_cfg(), k3_diverges=False, draft_info=info)
+    assert any("reads target layers [2, 15, 27]" in w and "[3, 15, 27]" in w for w in rep["warnings"])
+    assert any("30 decoder layers" in w for w in rep["warnings"])
+    ok = {"layer_ids": [2, 15, 27], "extract_layer_ids": [2, 15, 27, 30], "num_layers": 1, "target_num_layers": 30}
+    assert fabricated_report(bench_cfg(), k3_diverges=False, draft_info=ok)["draft_checks"] == []
+
+
+def test_report_without_validation_accuracy():
+    rep = fabricated_report(bench_cfg(), acc=None, k3_diverges=False)
+    assert rep["simulated_acceptance_length"] is None and rep["warnings"] == []
+    assert "| 1.44 | - |" in report_markdown(rep)
+
+
+def test_rendering_markdown_table_rows_png_and_terminal():
+    from rich.console import Console
+
+    rep = fabricated_report(bench_cfg())
+    md = report_markdown(rep)
+    assert "| eval | k | batch | accept len |" in md
+    assert "| mtbench | 3 | 4 | 1.44 | 1.76 | 0.30 0.10 0.04 | 0.15 | 6.0 | 24.0 | 0.25x |" in md
+    assert "http" not in md  # embeds nothing external
+    rows = report_table_rows(rep)
+    assert len(rows) == 2 * 2 + 2 * 2 * 2  # baseline rows + eval x k x batch
+    assert {r["k"] for r in rows} == {0, 1, 3}
+    png = plot_report(rep)
+    assert png.startswith(PNG_MAGIC) and len(png) > 5000
+    console = Console(record=True, width=200)
+    render_terminal(rep["benchmark"], console, rep)
+    text = console.export_text()
+    assert "1.44" in text and "0.25x" in text and "run-123" in text and "warning" in text
+
+
+def test_publish_summary_builds_prefect_artifacts(monkeypatch):
+    import base64
+
+    import flows.report_artifacts as ra
+
+    made = {}
+    monkeypatch.setattr(ra, "create_table_artifact", lambda rows, key, description: made.update(table=(key, rows)))
+    monkeypatch.setattr(ra, "create_markdown_artifact", lambda md, key, description: made.update(md=(key, md)))
+    rep = fabricated_report(bench_cfg())
+    rep["uri"] = "file:///store/benchmark/abc"
+    ra.publish_summary(rep)
+    key, rows = made["table"]
+    assert key == "benchmark" and rows == report_table_rows(rep)
+    key, md = made["md"]
+    assert key == "benchmark-report" and "file:///store/benchmark/abc" in md
+    b64 = md.split("data:image/png;base64,", 1)[1].split(")", 1)[0]
+    assert base64.b64decode(b64).startswith(PNG_MAGIC)
+
+
+# --------------------------------------------------------------------------- store, prompts, caching
+
+def commit(store: Store, stage: str, digest: str, files: dict[str, bytes], stats: dict | None = None,
+           run: dict | None = None):
+    with store.write(stage, digest, "v", {}) as w:
+        for name, data in files.items():
+            w.write_bytes(name, data)
+        return w.commit(stats or {}, run=run).ref()
+
+
+def heldout_parquet(convs: list[list[dict]]) -> bytes:
+    from tasks.prepare import Sample, parquet_bytes
+
+    return parquet_bytes([Sample(f"s{i}", "chitchat", m, np.array([1, 2], np.int32), np.array([0, 1], np.int8))
+                          for i, m in enumerate(convs)])
+
+
+def test_find_and_load_report_by_digest_uri_and_run_id(store):
+    rep = fabricated_report(bench_cfg())
+    ref = commit(store, "benchmark", "d" * 32, {"report.json": json.dumps(rep).encode()}, run={"flow_run_id": "run-123"})
+    assert load_report(store, ref)["measured_by"]["flow_run_id"] == "run-123"
+    assert find_report(store, "d" * 32) == rep
+    assert find_report(store, ref.uri) == rep
+    assert find_report(store, "dddddddd") == rep
+    assert find_report(store, "run-123") == rep
+    assert find_report(store, "no-such-run") is None
+
+
+def test_cached_benchmark_returns_without_starting_an_engine(tmp_path):
+    store = Store(f"file://{tmp_path}/store")
+    cfg = bench_cfg()
+    trained = commit(store, "train", "t" * 32, {"draft/config.json": b"{}", "draft/model.safetensors": b"x"})
+    data = commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet([])})
+    d = digests.benchmark(cfg, trained, data)
+    commit(store, "benchmark", d, {"report.json": b"{}"})
+
+    def no_engine(*a, **k):
+        raise AssertionError("a committed benchmark must not start an engine")
+
+    ref = run_benchmark(cfg, store, trained, data, engine_factory=no_engine)
+    assert ref.digest == d
+
+
+def test_heldout_prompts_are_first_user_turns_with_the_generation_prompt(tmp_path):
+    from tasks.prepare import make_masker
+
+    store = Store(f"file://{tmp_path}/store")
+    cfg = bench_cfg()
+    convs = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "answer"},
+              {"role": "user", "content": "second turn"}] for i in range(5)]
+    data = commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet(convs)})
+    masker = make_masker(cfg)
+    ev = load_eval_prompts(cfg, store, data, EvalConfig(name="heldout", num_prompts=2), masker.prompt_ids)
+    assert len(ev.prompts) == 2 and ev.sample_ids == ["s0", "s2"]
+    text = masker.tok.decode(ev.prompts[0])
+    assert "question 0" in text and "second turn" not in text and "answer" not in text
+    assert text.rstrip().endswith("assistant")  # generation prompt
+    mt = load_eval_prompts(cfg, store, data, EvalConfig(name="mt", source=SourceConfig(preset="mtbench"),
+                                                        num_prompts=8), masker.prompt_ids)
+    assert len(mt.prompts) == 8 and mt.available == 80
+
+
+def test_bad_inputs_name_the_fix(tmp_path):
+    store = Store(f"file://{tmp_path}/store")
+    cfg = bench_cfg()
+    no_heldout = commit(store, "prepare", "q" * 32, {"shard-00000.parquet": b"x"})
+    with pytest.raises(BenchmarkError, match="data.heldout > 0"):
+        load_eval_prompts(cfg, store, no_heldout, EvalConfig(name="heldout"), lambda m: [1])
+    half = commit(store, "train", "h" * 32, {"metrics.json": b"{}"})
+    with pytest.raises(BenchmarkError, match="re-run the train stage"):
+        with draft_folder(store.open("train", half.digest)):
+            pass
+    with pytest.raises(BenchmarkError, match="max_model_len"):
+        data = commit(store, "prepare", "r" * 32, {"heldout.parquet": heldout_parquet(
+            [[{"role": "user", "content": "hi"}]])})
+        load_eval_prompts(cfg, store, data, EvalConfig(name="heldout"), lambda m: [1] * 5000)
+
+
+def test_check_draft_rejects_a_draft_for_another_target(tmp_path):
+    from types import SimpleNamespace
+
+    conf = {"speculators_model_type": "eagle3", "draft_vocab_size": 8, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+            "transformer_layer_config": {"hidden_size": 64, "vocab_size": 100, "num_hidden_layers": 1}}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    ok = SimpleNamespace(hidden_size=64, vocab_size=100)
+    assert check_draft(str(tmp_path), ok)["layer_ids"] == [1, 2, 3]
+    with pytest.raises(BenchmarkError, match="another target"):
+        check_draft(str(tmp_path), SimpleNamespace(hidden_size=576, vocab_size=100))
+
+
+# --------------------------------------------------------------------------- a real run (slow)
+
+def make_random_draft(model: str, out: Path) -> None:
+    """An untrained EAGLE-3 head for the target (acceptance near zero, but the whole chain is real)."""
+    import torch
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from transformers import AutoConfig
+
+    conf = AutoConfig.from_pretrained(model)
+    n = conf.num_hidden_layers
+    conf.num_hidden_layers = 1  # the draft's own depth: from_training_args copies the verifier's config
+    v, k = conf.vocab_size, 1024
+    d2t, t2d = build_vocab_mappings_from_distribution({i: v - i for i in range(v)}, k, v)
+    torch.manual_seed(0)
+    m = Eagle3DraftModel.from_training_args(conf, t2d=t2d, d2t=d2t, draft_vocab_size=k, norm_before_residual=True,
+                                            ttt_steps=3, verifier_name_or_path=model, draft_attn_impl="sdpa",
+                                            target_layer_ids=[2, n // 2, n - 3])
+    m.to(torch.bfloat16).save_pretrained(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_real_benchmark_baseline_and_eagle3(tmp_path):
+    from tasks.target import resolve_model
+
+    store = Store(f"file://{tmp_path}/store")
+    cfg = bench_cfg(evals=[EvalConfig(name="mtbench", source=SourceConfig(preset="mtbench"), num_prompts=3),
+                           EvalConfig(name="heldout", source="heldout", num_prompts=2)],
+                    num_speculative_tokens=[2], batch_sizes=[1, 3], max_tokens=24)
+    cfg.target.max_model_len = 1024
+    cfg.extract.kv_cache_gib = 1
+    model = resolve_model(cfg.target)
+    make_random_draft(model, tmp_path / "draft")
+    files = {f"draft/{p.name}": p.read_bytes() for p in (tmp_path / "draft").iterdir() if p.is_file()}
+    trained = commit(store, "train", "t" * 32, files, stats={"val_acc_per_pos": [0.3, 0.1, 0.05]})
+    convs = [[{"role": "user", "content": q}] for q in ("How are you today?", "What is your favourite food?",
+                                                          "Tell me about your weekend.")]
+    data = commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet(convs)})
+    logs: list[str] = []
+    ref = run_benchmark(cfg, store, trained, data, flow_run_id="slow-test", log=logs.append)
+    rep = load_report(store, ref)
+    art = store.open("benchmark", ref.digest, checksums=True)
+    assert set(art.files()) == {"report.json", "report.md", "report.png"}
+    assert art.read_bytes("report.png").startswith(PNG_MAGIC)
+    for ev in ("mtbench", "heldout"):
+        f = rep["benchmark"][ev]["2"]
+        assert f["batch_size"] == 3
+        for bs, g in f["by_batch_size"].items():
+            assert g["mean_acceptance_length"] >= 1.0
+            assert g["drafts"] > 0 and len(g["per_position_acceptance"]) == 2
+            assert g["speedup"] > 0 and g["output_tokens_per_s"] > 0 and g["tpot_ms"] > 0 and g["ttft_ms"] > 0
+            assert g["token_identical"] is True, (ev, bs, g)
+    assert rep["measured_by"]["flow_run_id"] == "slow-test"
+    assert find_report(store, "slow-test")["digest"] == ref.digest
+    print(json.dumps({ev: {bs: {k: g[k] for k in ("mean_acceptance_length", "output_tokens_per_s", "speedup",
+                                                  "tpot_ms", "ttft_ms")}
+                           for bs, g in rep["benchmark"][ev]["2"]["by_batch_size"].items()}
+                      for ev in rep["benchmark"]}, indent=1), rep["timing"], file=sys.stderr)
+    # a second call finds the committed artifact
+    assert run_benchmark(cfg, store, trained, data).digest == ref.digest

