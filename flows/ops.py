@@ -480,7 +480,8 @@ def gpu_inventory() -> tuple[list[str], str]:
                 return rows, "nvidia-smi" + (f", CUDA_VISIBLE_DEVICES={cvd}" if cvd is not None else "")
         except (OSError, subprocess.TimeoutExpired):
             pass
-    if _installed("torch"):
+    torch_v = _installed("torch") or ""
+    if torch_v and not torch_v.endswith("+cpu"):  # a CPU build sees no GPU: skip the slow import
         code = ("import torch,json;print(json.dumps([torch.cuda.get_device_name(i) for i in "
                 "range(torch.cuda.device_count())] if torch.cuda.is_available() else []))")
         try:
@@ -715,8 +716,7 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
             for d in chosen:
                 pool, kind, template = pool_spec(d)
                 rows.append((d["name"], pool, kind, ensure_pool(c, pool, kind, template, update_pools)))
-        for d in chosen:
-            _prefect_deploy(d, image=image, store=store)
+        _prefect_deploy(chosen, image=image, store=store)
     except OpsError as exc:
         _fail(str(exc))
     table = Table(title=f"deployments on {url}")
@@ -730,28 +730,32 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
     console.print("next: draftline submit CONFIG --deployment NAME")
 
 
-def _prefect_deploy(dep: dict[str, Any], image: str | None, store: str | None) -> None:
-    """`prefect deploy` of one deployment, from the repository root (so `local` records this checkout)."""
+def _prefect_deploy(deps: list[dict[str, Any]], image: str | None, store: str | None) -> None:
+    """`prefect deploy` of the chosen deployments, from the repository root (so that `local`
+    records this checkout as its code folder). A temporary copy of prefect.yaml carries --image and
+    --store (prefect's own --job-variable flag drops the file's other job variables)."""
     spec = yaml.safe_load(PREFECT_FILE.read_text())
-    jv = dep.setdefault("work_pool", {}).setdefault("job_variables", {})
-    if image and "image" in jv:
-        jv["image"] = image
-    if store:
-        jv["store_uri"] = store
-    spec["deployments"] = [dep]
+    for dep in deps:
+        jv = dep.setdefault("work_pool", {}).setdefault("job_variables", {})
+        if image and "image" in jv:
+            jv["image"] = image
+        if store:
+            jv["store_uri"] = store
+    spec["deployments"] = deps
     prefect = Path(sys.executable).parent / "prefect"
-    cmd = [str(prefect) if prefect.exists() else "prefect", "--no-prompt", "deploy"]
+    cmd = [str(prefect) if prefect.exists() else "prefect", "--no-prompt", "deploy", "--all"]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="draftline-deploy-", delete=False) as fh:
         yaml.safe_dump(spec, fh, sort_keys=False)
         tmp = fh.name
     try:
-        out = subprocess.run([*cmd, "--prefect-file", tmp, "--name", dep["name"]], cwd=ROOT,
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run([*cmd, "--prefect-file", tmp], cwd=ROOT, capture_output=True, text=True, timeout=900)
     finally:
         os.unlink(tmp)
-    if out.returncode != 0 or "successfully created" not in out.stdout + out.stderr:
-        tail = (out.stdout + out.stderr).strip()[-2500:]
-        raise OpsError(f"`prefect deploy --name {dep['name']}` failed (exit {out.returncode}):\n{tail}")
+    text = out.stdout + out.stderr
+    done = text.count("successfully created")
+    if out.returncode != 0 or done < len(deps):
+        raise OpsError(f"`prefect deploy` registered {done} of {len(deps)} deployment(s) (exit {out.returncode}):\n"
+                       + text.strip()[-2500:])
 
 
 def save_credentials_block(name: str) -> None:
@@ -867,6 +871,13 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
                     job_vars["gpu_ids"] = ",".join(str(i) for i in range(gpus))
             if env:
                 job_vars["env"] = _env_pairs(env)
+            if pool is not None and pool.type == "docker":
+                # A container's file:// store vanishes with the container.
+                chosen = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("store.uri=")), None)
+                chosen = chosen or job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri")
+                if not chosen or not str(chosen).startswith("s3://"):
+                    raise OpsError(f"{full} runs in containers: give it a shared store (--store s3://BUCKET/PREFIX, "
+                                   "or `draftline deploy --store ...`); a file:// store would vanish with the container")
             online = []
             if pool is not None:
                 online = [w.name for w in c.read_workers_for_work_pool(pool.name)

@@ -110,6 +110,7 @@ class EngineProcess:
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._dead = False
+        self._failed = False  # died or was killed: keep its log when cleaning up
         self._lock = threading.Lock()
         self._seq = 0
 
@@ -285,6 +286,7 @@ class EngineProcess:
 
     def _mark_dead(self) -> None:
         self._dead = True
+        self._failed = True
         self._kill_group()
 
     def _kill_group(self) -> None:
@@ -311,8 +313,16 @@ class EngineProcess:
             with contextlib.suppress(Exception):
                 self._conn.close()
             self._conn = None
+        if self._failed and self.log_path and os.path.exists(self.log_path):
+            with contextlib.suppress(OSError):
+                shutil.move(self.log_path, self.kept_log_path())
+        self._failed = False
         if self.workdir and os.path.isdir(self.workdir) and not os.environ.get("DRAFTLINE_KEEP_ENGINE_DIR"):
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def kept_log_path(self) -> str:
+        """Where the full log of an engine that died is kept after cleanup."""
+        return os.path.join(tempfile.gettempdir(), f"draftline-{self.name}-{self.pid}.log")
 
     def _exit_text(self) -> str:
         if self._proc is None:
@@ -332,7 +342,10 @@ class EngineProcess:
             fh.seek(0, os.SEEK_END)
             size = fh.tell()
             fh.seek(max(0, size - LOG_TAIL_CHARS))
-            return fh.read().decode("utf-8", "replace")
+            tail = fh.read().decode("utf-8", "replace")
+        if self._failed:
+            tail += f"\n--- full log: {self.kept_log_path()} (after close) ---"
+        return tail
 
 
 def _as_lists(prompts: Any) -> list[list[int]]:
@@ -731,8 +744,12 @@ def serve(fd: int, parent_pid: int) -> int:
             conn.send({"ok": True, "result": result})
         except Exception as exc:
             traceback.print_exc()
-            conn.send({"ok": False, "fatal": False, "error": f"{type(exc).__name__}: {exc}",
+            dead = type(exc).__name__ == "EngineDeadError"  # vLLM's engine core is gone: so are we
+            conn.send({"ok": False, "fatal": dead, "error": f"{type(exc).__name__}: {exc}",
                        "traceback": traceback.format_exc()})
+            if dead:
+                code = 1
+                break
     with contextlib.suppress(Exception):
         backend.close()
     sys.stdout.flush()

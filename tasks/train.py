@@ -976,29 +976,10 @@ class Trainer:
         return RunState(world=self.env.world)
 
     # ---------------------------------------------------------------- evaluation
-    @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Held-out loss, per-position accuracy and simulated acceptance length (rank 0's view)."""
-        if not self.eval:
-            return {}
-        self.model.eval()
-        sums: dict[str, float] = {}
-        loss, tokens = 0.0, 0
-        try:
-            for b in self.eval:
-                with self._autocast():
-                    _, batch_loss, m = self.model(**b.model_inputs(self.env.device), **self.forward_kwargs)
-                loss += float(batch_loss)
-                tokens += b.tokens
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-        finally:
-            self.model.train()
-        r = _ratios(sums, self.t.ttt_steps)
-        return {"val_loss": _r(loss / len(self.eval)), "val_acc_per_pos": [_r(a) for a in r["acc_per_pos"]],
-                "val_chain_acc_per_pos": [_r(a) for a in r["chain_acc_per_pos"]],
-                "simulated_acceptance_length": _r(simulated_acceptance_length(r["acc_per_pos"]), 4),
-                "val_tokens": tokens, "val_samples": self.heldout_samples}
+        out = evaluate_model(self.model, self.eval, self.env.device, self.forward_kwargs, self._autocast)
+        return {**out, "val_samples": self.heldout_samples} if out else {}
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> RunState:
@@ -1128,6 +1109,33 @@ class Trainer:
         return self.store.open(STAGE, self.inp.digest).ref()
 
 
+@torch.no_grad()
+def evaluate_model(model: Any, batches: Sequence[Batch], device: torch.device, forward_kwargs: dict[str, Any],
+                   autocast: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
+    """Loss, per-position accuracy (see `simulated_acceptance_length`) and the simulated
+    acceptance length of any Eagle3DraftModel over packed batches; {} without batches."""
+    if not batches:
+        return {}
+    was_training = model.training
+    model.eval()
+    sums: dict[str, float] = {}
+    loss, tokens = 0.0, 0
+    try:
+        for b in batches:
+            with autocast():
+                _, batch_loss, m = model(**b.model_inputs(device), **forward_kwargs)
+            loss += float(batch_loss)
+            tokens += b.tokens
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+    finally:
+        model.train(was_training)
+    r = _ratios(sums, int(forward_kwargs.get("ttt_steps", 3)))
+    return {"val_loss": _r(loss / len(batches)), "val_acc_per_pos": [_r(a) for a in r["acc_per_pos"]],
+            "val_chain_acc_per_pos": [_r(a) for a in r["chain_acc_per_pos"]],
+            "simulated_acceptance_length": _r(simulated_acceptance_length(r["acc_per_pos"]), 4), "val_tokens": tokens}
+
+
 def export_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
     """`folder/config.json` + `folder/model.safetensors` in speculators' format, which vLLM
     loads as an EAGLE-3 draft (`speculative_config={"method": "eagle3", "model": folder}`).
@@ -1178,7 +1186,8 @@ def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs
 
 __all__ = [
     "Batch", "BatchStream", "CKPT_STAGE", "DistEnv", "PartData", "PartReader", "PartSpec", "SCHEDULING_KEYS",
-    "STAGE", "TrainError", "TrainInputs", "Trainer", "build_draft_model", "checkpoint_digest", "export_draft",
+    "STAGE", "TrainError", "TrainInputs", "Trainer", "build_draft_model", "checkpoint_digest", "evaluate_model",
+    "export_draft",
     "flops_per_token", "lr_at", "read_vocab", "resolve_inputs", "run_train", "simulated_acceptance_length",
     "train_digest",
 ]

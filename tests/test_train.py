@@ -412,6 +412,7 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     args = json.loads(open(sys.argv[1]).read())
     llm = LLM(model=args["target"], enforce_eager=True, max_model_len=512, dtype="bfloat16", seed=0,
+              disable_log_stats=False,
               speculative_config={"method": "eagle3", "model": args["draft"], "num_speculative_tokens": 3})
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]],
                         SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True))
@@ -437,9 +438,8 @@ def test_exported_draft_decodes_in_vllm(tmp_path):
                  "What do cats eat?", "How far is the moon?", "Give me a tip for sleeping well.",
                  "What is Python?", "Describe a tree.", "What is the speed of light?", "Who wrote Hamlet?",
                  "How do plants grow?", "What is a prime number?"]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in questions]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]) for q in questions]
     samples = generate_samples(target, len(prompts), new_tokens=48, prompts=prompts)
     store = Store(f"file://{tmp_path}/store")
     layer_ids = [2, 15, 27, 30]
