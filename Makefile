@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE ?= 1
 export DO_NOT_TRACK ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: venv demo test test-fast lock clean benchmark help
+.PHONY: venv demo test test-fast lock clean benchmark help chromium
 help:
 	@echo "make demo   set up and run the full pipeline on CPU (configs/demo.yaml)"
 	@echo "make test   set up and run the test suite"
@@ -35,7 +35,14 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 demo: venv
 	$(BIN)/draftline run configs/demo.yaml
 
-test: venv
+# The UI test (tests/test_ui.py) drives Debian's headless Chromium; install it once if missing.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  echo "installing chromium for tests/test_ui.py"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+
+test: venv chromium
 	$(BIN)/python -m pytest -q tests
 
 test-fast: venv

@@ -419,6 +419,12 @@ def _pins(path: Path) -> dict[str, str]:
     return pins
 
 
+def same_version(have: str, want: str) -> bool:
+    """`2.14.0+cu129` satisfies a pin of `2.14.0` (CUDA builds carry a local tag); `2.13.0` does not
+    satisfy `2.13.0+cpu` (that would be the CUDA build where the CPU one is tested)."""
+    return have == want or ("+" not in want and have.split("+", 1)[0] == want)
+
+
 def tested_versions(flavor: str) -> dict[str, str]:
     """The versions of the core packages in the tested set: `cpu` (requirements/cpu.lock) or `gpu`."""
     pins = _pins(ROOT / "requirements" / ("cpu.lock" if flavor == "cpu" else "gpu.txt"))
@@ -453,7 +459,7 @@ def check_versions(flavor: str | None = None) -> tuple[str, list[Check]]:
         expected = want.get(pkg)
         if have is None:
             checks.append(Check(pkg, "fail", f"not installed (tested: {dist}=={expected})", fix_all))
-        elif expected and have != expected:
+        elif expected and not same_version(have, expected):
             checks.append(Check(pkg, "fail", f"{have} installed, tested with {expected} ({source})",
                                 f"pip install '{dist}=={expected}' (or {fix_all})"))
         else:

@@ -83,6 +83,19 @@ def vllm_extract_kwargs(layer_ids: list[int]) -> dict[str, Any]:
 
 # ============================================================================ parent side
 
+
+def engine_tmp_base() -> str | None:
+    """Where engines put their hidden-state files: DRAFTLINE_ENGINE_TMP, else /dev/shm when it is
+    big enough (RAM: the files are written once and read once), else the system temp folder."""
+    explicit = os.environ.get("DRAFTLINE_ENGINE_TMP")
+    if explicit:
+        return explicit
+    shm = "/dev/shm"
+    with contextlib.suppress(OSError):
+        if os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= 8 << 30:
+            return shm
+    return None
+
 _LIVE: "weakref.WeakSet[EngineProcess]" = weakref.WeakSet()
 
 
@@ -133,8 +146,7 @@ class EngineProcess:
             return
         self._cleanup()
         self._dead = False
-        base = os.environ.get("DRAFTLINE_ENGINE_TMP") or None
-        self.workdir = tempfile.mkdtemp(prefix=f"draftline-{self.name}-", dir=base)
+        self.workdir = tempfile.mkdtemp(prefix=f"draftline-{self.name}-", dir=engine_tmp_base())
         env = {**os.environ, **self.env}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -601,10 +613,15 @@ class _TransformersBackend:
                 with torch.inference_mode():
                     self.decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                  use_cache=False)
-                for slot in range(len(layer_ids)):
-                    h = captured[slot]
-                    for r, j in enumerate(batch):
-                        out[offsets[j]:offsets[j + 1], slot] = h[r, :lengths[j]].to("cpu", torch.bfloat16)
+                    # [B, S, L, H] -> valid rows [sum(len), L, H] on the device, then ONE copy to the host
+                    stacked = torch.stack([captured[s].to(self.device, torch.bfloat16) for s in range(len(layer_ids))], dim=2)
+                    captured.clear()
+                    valid = stacked[mask.to(stacked.device).bool()].to("cpu")
+                    del stacked
+                pos = 0
+                for j in batch:  # rows come out in batch order; put each sample at its offset
+                    out[offsets[j]:offsets[j + 1]] = valid[pos:pos + lengths[j]]
+                    pos += lengths[j]
         finally:
             for h in handles:
                 h.remove()
@@ -698,13 +715,19 @@ def _die_with_parent(parent_pid: int) -> None:
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(1.0)
+        if _WORKDIR:  # nobody is left to clean up after us (it may sit in /dev/shm, i.e. RAM)
+            shutil.rmtree(_WORKDIR, ignore_errors=True)
         kill_group()
 
     signal.signal(signal.SIGTERM, kill_group)
     threading.Thread(target=watch, name="draftline-parent-watch", daemon=True).start()
 
 
+_WORKDIR: str | None = None
+
+
 def serve(fd: int, parent_pid: int) -> int:
+    global _WORKDIR
     conn = Connection(fd)
     os.set_inheritable(fd, False)
     _die_with_parent(parent_pid)
@@ -713,6 +736,7 @@ def serve(fd: int, parent_pid: int) -> int:
     except EOFError:
         return 1
     backend: Any = None
+    _WORKDIR = init.get("workdir")
     try:
         cls = _VllmBackend if init["kind"] == "vllm" else _TransformersBackend
         t0 = time.monotonic()

@@ -146,23 +146,32 @@ def regenerate_samples(cfg: RunConfig, masker: ChatMasker, engine: Engine, sampl
                 d.answered += 1
     out_samples: list[Sample] = []
     dropped: Counter = Counter()
+    per_source: dict[str, dict[str, Any]] = {}
     truncated = 0
     for d in dialogs:
+        src = per_source.setdefault(d.sample.source, {"prompts": 0, "samples": 0, "dropped": Counter()})
+        src["prompts"] += 1
+        reason = None
         if d.answered == 0:
-            dropped[d.stop or "no_user"] += 1
-            continue
-        if d.stop:
-            counts["turns_cut"] += 1
-        conv = Conversation(messages=d.messages, source=d.sample.source, sample_id=d.sample.sample_id)
-        try:
-            sample, cut = encode_sample(masker, conv, cfg.data)
-        except SampleDropped as drop:
-            dropped[drop.reason] += 1
-            continue
-        truncated += cut
-        out_samples.append(sample)
-    return out_samples, {"dropped": dict(dropped), "generated_tokens": generated, "truncated": truncated,
-                         **{k: v for k, v in counts.items()}}
+            reason = d.stop or "no_user"
+        else:
+            if d.stop:
+                counts["turns_cut"] += 1
+            conv = Conversation(messages=d.messages, source=d.sample.source, sample_id=d.sample.sample_id)
+            try:
+                sample, cut = encode_sample(masker, conv, cfg.data)
+                truncated += cut
+                out_samples.append(sample)
+                src["samples"] += 1
+            except SampleDropped as drop:
+                reason = drop.reason
+        if reason is not None:
+            dropped[reason] += 1
+            src["dropped"][reason] += 1
+    for src in per_source.values():
+        src["dropped"] = dict(sorted(src["dropped"].items()))
+    return out_samples, {"dropped": dict(sorted(dropped.items())), "generated_tokens": generated,
+                         "truncated": truncated, "per_source": per_source, **dict(counts)}
 
 
 def _regenerate_shard(cfg: RunConfig, store: Store, key: str, index: int, prep_art: Artifact,
@@ -170,9 +179,8 @@ def _regenerate_shard(cfg: RunConfig, store: Store, key: str, index: int, prep_a
     t0 = time.time()
     samples = read_samples(prep_art, shard_name(index))
     new, info = regenerate_samples(cfg, masker, engine, samples)
-    per_source = Counter(s.source for s in new)
     stats = {**token_stats(new), **info, "shard": index, "prompts": len(samples),
-             "per_source": dict(per_source), "seconds": round(time.time() - t0, 2)}
+             "seconds": round(time.time() - t0, 2)}
     config = {"regenerate": cfg.regenerate.model_dump(mode="json")}
     with store.write(SHARD_STAGE, key, VERSIONS[STAGE], {**inputs, "shard": str(index)}, config) as w:
         w.write_bytes(SHARD_FILE, parquet_bytes(new))
@@ -217,14 +225,21 @@ def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
 
     totals: Counter = Counter()
     dropped: Counter = Counter()
-    per_source: Counter = Counter()
+    per_source: dict[str, dict[str, Any]] = {}
     for art in shard_arts:
         s = art.stats
         for k in ("samples", "tokens", "masked_tokens", "generated_tokens", "prompts", "truncated",
                   "answers_cut", "turns_cut"):
             totals[k] += int(s.get(k, 0))
         dropped.update(s.get("dropped", {}))
-        per_source.update(s.get("per_source", {}))
+        for label, entry in s.get("per_source", {}).items():
+            acc = per_source.setdefault(label, {"prompts": 0, "samples": 0, "heldout": 0, "dropped": Counter()})
+            acc["prompts"] += entry["prompts"]
+            acc["samples"] += entry["samples"]
+            acc["dropped"].update(entry["dropped"])
+    for label, entry in per_source.items():
+        entry["heldout"] = int(prep_art.stats.get("per_source", {}).get(label, {}).get("heldout", 0))
+        entry["dropped"] = dict(sorted(entry["dropped"].items()))
     if totals["samples"] == 0:
         raise RegenerateError(
             f"no regenerated sample survived (dropped: {dict(dropped)}); check target.max_model_len, "
@@ -253,5 +268,5 @@ def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
         for i, art in enumerate(shard_arts):
             w.write_bytes(shard_name(i), art.read_bytes(SHARD_FILE))
         w.write_bytes(HELDOUT, prep_art.read_bytes(HELDOUT))
-        stats["assemble_seconds"] = round(time.time() - t0, 2)
+        stats["wall_seconds"] = round(time.time() - t0, 2)  # this call: engine start, reused shards, copying
         return w.commit(stats).ref()

@@ -393,14 +393,13 @@ def assemble(pieces: Sequence[Piece], length: int, position: dict[str, int] | No
     """
     first = pieces[0][0]
     n_l, h = int(first.hidden.shape[1]), int(first.hidden.shape[2])
-    hs = torch.zeros(length, n_l - 1, h, dtype=first.hidden.dtype)
-    last = torch.zeros(length, h, dtype=first.hidden.dtype)
+    # pinned (page-locked) on a GPU run, so the copy to the device can overlap compute
+    hs = torch.zeros(length, n_l - 1, h, dtype=first.hidden.dtype, pin_memory=pin_memory)
+    last = torch.zeros(length, h, dtype=first.hidden.dtype, pin_memory=pin_memory)
     ids = torch.zeros(length, dtype=torch.int64)
     mask = torch.zeros(length, dtype=torch.bool)
     pos = torch.ones(length, dtype=torch.int64)
     doc = torch.full((length,), -1, dtype=torch.int64)
-    if pin_memory:
-        hs, last = hs.pin_memory(), last.pin_memory()
     o = 0
     for d, (data, start, j, n) in enumerate(pieces):
         a = start + j

@@ -109,6 +109,9 @@ def test_same_layout_as_prepare_and_heldout_untouched(setup):
         masked = tok.decode([int(i) for i, m in zip(s.input_ids, s.loss_mask) if m])
         assert masked.strip() == answer + "<|im_end|>"
     assert ref.stats["samples"] == len(new) and ref.stats["generated_tokens"] == 5 * ref.stats["prompts"]
+    assert ref.stats["per_source"]["chats"] == {"prompts": ref.stats["prompts"], "samples": len(new),
+                                                "heldout": 3, "dropped": {}}
+    assert ref.stats["heldout"] == prepared.stats["heldout"] == 3
 
 
 def test_overlong_prompts_are_filtered_before_generating(setup):

@@ -63,19 +63,20 @@ def hidden_states(model, ids: list[int], layer_ids: list[int]) -> torch.Tensor:
 
     handle = last_layer.register_forward_hook(hook)
     try:
-        out = model(torch.tensor([ids]), output_hidden_states=True)
+        out = model(torch.tensor([ids], device=model.device), output_hidden_states=True)
     finally:
         handle.remove()
     slots = [out.hidden_states[k][0] for k in layer_ids[:-1]] + [captured["last"][0]]
-    return torch.stack(slots, dim=1).to(torch.bfloat16)
+    return torch.stack(slots, dim=1).to(torch.bfloat16).cpu()
 
 
 def write_extract(store: Store, model_path: str, samples: list[tuple[list[int], list[int]]], layer_ids: list[int],
-                  shards: int = 2, part_samples: int = 4, tag: str = "test") -> list[ArtifactRef]:
+                  shards: int = 2, part_samples: int = 4, tag: str = "test", device: str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> list[ArtifactRef]:
     """One extract artifact per shard (samples dealt round-robin), parts of `part_samples` samples."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     hidden = model.config.hidden_size
     refs = []
     for shard in range(shards):
