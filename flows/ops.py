@@ -890,9 +890,10 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
                           if getattr(w.status, "value", str(w.status)) == "ONLINE"]
             run = run_deployment(full, parameters=params, job_variables=job_vars or None, timeout=0,
                                  flow_run_name=name, tags=[f"config:{config.name}"])
+            store_note = job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri") or \
+                f"the worker's {STORE_URI_ENV} (if set; else {cfg.store.uri})"
             info = {"id": str(run.id), "name": run.name, "deployment": full, "ui_url": run_url(run.id),
-                    "store": job_vars.get("store_uri") or f"(worker's {STORE_URI_ENV}, else {cfg.store.uri})",
-                    "state": _state(run)}
+                    "store": store_note, "state": _state(run)}
             if not as_json:
                 console.print(f"submitted [bold]{run.name}[/] ({run.id}) to {full}")
                 console.print(f"  config {params['config_path'] or '(inlined) ' + config.name}, "

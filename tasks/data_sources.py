@@ -280,7 +280,8 @@ def _chitchat_rows() -> Iterator[dict]:
             sender = turn[0].get("sender")
             first = first if first is not None else sender
             role = "user" if sender == first else "assistant"
-            text = "\n".join(str(u.get("text", "")).strip() for u in turn if str(u.get("text", "")).strip())
+            texts = [t.strip() for t in (u.get("text") for u in turn) if isinstance(t, str)]
+            text = "\n".join(t for t in texts if t)
             if out and out[-1]["role"] == role and isinstance(out[-1]["content"], str):
                 out[-1]["content"] += "\n" + text
             else:

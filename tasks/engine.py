@@ -126,6 +126,7 @@ class EngineProcess:
         self._failed = False  # died or was killed: keep its log when cleaning up
         self._lock = threading.Lock()
         self._seq = 0
+        self.last_timings: dict[str, float] = {}  # of the last extract(): engine phases, call, load
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -203,38 +204,47 @@ class EngineProcess:
         return self._call("generate", prompt_token_ids=_as_lists(prompt_token_ids), sampling=dict(sampling))
 
     def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int]) -> list[Any]:
-        """Hidden states per prompt: bf16 tensors [T, L, H], slots in `layer_ids` order."""
+        """Hidden states per prompt: bf16 tensors [T, L, H], slots in `layer_ids` order.
+
+        The tensors map the engine's file in shared memory (no copy); the file itself is unlinked.
+        """
         import torch
-        from safetensors.torch import load_file
 
         prompts = _as_lists(prompt_token_ids)
         if not prompts:
             return []
+        t0 = time.monotonic()
         res = self._call("extract", prompt_token_ids=prompts, layer_ids=list(layer_ids))
-        out: list[torch.Tensor] = []
+        t1 = time.monotonic()
+        out: list[Any] = [None] * len(prompts)
+        files = list(res.get("paths", [])) + ([res["path"]] if "path" in res else [])
         try:
             if "paths" in res:  # vLLM: one connector file per request
-                for ids, path in zip(prompts, res["paths"]):
-                    data = load_file(path)
+                for i, (ids, path) in enumerate(zip(prompts, res["paths"])):
+                    data, _ = read_safetensors(path)
                     got = data["token_ids"].tolist()
                     if got != ids:
                         raise EngineError(f"{self.name}: hidden states at {path} belong to other tokens "
                                           f"({len(got)} vs {len(ids)} tokens)", fatal=False)
-                    out.append(data["hidden_states"].to(torch.bfloat16))
-            else:  # transformers: one file, samples concatenated
-                data = load_file(res["path"])
-                hs = data["hidden_states"].to(torch.bfloat16)
-                offs = data["offsets"].tolist()
-                out = [hs[offs[i]:offs[i + 1]] for i in range(len(prompts))]
+                    out[i] = data["hidden_states"].to(torch.bfloat16)
+            else:  # transformers: one file; sub-batch k holds prompts order[k] concatenated
+                data, _ = read_safetensors(res["path"])
+                for k, order in enumerate(res["order"]):
+                    hs = data[f"hidden_states.{k}"]
+                    pos = 0
+                    for i in order:
+                        out[i] = hs[pos:pos + len(prompts[i])]
+                        pos += len(prompts[i])
         finally:
-            for path in res.get("paths", []) + ([res["path"]] if "path" in res else []):
+            for path in files:
                 for p in (path, path + ".lock"):
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(p)
         for ids, t in zip(prompts, out):
-            if t.ndim != 3 or t.shape[0] != len(ids) or t.shape[1] != len(layer_ids):
+            if t is None or t.ndim != 3 or t.shape[0] != len(ids) or t.shape[1] != len(layer_ids):
                 raise EngineError(f"{self.name}: expected hidden states [{len(ids)}, {len(layer_ids)}, H], "
-                                  f"got {list(t.shape)}", fatal=False)
+                                  f"got {None if t is None else list(t.shape)}", fatal=False)
+        self.last_timings = {**res.get("timings", {}), "call_s": t1 - t0, "load_s": time.monotonic() - t1}
         return out
 
     def metrics(self) -> dict[str, Any]:
@@ -358,6 +368,43 @@ class EngineProcess:
         if self._failed:
             tail += f"\n--- full log: {self.kept_log_path()} (after close) ---"
         return tail
+
+
+_ST_TORCH = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def read_safetensors(path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file, mapped read-only without copying.
+
+    The tensors stay valid after the file is deleted (the mapping holds the pages).
+    """
+    import json
+    import mmap
+    import struct
+
+    import torch
+
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < 8:
+            raise EngineError(f"{path}: {size} bytes is not a safetensors file", fatal=False)
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else None
+    meta = header.pop("__metadata__", None) or {}
+    out: dict[str, Any] = {}
+    for name, info in header.items():
+        dtype = getattr(torch, _ST_TORCH[info["dtype"]])
+        begin, end = info["data_offsets"]
+        shape = info["shape"]
+        if end == begin or mm is None:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        t = torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=8 + n + begin)
+        out[name] = t.view(dtype).reshape(shape)
+    return out, meta
 
 
 def _as_lists(prompts: Any) -> list[list[int]]:
@@ -567,10 +614,21 @@ class _TransformersBackend:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self._n = 0
+        self._host: Any = None
 
     def info(self) -> dict:
         return {"max_model_len": self.max_model_len, "layers": self.layers_name, "num_layers": self.num_layers,
                 "device": str(self.device)}
+
+    def _host_buffer(self, numel: int) -> Any:
+        """A reusable host buffer (pinned on a GPU, so the device-to-host copy runs at full speed)."""
+        import torch
+
+        if self._host is None or self._host.numel() < numel:
+            self._host = None
+            pin = self.device.type == "cuda"
+            self._host = torch.empty(int(numel * 1.25), dtype=torch.bfloat16, pin_memory=pin)
+        return self._host
 
     def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int]) -> dict:
         import torch
@@ -580,12 +638,11 @@ class _TransformersBackend:
         if not layer_ids or any(not 1 <= k <= n for k in layer_ids):
             raise ValueError(f"layer ids {layer_ids} out of range 1..{n} (id k = output of decoder layer k-1)")
         _check_lengths(prompt_token_ids, self.max_model_len, 0)
+        t_start = time.monotonic()
         lengths = [len(p) for p in prompt_token_ids]
-        offsets = [0]
-        for t in lengths:
-            offsets.append(offsets[-1] + t)
-        hidden = getattr(self.config, "text_config", None) or self.config
-        out = torch.empty(offsets[-1], len(layer_ids), int(hidden.hidden_size), dtype=torch.bfloat16)
+        hidden = int((getattr(self.config, "text_config", None) or self.config).hidden_size)
+        row = len(layer_ids) * hidden
+        host = self._host_buffer(sum(lengths) * row)
         captured: dict[int, Any] = {}
 
         def hook(slot: int):
@@ -593,45 +650,55 @@ class _TransformersBackend:
                 captured[slot] = output[0] if isinstance(output, (tuple, list)) else output
             return fn
 
-        handles = []
-        # several slots may share a layer only if ids repeat, which validation forbids
-        for slot, k in enumerate(layer_ids):
-            handles.append(self.layers[k - 1].register_forward_hook(hook(slot)))
+        handles = [self.layers[k - 1].register_forward_hook(hook(slot)) for slot, k in enumerate(layer_ids)]
+        tensors: dict[str, Any] = {}
+        orders: list[list[int]] = []
+        forward_s = 0.0
         try:
-            order = sorted(range(len(prompt_token_ids)), key=lambda i: -lengths[i])
-            i = 0
+            order = sorted(range(len(prompt_token_ids)), key=lambda i: -lengths[i])  # little padding
+            i = pos = 0
             while i < len(order):
-                width = lengths[order[i]]  # longest in this batch (sorted descending)
+                width = lengths[order[i]]  # longest in this sub-batch
                 batch = order[i:i + max(1, self.max_batch_tokens // max(width, 1))]
                 i += len(batch)
                 ids = torch.zeros(len(batch), width, dtype=torch.long)
-                mask = torch.zeros(len(batch), width, dtype=torch.long)
+                mask = torch.zeros(len(batch), width, dtype=torch.bool)
                 for r, j in enumerate(batch):
                     ids[r, :lengths[j]] = torch.tensor(prompt_token_ids[j])
-                    mask[r, :lengths[j]] = 1
+                    mask[r, :lengths[j]] = True
+                t0 = time.monotonic()
                 captured.clear()
                 with torch.inference_mode():
-                    self.decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                    self.decoder(input_ids=ids.to(self.device), attention_mask=mask.long().to(self.device),
                                  use_cache=False)
-                    # [B, S, L, H] -> valid rows [sum(len), L, H] on the device, then ONE copy to the host
-                    stacked = torch.stack([captured[s].to(self.device, torch.bfloat16) for s in range(len(layer_ids))], dim=2)
+                    # [B, S, L, H] -> the valid rows [sum(len), L, H], in sub-batch order, then one copy out
+                    stacked = torch.stack([captured[s].to(self.device, torch.bfloat16)
+                                           for s in range(len(layer_ids))], dim=2)
                     captured.clear()
-                    valid = stacked[mask.to(stacked.device).bool()].to("cpu")
+                    valid = stacked[mask.to(stacked.device)]
                     del stacked
-                pos = 0
-                for j in batch:  # rows come out in batch order; put each sample at its offset
-                    out[offsets[j]:offsets[j + 1]] = valid[pos:pos + lengths[j]]
-                    pos += lengths[j]
+                    rows = valid.shape[0]
+                    dst = host[pos * row:(pos + rows) * row].view(rows, len(layer_ids), hidden)
+                    dst.copy_(valid)
+                    del valid
+                forward_s += time.monotonic() - t0
+                tensors[f"hidden_states.{len(orders)}"] = dst
+                orders.append(batch)
+                pos += rows
         finally:
             for h in handles:
                 h.remove()
             captured.clear()
         self._n += 1
         path = os.path.join(self.workdir, f"extract-{self._n}.safetensors")
-        save_file({"hidden_states": out, "offsets": torch.tensor(offsets, dtype=torch.int64)}, path)
+        t0 = time.monotonic()
+        save_file(tensors, path)
+        save_s = time.monotonic() - t0
         self.requests += len(prompt_token_ids)
-        self.prompt_tokens += offsets[-1]
-        return {"path": path}
+        self.prompt_tokens += sum(lengths)
+        return {"path": path, "order": orders, "timings": {
+            "forward_s": round(forward_s, 4), "save_s": round(save_s, 4),
+            "engine_s": round(time.monotonic() - t_start, 4)}}
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict) -> list[dict]:
         import torch

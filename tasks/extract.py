@@ -165,9 +165,9 @@ def engine_for_group(cfg: RunConfig, model_path: str, group: list[int]) -> Engin
         kwargs = {**common, "dtype": cfg.target.dtype, "tensor_parallel_size": e.tensor_parallel_size,
                   "enforce_eager": e.enforce_eager, "seed": 0, **vllm_extract_kwargs(layer_ids)}
     else:
-        kwargs = dict(common)
+        kwargs = {**common, "max_batch_tokens": e.batch_tokens}
         if group:
-            kwargs["dtype"] = cfg.target.dtype
+            kwargs["dtype"] = cfg.target.dtype  # CPU keeps float32 (bf16 matmuls are slow there)
     name = "extract-" + ("cpu" if not group else "gpu" + "-".join(str(g) for g in group))
     return EngineProcess(e.backend, model_path, kwargs, env=env, name=name)
 

@@ -283,6 +283,40 @@ def test_commands_that_need_a_server_say_how_to_get_one():
             assert "PREFECT_API_URL" in out.output and "local-stack.sh" in out.output, args
 
 
+def test_release_pull_step_runs_the_pinned_code_or_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DRAFTLINE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("HF_HOME", raising=False)
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    out = ops.use_release(harness.version(), code_dir=str(ROOT))
+    assert out == {"directory": str(ROOT), "release": harness.version()} and Path.cwd() == ROOT
+    assert os.environ["HF_HOME"] == str(tmp_path / "cache" / "huggingface")
+    with pytest.raises(RuntimeError, match=r"runs draftline 9\.9\.9 but .* has " + re.escape(harness.version())
+                       + r".*DRAFTLINE_RELEASE=v9\.9\.9"):
+        ops.use_release("9.9.9", code_dir=str(ROOT))
+    with pytest.raises(RuntimeError, match="draftline code not found"):
+        ops.use_release(harness.version(), code_dir=str(tmp_path))
+
+
+@pytest.mark.s3
+def test_s3_keys_reach_containers_through_a_credentials_block(prefect_server, s3_server, monkeypatch):
+    """`draftline deploy --save-s3-credentials` saves the keys; the docker pull step loads them."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.chdir(ROOT)  # (the pull step changes the working directory)
+    keys = s3_server.env()
+    for k, v in keys.items():
+        monkeypatch.setenv(k, v)
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}):
+        ops.save_credentials_block("draftline-store-test")
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+            monkeypatch.delenv(k)
+        ops.use_release(harness.version(), code_dir=str(ROOT), credentials_block="draftline-store-test")
+    assert os.environ["AWS_ACCESS_KEY_ID"] == keys["AWS_ACCESS_KEY_ID"]
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == keys["AWS_SECRET_ACCESS_KEY"]
+    assert os.environ["AWS_ENDPOINT_URL"] == keys["AWS_ENDPOINT_URL"]
+
+
 # =========================================================================== the whole story (slow)
 
 @pytest.fixture(scope="module")
@@ -294,11 +328,18 @@ def scenario(prefect_server, s3_server, tmp_path_factory):
 @pytest.mark.s3
 def test_deploy_registers_both_deployments_and_a_node_joins_the_pool(scenario, prefect_server):
     print("timings (s):", scenario["t"])
-    assert "draftline/local" in scenario["deploy"] and "draftline/b300" in scenario["deploy"]
+    for name in ("local", "b300", "b300-docker"):
+        assert f"draftline/{name}" in scenario["deploy"]
     with harness.client(prefect_server) as c:
         local = c.read_deployment_by_name("draftline/local")
         b300 = c.read_deployment_by_name("draftline/b300")
+        docker = c.read_deployment_by_name("draftline/b300-docker")
         assert c.read_work_pool("draftline-b300").type == "process"
+        pool = c.read_work_pool("draftline-b300-docker")
+    assert pool.type == "docker"
+    assert pool.base_job_template["job_configuration"]["container_create_kwargs"]["device_requests"][0]["count"] \
+        == "{{ gpus }}"
+    assert docker.job_variables["image"] == f"draftline-worker:{harness.version()}" and docker.job_variables["gpus"] == -1
     # `local` runs from the checkout that deployed it; b300 from the node's pinned release
     assert local.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
     assert b300.pull_steps == [{"flows.ops.use_release": {"release": harness.version()}}]
