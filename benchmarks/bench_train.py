@@ -121,11 +121,12 @@ def clear_checkpoints(store: Store, digest: str, steps: int) -> None:
 
 def run_ours(cfg: RunConfig, store: Store, inputs, preloaded: dict | None) -> dict:
     """One training run; preloaded = {(digest, part name): PartData} replaces the store reads."""
-    load = None
-    if preloaded is not None:
-        def load(spec):
-            return dataclasses.replace(preloaded[(spec.digest, spec.name)], spec=spec)
+    def from_memory(spec):
+        return dataclasses.replace(preloaded[(spec.digest, spec.name)], spec=spec)
+
+    load = from_memory if preloaded is not None else None
     clear_checkpoints(store, inputs.digest, cfg.train.max_steps)
+    free_memory()
     records: list[dict] = []
     trainer = Trainer(cfg, store, inputs, DistEnv.from_env(cfg.train), records.append, load_part=load)
     t0 = time.perf_counter()
@@ -140,8 +141,19 @@ def run_ours(cfg: RunConfig, store: Store, inputs, preloaded: dict | None) -> di
         "steps": state.step, "wall_s": round(wall, 1), "final_loss": steps[-1]["loss"],
     }
     out.update(trainer.evaluate())
-    out["_trainer"] = trainer
+    out["_eval"], out["_parts"] = trainer.eval, trainer.parts
+    del trainer, state
+    free_memory()
     return out
+
+
+def free_memory() -> None:
+    import gc
+
+    gc.collect()
+    torch._dynamo.reset()  # each run compiles afresh: recompile limits must not carry over between runs
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def speculators_dataset(folder: Path, store: Store, inputs, held_ids: set[str]) -> tuple[int, int]:
@@ -313,15 +325,23 @@ def main() -> None:
         results: dict = {"config": {**vars(args), "layer_ids": layer_ids, "torch": torch.__version__,
                                     "cpus": os.cpu_count(),
                                     "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None}}
+        def save() -> None:
+            if args.out:
+                Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+
         streamed, in_memory = [], []
+        results["ours_streamed"] = streamed
+        results["ours_in_memory"] = in_memory
         for r in range(args.rounds):
             for mode, sink in (("streamed", streamed), ("in-memory", in_memory)):
                 res = run_ours(cfg, store, inputs, None if mode == "streamed" else preloaded)
-                trainer = res.pop("_trainer")
+                eval_set, parts = res.pop("_eval"), res.pop("_parts")
                 sink.append(res)
-                print(f"ours {mode} round {r}: {res['tokens_per_s']:.0f} tok/s (median), data wait "
-                      f"{res['data_wait_frac']:.1%}, acc {res.get('val_acc_per_pos')}", flush=True)
-        held = trainer.parts[-1]
+                save()
+                print(f"ours {mode} round {r}: {res['tokens_per_s']:.0f} tok/s median, "
+                      f"{res['mean_tokens_per_s']:.0f} mean, data wait {res['data_wait_frac']:.1%}, "
+                      f"acc {res.get('val_acc_per_pos')}", flush=True)
+        held = parts[-1]
         last = preloaded[(held.digest, held.name)]
         meta_ids = reader.artifacts[held.digest]
         with meta_ids.local_copy(held.name) as path:
@@ -333,32 +353,42 @@ def main() -> None:
         def med(rs, key):
             return statistics.median(x[key] for x in rs)
 
-        results["ours_streamed"] = streamed
-        results["ours_in_memory"] = in_memory
         results["streamed_over_in_memory"] = round(med(streamed, "tokens_per_s") / med(in_memory, "tokens_per_s"), 3)
+        results["streamed_over_in_memory_mean"] = round(
+            med(streamed, "mean_tokens_per_s") / med(in_memory, "mean_tokens_per_s"), 3)
+        save()
+        del preloaded
+        free_memory()
         if not args.skip_speculators:
-            theirs = run_speculators(cfg, store, inputs, held_ids, trainer.eval, args.their_workers, args.device)
-            print(f"speculators Trainer: {theirs['tokens_per_s']:.0f} tok/s (median), "
-                  f"acc {theirs.get('val_acc_per_pos')}", flush=True)
-            results["speculators"] = theirs
-            results["ours_over_speculators"] = round(med(streamed, "tokens_per_s") / theirs["tokens_per_s"], 3)
+            try:
+                theirs = run_speculators(cfg, store, inputs, held_ids, eval_set, args.their_workers, args.device)
+            except Exception as exc:  # report the baseline's failure instead of losing our numbers
+                print(f"speculators Trainer failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                results["speculators"] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+            else:
+                print(f"speculators Trainer: {theirs['tokens_per_s']:.0f} tok/s median, "
+                      f"{theirs['mean_tokens_per_s']:.0f} mean, acc {theirs.get('val_acc_per_pos')}", flush=True)
+                results["speculators"] = theirs
+                results["ours_over_speculators"] = round(med(streamed, "tokens_per_s") / theirs["tokens_per_s"], 3)
+                results["ours_over_speculators_mean"] = round(
+                    med(streamed, "mean_tokens_per_s") / theirs["mean_tokens_per_s"], 3)
+            save()
 
-    s0 = streamed[0]
-    print("\n| run | tokens/s (median) | held-out acc per position | sim. acceptance length |")
-    print("|---|---|---|---|")
-    rows = [("ours, streamed from store", med(streamed, "tokens_per_s"), s0),
-            ("ours, in memory", med(in_memory, "tokens_per_s"), in_memory[0])]
-    if "speculators" in results:
-        rows.append((f"speculators Trainer ({'CPU-patched' if args.device == 'cpu' else 'unpatched'})",
-                     results["speculators"]["tokens_per_s"],
-                     results["speculators"]))
-    for name, tps, r in rows:
-        print(f"| {name} | {tps:.0f} | {r.get('val_acc_per_pos')} | {r.get('simulated_acceptance_length')} |")
-    print(f"\nstreamed / in-memory: {results['streamed_over_in_memory']}")
+    print("\n| run | tokens/s median | tokens/s mean | held-out acc per position | sim. acceptance length |")
+    print("|---|---|---|---|---|")
+    rows = [("ours, streamed from store", streamed[0], med(streamed, "tokens_per_s"), med(streamed, "mean_tokens_per_s")),
+            ("ours, in memory", in_memory[0], med(in_memory, "tokens_per_s"), med(in_memory, "mean_tokens_per_s"))]
+    theirs = results.get("speculators", {})
+    if "tokens_per_s" in theirs:
+        rows.append((f"speculators Trainer ({'CPU-patched' if args.device == 'cpu' else 'unpatched'})", theirs,
+                     theirs["tokens_per_s"], theirs["mean_tokens_per_s"]))
+    for name, r, tps, mean in rows:
+        print(f"| {name} | {tps:.0f} | {mean:.0f} | {r.get('val_acc_per_pos')} | {r.get('simulated_acceptance_length')} |")
+    print(f"\nstreamed / in-memory: {results['streamed_over_in_memory']} (median), "
+          f"{results['streamed_over_in_memory_mean']} (mean)")
     if "ours_over_speculators" in results:
-        print(f"ours / speculators: {results['ours_over_speculators']}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+        print(f"ours / speculators: {results['ours_over_speculators']} (median), "
+              f"{results['ours_over_speculators_mean']} (mean)")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import httpx
 import typer
 import yaml
 from rich.console import Console
@@ -96,6 +97,11 @@ def require_server(what: str) -> str:
             "`source .draftline/stack/env.sh`, or `export PREFECT_API_URL=http://HOST:4200/api`."
         )
     return url
+
+
+def api_problem(exc: Exception) -> str:
+    return (f"the Prefect API at {api_url() or '(ephemeral)'} failed: {type(exc).__name__}: {exc}; "
+            "check the server and PREFECT_API_URL (`draftline doctor` tells more)")
 
 
 def client():
@@ -558,8 +564,6 @@ def check_store(cfg: Any, timeout: float = 30.0) -> Check:
 
 
 def check_prefect(pool: str | None = None) -> list[Check]:
-    import httpx
-
     url = api_url()
     have = _installed("prefect")
     if not url:
@@ -725,6 +729,8 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
         _prefect_deploy(chosen, image=image, store=store)
     except OpsError as exc:
         _fail(str(exc))
+    except httpx.HTTPError as exc:
+        _fail(api_problem(exc))
     table = Table(title=f"deployments on {url}")
     for col in ("deployment", "work pool", "type", "pool", "start a worker"):
         table.add_column(col, overflow="fold")
@@ -909,6 +915,8 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
                 info["state"] = _state(run)
     except OpsError as exc:
         _fail(str(exc))
+    except httpx.HTTPError as exc:
+        _fail(api_problem(exc))
     if as_json:
         print(json.dumps(info))
     if watch and info["state"] != "COMPLETED":
@@ -931,6 +939,8 @@ def status(run: str = typer.Argument("last", help="Flow run id (or 8+ first char
             rep = run_report(c, find_run(c, run), stale_after * 60)
     except OpsError as exc:
         _fail(str(exc))
+    except httpx.HTTPError as exc:
+        _fail(api_problem(exc))
     if as_json:
         print(json.dumps(rep, indent=2, default=str))
     else:
@@ -988,6 +998,8 @@ def retry(run: str = typer.Argument(..., help="Flow run id (or 8+ first characte
             params = dict(fr.parameters or {})
     except OpsError as exc:
         _fail(str(exc))
+    except httpx.HTTPError as exc:
+        _fail(api_problem(exc))
     _retry_locally(fr, params)
 
 
@@ -1020,6 +1032,8 @@ def ui(run: str = typer.Argument("last", help="Flow run id (or 8+ first characte
             fr = find_run(c, run)
     except OpsError as exc:
         _fail(str(exc))
+    except httpx.HTTPError as exc:
+        _fail(api_problem(exc))
     url = run_url(fr.id)
     if not url:
         _fail("cannot tell the UI address from PREFECT_API_URL; set PREFECT_UI_URL")

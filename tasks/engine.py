@@ -165,9 +165,14 @@ class EngineProcess:
                 child_sock.close()
         self._conn = Connection(parent_sock.detach())
         _LIVE.add(self)
-        self._conn.send({"op": "init", "kind": self.kind, "model": self.model,
-                         "llm_kwargs": self.llm_kwargs, "workdir": self.workdir})
-        self.info = self._receive(timeout_s, "starting")
+        try:
+            self._conn.send({"op": "init", "kind": self.kind, "model": self.model,
+                             "llm_kwargs": self.llm_kwargs, "workdir": self.workdir})
+            self.info = self._receive(timeout_s, "starting")
+        except BaseException:
+            self._failed = True
+            self.close(timeout_s=5)  # kill what started, keep its log, drop the work folder
+            raise
 
     def close(self, timeout_s: float = 60) -> None:
         """Shut the engine down (politely, then by force) and remove its work folder."""

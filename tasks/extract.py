@@ -22,6 +22,7 @@ import math
 import os
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, Callable, Iterator
 
 from pydantic import BaseModel, Field
@@ -350,6 +351,20 @@ def _batches(samples: list, batch_tokens: int) -> Iterator[list]:
         yield batch
 
 
+def _store_batch(plan: ShardPlan, buf: "_PartBuffer", batch: list, hidden: list, done: int,
+                 masked: int) -> tuple[int, int]:
+    if len(hidden) != len(batch):
+        raise ExtractError(f"the engine returned {len(hidden)} results for {len(batch)} samples")
+    for (sid, ids, mask), hs in zip(batch, hidden):
+        if hs.shape[-1] != plan.hidden_size:
+            raise ExtractError(f"the engine returned hidden size {hs.shape[-1]}, the target config says "
+                               f"{plan.hidden_size}: the engine runs a different model than planned")
+        buf.add(sid, ids, mask, hs)
+        masked += int(sum(mask))
+        done += len(ids)
+    return done, masked
+
+
 def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProcess,
                   progress_cb: ProgressCallback | None = None) -> ArtifactRef:
     """Extract one shard into `extract/<plan.digest>/`; returns at once if it is already committed.
@@ -393,19 +408,20 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
     with store.write(STAGE, plan.digest, VERSIONS[STAGE], inputs=plan.inputs, config=plan.config) as w:
         if progress_cb:
             progress_cb(0, total)
-        for batch in _batches(samples, e.batch_tokens):
-            hidden = engine.extract([s[1] for s in batch], plan.layer_ids)
-            for (sid, ids, mask), hs in zip(batch, hidden):
-                if hs.shape[-1] != plan.hidden_size:
-                    raise ExtractError(f"the engine returned hidden size {hs.shape[-1]}, the target config says "
-                                       f"{plan.hidden_size}: the engine runs a different model than planned")
-                buf.add(sid, ids, mask, hs)
-                masked += int(sum(mask))
-            done += sum(len(s[1]) for s in batch)
-            if buf.tokens >= e.part_tokens:
-                flush(w)
-            if progress_cb:
-                progress_cb(done, total)
+        batches = list(_batches(samples, e.batch_tokens))
+        # The engine computes batch k+1 while this thread stores batch k (quantize, write, upload).
+        with ThreadPoolExecutor(1, thread_name_prefix=f"extract-{plan.shard}") as ahead:
+            pending = ahead.submit(engine.extract, [s[1] for s in batches[0]], plan.layer_ids) if batches else None
+            for k, batch in enumerate(batches):
+                assert pending is not None
+                hidden = pending.result()
+                pending = (ahead.submit(engine.extract, [s[1] for s in batches[k + 1]], plan.layer_ids)
+                           if k + 1 < len(batches) else None)
+                done, masked = _store_batch(plan, buf, batch, hidden, done, masked)
+                if buf.tokens >= e.part_tokens:
+                    flush(w)
+                if progress_cb:
+                    progress_cb(done, total)
         flush(w)
         seconds = time.monotonic() - t0
         stored = sum(f.bytes for f in w.files)

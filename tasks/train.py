@@ -15,8 +15,8 @@ The parts of a run, in the order `Trainer` builds them:
 - model       `build_draft_model`: decoder shaped like the target (Llama or Qwen3
               layers), verifier embed/norm/lm_head from the target's safetensors
 - data        `BatchStream`: a seeded (shard, part) order per epoch, seeded sample
-              order inside a part, packing to exactly `batch_tokens` per step, a
-              loader thread `prefetch` parts ahead and a packer thread
+              order inside a part, packing to exactly `batch_tokens` per step,
+              `prefetch` parts loading ahead in parallel, a packer thread
 - optimizer   AdamW over the trainable parameters; `lr_at`: linear warm-up, then
               cosine decay to `min_lr_ratio * lr` (a pure function of the step)
 - checkpoints every `checkpoint_every` steps, a committed store artifact
@@ -35,6 +35,7 @@ data order is a function of (seed, epoch, part), not of history.
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import json
 import logging
@@ -324,14 +325,17 @@ class PartReader:
         self.artifacts = artifacts
         self.layer_ids = list(layer_ids)
         self.hidden_size = hidden_size
+        self.verified: set[tuple[str, str]] = set()  # sha256 checked once per process, sizes every read
 
     def __call__(self, spec: PartSpec) -> PartData:
         from tasks.extract import load_part
 
         art = self.artifacts[spec.digest]
+        key = (spec.digest, spec.name)
         try:
-            with art.local_copy(spec.name) as path:
+            with art.local_copy(spec.name, verify=key not in self.verified) as path:
                 raw = load_part(path)
+            self.verified.add(key)
         except ArtifactCorrupt as exc:
             raise TrainError(f"{exc}; delete {art.uri} and rerun its extraction") from None
         where = f"{art.uri}/{spec.name}"
@@ -435,9 +439,10 @@ class BatchStream:
     The position {epoch, cursor, sample, offset} after each batch rides on the batch;
     a stream started from it continues exactly where the other stopped.
 
-    prefetch > 0: a loader thread reads up to `prefetch` parts ahead and a packer
-    thread assembles batches (2 ahead), so the training loop only waits when the
-    store is slower than training. prefetch = 0: everything in the caller's thread.
+    prefetch > 0: `prefetch` loader threads read the next parts in parallel and a
+    packer thread assembles batches (2 ahead), so the training loop only waits when
+    the store is slower than training. Memory: about prefetch + 2 parts.
+    prefetch = 0: everything in the caller's thread.
     """
 
     def __init__(self, parts: Sequence[PartSpec], load: Callable[[PartSpec], PartData], *, batch_tokens: int,
@@ -539,12 +544,27 @@ class BatchStream:
             return item
 
     def _loader(self, part_q: queue.Queue) -> None:
+        """Loads the next `prefetch` parts in parallel (reading, sha256 and safetensors parsing
+        release the GIL) and hands them on in order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=self.prefetch, thread_name_prefix="draftline-part-load")
+        pending: collections.deque = collections.deque()
+        specs = self._specs()
         try:
-            for epoch, cursor, spec in self._specs():
-                if self._stop.is_set() or not self._put(part_q, (epoch, cursor, self.load(spec))):
+            while not self._stop.is_set():
+                while len(pending) < self.prefetch:
+                    epoch, cursor, spec = next(specs)
+                    pending.append((epoch, cursor, pool.submit(self.load, spec)))
+                epoch, cursor, fut = pending.popleft()
+                if not self._put(part_q, (epoch, cursor, fut.result())):
                     return
         except BaseException as exc:  # handed to the consumer, which raises it
             self._put(part_q, exc)
+        finally:
+            for *_, fut in pending:
+                fut.cancel()
+            pool.shutdown(wait=False)
 
     def _packer(self, part_q: queue.Queue, batch_q: queue.Queue) -> None:
         def parts() -> Iterator[tuple[int, int, PartData]]:
@@ -565,7 +585,7 @@ class BatchStream:
         if self.prefetch <= 0:
             self._batches = self._pack(self._loaded_sync())
             return
-        part_q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        part_q: queue.Queue = queue.Queue(maxsize=1)  # + `prefetch` loading + 1 being packed
         self._batch_q = queue.Queue(maxsize=2)
         self._threads = [
             threading.Thread(target=self._loader, args=(part_q,), name="draftline-part-loader", daemon=True),

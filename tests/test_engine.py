@@ -127,6 +127,9 @@ def test_kill_mid_request_raises_and_restart_works(engine):
         engine.extract([PROMPTS[0]], LAYER_IDS)
     engine.start(timeout_s=300)  # the caller may start a new one
     assert engine.alive and engine.pid != pid
+    kept = os.path.join(os.path.dirname(engine.kept_log_path()), f"draftline-{engine.name}-{pid}.log")
+    assert os.path.exists(kept), "the dead engine's log is kept for the user"
+    os.remove(kept)
     assert engine.extract([PROMPTS[1]], LAYER_IDS)[0].shape == (17, 4, 128)
     workdir = engine.workdir
     engine.close()
@@ -139,6 +142,10 @@ def test_engine_that_cannot_load_reports_why(tmp_path):
         eng.start(timeout_s=120)
     assert "no-such-model" in str(err.value)
     assert not eng.alive
+    assert eng.workdir and not os.path.exists(eng.workdir)
+    assert os.path.exists(eng.kept_log_path())  # the full log stays for the user, and the error says where
+    assert eng.kept_log_path() in str(err.value)
+    os.remove(eng.kept_log_path())
 
 
 def test_language_model_wrapper_layout(tmp_path):

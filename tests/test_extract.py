@@ -285,7 +285,10 @@ def test_killed_engine_fails_only_its_shard(store, model_path, tf_engine):
     leftover = Path(store.root) / "extract" / plans[1].digest
     assert not leftover.exists() or not any(p.is_file() for p in leftover.rglob("*")), "half-written parts left"
 
+    dead_log = tf_engine.kept_log_path()
     tf_engine.start(timeout_s=300)
+    if os.path.exists(dead_log):
+        os.remove(dead_log)
     calls: list[int] = []
     real = tf_engine.extract
 
@@ -365,3 +368,6 @@ def test_vllm_engine_killed_mid_shard(store, model_path, vllm_engine):
     assert store.find("extract", plan.digest) is None
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # the engine's whole process group (vLLM's engine core too) is gone
+    vllm_engine.close()
+    if os.path.exists(vllm_engine.kept_log_path()):
+        os.remove(vllm_engine.kept_log_path())

@@ -1,0 +1,537 @@
+"""GPU validation and benchmarks (issue 9): matmul roofline, extraction, training, on one GPU.
+
+On the lent H200 (one device call, ~6-8 minutes):
+
+    python3 benchmarks/bench_gpu.py --out $OUT
+
+Smaller, quicker shapes for a smoke run: `--quick`. Sections: `--only matmul,extract,train`.
+
+Measured, all in one process (the extraction engine is a child process, as in the pipeline):
+1. bf16 matmul rate, 8192^3, mean of 10 after 3 warm-ups: the roofline for every MFU below.
+2. Extraction, transformers backend, on random-init targets (Llama-3.1-8B-shaped and
+   SmolLM2-135M-shaped, saved once in bf16): the bare prefill (the decoder with the same
+   forward hooks, 8 x 2048 random tokens per call, nothing copied out) vs the stage path
+   (tasks.extract.extract_shard through EngineProcess(kind="transformers") into a file://
+   store on local disk): tokens/s, MFU = 2 x params x tok/s / matmul rate, ratio stage/bare,
+   peak GPU memory.
+3. Training on the 8B-shaped target's extracted hidden states (32K draft vocabulary, 3 TTT
+   steps, 8192 packed tokens per step): our loop streamed from the store vs in memory, and
+   vs speculators' Trainer on identical data and config (benchmarks/bench_train.py's helpers).
+
+Results go to OUT/bench_gpu.json (rewritten after every section) and OUT/bench_gpu.md.
+Every section runs under try/except: a failure is recorded and the next section runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
+
+import torch  # noqa: E402
+
+RESULTS: dict = {}
+OUT: Path = Path(".")
+DEADLINE = float("inf")  # time.monotonic() by which optional sections must have started
+
+
+def time_left() -> float:
+    return DEADLINE - time.monotonic()
+
+LLAMA8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+               max_position_embeddings=8192)
+SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+               intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+               max_position_embeddings=8192)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def save() -> None:
+    (OUT / "bench_gpu.json").write_text(json.dumps(RESULTS, indent=2, default=str))
+
+
+def section(name: str):
+    """Run a section, record its failure instead of stopping."""
+    def deco(fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            log(f"== {name}")
+            try:
+                return fn(*a, **k)
+            except Exception as exc:  # noqa: BLE001 - a benchmark records and goes on
+                RESULTS.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+                log(f"!! {name} failed: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+            finally:
+                RESULTS.setdefault("section_s", {})[name] = round(time.perf_counter() - t0, 1)
+                save()
+        return run
+    return deco
+
+
+def gib(n: float) -> float:
+    return round(n / 2**30, 2)
+
+
+# ============================================================================ 1. matmul
+
+
+@section("matmul")
+def bench_matmul(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    rate = 2 * n**3 / statistics.mean(times)
+    RESULTS["matmul"] = {"n": n, "tflops": round(rate / 1e12, 1), "min_ms": round(min(times) * 1e3, 3)}
+    log(f"matmul {n}^3 bf16: {rate / 1e12:.0f} TFLOP/s")
+    del a, b
+    torch.cuda.empty_cache()
+    return rate
+
+
+def roofline() -> float:
+    return RESULTS.get("matmul", {}).get("tflops", 790.0) * 1e12
+
+
+# ============================================================================ 2. extraction
+
+
+def build_target(folder: Path, shape: dict, layers: int | None = None):
+    """A random-init Llama of the given shape on the GPU (bf16), saved once as a HF folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(shape)
+    if layers:
+        kw["num_hidden_layers"] = layers
+    cfg = LlamaConfig(**kw, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.eval()
+    t0 = time.perf_counter()
+    model.save_pretrained(str(folder))
+    return model, time.perf_counter() - t0
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def write_data(store, name: str, prompts: list[list[int]]):
+    """A prepare-like artifact (docs/ARTIFACTS.md) with one Parquet shard of the prompts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.digest import VERSIONS, stage_digest
+
+    masks = [[0] * (len(p) // 10) + [1] * (len(p) - len(p) // 10) for p in prompts]
+    table = pa.table({
+        "sample_id": pa.array([f"{name}-{i}" for i in range(len(prompts))], pa.string()),
+        "source": pa.array(["bench"] * len(prompts), pa.string()),
+        "messages": pa.array(["[]"] * len(prompts), pa.string()),
+        "input_ids": pa.array(prompts, pa.list_(pa.int32())),
+        "loss_mask": pa.array(masks, pa.list_(pa.int8())),
+    })
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    digest = stage_digest("prepare", {"bench_gpu": name, "n": len(prompts)}, {})
+    with store.write("prepare", digest, VERSIONS["prepare"]) as w:
+        w.write_bytes("shard-00000.parquet", buf.getvalue())
+        art = w.commit({"num_shards": 1, "samples": len(prompts), "tokens": sum(map(len, prompts))})
+    return art.ref(), list(zip(prompts, masks))
+
+
+class GpuMemPoll:
+    """Device-wide used memory (all processes), polled: the engine child's footprint."""
+
+    def __init__(self, every_s: float = 0.05):
+        self.every_s, self.peak, self._stop = every_s, 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+            time.sleep(self.every_s)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def bare_prefill(model, prompts: list[list[int]], layer_ids: list[int], reps: int) -> dict:
+    """The decoder with the extraction hooks (same capture as the engine), nothing copied out."""
+    layers = model.model.layers
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook(slot: int):
+        def fn(_m, _i, out):
+            captured[slot] = out[0] if isinstance(out, (tuple, list)) else out
+        return fn
+
+    handles = [layers[k - 1].register_forward_hook(hook(s)) for s, k in enumerate(layer_ids)]
+    ids = torch.tensor(prompts, device="cuda")
+    mask = torch.ones_like(ids)
+    try:
+        with torch.inference_mode():
+            for _ in range(2):
+                model.model(input_ids=ids, attention_mask=mask, use_cache=False)
+                captured.clear()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                model.model(input_ids=ids, attention_mask=mask, use_cache=False)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                captured.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    tokens = ids.numel()
+    med = statistics.median(times)
+    return {"tokens_per_call": tokens, "median_s": round(med, 4), "tokens_per_s": round(tokens / med),
+            "peak_gpu_gib": gib(torch.cuda.max_memory_allocated()),
+            "activation_peak_gib": gib(torch.cuda.max_memory_allocated() - base)}
+
+
+def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stage_prompts: int,
+               layers: int | None, part_tokens: int):
+    from tasks.config import ExtractConfig, RunConfig, TargetConfig
+    from tasks.extract import engine_for_group, extract_shard, plan_extract
+    from tasks.store import Store
+    from tasks.target import load_hf_config
+
+    res: dict = {"shape": {**shape, **({"num_hidden_layers": layers} if layers else {})}}
+    RESULTS.setdefault("extract", {})[name] = res
+    shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+    base = Path("/dev/shm/bench-gpu") if shm_free > 48 << 30 else tmp
+    folder = base / f"target-{name}"
+    t0 = time.perf_counter()
+    model, save_s = build_target(folder, shape, layers)
+    params = sum(p.numel() for p in model.parameters())
+    embed = model.model.embed_tokens.weight.numel()
+    head = 0 if shape["tie_word_embeddings"] else model.lm_head.weight.numel()
+    layer_params = params - embed - head
+    res.update(params=params, decoder_layer_params=layer_params, nonembed_params=params - embed,
+               build_s=round(time.perf_counter() - t0, 1), save_s=round(save_s, 1), model_dir=str(folder))
+    log(f"{name}: {params / 1e9:.2f}B params, built+saved in {res['build_s']}s to {folder}")
+
+    n_layers = model.config.num_hidden_layers
+    hf_config = load_hf_config(TargetConfig(model=str(folder)), str(folder))
+    cfg = RunConfig(target=TargetConfig(model=str(folder), max_model_len=seq + 64),
+                    extract=ExtractConfig(backend="transformers", batch_tokens=n_prompts * seq,
+                                          part_tokens=part_tokens))
+    store = Store(f"file://{tmp}/store")
+    prompts = random_prompts(stage_prompts, seq, shape["vocab_size"], seed=1)
+    data_ref, samples = write_data(store, name, prompts)
+    plan = plan_extract(cfg, data_ref, hf_config)[0]
+    layer_ids = plan.layer_ids
+    res["layer_ids"] = layer_ids
+
+    # bare prefill with hooks, in this process
+    bare = bare_prefill(model, prompts[:n_prompts], layer_ids, reps=5)
+    rate = roofline()
+    bare["mfu_layers"] = round(2 * layer_params * bare["tokens_per_s"] / rate, 3)
+    bare["mfu_nonembed"] = round(2 * (params - embed) * bare["tokens_per_s"] / rate, 3)
+    res["bare_prefill"] = bare
+    log(f"{name} bare prefill+hooks: {bare['tokens_per_s']} tok/s, MFU {bare['mfu_layers']:.0%} (layers), "
+        f"peak {bare['peak_gpu_gib']} GiB")
+    save()
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    # the stage path: EngineProcess(kind="transformers") + extract_shard into file://
+    free0, total = torch.cuda.mem_get_info()
+    engine = engine_for_group(cfg, str(folder), [0])
+    t0 = time.perf_counter()
+    with GpuMemPoll() as poll:
+        engine.start(timeout_s=400)
+        res["engine_start_s"] = round(time.perf_counter() - t0, 1)
+        try:
+            engine.extract(prompts[:n_prompts], layer_ids)  # warm-up (kernels, pinned buffer)
+            warm = dict(engine.last_timings)
+            # the engine call alone, no store (forward + D2H + its file, read back in this process)
+            calls = []
+            for _ in range(3):
+                t1 = time.perf_counter()
+                engine.extract(prompts[:n_prompts], layer_ids)
+                calls.append((time.perf_counter() - t1, dict(engine.last_timings)))
+            call_s = statistics.median(c[0] for c in calls)
+            res["engine_call"] = {"tokens_per_s": round(n_prompts * seq / call_s), "median_s": round(call_s, 4),
+                                  "timings_last": calls[-1][1], "warmup_timings": warm}
+            timings: list[dict] = []
+            orig = engine.extract
+
+            def timed(p, ids):
+                out = orig(p, ids)
+                timings.append(dict(engine.last_timings))
+                return out
+
+            engine.extract = timed  # type: ignore[method-assign]
+            t1 = time.perf_counter()
+            ref = extract_shard(cfg, store, plan, engine)
+            stage_s = time.perf_counter() - t1
+        finally:
+            engine.close()
+    art = store.open("extract", ref.digest)
+    tokens = stage_prompts * seq
+    summed = {k: round(sum(t.get(k, 0.0) for t in timings), 3) for k in ("forward_s", "save_s", "engine_s",
+                                                                           "call_s", "load_s")}
+    stage = {"tokens": tokens, "wall_s": round(stage_s, 2), "tokens_per_s": round(tokens / stage_s),
+             "stats_tokens_per_s": art.stats.get("tokens_per_s"), "bytes": art.stats.get("bytes"),
+             "bytes_per_token": art.stats.get("bytes_per_token"), "parts": len(art.stats.get("parts", [])),
+             "engine_calls": len(timings), "summed_timings": summed,
+             "engine_gpu_gib_device_wide": gib(poll.peak - (total - free0))}
+    stage["mfu_layers"] = round(2 * layer_params * stage["tokens_per_s"] / rate, 3)
+    stage["over_bare"] = round(stage["tokens_per_s"] / bare["tokens_per_s"], 3)
+    res["engine_call"]["over_bare"] = round(res["engine_call"]["tokens_per_s"] / bare["tokens_per_s"], 3)
+    res["stage"] = stage
+    log(f"{name} stage extract_shard: {stage['tokens_per_s']} tok/s = {stage['over_bare']} x bare; "
+        f"engine call alone {res['engine_call']['tokens_per_s']} tok/s; timings {summed}")
+    return store, folder, ref, samples, layer_ids, shape["vocab_size"]
+
+
+# ============================================================================ 3. training
+
+
+def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], vocab: int, steps: int,
+                draft_vocab: int, batch_tokens: int, rounds: int, speculators: bool, flex: bool) -> None:
+    import bench_train
+    from tasks.config import RunConfig
+    from tasks.extract import load_part
+    from tasks.train import PartReader, resolve_inputs
+    from train_data import write_vocab
+
+    res: dict = {"draft_vocab": draft_vocab, "batch_tokens": batch_tokens, "steps": steps, "ttt_steps": 3}
+    RESULTS["train"] = res
+    vref = write_vocab(store, samples, vocab, draft_vocab, tag=f"bench-gpu-{draft_vocab}")
+
+    def make_cfg(attn: str) -> RunConfig:
+        return RunConfig.model_validate({
+            "target": {"model": target, "max_model_len": 4096}, "extract": {"layer_ids": layer_ids},
+            "train": {"max_steps": steps, "batch_tokens": batch_tokens, "warmup_steps": 2, "lr": 1e-3,
+                      "min_lr_ratio": 0.0, "weight_decay": 0.0, "checkpoint_every": 10**6, "eval_batches": 2,
+                      "prefetch": 2, "device": "cuda", "attn_impl": attn, "ttt_steps": 3}})
+
+    cfg = make_cfg("sdpa")
+    inputs = resolve_inputs(cfg, store, vref, [extract_ref])
+    reader = PartReader(inputs.artifacts, inputs.layer_ids, inputs.hidden_size)
+    preloaded = {(p.digest, p.name): reader(p) for p in inputs.parts}
+    res["parts"] = len(inputs.parts)
+    res["tokens"] = sum(p.hidden.shape[0] for p in preloaded.values())
+    rate = roofline()
+
+    def one(mode: str, c: RunConfig) -> dict:
+        torch.cuda.reset_peak_memory_stats()
+        r = bench_train.run_ours(c, store, inputs, None if mode == "streamed" else preloaded)
+        trainer = r.pop("_trainer")
+        r["flops_per_token"] = trainer.flops_per_token
+        r["mfu"] = round(r["tokens_per_s"] * trainer.flops_per_token / rate, 3)
+        r["peak_gpu_gib"] = gib(torch.cuda.max_memory_allocated())
+        r["draft_trainable_params"] = sum(p.numel() for p in trainer.params)
+        log(f"ours {mode} ({c.train.attn_impl}): {r['tokens_per_s']:.0f} tok/s, MFU {r['mfu']:.1%}, data wait "
+            f"{r['data_wait_frac']:.1%}, peak {r['peak_gpu_gib']} GiB, acc {r.get('val_acc_per_pos')}")
+        return r, trainer
+
+    streamed, in_mem = [], []
+    trainer = None
+    for _ in range(rounds):
+        r, trainer = one("streamed", cfg)
+        streamed.append(r)
+        save()
+        r, _t = one("in-memory", cfg)
+        in_mem.append(r)
+        res["ours_streamed"], res["ours_in_memory"] = streamed, in_mem
+        save()
+    med = lambda rs: statistics.median(x["tokens_per_s"] for x in rs)  # noqa: E731
+    res["streamed_over_in_memory"] = round(med(streamed) / med(in_mem), 3)
+    log(f"streamed / in-memory: {res['streamed_over_in_memory']}")
+    save()
+
+    theirs = None
+    if speculators and time_left() < 150:
+        res["speculators"] = {"error": f"skipped: {time_left():.0f}s left of --budget-s"}
+    elif speculators and trainer is not None:
+        held = trainer.parts[-1]
+        last = preloaded[(held.digest, held.name)]
+        with inputs.artifacts[held.digest].local_copy(held.name) as path:
+            sample_ids = load_part(path)["sample_ids"]
+        held_ids = set(sample_ids[last.num_samples - held.holdout:])
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            theirs = bench_train.run_speculators(cfg, store, inputs, held_ids, trainer.eval, 4, "cuda")
+        except Exception as exc:  # noqa: BLE001 - flex still runs
+            res["speculators"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+            traceback.print_exc()
+            theirs = None
+    if speculators and trainer is not None and theirs is not None:
+        theirs["peak_gpu_gib"] = gib(torch.cuda.max_memory_allocated())
+        theirs["mfu_by_our_flops"] = round(theirs["tokens_per_s"] * trainer.flops_per_token / rate, 3)
+        res["speculators"] = theirs
+        res["ours_over_speculators"] = round(med(streamed) / theirs["tokens_per_s"], 3)
+        log(f"speculators Trainer: {theirs['tokens_per_s']:.0f} tok/s; ours/theirs {res['ours_over_speculators']}")
+        save()
+
+    if flex and time_left() < 60:
+        res["ours_streamed_flex"] = {"error": f"skipped: {time_left():.0f}s left of --budget-s"}
+    elif flex:
+        try:
+            r, _t = one("streamed", make_cfg("flex_attention"))
+            res["ours_streamed_flex"] = r
+            res["flex_over_sdpa"] = round(r["tokens_per_s"] / med(streamed), 3)
+        except Exception as exc:  # noqa: BLE001
+            res["ours_streamed_flex"] = {"error": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc()
+        save()
+
+
+# ============================================================================ report
+
+
+def markdown() -> str:
+    r = RESULTS
+    env = r.get("env", {})
+    lines = [f"Device: {env.get('gpu')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
+             f"CUDA {env.get('cuda')}; {env.get('date')}; command: `{env.get('command')}`", ""]
+    if "matmul" in r:
+        lines.append(f"bf16 matmul 8192^3 (mean of 10): **{r['matmul']['tflops']} TFLOP/s** (the MFU roofline)")
+        lines.append("")
+    if r.get("extract"):
+        lines += ["Extraction (transformers backend, random-init targets, 8 x 2048-token prompts per call):", "",
+                  "| target | params | bare prefill+hooks tok/s | MFU (layers) | engine call tok/s (x bare) "
+                  "| stage extract_shard tok/s (x bare) | bytes/token | peak GPU GiB (bare / engine) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, e in r["extract"].items():
+            b, s, c = e.get("bare_prefill", {}), e.get("stage", {}), e.get("engine_call", {})
+            lines.append(f"| {name} | {e.get('params', 0) / 1e9:.3f}B | {b.get('tokens_per_s')} | "
+                         f"{b.get('mfu_layers')} | {c.get('tokens_per_s')} ({c.get('over_bare')}) | "
+                         f"{s.get('tokens_per_s')} (**{s.get('over_bare')}**) | {s.get('bytes_per_token')} | "
+                         f"{b.get('peak_gpu_gib')} / {s.get('engine_gpu_gib_device_wide')} |")
+        lines.append("")
+    t = r.get("train")
+    if t:
+        lines += [f"Training ({t.get('tokens')} extracted tokens of the 8B-shaped target, draft vocab "
+                  f"{t['draft_vocab']}, {t['ttt_steps']} TTT steps, {t['batch_tokens']} tokens/step, "
+                  f"{t['steps']} steps, median tok/s over steps 3+):", "",
+                  "| run | tok/s | MFU | data wait | peak GPU GiB | held-out acc/pos |", "|---|---|---|---|---|---|"]
+        rows = [(f"ours streamed #{i}", x) for i, x in enumerate(t.get("ours_streamed", []))]
+        rows += [(f"ours in-memory #{i}", x) for i, x in enumerate(t.get("ours_in_memory", []))]
+        if "tokens_per_s" in t.get("ours_streamed_flex", {}):
+            rows.append(("ours streamed, flex_attention", t["ours_streamed_flex"]))
+        if "tokens_per_s" in t.get("speculators", {}):
+            rows.append(("speculators Trainer (sdpa, eager loss)", {**t["speculators"],
+                                                                  "mfu": t["speculators"].get("mfu_by_our_flops")}))
+        for label, x in rows:
+            lines.append(f"| {label} | {x.get('tokens_per_s', 0):.0f} | {x.get('mfu')} | "
+                         f"{x.get('data_wait_frac', '-') if isinstance(x.get('data_wait_frac'), str) else round(x.get('data_wait_frac', 0) or 0, 3)} | "
+                         f"{x.get('peak_gpu_gib')} | {x.get('val_acc_per_pos')} |")
+        lines.append("")
+        for k in ("streamed_over_in_memory", "ours_over_speculators", "flex_over_sdpa"):
+            if k in t:
+                lines.append(f"- {k}: **{t[k]}**")
+        lines.append("")
+    if r.get("errors"):
+        lines.append("Errors: " + "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in r["errors"].items()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    global OUT
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="small shapes: a smoke run of every section")
+    ap.add_argument("--only", default="matmul,extract,train")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per engine call")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--stage-prompts-8b", type=int, default=48, help="prompts in the 8B stage-path shard")
+    ap.add_argument("--stage-prompts-small", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--skip-speculators", action="store_true")
+    ap.add_argument("--flex", action="store_true", help="also train ours with flex_attention")
+    ap.add_argument("--budget-s", type=float, default=None, help="skip optional sections past this many seconds")
+    args = ap.parse_args()
+    global DEADLINE
+    if args.budget_s:
+        DEADLINE = time.monotonic() + args.budget_s
+    OUT = Path(args.out)
+    OUT.mkdir(parents=True, exist_ok=True)
+    only = set(args.only.split(","))
+    import transformers
+
+    RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                      "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                      "command": " ".join(["python3", "benchmarks/bench_gpu.py", *sys.argv[1:]]),
+                      "cpus": os.cpu_count()}
+    tmp = Path("/tmp/bench-gpu")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    t_all = time.perf_counter()
+    if "matmul" in only:
+        bench_matmul(4096 if args.quick else 8192)
+    big = None
+    if "extract" in only or "train" in only:
+        layers8 = 4 if args.quick else None
+        big = section("extract-llama8b")(extraction)(
+            "llama8b-shape", LLAMA8B, tmp, args.prompts, args.seq,
+            args.prompts if args.quick else args.stage_prompts_8b, layers8, 4 * args.seq * 2)
+    if "extract" in only:
+        section("extract-smollm2")(extraction)(
+            "smollm2-shape", SMOLLM2, tmp, args.prompts, args.seq,
+            args.prompts * 2 if args.quick else args.stage_prompts_small, None, 32 * args.seq)
+    if "train" in only and big is not None:
+        store, folder, ref, samples, layer_ids, vocab = big
+        section("train")(train_bench)(store, str(folder), ref, samples, layer_ids, vocab,
+                                      8 if args.quick else args.steps, 32000, 8192,
+                                      1 if args.quick else args.rounds, not args.skip_speculators, args.flex)
+    RESULTS["total_s"] = round(time.perf_counter() - t_all, 1)
+    save()
+    md = markdown()
+    (OUT / "bench_gpu.md").write_text(md + "\n")
+    print("\n" + md, flush=True)
+    shutil.rmtree("/dev/shm/bench-gpu", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
