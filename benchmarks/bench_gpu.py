@@ -335,8 +335,16 @@ def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stag
 # ============================================================================ 3. training
 
 
+class _Done:
+    """What is left of a finished run of ours: its eval batches, parts, FLOPs per token."""
+
+    def __init__(self, eval_batches, parts, flops_per_token):
+        self.eval, self.parts, self.flops_per_token = eval_batches, parts, flops_per_token
+
+
 def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], vocab: int, steps: int,
-                draft_vocab: int, batch_tokens: int, rounds: int, speculators: bool, flex: bool) -> None:
+                draft_vocab: int, batch_tokens: int, rounds: int, speculators: bool, flex: bool,
+                attns: list[str] | None = None) -> None:
     import bench_train
     from tasks.config import RunConfig
     from tasks.extract import load_part
@@ -361,18 +369,47 @@ def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], 
     res["parts"] = len(inputs.parts)
     res["tokens"] = sum(p.hidden.shape[0] for p in preloaded.values())
     rate = roofline()
+    import tasks.train as tt
+
+    FPT: dict = {}
+    orig_fpt = getattr(tt.flops_per_token, "__wrapped__", tt.flops_per_token)
+
+    def fpt(model, ttt_steps):  # what the Trainer computes, captured (run_ours returns no Trainer)
+        FPT["value"] = orig_fpt(model, ttt_steps)
+        FPT["params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return FPT["value"]
+
+    fpt.__wrapped__ = orig_fpt
+    tt.flops_per_token = fpt
 
     def one(mode: str, c: RunConfig) -> dict:
         torch.cuda.reset_peak_memory_stats()
         r = bench_train.run_ours(c, store, inputs, None if mode == "streamed" else preloaded)
-        trainer = r.pop("_trainer")
+        trainer = _Done(r.pop("_eval"), r.pop("_parts"), FPT["value"])
         r["flops_per_token"] = trainer.flops_per_token
         r["mfu"] = round(r["tokens_per_s"] * trainer.flops_per_token / rate, 3)
         r["peak_gpu_gib"] = gib(torch.cuda.max_memory_allocated())
-        r["draft_trainable_params"] = sum(p.numel() for p in trainer.params)
+        r["draft_trainable_params"] = FPT["params"]
         log(f"ours {mode} ({c.train.attn_impl}): {r['tokens_per_s']:.0f} tok/s, MFU {r['mfu']:.1%}, data wait "
             f"{r['data_wait_frac']:.1%}, peak {r['peak_gpu_gib']} GiB, acc {r.get('val_acc_per_pos')}")
         return r, trainer
+
+    if attns:  # one streamed run per attention implementation, each from a clean GPU, in this order
+        for attn in attns:
+            gc.collect()
+            torch.cuda.empty_cache()
+            try:
+                r, _t = one("streamed", make_cfg(attn))
+                del _t
+                res[f"ours_streamed_{attn}"] = r
+            except Exception as exc:  # noqa: BLE001
+                res[f"ours_streamed_{attn}"] = {"error": f"{type(exc).__name__}: {exc}"}
+                traceback.print_exc()
+            save()
+        a, b = res.get("ours_streamed_flex_attention", {}), res.get("ours_streamed_sdpa", {})
+        if "tokens_per_s" in a and "tokens_per_s" in b:
+            res["flex_over_sdpa"] = round(a["tokens_per_s"] / b["tokens_per_s"], 3)
+        return
 
     streamed, in_mem = [], []
     trainer = None
@@ -459,6 +496,9 @@ def markdown() -> str:
         rows += [(f"ours in-memory #{i}", x) for i, x in enumerate(t.get("ours_in_memory", []))]
         if "tokens_per_s" in t.get("ours_streamed_flex", {}):
             rows.append(("ours streamed, flex_attention", t["ours_streamed_flex"]))
+        for attn in ("flex_attention", "sdpa"):
+            if "tokens_per_s" in t.get(f"ours_streamed_{attn}", {}):
+                rows.append((f"ours streamed, {attn} (fresh GPU)", t[f"ours_streamed_{attn}"]))
         if "tokens_per_s" in t.get("speculators", {}):
             rows.append(("speculators Trainer (sdpa, eager loss)", {**t["speculators"],
                                                                   "mfu": t["speculators"].get("mfu_by_our_flops")}))
@@ -490,6 +530,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-speculators", action="store_true")
     ap.add_argument("--flex", action="store_true", help="also train ours with flex_attention")
+    ap.add_argument("--train-attns", default=None,
+                    help="instead of the default training runs: one streamed run per attn impl, in this order "
+                         "(e.g. flex_attention,sdpa)")
     ap.add_argument("--budget-s", type=float, default=None, help="skip optional sections past this many seconds")
     args = ap.parse_args()
     global DEADLINE
@@ -524,7 +567,8 @@ def main() -> None:
         store, folder, ref, samples, layer_ids, vocab = big
         section("train")(train_bench)(store, str(folder), ref, samples, layer_ids, vocab,
                                       8 if args.quick else args.steps, 32000, 8192,
-                                      1 if args.quick else args.rounds, not args.skip_speculators, args.flex)
+                                      1 if args.quick else args.rounds, not args.skip_speculators, args.flex,
+                                      args.train_attns.split(",") if args.train_attns else None)
     RESULTS["total_s"] = round(time.perf_counter() - t_all, 1)
     save()
     md = markdown()

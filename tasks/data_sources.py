@@ -58,6 +58,12 @@ REASONS = {
     "no_user": "no user turn",
     "no_assistant": "no assistant turn (needed for training data)",
     "duplicate": "the same normalized conversation was seen before",
+    # prepare / regenerate
+    "template_error": "the chat template raised on this conversation (e.g. roles that must alternate)",
+    "mask_unverified": "the masked tokens did not decode to the assistant contents",
+    "too_long": "longer than data.max_length (overflow: drop), or no answer token left after truncation",
+    "prompt_too_long": "regenerate: the prompt does not fit target.max_model_len",
+    "empty_answer": "regenerate: the target answered nothing",
 }
 
 _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)

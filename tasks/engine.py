@@ -260,8 +260,8 @@ class EngineProcess:
     def _call(self, op: str, **args: Any) -> Any:
         with self._lock:
             if not self.alive or self._conn is None:
-                if self._proc is not None:
-                    self._mark_dead()  # reap what it left behind (vLLM's engine core)
+                if self._proc is not None and not self._dead:
+                    self._mark_dead()  # it died between calls: reap what it left behind (vLLM's engine core)
                 raise EngineError(f"{self.name} is not running ({self._exit_text()}); call start() first",
                                   self._log_tail())
             self._seq += 1

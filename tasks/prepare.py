@@ -13,13 +13,18 @@ template puts after an end-of-turn token).
 How the mask is found (`ChatMasker`), for any template:
 1. templates with `{% generation %}` markers: transformers'
    `return_assistant_tokens_mask`;
-2. otherwise incremental renders: the text between the render of the turns
+2. otherwise the conversation is rendered once and each answer is located in
+   it by character offsets (a fast tokenizer maps characters to tokens): right
+   after the previous user turn's content, with exactly the template's own
+   user->assistant header in between (learned from a probe render; whitespace
+   and empty `<think></think>` aside), followed by its end-of-turn marker. This
+   also covers templates that are not prefix-stable (reasoning templates that
+   drop the history's `<think>` blocks, templates that move the system prompt
+   into the last user turn);
+3. where that fails (headers that change per turn, repeated texts), two
+   incremental renders per turn: the text between the render of the turns
    before assistant turn j (with the generation prompt) and the render through
-   turn j is that turn's answer plus its end-of-turn marker, located in the full
-   render by character offsets (a fast tokenizer maps characters to tokens);
-3. where a template is not prefix-stable (reasoning templates that drop the
-   history's `<think>` blocks, templates that move the system prompt), the
-   answer is searched in the full render after its turn's generation header.
+   turn j is that turn's answer plus its end-of-turn marker.
 Every sample is then VERIFIED: the masked tokens of each turn must decode to
 that turn's content (whitespace-insensitive; the history's reasoning may be
 dropped by the template) plus, optionally, the end-of-turn marker. A sample

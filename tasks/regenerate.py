@@ -89,7 +89,10 @@ class _Dialog:
 
 def _sampling(cfg: RunConfig, max_tokens: int) -> dict[str, Any]:
     r = cfg.regenerate
-    return {"max_tokens": int(max_tokens), "temperature": r.temperature, "top_p": r.top_p, "seed": cfg.data.seed}
+    out: dict[str, Any] = {"max_tokens": int(max_tokens), "temperature": r.temperature, "top_p": r.top_p}
+    if r.temperature > 0:  # a per-request seed makes vLLM sample request by request: only when it matters
+        out["seed"] = cfg.data.seed
+    return out
 
 
 def regenerate_samples(cfg: RunConfig, masker: ChatMasker, engine: Engine, samples: list[Sample]) -> tuple[

@@ -371,3 +371,32 @@ def test_vllm_engine_killed_mid_shard(store, model_path, vllm_engine):
     vllm_engine.close()
     if os.path.exists(vllm_engine.kept_log_path()):
         os.remove(vllm_engine.kept_log_path())
+
+
+def test_streamed_parts_are_standard_safetensors(tmp_path):
+    """Parts are written chunk by chunk (no concatenation in memory); any safetensors reader reads them."""
+    from safetensors.torch import load_file
+
+    from tasks.engine import read_safetensors
+    from tasks.extract import _PartBuffer
+
+    torch.manual_seed(0)
+    for dtype in ("bf16", "fp8"):
+        buf = _PartBuffer([1, 3, 4, 6], 16, dtype)
+        chunks = [torch.randn(n, 4, 16).to(torch.bfloat16) for n in (5, 1, 9)]
+        for i, c in enumerate(chunks):
+            buf.add(f"s{i}", list(range(len(c))), [i % 2] * len(c), c)
+        path = tmp_path / f"part-{dtype}.safetensors"
+        with open(path, "wb") as fh:
+            size = buf.write(fh)
+        assert size == path.stat().st_size
+        ref = load_file(str(path))
+        mine, meta = read_safetensors(str(path))
+        assert ref.keys() == mine.keys() and meta["storage_dtype"] == dtype
+        for k in ref:
+            assert ref[k].dtype == mine[k].dtype and torch.equal(ref[k].view(torch.uint8), mine[k].view(torch.uint8))
+        part = load_part(str(path))
+        assert part["offsets"].tolist() == [0, 5, 6, 15] and part["sample_ids"] == ["s0", "s1", "s2"]
+        want = torch.cat(chunks).float()
+        tol = 0.0 if dtype == "bf16" else 0.07  # e4m3: 3 mantissa bits, per-token-per-layer scale
+        assert ((part["hidden_states"].float() - want).abs() <= tol * want.abs().amax(-1, keepdim=True)).all()
