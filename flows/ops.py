@@ -736,7 +736,7 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
         table.add_column(col, overflow="fold")
     for name, pool, kind, how in rows:
         start = (f"prefect worker start --pool {pool}" if name == "local"
-                 else f"infra/node-bootstrap.sh (DRAFTLINE_POOL={pool}{' --docker' if kind == 'docker' else ''})")
+                 else "infra/node-bootstrap.sh" + (" --docker" if kind == "docker" else ""))
         table.add_row(f"{FLOW_NAME}/{name}", pool, kind, how, start)
     console.print(table)
     console.print("next: draftline submit CONFIG --deployment NAME")

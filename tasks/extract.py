@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 
 from tasks.config import RunConfig
 from tasks.digest import VERSIONS, stage_digest
-from tasks.engine import EngineError, EngineProcess, vllm_extract_kwargs
+from tasks.engine import EngineError, EngineProcess, engine_dtype, vllm_extract_kwargs
 from tasks.store import ArtifactRef, ArtifactWriter, Store
 from tasks.target import default_layer_ids, load_hf_config, text_config, validate_layer_ids
 
@@ -163,7 +163,8 @@ def engine_for_group(cfg: RunConfig, model_path: str, group: list[int]) -> Engin
     if cfg.target.revision:
         common["revision"] = cfg.target.revision
     if e.backend == "vllm":
-        kwargs = {**common, "dtype": cfg.target.dtype, "tensor_parallel_size": e.tensor_parallel_size,
+        kwargs = {**common, "dtype": engine_dtype(cfg.target.dtype, on_gpu=bool(group)),
+                  "tensor_parallel_size": e.tensor_parallel_size,
                   "enforce_eager": e.enforce_eager, "seed": 0, **vllm_extract_kwargs(layer_ids)}
     else:
         kwargs = {**common, "max_batch_tokens": e.batch_tokens}

@@ -326,10 +326,9 @@ def scenario(prefect_server, s3_server, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.s3
-def test_deploy_registers_both_deployments_and_a_node_joins_the_pool(scenario, prefect_server):
+def test_deploy_registers_the_deployments_and_a_node_joins_the_pool(scenario, prefect_server):
     print("timings (s):", scenario["t"])
-    for name in ("local", "b300", "b300-docker"):
-        assert f"draftline/{name}" in scenario["deploy"]
+    assert "next: draftline submit" in scenario["deploy"]
     with harness.client(prefect_server) as c:
         local = c.read_deployment_by_name("draftline/local")
         b300 = c.read_deployment_by_name("draftline/b300")
