@@ -832,6 +832,9 @@ def serve(fd: int, parent_pid: int) -> int:
     backend: Any = None
     _WORKDIR = init.get("workdir")
     try:
+        model = str(init["model"])
+        if model.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(model)):
+            raise FileNotFoundError(f"model folder {model} does not exist; fix the path (target.model)")
         cls = _VllmBackend if init["kind"] == "vllm" else _TransformersBackend
         t0 = time.monotonic()
         backend = cls(init["model"], init["llm_kwargs"], init["workdir"])

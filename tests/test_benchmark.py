@@ -427,6 +427,7 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
                     num_speculative_tokens=[2], batch_sizes=[1, 3], max_tokens=24)
     cfg.target.max_model_len = 1024
     cfg.extract.kv_cache_gib = 1
+    cfg.extract.backend = "transformers"  # the offline replay's hidden states: cheaper than a third vLLM engine
     model = resolve_model(cfg.target)
     make_random_draft(model, tmp_path / "draft")
     files = {f"draft/{p.name}": p.read_bytes() for p in (tmp_path / "draft").iterdir() if p.is_file()}
@@ -449,6 +450,12 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
             assert g["speedup"] > 0 and g["output_tokens_per_s"] > 0 and g["tpot_ms"] > 0 and g["ttft_ms"] > 0
             assert g["token_identical"] is True, (ev, bs, g)
     assert rep["measured_by"]["flow_run_id"] == "slow-test"
+    # the offline replay ran on the same outputs: an untrained draft gets (almost) nothing accepted either way
+    assert "error" not in rep["replay"], rep["replay"]
+    for ev in ("mtbench", "heldout"):
+        r = rep["replay"]["by_eval"][ev]["2"]
+        assert r["replayed_drafts"] > 0 and 1.0 <= r["replayed"] < 1.2 and 1.0 <= r["position_average"] < 1.2
+    assert "Where the acceptance goes" in art.read_bytes("report.md").decode()
     assert find_report(store, "slow-test")["digest"] == ref.digest
     print(json.dumps({ev: {bs: {k: g[k] for k in ("mean_acceptance_length", "output_tokens_per_s", "speedup",
                                                   "tpot_ms", "ttft_ms")}
