@@ -407,16 +407,14 @@ def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef
         while pending:
             finished, pending = wait(list(pending), timeout=5)
             for fut in finished:
-                state = fut.state
-                if state.is_completed():
+                # result() waits for the final state; inspecting fut.state here can race with it.
+                try:
                     ref = as_ref(fut.result())
+                except Exception as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                else:
                     refs.append(ref)
                     tokens += int(ref.stats.get("tokens", 0))
-                else:
-                    try:
-                        fut.result()
-                    except Exception as exc:
-                        errors.append(f"{type(exc).__name__}: {exc}")
                 done += 1
             el = max(1e-6, time.time() - t0)
             progress.update(100.0 * done / len(plans),
