@@ -24,7 +24,7 @@ help:
 venv: $(STAMP)
 $(STAMP): requirements/cpu.lock pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=77" wheel
 	# Exact versions, no resolver: the lock is the whole environment.
 	$(BIN)/python -m pip install -q --no-deps -r requirements/cpu.lock
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
