@@ -193,9 +193,14 @@ def cpu_engine_env(cfg: RunConfig) -> dict[str, str]:
 
 
 def vllm_generate_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    import torch
+
+    from tasks.engine import engine_dtype
+
     return dict(
         max_model_len=cfg.target.max_model_len,
-        dtype=cfg.target.dtype,
+        # bf16 on a CPU without native bf16 is many times slower than float32 (tasks/engine.py).
+        dtype=engine_dtype(cfg.target.dtype, on_gpu=torch.cuda.is_available()),
         trust_remote_code=cfg.target.trust_remote_code,
         enforce_eager=cfg.extract.enforce_eager,
         tensor_parallel_size=cfg.extract.tensor_parallel_size,

@@ -352,7 +352,7 @@ def spec_figures(run: RunResult, base: RunResult, k: int, temperature: float,
 
 def engine_kwargs(cfg: RunConfig, speculative: dict | None) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
-        max_model_len=cfg.target.max_model_len, dtype=cfg.target.dtype,
+        max_model_len=cfg.target.max_model_len, dtype=_engine_dtype(cfg.target.dtype),
         trust_remote_code=cfg.target.trust_remote_code, enforce_eager=cfg.extract.enforce_eager,
         tensor_parallel_size=cfg.extract.tensor_parallel_size, seed=cfg.data.seed,
         disable_log_stats=False,  # the spec-decode counters and latency histograms need the stat loggers
@@ -1144,3 +1144,12 @@ def render_terminal(benchmark: dict[str, Any], console: Any, report: dict[str, A
             console.print(f"[yellow]warning[/]: {w}")
         for n in report.get("notes", []):
             console.print(f"[dim]{n}[/]")
+
+
+def _engine_dtype(requested: str) -> str:
+    """float32 on a CPU without native bf16 (many times faster there); as requested elsewhere."""
+    import torch
+
+    from tasks.engine import engine_dtype
+
+    return engine_dtype(requested, on_gpu=torch.cuda.is_available())
