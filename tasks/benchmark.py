@@ -543,11 +543,20 @@ def offline_replay(cfg: RunConfig, model_path: str, draft_dir: str, draft_info: 
     seqs: dict[str, list[list[int]]] = {ev.name: [p + o for p, o in zip(ev.prompts, outputs[ev.name])]
                                         for ev in evals}
     hidden: dict[str, list[Any]] = {}
-    # The extraction engine of the extract stage: the hidden states the draft was trained on.
-    with engine_for_group(cfg, model_path, gpu_groups(cfg)[0]) as eng:
+    # The extract stage's engine (same layer semantics as the training data), on the chosen backend.
+    group = gpu_groups(cfg)[0]
+    backend = cfg.benchmark.replay_backend
+    if backend == "auto":
+        backend = cfg.extract.backend if group else "transformers"
+    ecfg = cfg
+    if backend != cfg.extract.backend:
+        ecfg = cfg.model_copy(deep=True)
+        ecfg.extract.backend = backend
+    _log(log, f"benchmark: offline replay, hidden states from {backend}")
+    with engine_for_group(ecfg, model_path, group) as eng:
         for name, ss in seqs.items():
             hidden[name] = [h[:, :aux] for h in eng.extract(ss, layer_ids)]
-    model, d2t = load_draft_for_replay(draft_dir, model_path, cfg.target.dtype)
+    model, d2t = load_draft_for_replay(draft_dir, model_path, _engine_dtype(cfg.target.dtype))
     kmax = max(cfg.benchmark.num_speculative_tokens)
     out: dict[str, Any] = {}
     for ev in evals:
@@ -567,7 +576,7 @@ def offline_replay(cfg: RunConfig, model_path: str, draft_dir: str, draft_info: 
                                     "replayed": rep["mean_acceptance_length"], "replayed_drafts": rep["drafts"],
                                     "starts": pos["starts"]}
     _log(log, f"benchmark: offline replay in {time.time() - t0:.1f}s")
-    return {"by_eval": out, "seconds": round(time.time() - t0, 1)}
+    return {"by_eval": out, "seconds": round(time.time() - t0, 1), "backend": backend}
 
 
 # =========================================================================== the stage
@@ -1121,10 +1130,12 @@ def render_terminal(benchmark: dict[str, Any], console: Any, report: dict[str, A
     if report and report.get("measured_by"):
         mb = report["measured_by"]
         title += f" (measured {mb.get('date', '?')}" + (f", run {mb['flow_run_id']}" if mb.get("flow_run_id") else "") + ")"
-    table = Table(title=title)
-    for col in ("eval", "k", "batch", "accept len", "simulated", "per position", "tok/s", "baseline",
-                "speedup", "TPOT ms", "TTFT ms", "identical"):
-        table.add_column(col, justify="left" if col in ("eval", "per position") else "right")
+    table = Table(title=title, caption="AL = mean acceptance length (sim = offline estimate); per position = "
+                  "share of drafts accepted up to each position; tok/s vs base(line) = speedup")
+    for col in ("eval", "k", "batch", "AL", "sim", "per position", "tok/s", "base", "speedup", "TPOT ms",
+                "TTFT ms", "same"):
+        table.add_column(col, justify="left" if col in ("eval", "per position") else "right",
+                         no_wrap=col in ("eval", "per position", "speedup"))
     for ev, ks in benchmark.items():
         for k, fig in ks.items():
             by_bs = fig.get("by_batch_size") or {str(fig.get("batch_size", "?")): fig}
@@ -1134,9 +1145,9 @@ def render_terminal(benchmark: dict[str, Any], console: Any, report: dict[str, A
                 ident = {True: "[green]yes[/]", False: "[red]no[/]", None: "n/a"}[f.get("token_identical")]
                 table.add_row(ev, str(k), str(bs), f"{f['mean_acceptance_length']:.2f}",
                               _f(f.get("simulated_acceptance_length")),
-                              " ".join(f"{p:.2f}" for p in f.get("per_position_acceptance", [])),
+                              "/".join(f"{p:.2f}" for p in f.get("per_position_acceptance", [])),
                               f"{f['output_tokens_per_s']:.1f}", f"{f['baseline_output_tokens_per_s']:.1f}",
-                              f"[{color}]{_f(sp)}x[/]", _f(f.get("tpot_ms"), ".1f"), _f(f.get("ttft_ms"), ".1f"),
+                              f"[{color}]{_f(sp)}x[/]", _f(f.get("tpot_ms"), ".1f"), _f(f.get("ttft_ms"), ".0f"),
                               ident)
     console.print(table)
     if report:

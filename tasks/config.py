@@ -179,7 +179,12 @@ class BenchmarkConfig(Section):
         True,
         description="At temperature 0, also replay the draft offline (transformers) on the baseline's own "
         "outputs: splits a measured/simulated acceptance gap into distribution shift, draft-start sampling "
-        "and engine effects. Costs one transformers load of the target (~20 s on the CPU demo).",
+        "and engine effects.",
+    )
+    replay_backend: Literal["auto", "vllm", "transformers"] = Field(
+        "auto",
+        description="Engine that computes the replay's hidden states. auto: transformers on a machine without "
+        "GPUs (cheaper to start than another vLLM engine), else the extract stage's backend.",
     )
 
     @field_validator("num_speculative_tokens", "batch_sizes")

@@ -427,7 +427,6 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
                     num_speculative_tokens=[2], batch_sizes=[1, 3], max_tokens=24)
     cfg.target.max_model_len = 1024
     cfg.extract.kv_cache_gib = 1
-    cfg.extract.backend = "transformers"  # the offline replay's hidden states: cheaper than a third vLLM engine
     model = resolve_model(cfg.target)
     make_random_draft(model, tmp_path / "draft")
     files = {f"draft/{p.name}": p.read_bytes() for p in (tmp_path / "draft").iterdir() if p.is_file()}

@@ -379,7 +379,9 @@ from tasks.train import run_train
 args = json.loads(open(sys.argv[1]).read())
 ref = run_train(RunConfig.model_validate(args["cfg"]), Store(args["store"]), ArtifactRef.model_validate(args["vocab"]),
                 [ArtifactRef.model_validate(r) for r in args["extract"]])
-print("REF", ref.digest, flush=True)
+# One file per rank: two ranks printing to one pipe may interleave their lines.
+import os, pathlib
+pathlib.Path(sys.argv[1]).with_name(f"ref-{os.environ['RANK']}.txt").write_text(ref.digest)
 """
 
 
@@ -399,8 +401,8 @@ def test_ddp_under_torchrun_on_cpu(tmp_path, tiny):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(script), str(args)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    digests = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("REF")]
-    assert len(digests) == 2 and len(set(digests)) == 1
+    digests = [(tmp_path / f"ref-{rank}.txt").read_text() for rank in (0, 1)]
+    assert len(set(digests)) == 1, digests
     st = store.open("train", digests[0]).stats
     assert st["world_size"] == 2 and st["tokens"] == 4 * 2 * 128
 
