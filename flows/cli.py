@@ -53,6 +53,42 @@ def _store(cfg):
         _fail(str(exc))
 
 
+def _check_inputs(cfg) -> None:
+    """What can be checked in seconds before a run starts, so a typo fails now and not after hours of
+    earlier stages (each stage checks again): local paths, and the layer ids and draft vocabulary
+    against the target's config."""
+    from tasks.target import TargetError, load_hf_config, resolve_model, text_config, validate_layer_ids
+    from tasks.vocab import VocabError, draft_size
+
+    problems = []
+    t = cfg.target
+    if t.chat_template and not Path(t.chat_template).expanduser().is_file():
+        problems.append(f"target.chat_template {t.chat_template!r} not found; give a path to a .jinja file")
+    for i, src in enumerate(cfg.data.sources):
+        if src.path and "://" not in src.path and not Path(src.path).expanduser().exists():
+            problems.append(f"data.sources[{i}].path {src.path!r} not found (relative paths start at {Path.cwd()}); "
+                            "fix the path")
+    try:
+        text = text_config(load_hf_config(t, resolve_model(t)))
+    except TargetError as exc:
+        problems.append(str(exc))
+    except OSError as exc:  # a hub id that cannot be fetched (offline, typo, gated)
+        problems.append(f"target.model {t.model!r}: cannot read its config ({str(exc).splitlines()[0][:200]}); "
+                        "give a local model folder or a hub id this machine can download")
+    else:
+        if cfg.extract.layer_ids:
+            try:
+                validate_layer_ids(list(cfg.extract.layer_ids), int(text.num_hidden_layers))
+            except TargetError as exc:
+                problems.append(str(exc))
+        try:
+            draft_size(cfg.vocab.draft_vocab_size, int(text.vocab_size))
+        except VocabError as exc:
+            problems.append(str(exc))
+    if problems:
+        _fail("\n".join(problems))
+
+
 SetOpt = typer.Option([], "--set", "-s", help="Override a config value: --set train.max_steps=50 (repeatable).")
 
 
@@ -78,6 +114,7 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
     if until is not None and until not in STAGES:
         _fail(f"--until {until!r}: use one of {', '.join(STAGES)}")
     _store(cfg)
+    _check_inputs(cfg)
     from flows import pipeline as pl
 
     state = pl.pipeline(config_path=str(config), overrides=list(overrides), until=until, return_state=True)

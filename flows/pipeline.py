@@ -113,7 +113,21 @@ def regenerate_task(cfg: RunConfig, digest: str, prepared: ArtifactRef) -> Artif
         return EngineProcess(kind="vllm", model=model, llm_kwargs=vllm_generate_kwargs(cfg),
                              env=cpu_engine_env(cfg), name="regenerate")
 
-    return run_regenerate(cfg, Store.from_config(cfg.store), prepared, engine_factory)
+    logger = get_run_logger()
+    progress = _Progress("regenerate-progress", "Regenerate: shards answered by the target")
+
+    def on_shard(done: int, total: int, stats: dict[str, Any], reused: bool) -> None:
+        progress.update(100.0 * done / max(1, total), description=f"{done}/{total} shards")
+        if reused:
+            logger.info(f"regenerate: shard {done}/{total} reused from the store")
+        else:
+            secs = float(stats.get("seconds") or 0.0)
+            gen = int(stats.get("generated_tokens") or 0)
+            rate = f", {gen / secs:.0f} generated tok/s" if secs > 0 else ""
+            logger.info(f"regenerate: shard {done}/{total} done: {stats.get('samples', '?')} samples, "
+                        f"{gen} generated tokens in {secs:.0f}s{rate}")
+
+    return run_regenerate(cfg, Store.from_config(cfg.store), prepared, engine_factory, on_shard=on_shard)
 
 
 @task(name="vocab", task_run_name="vocab")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -117,6 +118,16 @@ class ExtractConfig(Section):
     part_tokens: int = Field(262144, ge=64, description="Tokens per safetensors part.")
     kv_cache_gib: float = Field(2.0, gt=0, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE).")
     enforce_eager: bool = True
+    write_overlap: bool = Field(
+        True,
+        description="Write parts (serialize, sha256, upload) on a background thread while the engine computes "
+                    "the next batches; false writes each part inline (serial; for comparison and debugging).",
+    )
+    write_queue: int = Field(
+        1, ge=1, le=8,
+        description="Finished parts waiting for or in the background writer, at most; hidden states in RAM are "
+                    "bounded by write_queue + 1 parts (plus the engine call in flight).",
+    )
 
     @field_validator("layer_ids")
     @classmethod
@@ -258,7 +269,8 @@ def _format_errors(err: ValidationError, origin: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         hint = _HINTS.get(e["type"], "")
         got = e.get("input")
-        got_s = "" if isinstance(got, dict) or e["type"] == "missing" else f" (got {got!r})"
+        got_s = "" if isinstance(got, dict) or e["type"] == "missing" or f"got {got!r}" in msg else f" (got {got!r})"
+        got_s = re.sub(r"://[^/@\s]*@", "://***@", got_s)  # never echo credentials put in a URI
         lines.append(f"  - {loc}: {msg}{got_s}" + (f"; fix: {hint}" if hint else ""))
     return "\n".join(lines)
 

@@ -81,11 +81,17 @@ def vocab(cfg, data) -> str:
     return stage_digest("vocab", cfg.vocab, {"data": data.digest})
 
 
+# Train keys that change how fast the draft is made, never which draft.
+TRAIN_SCHEDULING_KEYS = {"device", "prefetch", "checkpoint_every", "keep_checkpoints", "loss_impl"}
+
+
 def train(cfg, vocab_ref, shard_refs) -> str:
-    section = cfg.train.model_dump(exclude={"device", "prefetch", "eval_batches", "checkpoint_every"})
-    shards = hashlib.sha256(",".join(r.digest for r in shard_refs).encode()).hexdigest()[:32]
-    return stage_digest("train", {"train": section, "target": _target_identity(cfg)},
-                        {"vocab": vocab_ref.digest, "extract": shards})
+    """The train artifact's address (run_train commits there; the Prefect key uses it too)."""
+    refs = sorted(shard_refs, key=lambda r: (int(r.stats.get("shard", 0)), r.digest))
+    t = cfg.target
+    inputs = {"vocab": vocab_ref.digest, "extract": ",".join(r.digest for r in refs),
+              "target": t.model + (f"@{t.revision}" if t.revision else "")}
+    return stage_digest("train", cfg.train.model_dump(mode="json", exclude=TRAIN_SCHEDULING_KEYS), inputs)
 
 
 def benchmark(cfg, trained, data) -> str:

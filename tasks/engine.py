@@ -648,7 +648,8 @@ class _TransformersBackend:
                 "device": str(self.device)}
 
     def _host_buffer(self, numel: int) -> Any:
-        """A reusable host buffer (pinned on a GPU, so the device-to-host copy runs at full speed)."""
+        """A reusable host buffer (pinned on a GPU, so the device-to-host copy runs asynchronously
+        at full speed)."""
         import torch
 
         if self._host is None or self._host.numel() < numel:
@@ -656,6 +657,20 @@ class _TransformersBackend:
             pin = self.device.type == "cuda"
             self._host = torch.empty(int(numel * 1.25), dtype=torch.bfloat16, pin_memory=pin)
         return self._host
+
+    def _to_device(self, t: Any) -> Any:
+        """A host tensor on the model's device without waiting for the GPU (pinned, non-blocking);
+        on CPU the tensor itself."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _sync(self) -> None:
+        """Wait for the queued device work (the copies into the host buffer); no-op on CPU."""
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
 
     def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int]) -> dict:
         import torch
@@ -689,29 +704,35 @@ class _TransformersBackend:
                 batch = order[i:i + max(1, self.max_batch_tokens // max(width, 1))]
                 i += len(batch)
                 ids = torch.zeros(len(batch), width, dtype=torch.long)
-                mask = torch.zeros(len(batch), width, dtype=torch.bool)
+                mask = torch.zeros(len(batch), width, dtype=torch.long)
                 for r, j in enumerate(batch):
                     ids[r, :lengths[j]] = torch.tensor(prompt_token_ids[j])
-                    mask[r, :lengths[j]] = True
+                    mask[r, :lengths[j]] = 1
+                # The valid rows' flat positions, known here: selecting them by index (not by a
+                # boolean mask) keeps the GPU queue free of host syncs.
+                rows_idx = mask.view(-1).nonzero().squeeze(1)
+                rows = int(rows_idx.numel())
                 t0 = time.monotonic()
                 captured.clear()
                 with torch.inference_mode():
-                    self.decoder(input_ids=ids.to(self.device), attention_mask=mask.long().to(self.device),
+                    self.decoder(input_ids=self._to_device(ids), attention_mask=self._to_device(mask),
                                  use_cache=False)
-                    # [B, S, L, H] -> the valid rows [sum(len), L, H], in sub-batch order, then one copy out
-                    stacked = torch.stack([captured[s].to(self.device, torch.bfloat16)
-                                           for s in range(len(layer_ids))], dim=2)
+                    idx = self._to_device(rows_idx)
+                    # [B, S, H] per slot -> the valid rows [sum(len), L, H], in sub-batch order, then
+                    # one copy out; on a GPU the copy is queued and the next sub-batch's forward with it
+                    valid = torch.stack([captured[s].to(self.device, torch.bfloat16).reshape(-1, hidden)
+                                         .index_select(0, idx) for s in range(len(layer_ids))], dim=1)
                     captured.clear()
-                    valid = stacked[mask.to(stacked.device)]
-                    del stacked
-                    rows = valid.shape[0]
                     dst = host[pos * row:(pos + rows) * row].view(rows, len(layer_ids), hidden)
-                    dst.copy_(valid)
+                    dst.copy_(valid, non_blocking=True)
                     del valid
                 forward_s += time.monotonic() - t0
                 tensors[f"hidden_states.{len(orders)}"] = dst
                 orders.append(batch)
                 pos += rows
+            t0 = time.monotonic()
+            self._sync()  # the host buffer is complete only now
+            forward_s += time.monotonic() - t0
         finally:
             for h in handles:
                 h.remove()

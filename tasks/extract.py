@@ -8,6 +8,12 @@ only work repeated: every other shard is committed and found on the store.
         with engine_for_group(cfg, model_path, group) as engine:
             refs = [extract_shard(cfg, store, p, engine) for p in my_plans]
 
+Inside a shard three things run at once: the engine computes batch k+1, the
+calling thread collects batch k into the current part, and a background writer
+serializes, hashes and uploads the previous part (`extract.write_overlap`, at
+most `extract.write_queue` parts waiting, so memory stays bounded). The
+manifest is committed after the last part is written; any failure commits nothing.
+
 A shard's parts hold `hidden_states` [T, L, H] for the auxiliary layers
 `layer_ids[:-1]` plus the last decoder layer's pre-norm output, `input_ids`,
 `loss_mask` and `offsets` (docs/ARTIFACTS.md); `load_part` reads one back as
@@ -21,7 +27,9 @@ import json
 import math
 import os
 import struct
+import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, Callable, Iterator
 
@@ -31,11 +39,12 @@ from tasks.config import RunConfig
 from tasks.digest import VERSIONS, stage_digest
 from tasks.engine import EngineError, EngineProcess, engine_dtype, vllm_extract_kwargs
 from tasks.store import ArtifactRef, ArtifactWriter, Store
-from tasks.target import default_layer_ids, load_hf_config, text_config, validate_layer_ids
+from tasks.target import default_layer_ids, load_hf_config, text_config, validate_for_vllm, validate_layer_ids
 
 STAGE = "extract"
 # Keys that decide where and how fast extraction runs, not what it produces.
-SCHEDULING_KEYS = {"gpus", "kv_cache_gib", "batch_tokens", "tensor_parallel_size", "enforce_eager"}
+SCHEDULING_KEYS = {"gpus", "kv_cache_gib", "batch_tokens", "tensor_parallel_size", "enforce_eager",
+                   "write_overlap", "write_queue"}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DATA_STAGES = ("prepare", "regenerate")
 
@@ -92,6 +101,8 @@ def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[
         )
     text = text_config(hf_config)
     layer_ids = resolve_layer_ids(cfg, hf_config)
+    if cfg.extract.backend == "vllm":  # refuse what vLLM would refuse (or misread) before any engine loads
+        validate_for_vllm(hf_config, layer_ids, cfg.target.model)
     section = digest_section(cfg, layer_ids)
     plans = []
     for i in range(num_shards):
@@ -366,11 +377,140 @@ def _store_batch(plan: ShardPlan, buf: "_PartBuffer", batch: list, hidden: list,
     return done, masked
 
 
+class _Cancelled(Exception):
+    """The shard failed elsewhere: the background writer stops mid-part."""
+
+
+class _CancellableFile:
+    """Passes writes through until the shard is cancelled, then stops the part being written."""
+
+    def __init__(self, fh: BinaryIO, cancelled: threading.Event):
+        self.fh, self.cancelled = fh, cancelled
+
+    def write(self, b: Any) -> int:
+        if self.cancelled.is_set():
+            raise _Cancelled("the shard failed; part write stopped")
+        return self.fh.write(b)
+
+
+class _PartWriter:
+    """Writes finished parts into the attempt, on a background thread when `depth` > 0.
+
+    Serializing, hashing (while writing, see `ArtifactWriter.open`) and uploading part i then
+    overlap the engine's forward of the next batches. At most `depth` parts are handed over and
+    not yet written (the one being written included): `put` blocks beyond that, so hidden states
+    in memory stay bounded by depth + 1 parts. `depth` 0 writes inline (the serial path).
+
+    A write error is re-raised in the caller, unchanged, at the next `put`/`check`/`finish`.
+    Leaving the `with` block stops the thread (cancelling the part being written when the shard
+    failed), so the attempt is aborted with no writer still adding files to it.
+    """
+
+    def __init__(self, w: ArtifactWriter, depth: int, name: str):
+        self.w = w
+        self.depth = depth
+        self.parts: list[tuple[str, int]] = []  # (name, tokens) in hand-over order = write order
+        self.write_s = 0.0  # time spent writing parts, summed
+        self.peak_in_flight = 0
+        self.error: BaseException | None = None
+        self._queue: deque[tuple[str, _PartBuffer]] = deque()  # [0] is being written
+        self._closing = False
+        self._cancelled = threading.Event()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+
+    def put(self, buf: "_PartBuffer") -> None:
+        """Hand over a filled part; the caller starts a new buffer."""
+        if not buf.tokens:
+            return
+        name = f"part-{len(self.parts):05d}.safetensors"
+        if self._thread is None:
+            self.parts.append((name, buf.tokens))
+            self.peak_in_flight = 1
+            self._write(name, buf)
+            return
+        with self._cond:
+            while len(self._queue) >= self.depth and self.error is None:
+                self._cond.wait()
+            self._raise_error()
+            self.parts.append((name, buf.tokens))
+            self._queue.append((name, buf))
+            self.peak_in_flight = max(self.peak_in_flight, len(self._queue))
+            self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raise the writer's error, if it has failed, without waiting."""
+        with self._cond:
+            self._raise_error()
+
+    def finish(self) -> None:
+        """Wait until every part handed over is written; raise the writer's error if it failed."""
+        self._stop(cancel=False)
+        self._raise_error()
+
+    def __enter__(self) -> "_PartWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self._stop(cancel=exc_type is not None)
+
+    def _stop(self, cancel: bool) -> None:
+        if self._thread is None:
+            return
+        with self._cond:
+            if cancel:
+                self._cancelled.set()
+                self._queue.clear()
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        self._thread = None
+
+    def _raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _write(self, name: str, buf: "_PartBuffer") -> None:
+        t0 = time.monotonic()
+        with self.w.open(name) as fh:
+            buf.write(_CancellableFile(fh, self._cancelled))  # type: ignore[arg-type]
+        buf.reset()  # free its hidden states now
+        self.write_s += time.monotonic() - t0
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                name, buf = self._queue[0]
+            try:
+                if self.error is None and not self._cancelled.is_set():
+                    self._write(name, buf)
+            except BaseException as exc:  # handed to the caller; the parts after it are dropped
+                if not isinstance(exc, _Cancelled):
+                    self.error = exc
+            finally:
+                buf.reset()
+                with self._cond:
+                    if self._queue and self._queue[0][1] is buf:
+                        self._queue.popleft()
+                    self._cond.notify_all()
+
+
 def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProcess,
                   progress_cb: ProgressCallback | None = None) -> ArtifactRef:
     """Extract one shard into `extract/<plan.digest>/`; returns at once if it is already committed.
 
-    A failure (the engine dying included) raises and commits nothing.
+    Three things run at once: the engine computes batch k+1 (one call ahead), this thread
+    collects batch k into the current part, and a background writer stores the previous
+    part(s) (`extract.write_overlap`, at most `extract.write_queue` parts queued). The
+    manifest is committed only after every part is written; a failure anywhere (the engine
+    dying, a store error in the writer) raises that error and commits nothing.
     """
     found = store.find(STAGE, plan.digest)
     if found is not None:
@@ -393,45 +533,56 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
                            "start it with engine_for_group(cfg, ...) for this config")
 
     t0 = time.monotonic()
-    parts: list[tuple[str, int]] = []
     done = masked = 0
-    buf = _PartBuffer(plan.layer_ids, plan.hidden_size, e.storage_dtype)
-
-    def flush(w: ArtifactWriter) -> None:
-        if not buf.tokens:
-            return
-        name = f"part-{len(parts):05d}.safetensors"
-        with w.open(name) as fh:
-            buf.write(fh)
-        parts.append((name, buf.tokens))
-        buf.reset()
+    engine_wait = write_wait = 0.0  # time this thread waited for the engine / for the part writer
+    new_buffer = lambda: _PartBuffer(plan.layer_ids, plan.hidden_size, e.storage_dtype)  # noqa: E731
+    buf = new_buffer()
 
     with store.write(STAGE, plan.digest, VERSIONS[STAGE], inputs=plan.inputs, config=plan.config) as w:
         if progress_cb:
             progress_cb(0, total)
         batches = list(_batches(samples, e.batch_tokens))
-        # The engine computes batch k+1 while this thread stores batch k (quantize, write, upload).
-        with ThreadPoolExecutor(1, thread_name_prefix=f"extract-{plan.shard}") as ahead:
+        depth = e.write_queue if e.write_overlap else 0
+        with ThreadPoolExecutor(1, thread_name_prefix=f"extract-{plan.shard}") as ahead, \
+                _PartWriter(w, depth, f"extract-{plan.shard}-writer") as writer:
+            # The engine computes batch k+1 while this thread collects batch k.
             pending = ahead.submit(engine.extract, [s[1] for s in batches[0]], plan.layer_ids) if batches else None
             for k, batch in enumerate(batches):
                 assert pending is not None
+                t1 = time.monotonic()
                 hidden = pending.result()
+                engine_wait += time.monotonic() - t1
                 pending = (ahead.submit(engine.extract, [s[1] for s in batches[k + 1]], plan.layer_ids)
                            if k + 1 < len(batches) else None)
                 done, masked = _store_batch(plan, buf, batch, hidden, done, masked)
+                del hidden
                 if buf.tokens >= e.part_tokens:
-                    flush(w)
+                    t1 = time.monotonic()
+                    writer.put(buf)  # blocks while write_queue parts are still being written
+                    write_wait += time.monotonic() - t1
+                    buf = new_buffer()
+                writer.check()  # a failed write fails the shard now, not after the last batch
                 if progress_cb:
                     progress_cb(done, total)
-        flush(w)
+            t1 = time.monotonic()
+            writer.put(buf)
+            writer.finish()
+            write_wait += time.monotonic() - t1
         seconds = time.monotonic() - t0
         stored = sum(f.bytes for f in w.files)
+        if [f.path for f in w.files] != [n for n, _ in writer.parts]:  # never expected: a writer bug
+            raise ExtractError(f"shard {plan.shard}: parts written {[f.path for f in w.files]} differ from "
+                               f"parts planned {[n for n, _ in writer.parts]}; nothing was committed")
         stats = {
             "shard": plan.shard, "samples": len(samples), "tokens": total, "masked_tokens": masked,
             "layer_ids": plan.layer_ids, "hidden_size": plan.hidden_size, "storage_dtype": e.storage_dtype,
             "bytes": stored, "bytes_per_token": round(stored / total, 2) if total else 0.0,
             "tokens_per_s": round(total / seconds, 1) if seconds > 0 else 0.0, "seconds": round(seconds, 2),
-            "parts": [{"name": n, "tokens": t} for n, t in parts], "backend": engine.kind,
+            "parts": [{"name": n, "tokens": t} for n, t in writer.parts], "backend": engine.kind,
+            # Where the time went: writing parts (summed), and how long the loop was held up by the
+            # writer (all of write_s when writing inline) and by the engine.
+            "write_overlap": depth > 0, "write_s": round(writer.write_s, 3),
+            "write_wait_s": round(write_wait, 3), "engine_wait_s": round(engine_wait, 3),
         }
         art = w.commit(stats)
     return art.ref()

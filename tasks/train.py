@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from tasks.config import RunConfig, TargetConfig, TrainConfig
-from tasks.digest import VERSIONS, stage_digest
+from tasks.digest import TRAIN_SCHEDULING_KEYS, VERSIONS, stage_digest
 from tasks.store import Artifact, ArtifactCorrupt, ArtifactMissing, ArtifactRef, Store
 from tasks.target import (
     default_layer_ids,
@@ -67,7 +67,7 @@ from tasks.target import (
 STAGE = "train"
 CKPT_STAGE = "checkpoint"
 # Keys that decide where and how fast training runs, not what it produces.
-SCHEDULING_KEYS = {"device", "prefetch", "checkpoint_every", "keep_checkpoints", "loss_impl"}
+SCHEDULING_KEYS = TRAIN_SCHEDULING_KEYS
 MetricsCallback = Callable[[dict[str, Any]], None]
 # Dense bf16 peak of the GPUs we know, for MFU (None elsewhere: CPU MFU is not meaningful).
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12,
@@ -95,8 +95,9 @@ def _sorted_extract_refs(extract_refs: Sequence[ArtifactRef]) -> list[ArtifactRe
 
 def train_digest(cfg: RunConfig, vocab_ref: ArtifactRef, extract_refs: Sequence[ArtifactRef]) -> str:
     """The train artifact's address: the train section minus scheduling keys, plus the inputs."""
-    return stage_digest(STAGE, cfg.train.model_dump(mode="json", exclude=SCHEDULING_KEYS),
-                        _digest_inputs(cfg, vocab_ref, extract_refs))
+    from tasks import digest
+
+    return digest.train(cfg, vocab_ref, extract_refs)
 
 
 def _digest_inputs(cfg: RunConfig, vocab_ref: ArtifactRef, extract_refs: Sequence[ArtifactRef]) -> dict[str, str]:
@@ -186,7 +187,8 @@ def resolve_inputs(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef,
             raise TrainError(f"extraction shard {ref.uri} is not committed on {store.uri}; rerun extraction "
                              "for it (completed shards are reused)") from None
         except ArtifactCorrupt as exc:
-            raise TrainError(f"extraction shard {ref.uri} is corrupt ({exc}); delete it and rerun extraction") from None
+            raise TrainError(f"extraction shard {ref.uri} is corrupt ({exc}); rerun the run (`draftline retry`): "
+                             "a corrupt shard counts as missing and is extracted again") from None
         st = art.stats
         ids = [int(i) for i in st.get("layer_ids") or []]
         if not ids:
@@ -248,6 +250,10 @@ def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str
         verifier_name_or_path=target_path, num_layers=train.num_layers, draft_arch=_draft_arch(tc),
         hidden_act=None, sliding_window=int(getattr(tc, "max_position_embeddings", 4096) or 4096),
         full_attention_indices=list(range(train.num_layers)), trust_remote_code=target.trust_remote_code)
+    if getattr(tc, "kv_lora_rank", None):
+        # MLA targets (DeepSeek-V3, Kimi-K2.5): their `head_dim` is the rotary part only (64), which would give
+        # the Llama draft layer a narrow attention (64 heads x 64 for a 7168 hidden). Use the value head width.
+        layer_cfg.head_dim = int(getattr(tc, "v_head_dim", 0) or int(tc.hidden_size) // int(tc.num_attention_heads))
     layer_cfg._attn_implementation = "simple_flex_attention" if train.attn_impl == "flex_attention" else train.attn_impl
     k = int(d2t.shape[0])
     config = Eagle3SpeculatorConfig(
@@ -337,7 +343,7 @@ class PartReader:
                 raw = load_part(path)
             self.verified.add(key)
         except ArtifactCorrupt as exc:
-            raise TrainError(f"{exc}; delete {art.uri} and rerun its extraction") from None
+            raise TrainError(f"{exc}: rerun the run (`draftline retry`) to extract that shard again") from None
         where = f"{art.uri}/{spec.name}"
         hs = raw["hidden_states"]
         offsets = [int(x) for x in raw["offsets"].tolist()]

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ACCESS_KEY = "draftline-test-access"
 SECRET_KEY = "draftline-test-secret-Zq9x"  # recognisable: tests grep outputs for it
+CANARY_ACCESS_KEY = "draftline-canary-access"
 
 
 def free_port_block(n: int) -> int:
@@ -53,6 +55,9 @@ class S3Server:
     data_dir: Path
     base_port: int = 0
     proc: subprocess.Popen | None = None
+    # A second identity whose secret no test but the one using it ever sees (tests/test_security.py
+    # greps everything a run wrote for it; SECRET_KEY may legitimately sit in a credentials block).
+    canary_secret: str = field(default_factory=lambda: "draftline-canary-" + secrets.token_hex(12))
 
     @property
     def s3_port(self) -> int:
@@ -79,6 +84,8 @@ class S3Server:
         cfg = self.data_dir / "s3.json"
         cfg.write_text(json.dumps({"identities": [{
             "name": "draftline", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}, {
+            "name": "canary", "credentials": [{"accessKey": CANARY_ACCESS_KEY, "secretKey": self.canary_secret}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         b = self.base_port
         cmd = [weed_binary(), "mini", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -110,9 +117,10 @@ class S3Server:
         except Exception:
             return False
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
+        """SIGTERM (or SIGKILL: a crash) the server. `start()` again serves the same data on the same ports."""
         if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:

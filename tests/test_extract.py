@@ -400,3 +400,253 @@ def test_streamed_parts_are_standard_safetensors(tmp_path):
         want = torch.cat(chunks).float()
         tol = 0.0 if dtype == "bf16" else 0.07  # e4m3: 3 mantissa bits, per-token-per-layer scale
         assert ((part["hidden_states"].float() - want).abs() <= tol * want.abs().amax(-1, keepdim=True)).all()
+
+
+# ----------------------------------------------------------------------------- the background part writer
+# An in-process fake engine (no model) makes these fast and exact: 24 samples of 100 tokens,
+# batch_tokens=200 and part_tokens=200, so every engine call is one batch and one part (12 of each).
+
+
+class FakeEngine:
+    """Stands in for EngineProcess: hidden states computed from the token ids, a log of calls,
+    and optionally a failure at call `fail_at` (1-based)."""
+
+    kind = "fake"
+
+    def __init__(self, fail_at: int | None = None, delay_s: float = 0.0):
+        self.info: dict = {"max_model_len": 512}
+        self.calls = 0
+        self.fail_at = fail_at
+        self.delay_s = delay_s
+
+    def extract(self, prompts, layer_ids):
+        import time
+
+        self.calls += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise EngineError(f"fake engine died at call {self.calls}")
+        out = []
+        for p in prompts:
+            ids = torch.tensor(p, dtype=torch.float32)
+            hs = ids[:, None, None] / 512 + torch.arange(len(layer_ids))[None, :, None] \
+                + torch.arange(128)[None, None, :] / 128
+            out.append(hs.to(torch.bfloat16))
+        return out
+
+
+def fixed_data(store: Store, name: str, n: int = 24, length: int = 100) -> ArtifactRef:
+    rng = random.Random(name)
+    rows = {"sample_id": [f"{name}-{j}" for j in range(n)], "source": ["test"] * n, "messages": ["[]"] * n,
+            "input_ids": [[rng.randrange(3, 512) for _ in range(length)] for _ in range(n)],
+            "loss_mask": [[0] * 10 + [1] * (length - 10) for _ in range(n)]}
+    table = pa.table({"sample_id": pa.array(rows["sample_id"], pa.string()),
+                      "source": pa.array(rows["source"], pa.string()),
+                      "messages": pa.array(rows["messages"], pa.string()),
+                      "input_ids": pa.array(rows["input_ids"], pa.list_(pa.int32())),
+                      "loss_mask": pa.array(rows["loss_mask"], pa.list_(pa.int8()))})
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    with store.write("prepare", stage_digest("prepare", {"fixed": name}, {}), VERSIONS["prepare"]) as w:
+        w.write_bytes("shard-00000.parquet", buf.getvalue())
+        return w.commit({"num_shards": 1, "samples": n, "tokens": n * length}).ref()
+
+
+def writer_cfg(model_path: str, overlap: bool = True, queue: int = 1) -> RunConfig:
+    return make_cfg(model_path, batch_tokens=200, part_tokens=200, write_overlap=overlap, write_queue=queue)
+
+
+def files_under(store: Store, digest: str) -> list[str]:
+    """Files (not the empty prefix some S3 servers keep after a delete) under extract/DIGEST."""
+    key = store._key("extract", digest)
+    try:
+        found = store.fs.find(key, detail=True)
+    except FileNotFoundError:
+        return []
+    return [k for k, info in found.items() if info.get("type") == "file" and k.rstrip("/") != key]
+
+
+@pytest.mark.parametrize("overlap,queue,calls_while_blocked", [(False, 1, 2), (True, 1, 3), (True, 2, 4)])
+def test_part_writes_overlap_the_engine_with_bounded_parts(store, model_path, monkeypatch, overlap, queue,
+                                                           calls_while_blocked):
+    """While part 0's write is held, the engine keeps computing, but only until `write_queue` parts
+    wait: serial = batch 1 only (the call already ahead); queue 1 = 1 more batch; queue 2 = 2 more."""
+    import time
+
+    from tasks.store import ArtifactWriter
+
+    cfg = writer_cfg(model_path, overlap, queue)
+    data = fixed_data(store, f"overlap-{overlap}-{queue}")
+    plan = plan_extract(cfg, data, load_hf_config(cfg.target))[0]
+    gate = threading.Event()
+    real_open = ArtifactWriter.open
+
+    def held_open(self, name):
+        if name == "part-00000.safetensors":
+            assert gate.wait(60), "part 0 was never released"
+        return real_open(self, name)
+
+    monkeypatch.setattr(ArtifactWriter, "open", held_open)
+    engine = FakeEngine()
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(ref=extract_shard(cfg, store, plan, engine)))  # type: ignore[arg-type]
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while engine.calls < calls_while_blocked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # would the engine run further ahead? (it must not: memory stays bounded)
+        assert engine.calls == calls_while_blocked
+    finally:
+        gate.set()
+        t.join(60)
+    ref = result["ref"]
+    assert engine.calls == 12 and [p["name"] for p in ref.stats["parts"]] == [f"part-{i:05d}.safetensors"
+                                                                            for i in range(12)]
+    rows = shard_rows(store, data, 0)
+    parts = read_parts(store, ref)
+    assert [sid for p in parts for sid in p["sample_ids"]] == rows["sample_id"]
+    want = FakeEngine().extract(rows["input_ids"], LAYER_IDS)
+    torch.testing.assert_close(torch.cat([p["hidden_states"] for p in parts]), torch.cat(want), atol=0, rtol=0)
+
+
+def test_serial_and_overlapped_writes_store_the_same_bytes(tmp_path, model_path):
+    manifests = []
+    for overlap in (False, True):
+        st = Store(f"file://{tmp_path}/store-{overlap}")
+        cfg = writer_cfg(model_path, overlap)
+        plan = plan_extract(cfg, fixed_data(st, "same"), load_hf_config(cfg.target))[0]
+        ref = extract_shard(cfg, st, plan, FakeEngine())  # type: ignore[arg-type]
+        manifests.append((ref.digest, [(f.path, f.bytes, f.sha256) for f in st.open("extract", ref.digest).manifest.files]))
+    assert manifests[0] == manifests[1] and len(manifests[0][1]) == 12
+
+
+@pytest.fixture(params=["file", "s3"])
+def any_store(request, tmp_path) -> Store:
+    if request.param == "file":
+        return Store(f"file://{tmp_path}/store")
+    import uuid
+
+    from tasks.config import StoreConfig
+
+    request.getfixturevalue("s3_server")
+    return Store.from_config(StoreConfig(uri=f"s3://draftline-test/{uuid.uuid4().hex[:12]}"))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_store_error_in_the_writer_fails_the_shard_and_commits_nothing(any_store, model_path, monkeypatch,
+                                                                        overlap):
+    """A store error while a part is being written (here part 1, mid-file) is the shard's error;
+    nothing is committed and no part is left behind."""
+    import contextlib
+
+    from tasks.store import ArtifactWriter
+
+    cfg = writer_cfg(model_path, overlap)
+    plan = plan_extract(cfg, fixed_data(any_store, "s3-error"), load_hf_config(cfg.target))[0]
+    real_open = ArtifactWriter.open
+
+    @contextlib.contextmanager
+    def failing_open(self, name):
+        with real_open(self, name) as fh:
+            if name != "part-00001.safetensors":
+                yield fh
+                return
+
+            class Failing:
+                def write(self, b):
+                    fh.write(b)
+                    raise OSError("simulated S3 error: SlowDown (503)")
+
+            yield Failing()
+
+    monkeypatch.setattr(ArtifactWriter, "open", failing_open)
+    engine = FakeEngine()
+    with pytest.raises(OSError, match="simulated S3 error"):
+        extract_shard(cfg, any_store, plan, engine)  # type: ignore[arg-type]
+    assert any_store.find("extract", plan.digest) is None
+    assert files_under(any_store, plan.digest) == []
+
+
+def test_engine_failure_cancels_the_part_being_written(store, model_path, monkeypatch):
+    """The engine fails while the writer holds part 0: the shard raises the engine's error, the
+    writer stops mid-part, and the aborted attempt leaves no files."""
+    from tasks.extract import _PartWriter
+    from tasks.store import ArtifactWriter
+
+    cfg = writer_cfg(model_path)
+    plan = plan_extract(cfg, fixed_data(store, "cancel"), load_hf_config(cfg.target))[0]
+    gate = threading.Event()
+    written: list[int] = []
+    real_open, real_init = ArtifactWriter.open, _PartWriter.__init__
+
+    class ReleasingEvent(threading.Event):
+        def set(self) -> None:  # the shard was cancelled: let the held write run into the cancellation
+            super().set()
+            gate.set()
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        self._cancelled = ReleasingEvent()
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def held_open(self, name):
+        if name == "part-00000.safetensors":
+            assert gate.wait(60)
+        with real_open(self, name) as fh:
+            class Counting:
+                def write(self, b):
+                    written.append(len(memoryview(b).cast("B")))
+                    return fh.write(b)
+            yield Counting()
+
+    monkeypatch.setattr(_PartWriter, "__init__", init)
+    monkeypatch.setattr(ArtifactWriter, "open", held_open)
+    with pytest.raises(EngineError, match="fake engine died at call 2"):
+        extract_shard(cfg, store, plan, FakeEngine(fail_at=2))  # type: ignore[arg-type]
+    assert gate.is_set() and written == [], "the held part was written after the shard failed"
+    assert store.find("extract", plan.digest) is None
+    assert files_under(store, plan.digest) == []
+
+
+def test_kill_9_mid_shard_commits_nothing(store, model_path, tmp_path):
+    """SIGKILL of the process while the background writer is busy: no manifest, only garbage."""
+    import subprocess
+    import sys
+    import textwrap
+
+    cfg = writer_cfg(model_path)
+    data = fixed_data(store, "kill-9")
+    plan = plan_extract(cfg, data, load_hf_config(cfg.target))[0]
+    root = Path(__file__).resolve().parents[1]
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(root)!r}, {str(root / "tests")!r}]
+        from test_extract import FakeEngine, writer_cfg
+        from tasks.extract import ShardPlan, extract_shard
+        from tasks.store import Store
+        plan = ShardPlan.model_validate_json({plan.model_dump_json()!r})
+
+        def progress(done, total):
+            if done >= 600:  # parts 0-2 handed to the writer (the engine sleeps, so the rest waits)
+                print("mid-shard", flush=True)
+
+        extract_shard(writer_cfg({model_path!r}), Store({store.uri!r}), plan, FakeEngine(delay_s=0.2),
+                      progress_cb=progress)
+        print("committed", flush=True)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, cwd=str(root))
+    try:
+        line = proc.stdout.readline().strip()
+        assert line == b"mid-shard", line
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert store.find("extract", plan.digest) is None
+    assert not any(f.endswith("manifest.json") for f in files_under(store, plan.digest))

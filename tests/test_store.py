@@ -79,6 +79,53 @@ def test_writer_killed_before_manifest_leaves_nothing_visible(store):
     assert store.garbage(min_age_s=0) == []
 
 
+def test_large_writes_are_hashed_while_written(store, monkeypatch):
+    """Writes of 1 MiB or more are hashed on a helper thread while they are written; the manifest's
+    sha256 is still that of the whole file, and a failed write still fails (after its hash ends)."""
+    import hashlib
+
+    from tasks import store as store_mod
+
+    payload = os.urandom(3 << 20) + b"tail"
+    with store.write("prepare", "dbig", "v1") as w:
+        with w.open("big.bin") as fh:
+            fh.write(payload[:100])
+            fh.write(memoryview(payload)[100:(2 << 20)])  # large: hashed in parallel
+            fh.write(payload[(2 << 20):])
+        w.commit()
+    art = store.open("prepare", "dbig", checksums=True)
+    assert art.manifest.file("big.bin").sha256 == hashlib.sha256(payload).hexdigest()
+    assert art.read_bytes("big.bin") == payload
+
+    hashed = []
+    real_hasher, real_open = store_mod._hasher, store.fs.open
+
+    def spy():
+        hashed.append(1)
+        return real_hasher()
+
+    class DiskFull:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, b):
+            raise OSError("disk full")
+
+    monkeypatch.setattr(store_mod, "_hasher", spy)
+    monkeypatch.setattr(store.fs, "open", lambda key, mode="rb", **kw: DiskFull(real_open(key, mode, **kw))
+                        if mode == "wb" else real_open(key, mode, **kw))
+    with pytest.raises(OSError, match="disk full"):
+        with store.write("prepare", "dfail", "v1") as w:
+            w.write_bytes("x.bin", payload)
+    assert hashed and store.find("prepare", "dfail") is None
+
+
 def test_corrupted_file_is_detected_and_uncommitted(store):
     _write(store, "d3", b"0123456789" * 100)
     art = store.open("prepare", "d3")

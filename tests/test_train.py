@@ -22,6 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
 from tasks.config import RunConfig
+from tasks.digest import train as digest_of_train
 from tasks.store import ArtifactRef, Store
 from tasks.train import (
     BatchStream,
@@ -175,6 +176,8 @@ def test_trains_exports_and_reuses(store, tiny):
     assert all(e["tokens"] == 128 and len(e["acc_per_pos"]) == 3 and e["tokens_per_s"] > 0 for e in steps)
     assert sum(e["loss"] for e in steps[-3:]) / 3 < 0.6 * steps[0]["loss"], [e["loss"] for e in steps]
 
+    # The address the flow's cache policy computes is where the stage committed.
+    assert digest_of_train(cfg, vref, list(reversed(refs))) == ref.digest
     art = store.open("train", ref.digest)
     assert set(art.files()) == {"draft/config.json", "draft/model.safetensors", "metrics.json"}
     st = art.stats

