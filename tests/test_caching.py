@@ -70,13 +70,14 @@ def test_digest_ignores_scheduling_keys_and_tracks_meaningful_ones():
     c = RunConfig.model_validate({"train": {"lr": 1e-3}})
 
     class Ref:
-        def __init__(self, d):
-            self.digest = d
+        def __init__(self, d, shard=0):
+            self.digest, self.stats = d, {"shard": shard}
 
-    v, shards = Ref("v"), [Ref("s0"), Ref("s1")]
+    v, shards = Ref("v"), [Ref("s0", 0), Ref("s1", 1)]
     assert digests.train(a, v, shards) == digests.train(b, v, shards)
     assert digests.train(a, v, shards) != digests.train(c, v, shards)
     assert digests.train(a, v, shards) != digests.train(a, v, shards[:1])
+    assert digests.train(a, v, shards) == digests.train(a, v, shards[::-1])  # shard order, not completion order
     assert digests.prepare(a) != digests.prepare(RunConfig.model_validate({"data": {"seed": 1}}))
     # 3 and 3.0 in YAML are the same config
     assert stage_digest("vocab", {"k": 3}) == stage_digest("vocab", {"k": 3.0})

@@ -14,8 +14,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
 from tasks.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,13 +23,13 @@ SOURCES = sorted([*ROOT.glob("tasks/*.py"), *ROOT.glob("flows/*.py")])
 
 @pytest.mark.s3
 @pytest.mark.slow
-def test_no_secret_reaches_the_store_prefect_or_the_logs(s3_server, prefect_server, monkeypatch, capfd):
+def test_no_secret_reaches_the_store_prefect_or_the_logs(s3_server, prefect_server, monkeypatch, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
-    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
     from s3server import CANARY_ACCESS_KEY
+    from warm import finish, start_draftline
 
-    from flows.cli import app
     from tasks.store import Store
 
     aws_secret = s3_server.canary_secret  # an identity of the S3 server that only this test uses
@@ -40,19 +38,18 @@ def test_no_secret_reaches_the_store_prefect_or_the_logs(s3_server, prefect_serv
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_secret)
     monkeypatch.setenv("HF_TOKEN", hf_token)
     uri = f"s3://draftline-test/security-{uuid.uuid4().hex[:8]}"
-    out = CliRunner().invoke(app, ["run", CONFIG, "--until", "vocab", "--json", "--set", f"store.uri={uri}",
-                                   "--set", "vocab.draft_vocab_size=1024", "--set", "target.trust_remote_code=true"])
-    printed = capfd.readouterr()
-    assert out.exit_code == 0, (out.output + printed.err)[-4000:]
-    run_id = json.loads(out.stdout)["flow_run_id"]
-    APILogWorker.drain_all(timeout=60)
+    code, out, err = finish(start_draftline(["run", CONFIG, "--until", "vocab", "--json", "--set", f"store.uri={uri}",
+                                             "--set", "vocab.draft_vocab_size=1024",
+                                             "--set", "target.trust_remote_code=true"], tmp_path), tmp_path)
+    assert code == 0, err[-4000:]
+    run_id = json.loads(out)["flow_run_id"]
 
-    written: dict[str, bytes] = {"cli output": (out.output + printed.out + printed.err).encode()}
+    written: dict[str, bytes] = {"cli stdout": out.encode(), "cli stderr": err.encode()}
     store = Store(uri, {"client_kwargs": {"endpoint_url": s3_server.endpoint}})
     keys = store.fs.find(store.root)
     assert any(k.endswith("/manifest.json") for k in keys) and any("/_prefect/" in k for k in keys), keys
     written.update({k: store.fs.cat_file(k) for k in keys})
-    with get_client(sync_client=True) as c:
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}), get_client(sync_client=True) as c:
         runs = FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
         api = {
             "flow run": c.read_flow_run(run_id),

@@ -9,6 +9,9 @@ for how it was launched.
 
 - `fork_call(fn, *args, env=...)`: run `fn(*args)` in a child; returns the Process
   (exitcode -9 after SIGKILL). `fn` must be importable (module-level).
+- `start_draftline(args, folder, name)` / `finish(...)`: `draftline ARGS` in a child (Prefect
+  is imported there, with the caller's environment: in-process flow runs would bind Prefect's
+  settings and log handlers to whatever the first test left behind).
 - `WarmEngine`: `tasks.engine.EngineProcess` whose engine child is forked from the
   server instead of exec'ing `python -m tasks.engine`; the child runs the production
   `tasks.engine.serve` loop and backend, and the parent side (requests, death
@@ -20,6 +23,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -46,8 +50,11 @@ def context():
 
 def _enter(env: dict[str, str], cwd: str, log: str | None) -> None:
     """In the child: the caller's environment and folder (the server froze its own at start)."""
+    import tempfile
+
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # read TMPDIR again
     os.chdir(cwd)
     if log:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -68,6 +75,47 @@ def fork_call(fn: Callable, *args: Any, env: dict[str, str] | None = None, log: 
     p = context().Process(target=_call, args=(fn, args, dict(env or os.environ), os.getcwd(), log))
     p.start()
     return p
+
+
+def _draftline(args: list[str], out: str) -> None:
+    """Child process: `draftline ARGS`, its stdout to OUT, its exit code as ours."""
+    import contextlib
+
+    import click
+
+    from flows.cli import app
+
+    code = 0
+    with open(out, "w") as fh, contextlib.redirect_stdout(fh):
+        try:
+            ret = app(args, standalone_mode=False)  # an Exit(n) comes back as n here
+            code = ret if isinstance(ret, int) else 0
+        except click.exceptions.Exit as exc:
+            code = exc.exit_code
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        except Exception:  # noqa: BLE001 - what standalone click would do: print and exit 1
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=60)  # children skip atexit: send the run's logs to the API now
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def start_draftline(args: list[str], folder: Path, name: str = "draftline", env: dict[str, str] | None = None):
+    return fork_call(_draftline, list(args), str(folder / f"{name}.out"), env=env, log=str(folder / f"{name}.log"))
+
+
+def finish(p, folder: Path, name: str = "draftline", timeout: float = 900) -> tuple[int | None, str, str]:
+    """(exit code, stdout, stderr) of a `start_draftline` child."""
+    p.join(timeout)
+    read = lambda f: f.read_text() if f.exists() else ""  # noqa: E731
+    return p.exitcode, read(folder / f"{name}.out"), read(folder / f"{name}.log")
 
 
 # ----------------------------------------------------------------------------- engines
