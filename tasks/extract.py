@@ -177,6 +177,10 @@ def engine_for_group(cfg: RunConfig, model_path: str, group: list[int]) -> Engin
         kwargs = {**common, "dtype": engine_dtype(cfg.target.dtype, on_gpu=bool(group)),
                   "tensor_parallel_size": e.tensor_parallel_size,
                   "enforce_eager": e.enforce_eager, "seed": 0, **vllm_extract_kwargs(layer_ids)}
+        if not group and kwargs["dtype"] == "float32" and getattr(text_config(hf_config), "kv_lora_rank", None):
+            # An MLA target (DeepSeek-V3 / Kimi) on a CPU: vLLM picks its AMX MLA backend where the CPU has
+            # AMX, and that one takes bf16/fp16/int8 weights only; the reference CPU MLA runs float32.
+            kwargs["attention_backend"] = "CPU_MLA"
     else:
         kwargs = {**common, "max_batch_tokens": e.batch_tokens}
         if group:

@@ -145,6 +145,28 @@ def wait_state(server, run_id: str, states: tuple[str, ...], timeout: float, not
             time.sleep(1)
 
 
+def wait_submitted(server, run_id: str, since: dt.datetime, timeout: float):
+    """The run, once the server holds its infrastructure pid and the submitting worker's event since SINCE."""
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventRelatedFilter
+
+    deadline = time.time() + timeout
+    with client(server) as c:
+        while True:
+            run = c.read_flow_run(uuid.UUID(run_id))
+            page = c.read_events(filter=EventFilter(
+                event=EventNameFilter(name=["prefect.worker.submitted-flow-run"]),
+                related=EventRelatedFilter(id=[f"prefect.flow-run.{run_id}"]),
+                occurred=EventOccurredFilter(since=since - dt.timedelta(seconds=5),
+                                             until=dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=1)),
+            ), limit=5)
+            if run.infrastructure_pid and page.events:
+                return run
+            if time.time() > deadline:
+                raise AssertionError(f"run {run_id}: no infrastructure pid ({run.infrastructure_pid!r}) or "
+                                     f"submitted-flow-run event ({len(page.events)}) after {timeout}s")
+            time.sleep(0.5)
+
+
 def task_runs(server, run_id: str) -> list[dict[str, Any]]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -190,6 +212,9 @@ def run_scenario(prefect_server, s3_server, tmp: Path) -> dict[str, Any]:
         res["retry1"] = draftline("retry", run_id, env=cli_env).stdout
         run = wait_state(prefect_server, run_id, ("RUNNING",), timeout=900, not_before=t_retry1)
         assert run.run_count == 2, run.run_count
+        # A node dies minutes into a run, not milliseconds: let the server record who runs it (the
+        # worker's submitted-flow-run event and the pid land a moment after Running) before node A dies.
+        run = wait_submitted(prefect_server, run_id, t_retry1, timeout=60)
         pid = run.infrastructure_pid
         node_a.kill()
         if pid and str(pid).isdigit():

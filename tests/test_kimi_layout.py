@@ -61,8 +61,9 @@ def tiny_kimi(folder: Path) -> str:
     text = DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
-        # MLA: vLLM's MLA kernels take a latent cache of 320, 512 or 576 (K2.5: 512 + 64) per token
-        q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
+        # MLA: vLLM's MLA kernels take a latent cache of 320, 512 or 576 (K2.5: 512 + 64) per token; on
+        # AMX CPUs vLLM picks its AMX MLA backend, which packs weights of 32 input features or more
+        q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
         first_k_dense_replace=2, max_position_embeddings=512, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -256,12 +257,12 @@ def test_draft_trained_on_its_parts_names_the_verifier_and_layers(kimi):
     layer = conf["transformer_layer_config"]
     assert (layer["model_type"], layer["hidden_size"], layer["vocab_size"]) == ("llama", HIDDEN, VOCAB)
     # MLA's head_dim is the rotary part (64 here); the draft's Llama layer gets the value head width instead
-    assert (layer["num_attention_heads"], layer["head_dim"]) == (4, 16)
+    assert (layer["num_attention_heads"], layer["head_dim"]) == (4, 32)
     weights = st_load(art.read_bytes("draft/model.safetensors"))
     assert tuple(weights["fc.weight"].shape) == (HIDDEN, 3 * HIDDEN)  # three aux layers in
     assert tuple(weights["embed_tokens.weight"].shape) == (VOCAB, HIDDEN)
     assert tuple(weights["lm_head.weight"].shape) == (256, HIDDEN)
-    assert tuple(weights["layers.0.self_attn.q_proj.weight"].shape) == (4 * 16, 2 * HIDDEN)  # heads x head_dim
+    assert tuple(weights["layers.0.self_attn.q_proj.weight"].shape) == (4 * 32, 2 * HIDDEN)  # heads x head_dim
 
 
 # ----------------------------------------------------------------------------- vLLM: config only, no weights
