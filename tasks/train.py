@@ -675,13 +675,20 @@ def tail_copy(data: PartData, first: int) -> PartData:
 # ============================================================================ schedule and metrics
 
 
-def lr_at(step: int, train: TrainConfig) -> float:
+def lr_at(step: int, train: TrainConfig, elapsed_s: float | None = None) -> float:
     """Learning rate for the step with 0-based index `step`: linear warm-up over
-    `warmup_steps`, then cosine decay from `lr` to `min_lr_ratio * lr` at `max_steps`."""
+    `warmup_steps`, then cosine decay from `lr` to `min_lr_ratio * lr` at `max_steps`.
+
+    With a wall-clock budget (`max_minutes`) and the training seconds spent so far, the decay
+    follows whichever end comes first, steps or time: a run that the budget stops at step 110
+    of 400 has still annealed, instead of stopping at almost the peak rate."""
     if train.warmup_steps and step < train.warmup_steps:
         return train.lr * (step + 1) / train.warmup_steps
     span = max(1, train.max_steps - train.warmup_steps)
-    progress = min(1.0, max(0.0, (step - train.warmup_steps) / span))
+    progress = (step - train.warmup_steps) / span
+    if train.max_minutes and elapsed_s is not None:
+        progress = max(progress, elapsed_s / (train.max_minutes * 60))
+    progress = min(1.0, max(0.0, progress))
     return train.lr * (train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -1042,7 +1049,9 @@ class Trainer:
         try:
             while state.step < t.max_steps:
                 elapsed = seconds_before + time.perf_counter() - session_t0
-                if env.any(env.rank == 0 and budget is not None and elapsed >= budget):
+                if budget is not None:  # rank 0's clock for every rank: the same stop and the same lr
+                    elapsed = env.sum({"s": elapsed if env.rank == 0 else 0.0})["s"]
+                if budget is not None and elapsed >= budget:
                     state.stopped_reason = "time_budget"
                     log.info("stopping at step %d: the time budget of %.3g min is spent", state.step, t.max_minutes)
                     break
@@ -1050,7 +1059,7 @@ class Trainer:
                 wait0 = stream.wait_s
                 batch = stream.next()
                 wait = stream.wait_s - wait0
-                lr = lr_at(state.step, t)
+                lr = lr_at(state.step, t, elapsed)
                 for g in self.optimizer.param_groups:
                     g["lr"] = lr
                 inputs = batch.model_inputs(env.device)

@@ -83,6 +83,17 @@ def test_lr_warms_up_then_decays_to_the_floor():
     assert lrs[-1] == pytest.approx(1e-4, rel=0.01)  # ends at min_lr_ratio * lr
 
 
+def test_a_time_budget_anneals_the_lr_by_the_clock():
+    """A run the budget stops long before max_steps still ends at the floor, and never rises."""
+    cfg = RunConfig.model_validate({"train": {"max_steps": 400, "max_minutes": 1, "warmup_steps": 10,
+                                              "lr": 1e-3, "min_lr_ratio": 0.1}}).train
+    lrs = [lr_at(s, cfg, elapsed_s=6.0 * s / 10) for s in range(101)]  # 100 steps in the 60 s budget
+    assert lrs[9] == pytest.approx(1e-3) and all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[100] == pytest.approx(1e-4)  # at the budget: the floor, at step 100 of 400
+    assert lrs[50] < lr_at(50, cfg)  # the clock, not the step count, sets the pace here
+    assert lr_at(50, cfg, elapsed_s=0.0) == lr_at(50, cfg)  # ahead of the clock: the step schedule
+
+
 def test_simulated_acceptance_length_formula():
     assert simulated_acceptance_length([]) == 1.0
     assert simulated_acceptance_length([1.0, 1.0, 1.0]) == 4.0
@@ -380,8 +391,16 @@ from tasks.store import ArtifactRef, Store
 from tasks.train import run_train
 
 args = json.loads(open(sys.argv[1]).read())
+
+
+def on_metrics(rec):  # rank 0 only
+    if rec["kind"] == "train" and rec["step"] == args.get("kill_at"):
+        import os, signal
+        os.kill(os.getpid(), signal.SIGKILL)  # the node dies; torchrun takes the other rank down
+
+
 ref = run_train(RunConfig.model_validate(args["cfg"]), Store(args["store"]), ArtifactRef.model_validate(args["vocab"]),
-                [ArtifactRef.model_validate(r) for r in args["extract"]])
+                [ArtifactRef.model_validate(r) for r in args["extract"]], on_metrics=on_metrics)
 # One file per rank: two ranks printing to one pipe may interleave their lines.
 import os, pathlib
 pathlib.Path(sys.argv[1]).with_name(f"ref-{os.environ['RANK']}.txt").write_text(ref.digest)
@@ -408,6 +427,40 @@ def test_ddp_under_torchrun_on_cpu(tmp_path, tiny):
     assert len(set(digests)) == 1, digests
     st = store.open("train", digests[0]).stats
     assert st["world_size"] == 2 and st["tokens"] == 4 * 2 * 128
+
+
+@pytest.mark.slow
+def test_ddp_run_killed_resumes_on_fewer_ranks(tmp_path, tiny):
+    """Two ranks (gloo) die at step 3 (rank 0 SIGKILLed after the step-2 checkpoint); the run resumes on
+    one process from that checkpoint, weights and optimizer state included: a node with fewer GPUs
+    picks up a half-done training. The data order restarts at the next epoch (the ranks' cursors do not
+    map onto one rank), and the run says so."""
+    store = Store(f"file://{tmp_path}/store")
+    vref, refs = data_on(store, tiny)
+    cfg = config(tiny, max_steps=5, checkpoint_every=2)
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"cfg": cfg.model_dump(mode="json"), "store": store.uri, "kill_at": 3,
+                                "vocab": vref.model_dump(mode="json"),
+                                "extract": [r.model_dump(mode="json") for r in refs]}))
+    script = tmp_path / "child.py"
+    script.write_text(DDP_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(args)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    digest = train_digest(cfg, vref, refs)
+    assert store.find("train", digest) is None
+    assert sorted(m.stats["step"] for m in store.list("checkpoint")) == [2]
+
+    events = []
+    ref = run_train(cfg, store, vref, refs, on_metrics=events.append)
+    start = next(e for e in events if e["kind"] == "start")
+    assert start["resumed_from"] == 2 and start["world_size"] == 1
+    assert [e["step"] for e in events if e["kind"] == "train"] == [3, 4, 5]
+    st = store.open("train", ref.digest).stats
+    assert st["world_size"] == 1 and st["resumed_from_step"] == 2
+    # steps 1-2 saw two ranks' batches, steps 3-5 one rank's
+    assert st["tokens"] == 2 * 2 * 128 + 3 * 128
 
 
 VLLM_CHILD = """
