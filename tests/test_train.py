@@ -407,21 +407,26 @@ pathlib.Path(sys.argv[1]).with_name(f"ref-{os.environ['RANK']}.txt").write_text(
 """
 
 
+def torchrun_two_ranks(tmp_path, cfg, store, vref, refs, **extra) -> subprocess.CompletedProcess:
+    """DDP_CHILD under `torchrun --nproc_per_node 2` (gloo, one thread a rank)."""
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"cfg": cfg.model_dump(mode="json"), "store": store.uri, **extra,
+                                "vocab": vref.model_dump(mode="json"),
+                                "extract": [r.model_dump(mode="json") for r in refs]}))
+    script = tmp_path / "child.py"
+    script.write_text(DDP_CHILD)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(args)], env=env, capture_output=True, text=True, timeout=900)
+
+
 @pytest.mark.slow
 def test_ddp_under_torchrun_on_cpu(tmp_path, tiny):
     """Two ranks (gloo): both return the artifact, rank 0 writes it, steps see both ranks' tokens."""
     store = Store(f"file://{tmp_path}/store")
     vref, refs = data_on(store, tiny)
     cfg = config(tiny, max_steps=4, checkpoint_every=2)
-    args = tmp_path / "args.json"
-    args.write_text(json.dumps({"cfg": cfg.model_dump(mode="json"), "store": store.uri,
-                                "vocab": vref.model_dump(mode="json"),
-                                "extract": [r.model_dump(mode="json") for r in refs]}))
-    script = tmp_path / "child.py"
-    script.write_text(DDP_CHILD)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(script), str(args)], env=env, capture_output=True, text=True, timeout=900)
+    proc = torchrun_two_ranks(tmp_path, cfg, store, vref, refs)
     assert proc.returncode == 0, proc.stderr[-4000:]
     digests = [(tmp_path / f"ref-{rank}.txt").read_text() for rank in (0, 1)]
     assert len(set(digests)) == 1, digests
@@ -438,15 +443,7 @@ def test_ddp_run_killed_resumes_on_fewer_ranks(tmp_path, tiny):
     store = Store(f"file://{tmp_path}/store")
     vref, refs = data_on(store, tiny)
     cfg = config(tiny, max_steps=5, checkpoint_every=2)
-    args = tmp_path / "args.json"
-    args.write_text(json.dumps({"cfg": cfg.model_dump(mode="json"), "store": store.uri, "kill_at": 3,
-                                "vocab": vref.model_dump(mode="json"),
-                                "extract": [r.model_dump(mode="json") for r in refs]}))
-    script = tmp_path / "child.py"
-    script.write_text(DDP_CHILD)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(script), str(args)], env=env, capture_output=True, text=True, timeout=900)
+    proc = torchrun_two_ranks(tmp_path, cfg, store, vref, refs, kill_at=3)
     assert proc.returncode != 0, proc.stderr[-3000:]
     digest = train_digest(cfg, vref, refs)
     assert store.find("train", digest) is None
