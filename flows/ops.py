@@ -204,7 +204,13 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # A killed process that nobody has reaped yet (its parent, the worker, died with it; a container's
+    # init may never reap) still answers signal 0: a zombie is dead.
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def worker_host(worker_name: str | None) -> str | None:
