@@ -131,6 +131,20 @@ def kill_pid(pid: int) -> None:
         pass
 
 
+def gone(pid: int, timeout: float) -> None:
+    """Wait until PID has exited (no /proc entry, or a zombie nobody reaped yet)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except OSError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"pid {pid} still running {timeout}s after SIGKILL")
+
+
 def wait_state(server, run_id: str, states: tuple[str, ...], timeout: float, not_before: dt.datetime | None = None):
     deadline = time.time() + timeout
     with client(server) as c:
@@ -219,6 +233,7 @@ def run_scenario(prefect_server, s3_server, tmp: Path) -> dict[str, Any]:
         node_a.kill()
         if pid and str(pid).isdigit():
             kill_pid(int(pid))
+            gone(int(pid), timeout=10)  # SIGKILL is delivered asynchronously: dead before anyone asks
         res["killed_pid"] = pid
         res["t"]["node_a_killed"] = round(time.time() - t0, 1)
         res["status_dead"] = json.loads(draftline("status", run_id, "--json", env=cli_env).stdout)
