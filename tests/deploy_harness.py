@@ -132,17 +132,14 @@ def kill_pid(pid: int) -> None:
 
 
 def gone(pid: int, timeout: float) -> None:
-    """Wait until PID has exited (no /proc entry, or a zombie nobody reaped yet)."""
+    """Wait until PID has exited (as `draftline status` judges it: no process, or a zombie)."""
+    from flows.ops import _pid_alive
+
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                if fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except OSError:
-            return
+    while _pid_alive(pid):
+        if time.time() > deadline:
+            raise AssertionError(f"pid {pid} still running {timeout}s after SIGKILL")
         time.sleep(0.1)
-    raise AssertionError(f"pid {pid} still running {timeout}s after SIGKILL")
 
 
 def wait_state(server, run_id: str, states: tuple[str, ...], timeout: float, not_before: dt.datetime | None = None):
