@@ -303,8 +303,8 @@ def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stag
             timings: list[dict] = []
             orig = engine.extract
 
-            def timed(p, ids):
-                out = orig(p, ids)
+            def timed(p, ids, **kw):
+                out = orig(p, ids, **kw)
                 timings.append(dict(engine.last_timings))
                 return out
 

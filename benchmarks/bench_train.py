@@ -277,8 +277,14 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048, help="random samples: lengths in [seq_len/2, seq_len]")
     ap.add_argument("--attn-impl", choices=["sdpa", "flex_attention"], default="sdpa")
     ap.add_argument("--skip-speculators", action="store_true")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default=None,
+                    help="ours: bf16 autocast or float32 (default: what speculators' Trainer does on that device: "
+                         "fp32 on CPU, bf16 on CUDA), so the comparison is like for like")
+    ap.add_argument("--also-precision", choices=["bf16", "fp32"], default=None,
+                    help="also train ours (streamed) at this precision, --rounds times, alternating with the others")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     torch.set_num_threads(args.threads)
 
     with contextlib.ExitStack() as stack:
@@ -315,7 +321,8 @@ def main() -> None:
             "target": {"model": target}, "extract": {"layer_ids": layer_ids},
             "train": {"max_steps": args.steps, "batch_tokens": args.batch_tokens, "warmup_steps": 2, "lr": 1e-3,
                       "min_lr_ratio": 0.0, "weight_decay": 0.0, "checkpoint_every": 10**6, "eval_batches": 2,
-                      "prefetch": 2, "device": args.device, "attn_impl": args.attn_impl}})
+                      "prefetch": 2, "device": args.device, "attn_impl": args.attn_impl,
+                      "precision": args.precision}})
         inputs = resolve_inputs(cfg, store, vref, refs)
         reader = PartReader(inputs.artifacts, inputs.layer_ids, inputs.hidden_size)
         preloaded = {(p.digest, p.name): reader(p) for p in inputs.parts}
@@ -329,12 +336,17 @@ def main() -> None:
             if args.out:
                 Path(args.out).write_text(json.dumps(results, indent=2, default=str))
 
-        streamed, in_memory = [], []
+        streamed, in_memory, other = [], [], []
         results["ours_streamed"] = streamed
         results["ours_in_memory"] = in_memory
+        modes = [("streamed", streamed, cfg), ("in-memory", in_memory, cfg)]
+        if args.also_precision and args.also_precision != args.precision:
+            results[f"ours_streamed_{args.also_precision}"] = other
+            alt = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": args.also_precision})})
+            modes.append((f"streamed {args.also_precision}", other, alt))
         for r in range(args.rounds):
-            for mode, sink in (("streamed", streamed), ("in-memory", in_memory)):
-                res = run_ours(cfg, store, inputs, None if mode == "streamed" else preloaded)
+            for mode, sink, run_cfg in modes:
+                res = run_ours(run_cfg, store, inputs, preloaded if mode == "in-memory" else None)
                 eval_set, parts = res.pop("_eval"), res.pop("_parts")
                 sink.append(res)
                 save()
@@ -353,6 +365,9 @@ def main() -> None:
         def med(rs, key):
             return statistics.median(x[key] for x in rs)
 
+        if other:
+            results[f"{args.also_precision}_over_{args.precision}"] = round(
+                med(other, "tokens_per_s") / med(streamed, "tokens_per_s"), 3)
         results["streamed_over_in_memory"] = round(med(streamed, "tokens_per_s") / med(in_memory, "tokens_per_s"), 3)
         results["streamed_over_in_memory_mean"] = round(
             med(streamed, "mean_tokens_per_s") / med(in_memory, "mean_tokens_per_s"), 3)
@@ -378,12 +393,18 @@ def main() -> None:
     print("|---|---|---|---|---|")
     rows = [("ours, streamed from store", streamed[0], med(streamed, "tokens_per_s"), med(streamed, "mean_tokens_per_s")),
             ("ours, in memory", in_memory[0], med(in_memory, "tokens_per_s"), med(in_memory, "mean_tokens_per_s"))]
+    if other:
+        rows.append((f"ours, streamed, {args.also_precision}", other[0], med(other, "tokens_per_s"),
+                     med(other, "mean_tokens_per_s")))
     theirs = results.get("speculators", {})
     if "tokens_per_s" in theirs:
         rows.append((f"speculators Trainer ({'CPU-patched' if args.device == 'cpu' else 'unpatched'})", theirs,
                      theirs["tokens_per_s"], theirs["mean_tokens_per_s"]))
     for name, r, tps, mean in rows:
         print(f"| {name} | {tps:.0f} | {mean:.0f} | {r.get('val_acc_per_pos')} | {r.get('simulated_acceptance_length')} |")
+    if other:
+        print(f"\n{args.also_precision} / {args.precision} (ours, streamed): "
+              f"{results[f'{args.also_precision}_over_{args.precision}']} (median)")
     print(f"\nstreamed / in-memory: {results['streamed_over_in_memory']} (median), "
           f"{results['streamed_over_in_memory_mean']} (mean)")
     if "ours_over_speculators" in results:

@@ -157,6 +157,9 @@ class TrainConfig(Section):
     ttt_step_loss_decay: float = Field(1.0, gt=0)
     num_layers: int = Field(1, ge=1)
     attn_impl: Literal["sdpa", "flex_attention", "eager"] = "sdpa"
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Matmul precision of the training step: bf16 autocast (weights and optimizer stay "
+        "float32) or float32. auto: bf16 on GPUs and on CPUs with native bf16 (AMX, AVX512-BF16), else fp32.")
     checkpoint_every: int = Field(100, ge=1)
     eval_batches: int = Field(4, ge=0)
     seed: int = 0

@@ -149,6 +149,7 @@ class EngineProcess:
         self._lock = threading.Lock()
         self._seq = 0
         self.last_timings: dict[str, float] = {}  # of the last extract(): engine phases, call, load
+        self._ring_maps: dict[int, tuple[str, Any]] = {}  # slot -> (path, mapped tensor), extract(ring=True)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -230,10 +231,14 @@ class EngineProcess:
         """
         return self._call("generate", prompt_token_ids=_as_lists(prompt_token_ids), sampling=dict(sampling))
 
-    def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int]) -> list[Any]:
+    def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int], ring: bool = False) -> list[Any]:
         """Hidden states per prompt: bf16 tensors [T, L, H], slots in `layer_ids` order.
 
         The tensors map the engine's file in shared memory (no copy); the file itself is unlinked.
+        ring=True (transformers engines; ignored by vLLM's): no file is written at all; the tensors
+        are views into one of two buffers the engine reuses, so they are valid only until the
+        second-next `extract(ring=True)` call starts: copy what you keep before that (extract_shard
+        does, into its part buffer, while the engine computes the next batch).
         """
         import torch
 
@@ -241,12 +246,22 @@ class EngineProcess:
         if not prompts:
             return []
         t0 = time.monotonic()
-        res = self._call("extract", prompt_token_ids=prompts, layer_ids=list(layer_ids))
+        extra = {"ring": True} if ring and self.kind == "transformers" else {}
+        res = self._call("extract", prompt_token_ids=prompts, layer_ids=list(layer_ids), **extra)
         t1 = time.monotonic()
         out: list[Any] = [None] * len(prompts)
         files = list(res.get("paths", [])) + ([res["path"]] if "path" in res else [])
         try:
-            if "paths" in res:  # vLLM: one connector file per request
+            if "ring" in res:  # transformers, ring=True: views into the engine's shared buffer
+                buf = self._ring_view(res["ring_slot"], res["ring"], res["ring_numel"])
+                n_l, h = res["row"]
+                for order, (start, rows) in zip(res["order"], res["spans"]):
+                    hs = buf[start:start + rows * n_l * h].view(rows, n_l, h)
+                    pos = 0
+                    for i in order:
+                        out[i] = hs[pos:pos + len(prompts[i])]
+                        pos += len(prompts[i])
+            elif "paths" in res:  # vLLM: one connector file per request
                 for i, (ids, path) in enumerate(zip(prompts, res["paths"])):
                     data, _ = read_safetensors(path)
                     got = data["token_ids"].tolist()
@@ -273,6 +288,16 @@ class EngineProcess:
                                   f"got {None if t is None else list(t.shape)}", fatal=False)
         self.last_timings = {**res.get("timings", {}), "call_s": t1 - t0, "load_s": time.monotonic() - t1}
         return out
+
+    def _ring_view(self, slot: int, path: str, numel: int) -> Any:
+        """The engine's ring buffer `path`, mapped shared once (the engine replaces a buffer that
+        grows with a new file; old mappings are dropped here)."""
+        import torch
+
+        cur = self._ring_maps.get(slot)
+        if cur is None or cur[0] != path:
+            cur = self._ring_maps[slot] = (path, torch.from_file(path, shared=True, size=numel, dtype=torch.bfloat16))
+        return cur[1]
 
     def metrics(self) -> dict[str, Any]:
         """vLLM's `llm.get_metrics()` flattened: counters/gauges -> number, vectors -> list,
@@ -358,6 +383,7 @@ class EngineProcess:
             time.sleep(0.05)
 
     def _cleanup(self) -> None:
+        self._ring_maps.clear()
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 self._conn.close()
@@ -642,6 +668,9 @@ class _TransformersBackend:
         self.generation_tokens = 0
         self._n = 0
         self._host: Any = None
+        self._ring: list[Any] = [None, None]  # (path, tensor, pinned) per slot; see extract(ring=True)
+        self._ring_calls = 0
+        self._ring_gen = 0
 
     def info(self) -> dict:
         return {"max_model_len": self.max_model_len, "layers": self.layers_name, "num_layers": self.num_layers,
@@ -658,6 +687,45 @@ class _TransformersBackend:
             self._host = torch.empty(int(numel * 1.25), dtype=torch.bfloat16, pin_memory=pin)
         return self._host
 
+    def _ring_buffer(self, numel: int) -> tuple[str, Any]:
+        """The next of two bf16 buffers that are files in the work folder (shared memory where
+        /dev/shm is big enough), mapped shared so the parent reads what the device copies in without
+        a file being written; page-locked with cudaHostRegister on a GPU so the copy is async DMA."""
+        import torch
+
+        slot = self._ring_calls % 2
+        self._ring_calls += 1
+        cur = self._ring[slot]
+        if cur is None or cur[1].numel() < numel:
+            if cur is not None:
+                self._ring_release(slot)
+            self._ring_gen += 1
+            n = int(numel * 1.25)
+            path = os.path.join(self.workdir, f"ring-{slot}-{self._ring_gen}.bf16")
+            with open(path, "wb") as fh:
+                fh.truncate(n * 2)
+            t = torch.from_file(path, shared=True, size=n, dtype=torch.bfloat16)
+            pinned = False
+            if self.device.type == "cuda":
+                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n * 2, 0)
+                pinned = int(err) == 0
+                if not pinned:
+                    print(f"cudaHostRegister of the {n * 2 / 1e9:.2f} GB ring buffer failed ({err}): "
+                          "device-to-host copies are synchronous", flush=True)
+            self._ring[slot] = (path, t, pinned)
+        return self._ring[slot][0], self._ring[slot][1]
+
+    def _ring_release(self, slot: int) -> None:
+        import torch
+
+        path, t, pinned = self._ring[slot]
+        self._ring[slot] = None
+        if pinned:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        del t
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
     def _to_device(self, t: Any) -> Any:
         """A host tensor on the model's device without waiting for the GPU (pinned, non-blocking);
         on CPU the tensor itself."""
@@ -672,7 +740,10 @@ class _TransformersBackend:
 
             torch.cuda.synchronize(self.device)
 
-    def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int]) -> dict:
+    def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int], ring: bool = False) -> dict:
+        """ring=False: the hidden states in a safetensors file of their own. ring=True: copied into
+        the next of two reused shared buffers (no file written); the parent reads them in place and
+        must be done with them before its second-next ring call (EngineProcess.extract)."""
         import torch
         from safetensors.torch import save_file
 
@@ -684,7 +755,11 @@ class _TransformersBackend:
         lengths = [len(p) for p in prompt_token_ids]
         hidden = int((getattr(self.config, "text_config", None) or self.config).hidden_size)
         row = len(layer_ids) * hidden
-        host = self._host_buffer(sum(lengths) * row)
+        ring_path = None
+        if ring:
+            ring_path, host = self._ring_buffer(sum(lengths) * row)
+        else:
+            host = self._host_buffer(sum(lengths) * row)
         captured: dict[int, Any] = {}
 
         def hook(slot: int):
@@ -694,6 +769,7 @@ class _TransformersBackend:
 
         handles = [self.layers[k - 1].register_forward_hook(hook(slot)) for slot, k in enumerate(layer_ids)]
         tensors: dict[str, Any] = {}
+        spans: list[list[int]] = []  # [first element, rows] of each sub-batch in the buffer
         orders: list[list[int]] = []
         forward_s = 0.0
         try:
@@ -728,6 +804,7 @@ class _TransformersBackend:
                     del valid
                 forward_s += time.monotonic() - t0
                 tensors[f"hidden_states.{len(orders)}"] = dst
+                spans.append([pos * row, rows])
                 orders.append(batch)
                 pos += rows
             t0 = time.monotonic()
@@ -737,13 +814,17 @@ class _TransformersBackend:
             for h in handles:
                 h.remove()
             captured.clear()
+        self.requests += len(prompt_token_ids)
+        self.prompt_tokens += sum(lengths)
+        if ring_path is not None:
+            return {"ring": ring_path, "ring_slot": (self._ring_calls - 1) % 2, "ring_numel": int(host.numel()), "spans": spans, "row": [len(layer_ids), hidden],
+                    "order": orders, "timings": {"forward_s": round(forward_s, 4), "save_s": 0.0,
+                                                 "engine_s": round(time.monotonic() - t_start, 4)}}
         self._n += 1
         path = os.path.join(self.workdir, f"extract-{self._n}.safetensors")
         t0 = time.monotonic()
         save_file(tensors, path)
         save_s = time.monotonic() - t0
-        self.requests += len(prompt_token_ids)
-        self.prompt_tokens += sum(lengths)
         return {"path": path, "order": orders, "timings": {
             "forward_s": round(forward_s, 4), "save_s": round(save_s, 4),
             "engine_s": round(time.monotonic() - t_start, 4)}}

@@ -23,6 +23,7 @@ one float32 scale per token and layer, about half the bytes of bf16.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -265,7 +266,8 @@ class _PartBuffer:
         self.lengths: list[int] = []
         self.tokens = 0
 
-    def add(self, sample_id: str, input_ids: Any, loss_mask: Any, hidden: Any) -> None:
+    def add(self, sample_id: str, input_ids: Any, loss_mask: Any, hidden: Any, copy: bool = False) -> None:
+        """copy=True: `hidden` lives in memory the engine reuses (extract(ring=True)): keep a copy."""
         import torch
 
         if self.storage_dtype == "fp8":
@@ -273,7 +275,7 @@ class _PartBuffer:
             self.hidden.append(q)
             self.scales.append(s)
         else:
-            self.hidden.append(hidden.to(torch.bfloat16))
+            self.hidden.append(hidden.to(torch.bfloat16, copy=copy))
         self.input_ids.append(torch.as_tensor(input_ids, dtype=torch.int32))
         self.loss_mask.append(torch.as_tensor(loss_mask, dtype=torch.uint8))
         self.sample_ids.append(sample_id)
@@ -368,14 +370,14 @@ def _batches(samples: list, batch_tokens: int) -> Iterator[list]:
 
 
 def _store_batch(plan: ShardPlan, buf: "_PartBuffer", batch: list, hidden: list, done: int,
-                 masked: int) -> tuple[int, int]:
+                 masked: int, copy: bool = False) -> tuple[int, int]:
     if len(hidden) != len(batch):
         raise ExtractError(f"the engine returned {len(hidden)} results for {len(batch)} samples")
     for (sid, ids, mask), hs in zip(batch, hidden):
         if hs.shape[-1] != plan.hidden_size:
             raise ExtractError(f"the engine returned hidden size {hs.shape[-1]}, the target config says "
                                f"{plan.hidden_size}: the engine runs a different model than planned")
-        buf.add(sid, ids, mask, hs)
+        buf.add(sid, ids, mask, hs, copy=copy)
         masked += int(sum(mask))
         done += len(ids)
     return done, masked
@@ -549,16 +551,20 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
         depth = e.write_queue if e.write_overlap else 0
         with ThreadPoolExecutor(1, thread_name_prefix=f"extract-{plan.shard}") as ahead, \
                 _PartWriter(w, depth, f"extract-{plan.shard}-writer") as writer:
-            # The engine computes batch k+1 while this thread collects batch k.
-            pending = ahead.submit(engine.extract, [s[1] for s in batches[0]], plan.layer_ids) if batches else None
+            # The engine computes batch k+1 while this thread collects batch k. A transformers engine
+            # copies into two shared buffers it alternates between (no file written per call): batch
+            # k is copied out here before batch k+2 is asked for, which is when its buffer is reused.
+            ring = engine.kind == "transformers"
+            call = functools.partial(engine.extract, ring=True) if ring else engine.extract
+            pending = ahead.submit(call, [s[1] for s in batches[0]], plan.layer_ids) if batches else None
             for k, batch in enumerate(batches):
                 assert pending is not None
                 t1 = time.monotonic()
                 hidden = pending.result()
                 engine_wait += time.monotonic() - t1
-                pending = (ahead.submit(engine.extract, [s[1] for s in batches[k + 1]], plan.layer_ids)
+                pending = (ahead.submit(call, [s[1] for s in batches[k + 1]], plan.layer_ids)
                            if k + 1 < len(batches) else None)
-                done, masked = _store_batch(plan, buf, batch, hidden, done, masked)
+                done, masked = _store_batch(plan, buf, batch, hidden, done, masked, copy=ring)
                 del hidden
                 if buf.tokens >= e.part_tokens:
                     t1 = time.monotonic()

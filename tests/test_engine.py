@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +90,28 @@ def test_extract_returns_the_eagle3_layers(engine, llama_path):
         with torch.no_grad():
             torch.testing.assert_close(norm(hs[:, 3].float()), post_norm, atol=5e-2, rtol=2e-2)
         assert not torch.allclose(hs[:, 3].float(), post_norm, atol=1e-2)
+
+
+def test_ring_extract_matches_files_and_reuses_two_buffers(engine):
+    """extract(ring=True): the same hidden states as the file path, read in place from two buffers
+    the engine alternates between (no file per call): a result stays valid through the next call
+    and is overwritten by the one after, as EngineProcess.extract documents."""
+    files = engine.extract(PROMPTS, LAYER_IDS)
+    ring = engine.extract(PROMPTS, LAYER_IDS, ring=True)
+    for a, b in zip(files, ring):
+        assert b.dtype == torch.bfloat16 and torch.equal(a, b)
+    assert engine.last_timings["save_s"] == 0.0
+    kept = [t.clone() for t in ring]
+    second = engine.extract([PROMPTS[1]], LAYER_IDS, ring=True)  # the other buffer
+    assert all(torch.equal(k, t) for k, t in zip(kept, ring))
+    engine.extract([PROMPTS[2]] * 2, LAYER_IDS, ring=True)  # reuses the first call's buffer
+    assert not torch.equal(kept[0], ring[0])
+    torch.testing.assert_close(second[0].float(), files[1].float(), atol=2e-2, rtol=2e-2)  # alone vs batched
+    big = engine.extract([PROMPTS[0] * 20], LAYER_IDS, ring=True)[0]  # outgrows its buffer: a new one
+    assert big.shape == (800, 4, 128)
+    torch.testing.assert_close(big[:40].float(), files[0].float(), atol=2e-2, rtol=2e-2)
+    left = sorted(p.name for p in Path(engine.workdir).iterdir() if p.name != "engine.log")
+    assert len(left) == 2 and all(n.startswith("ring-") for n in left), left
 
 
 def test_one_engine_serves_many_requests(engine):

@@ -292,9 +292,9 @@ def test_killed_engine_fails_only_its_shard(store, model_path, tf_engine):
     calls: list[int] = []
     real = tf_engine.extract
 
-    def counting(prompts, ids):
+    def counting(prompts, ids, **kw):
         calls.append(len(prompts))
-        return real(prompts, ids)
+        return real(prompts, ids, **kw)
 
     tf_engine.extract = counting  # type: ignore[method-assign]
     try:

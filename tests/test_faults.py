@@ -157,12 +157,12 @@ def test_engine_killed_at_10_random_points_every_shard_complete_once(tmp_path, t
         engine._proc.wait(10)  # dead for sure (reaped) before anything else looks at it
         fired.append((requests[0], when))
 
-    def extract(prompts, ids):
+    def extract(prompts, ids, **kw):
         requests[0] += 1
         when = points.get(requests[0])
         if when == "before":
             kill(when)
-        out = real(prompts, ids)
+        out = real(prompts, ids, **kw)
         if when == "after":
             kill(when)
         return out

@@ -244,6 +244,34 @@ def test_time_budget_stops_early_and_still_exports(tmp_path, tiny):
     assert "draft/model.safetensors" in store.open("train", ref.digest).files()
 
 
+def test_precision_bf16_autocasts_on_cpu_and_fp32_does_not(tmp_path, tiny, monkeypatch):
+    """train.precision: bf16 autocast changes the arithmetic (not only a label), both learn, and auto
+    follows the CPU's native bf16 support."""
+    from tasks import engine
+    from tasks.train import resolve_precision
+
+    store = Store(f"file://{tmp_path}/store")
+    vref, refs = data_on(store, tiny)
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        events = []
+        ref = run_train(config(tiny, precision=precision, eval_batches=0), store, vref, refs,
+                        on_metrics=events.append)
+        losses = [e["loss"] for e in events if e["kind"] == "train"]
+        assert sum(losses[-3:]) / 3 < 0.6 * losses[0], (precision, losses)
+        assert store.open("train", ref.digest).stats["precision"] == precision
+        runs[precision] = (ref.digest, losses)
+    assert runs["fp32"][0] != runs["bf16"][0]  # a different recipe, a different artifact
+    assert runs["fp32"][1][0] != runs["bf16"][1][0]  # the very first step's arithmetic differs
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_precision("auto", cuda) == "bf16" and resolve_precision("fp32", cuda) == "fp32"
+    monkeypatch.setattr(engine, "cpu_has_fast_bf16", lambda: False)
+    assert resolve_precision("auto", cpu) == "fp32" and resolve_precision("bf16", cpu) == "bf16"
+    monkeypatch.setattr(engine, "cpu_has_fast_bf16", lambda: True)
+    assert resolve_precision("auto", cpu) == "bf16"
+
+
 def test_fp8_parts_train(tmp_path, tiny):
     """fp8 parts (float8_e4m3fn + per-token scales) are dequantized by tasks.extract.load_part."""
     from safetensors.torch import save as st_save
