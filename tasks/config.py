@@ -124,9 +124,14 @@ class ExtractConfig(Section):
                     "the next batches; false writes each part inline (serial; for comparison and debugging).",
     )
     write_queue: int = Field(
-        1, ge=1, le=8,
-        description="Finished parts waiting for or in the background writer, at most; hidden states in RAM are "
+        2, ge=1, le=8,
+        description="Finished parts waiting for or in the background writers, at most; hidden states in RAM are "
                     "bounded by write_queue + 1 parts (plus the engine call in flight).",
+    )
+    write_workers: int = Field(
+        2, ge=1, le=8,
+        description="Background threads writing parts at once (each serializes, hashes and uploads one part; "
+                    "one stream does ~1 GB/s, less than a GPU extracts). At most write_queue are used.",
     )
 
     @field_validator("layer_ids")

@@ -453,8 +453,9 @@ def fixed_data(store: Store, name: str, n: int = 24, length: int = 100) -> Artif
         return w.commit({"num_shards": 1, "samples": n, "tokens": n * length}).ref()
 
 
-def writer_cfg(model_path: str, overlap: bool = True, queue: int = 1) -> RunConfig:
-    return make_cfg(model_path, batch_tokens=200, part_tokens=200, write_overlap=overlap, write_queue=queue)
+def writer_cfg(model_path: str, overlap: bool = True, queue: int = 1, workers: int = 1) -> RunConfig:
+    return make_cfg(model_path, batch_tokens=200, part_tokens=200, write_overlap=overlap, write_queue=queue,
+                    write_workers=workers)
 
 
 def files_under(store: Store, digest: str) -> list[str]:
@@ -467,17 +468,20 @@ def files_under(store: Store, digest: str) -> list[str]:
     return [k for k, info in found.items() if info.get("type") == "file" and k.rstrip("/") != key]
 
 
-@pytest.mark.parametrize("overlap,queue,calls_while_blocked", [(False, 1, 2), (True, 1, 3), (True, 2, 4)])
+@pytest.mark.parametrize("overlap,queue,workers,calls_while_blocked",
+                         [(False, 1, 1, 2), (True, 1, 1, 3), (True, 2, 1, 4), (True, 2, 2, 12)])
 def test_part_writes_overlap_the_engine_with_bounded_parts(store, model_path, monkeypatch, overlap, queue,
-                                                           calls_while_blocked):
+                                                           workers, calls_while_blocked):
     """While part 0's write is held, the engine keeps computing, but only until `write_queue` parts
-    wait: serial = batch 1 only (the call already ahead); queue 1 = 1 more batch; queue 2 = 2 more."""
+    wait: serial = batch 1 only (the call already ahead); queue 1 = 1 more batch; queue 2 = 2 more.
+    With 2 workers the second one writes every other part meanwhile: one slow part stalls nothing,
+    and never more than `write_queue` parts are in flight."""
     import time
 
     from tasks.store import ArtifactWriter
 
-    cfg = writer_cfg(model_path, overlap, queue)
-    data = fixed_data(store, f"overlap-{overlap}-{queue}")
+    cfg = writer_cfg(model_path, overlap, queue, workers)
+    data = fixed_data(store, f"overlap-{overlap}-{queue}-{workers}")
     plan = plan_extract(cfg, data, load_hf_config(cfg.target))[0]
     gate = threading.Event()
     real_open = ArtifactWriter.open
@@ -504,6 +508,7 @@ def test_part_writes_overlap_the_engine_with_bounded_parts(store, model_path, mo
     ref = result["ref"]
     assert engine.calls == 12 and [p["name"] for p in ref.stats["parts"]] == [f"part-{i:05d}.safetensors"
                                                                             for i in range(12)]
+    assert [f.path for f in store.open("extract", ref.digest).manifest.files] == [p["name"] for p in ref.stats["parts"]]
     rows = shard_rows(store, data, 0)
     parts = read_parts(store, ref)
     assert [sid for p in parts for sid in p["sample_ids"]] == rows["sample_id"]
@@ -513,13 +518,13 @@ def test_part_writes_overlap_the_engine_with_bounded_parts(store, model_path, mo
 
 def test_serial_and_overlapped_writes_store_the_same_bytes(tmp_path, model_path):
     manifests = []
-    for overlap in (False, True):
-        st = Store(f"file://{tmp_path}/store-{overlap}")
-        cfg = writer_cfg(model_path, overlap)
+    for overlap, workers in ((False, 1), (True, 1), (True, 3)):
+        st = Store(f"file://{tmp_path}/store-{overlap}-{workers}")
+        cfg = writer_cfg(model_path, overlap, queue=3, workers=workers)
         plan = plan_extract(cfg, fixed_data(st, "same"), load_hf_config(cfg.target))[0]
         ref = extract_shard(cfg, st, plan, FakeEngine())  # type: ignore[arg-type]
         manifests.append((ref.digest, [(f.path, f.bytes, f.sha256) for f in st.open("extract", ref.digest).manifest.files]))
-    assert manifests[0] == manifests[1] and len(manifests[0][1]) == 12
+    assert manifests[0] == manifests[1] == manifests[2] and len(manifests[0][1]) == 12
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -534,16 +539,16 @@ def any_store(request, tmp_path) -> Store:
     return Store.from_config(StoreConfig(uri=f"s3://draftline-test/{uuid.uuid4().hex[:12]}"))
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap,workers", [(True, 1), (True, 2), (False, 1)])
 def test_store_error_in_the_writer_fails_the_shard_and_commits_nothing(any_store, model_path, monkeypatch,
-                                                                        overlap):
+                                                                        overlap, workers):
     """A store error while a part is being written (here part 1, mid-file) is the shard's error;
     nothing is committed and no part is left behind."""
     import contextlib
 
     from tasks.store import ArtifactWriter
 
-    cfg = writer_cfg(model_path, overlap)
+    cfg = writer_cfg(model_path, overlap, queue=2, workers=workers)
     plan = plan_extract(cfg, fixed_data(any_store, "s3-error"), load_hf_config(cfg.target))[0]
     real_open = ArtifactWriter.open
 
