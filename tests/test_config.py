@@ -21,10 +21,10 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_demo_config_loads_and_sets_override_types():
     cfg = load_config(ROOT / "configs/demo.yaml", ["train.max_steps=7", "benchmark.num_speculative_tokens=[5,1]",
-                                                  "regenerate.enabled=false", "store.uri=s3://bkt/prefix"])
+                                                  "extract.enforce_eager=false", "store.uri=s3://bkt/prefix"])
     assert cfg.train.max_steps == 7
     assert cfg.benchmark.num_speculative_tokens == [1, 5]
-    assert cfg.regenerate.enabled is False
+    assert cfg.extract.enforce_eager is False
     assert cfg.store.uri == "s3://bkt/prefix"
     assert cfg.target.model == "smollm2-135m-instruct"
 

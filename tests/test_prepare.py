@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.config import RunConfig, SourceConfig, TargetConfig
+from tasks.config import ConfigError, RunConfig, SourceConfig, TargetConfig, load_config
 from tasks.data_sources import DataSourceError, load_source, normalize_row, BadRow
 from tasks.prepare import (
     HELDOUT,
@@ -398,6 +398,28 @@ def test_offline_presets():
     roles = [m["role"] for m in chit.conversations[0].messages]
     assert roles[0] == "user" and roles[-1] == "assistant"
     assert all(a != b for a, b in zip(roles, roles[1:]))
+
+
+def test_instruct_preset_is_prompt_only_english_and_needs_regenerate(tmp_path, chat_jsonl):
+    ins = load_source(SourceConfig(preset="instruct"), require_assistant=False)
+    assert ins.rows == 541 + 750 and ins.dropped["not_english"] > 100  # Arena-Hard's Chinese/Russian prompts
+    assert len(ins.conversations) > 1000
+    assert all([m["role"] for m in c.messages] == ["user"] for c in ins.conversations)
+    mt = {c.messages[0]["content"] for c in load_source(SourceConfig(preset="mtbench"),
+                                                         require_assistant=False).conversations}
+    assert not mt & {c.messages[0]["content"] for c in ins.conversations}  # MT-Bench stays held out
+
+    with pytest.raises(ConfigError, match="prompts without answers.*regenerate.enabled: true"):
+        load_config(None, ["data.sources=[{preset: instruct}]", "regenerate.enabled=false"])
+
+    # prepare keeps prompt-only samples (masked out) for regenerate to answer, beside real answers
+    cfg = _cfg(chat_jsonl, sources=[{"path": str(chat_jsonl)}, {"preset": "instruct", "max_samples": 5}])
+    art = Store(f"file://{tmp_path}/s").open("prepare", run_prepare(cfg, Store(f"file://{tmp_path}/s")).digest)
+    per = art.stats["per_source"]["instruct"]
+    assert per["samples"] + per["heldout"] == 5
+    rows = [r for n in art.files() if n.endswith(".parquet") for r in _rows(art, n).to_pylist()
+            if r["source"] == "instruct"]
+    assert len(rows) == 5 and all(not any(r["loss_mask"]) and r["input_ids"] for r in rows)
 
 
 # --------------------------------------------------------------------------- the stage
