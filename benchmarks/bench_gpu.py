@@ -328,12 +328,14 @@ def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stag
              "engine_calls": len(timings), "summed_timings": summed,
              # the stage's own accounting: time writing parts (summed over workers), and how long its
              # loop waited for the writers / for the engine
-             **{k: art.stats.get(k) for k in ("write_s", "write_wait_s", "engine_wait_s", "write_workers")},
+             **{k: art.stats.get(k) for k in ("write_s", "write_wait_s", "engine_wait_s", "collect_s", "write_workers")},
              "engine_gpu_gib_device_wide": gib(poll.peak - (total - free0))}
     stage["mfu_layers"] = round(2 * layer_params * stage["tokens_per_s"] / rate, 3)
     stage["over_bare"] = round(stage["tokens_per_s"] / bare["tokens_per_s"], 3)
     res["engine_call"]["over_bare"] = round(res["engine_call"]["tokens_per_s"] / bare["tokens_per_s"], 3)
     res["stage"] = stage
+    log(f"{name} stage waits: " + ", ".join(f"{k}={stage.get(k)}" for k in ("write_s", "write_wait_s",
+                                                                           "engine_wait_s", "collect_s")))
     log(f"{name} stage extract_shard: {stage['tokens_per_s']} tok/s = {stage['over_bare']} x bare; "
         f"engine call alone {res['engine_call']['tokens_per_s']} tok/s; timings {summed}")
     return store, folder, ref, samples, layer_ids, shape["vocab_size"]

@@ -551,6 +551,7 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
     t0 = time.monotonic()
     done = masked = 0
     engine_wait = write_wait = 0.0  # time this thread waited for the engine / for the part writer
+    collect = 0.0  # time this thread spent collecting batches into parts
     new_buffer = lambda: _PartBuffer(plan.layer_ids, plan.hidden_size, e.storage_dtype)  # noqa: E731
     buf = new_buffer()
 
@@ -574,7 +575,9 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
                 engine_wait += time.monotonic() - t1
                 pending = (ahead.submit(call, [s[1] for s in batches[k + 1]], plan.layer_ids)
                            if k + 1 < len(batches) else None)
+                t1 = time.monotonic()
                 done, masked = _store_batch(plan, buf, batch, hidden, done, masked, copy=ring)
+                collect += time.monotonic() - t1
                 del hidden
                 if buf.tokens >= e.part_tokens:
                     t1 = time.monotonic()
@@ -605,6 +608,7 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
             "write_overlap": depth > 0, "write_workers": min(e.write_workers, depth) if depth else 0,
             "write_s": round(writer.write_s, 3),
             "write_wait_s": round(write_wait, 3), "engine_wait_s": round(engine_wait, 3),
+            "collect_s": round(collect, 3),
         }
         art = w.commit(stats)
     return art.ref()
