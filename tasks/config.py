@@ -46,6 +46,9 @@ class TargetConfig(Section):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
 
+PROMPT_ONLY_PRESETS = ("mtbench", "instruct")  # user turns only: someone (regenerate, benchmark) answers them
+
+
 class SourceConfig(Section):
     """One data source. Exactly one of `preset`, `path`, `hub` names it."""
 
@@ -73,6 +76,12 @@ class SourceConfig(Section):
     @property
     def label(self) -> str:
         return self.name or self.preset or self.hub or Path(self.path or "").stem
+
+    @property
+    def prompt_only(self) -> bool:
+        """Prompts without answers (an offline preset of questions, or format `turns`): usable for
+        training only when the regenerate stage has the target answer them."""
+        return self.preset in PROMPT_ONLY_PRESETS or self.format == "turns"
 
 
 class DataConfig(Section):
@@ -253,7 +262,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _prompts_need_answers(self) -> "RunConfig":
-        prompt_only = [s.label for s in self.data.sources if s.preset in ("mtbench", "instruct") or s.format == "turns"]
+        prompt_only = [s.label for s in self.data.sources if s.prompt_only]
         if prompt_only and not self.regenerate.enabled:
             raise ValueError(
                 f"data source(s) {prompt_only} hold prompts without answers, and regenerate is off: nothing "

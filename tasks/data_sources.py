@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from tasks.config import SourceConfig
+from tasks.config import PROMPT_ONLY_PRESETS, SourceConfig
 
 ROLE_ALIASES = {
     "system": "system",
@@ -246,15 +246,6 @@ def normalize_row(row: Any, fmt: str = "auto", *, keep_thinking: bool = True, re
 
 
 # --------------------------------------------------------------------------- origins
-
-PROMPT_ONLY_PRESETS = ("mtbench", "instruct")  # user turns only: someone (regenerate, benchmark) answers them
-
-
-def is_prompt_only(src: SourceConfig) -> bool:
-    """A source of prompts without answers (an offline preset of questions, or format `turns`):
-    usable for training only when the regenerate stage has the target answer it."""
-    return src.preset in PROMPT_ONLY_PRESETS or src.format == "turns"
-
 
 def _package_dir(module: str, pip_name: str, preset: str) -> Path:
     spec = importlib.util.find_spec(module)
@@ -471,7 +462,7 @@ def load_sources(sources: list[SourceConfig], *, seed: int, keep_thinking: bool 
     out = []
     for i, src in enumerate(sources):
         loaded = load_source(src, keep_thinking=keep_thinking,
-                             require_assistant=require_assistant and not is_prompt_only(src),
+                             require_assistant=require_assistant and not src.prompt_only,
                              system_prompt=system_prompt, seen=seen)
         random.Random(f"{seed}/{i}/{loaded.label}").shuffle(loaded.conversations)
         if src.max_samples is not None:

@@ -252,16 +252,7 @@ class EngineProcess:
         out: list[Any] = [None] * len(prompts)
         files = list(res.get("paths", [])) + ([res["path"]] if "path" in res else [])
         try:
-            if "ring" in res:  # transformers, ring=True: views into the engine's shared buffer
-                buf = self._ring_view(res["ring_slot"], res["ring"], res["ring_numel"])
-                n_l, h = res["row"]
-                for order, (start, rows) in zip(res["order"], res["spans"]):
-                    hs = buf[start:start + rows * n_l * h].view(rows, n_l, h)
-                    pos = 0
-                    for i in order:
-                        out[i] = hs[pos:pos + len(prompts[i])]
-                        pos += len(prompts[i])
-            elif "paths" in res:  # vLLM: one connector file per request
+            if "paths" in res:  # vLLM: one connector file per request
                 for i, (ids, path) in enumerate(zip(prompts, res["paths"])):
                     data, _ = read_safetensors(path)
                     got = data["token_ids"].tolist()
@@ -269,10 +260,15 @@ class EngineProcess:
                         raise EngineError(f"{self.name}: hidden states at {path} belong to other tokens "
                                           f"({len(got)} vs {len(ids)} tokens)", fatal=False)
                     out[i] = data["hidden_states"].to(torch.bfloat16)
-            else:  # transformers: one file; sub-batch k holds prompts order[k] concatenated
-                data, _ = read_safetensors(res["path"])
-                for k, order in enumerate(res["order"]):
-                    hs = data[f"hidden_states.{k}"]
+            else:  # transformers: sub-batch k holds prompts order[k] concatenated
+                if "ring" in res:  # ring=True: views into the engine's shared buffer
+                    buf = self._ring_view(res["ring_slot"], res["ring"], res["ring_numel"])
+                    n_l, h = res["row"]
+                    subs = [buf[start:start + rows * n_l * h].view(rows, n_l, h) for start, rows in res["spans"]]
+                else:  # one file
+                    data, _ = read_safetensors(res["path"])
+                    subs = [data[f"hidden_states.{k}"] for k in range(len(res["order"]))]
+                for order, hs in zip(res["order"], subs):
                     pos = 0
                     for i in order:
                         out[i] = hs[pos:pos + len(prompts[i])]
@@ -687,7 +683,7 @@ class _TransformersBackend:
             self._host = torch.empty(int(numel * 1.25), dtype=torch.bfloat16, pin_memory=pin)
         return self._host
 
-    def _ring_buffer(self, numel: int) -> tuple[str, Any]:
+    def _ring_buffer(self, numel: int) -> tuple[int, str, Any]:
         """The next of two bf16 buffers that are files in the work folder (shared memory where
         /dev/shm is big enough), mapped shared so the parent reads what the device copies in without
         a file being written; page-locked with cudaHostRegister on a GPU so the copy is async DMA."""
@@ -713,7 +709,7 @@ class _TransformersBackend:
                     print(f"cudaHostRegister of the {n * 2 / 1e9:.2f} GB ring buffer failed ({err}): "
                           "device-to-host copies are synchronous", flush=True)
             self._ring[slot] = (path, t, pinned)
-        return self._ring[slot][0], self._ring[slot][1]
+        return slot, self._ring[slot][0], self._ring[slot][1]
 
     def _ring_release(self, slot: int) -> None:
         import torch
@@ -755,9 +751,8 @@ class _TransformersBackend:
         lengths = [len(p) for p in prompt_token_ids]
         hidden = int((getattr(self.config, "text_config", None) or self.config).hidden_size)
         row = len(layer_ids) * hidden
-        ring_path = None
         if ring:
-            ring_path, host = self._ring_buffer(sum(lengths) * row)
+            ring_slot, ring_path, host = self._ring_buffer(sum(lengths) * row)
         else:
             host = self._host_buffer(sum(lengths) * row)
         captured: dict[int, Any] = {}
@@ -816,18 +811,19 @@ class _TransformersBackend:
             captured.clear()
         self.requests += len(prompt_token_ids)
         self.prompt_tokens += sum(lengths)
-        if ring_path is not None:
-            return {"ring": ring_path, "ring_slot": (self._ring_calls - 1) % 2, "ring_numel": int(host.numel()), "spans": spans, "row": [len(layer_ids), hidden],
-                    "order": orders, "timings": {"forward_s": round(forward_s, 4), "save_s": 0.0,
-                                                 "engine_s": round(time.monotonic() - t_start, 4)}}
-        self._n += 1
-        path = os.path.join(self.workdir, f"extract-{self._n}.safetensors")
-        t0 = time.monotonic()
-        save_file(tensors, path)
-        save_s = time.monotonic() - t0
-        return {"path": path, "order": orders, "timings": {
-            "forward_s": round(forward_s, 4), "save_s": round(save_s, 4),
-            "engine_s": round(time.monotonic() - t_start, 4)}}
+        save_s = 0.0
+        if ring:
+            out = {"ring": ring_path, "ring_slot": ring_slot, "ring_numel": int(host.numel()), "spans": spans,
+                   "row": [len(layer_ids), hidden]}
+        else:
+            self._n += 1
+            path = os.path.join(self.workdir, f"extract-{self._n}.safetensors")
+            t0 = time.monotonic()
+            save_file(tensors, path)
+            save_s = time.monotonic() - t0
+            out = {"path": path}
+        return {**out, "order": orders, "timings": {"forward_s": round(forward_s, 4), "save_s": round(save_s, 4),
+                                                    "engine_s": round(time.monotonic() - t_start, 4)}}
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict) -> list[dict]:
         import torch

@@ -382,7 +382,7 @@ class Sample:
 def encode_sample(masker: ChatMasker, conv: Conversation, data: DataConfig) -> tuple[Sample, bool]:
     """One conversation -> (Sample, truncated?) under the length rule, or SampleDropped."""
     if not any(m["role"] == "assistant" for m in conv.messages):
-        # Prompt-only (is_prompt_only sources): no loss tokens yet; the regenerate stage answers the
+        # Prompt-only (SourceConfig.prompt_only): no loss tokens yet; the regenerate stage answers the
         # user turns and encodes the result. Stored as the prompt, masked out.
         ids = masker.prompt_ids(conv.messages)
         if len(ids) > data.max_length:

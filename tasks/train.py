@@ -289,8 +289,8 @@ def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str
 
 def resolve_precision(requested: str, device: torch.device) -> str:
     """`train.precision` on this device: auto is bf16 autocast on a GPU and on a CPU that multiplies
-    bf16 natively (AMX / AVX512-BF16: 2-3x faster than float32 there), float32 on other CPUs, where
-    bf16 matmuls are emulated and many times slower."""
+    bf16 natively (AMX / AVX512-BF16: 1.3-1.4x faster than float32 there, benchmarks/RESULTS.md), float32
+    on other CPUs, where bf16 matmuls are emulated and many times slower."""
     if requested != "auto":
         return requested
     if device.type == "cuda":
