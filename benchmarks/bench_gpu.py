@@ -234,8 +234,32 @@ def bare_prefill(model, prompts: list[list[int]], layer_ids: list[int], reps: in
             "activation_peak_gib": gib(torch.cuda.max_memory_allocated() - base)}
 
 
+def write_ceiling(store, part_bytes: int, parts: int, workers: int) -> dict:
+    """The store's write rate alone: `parts` parts of `part_bytes` through ArtifactWriter.open (hashing
+    included) on `workers` threads, from one buffer already in memory. The stage cannot write faster."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.extract import _tensor_bytes
+
+    data = torch.randint(-100, 100, (part_bytes,), dtype=torch.int8)
+    view = _tensor_bytes(data)
+    with store.write("ceiling", f"w{workers}-{time.monotonic_ns()}", "1") as w:
+        t0 = time.perf_counter()
+
+        def one(i: int) -> None:
+            with w.open(f"part-{i:05d}.bin") as fh:
+                fh.write(view)
+
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(one, range(parts)))
+        secs = time.perf_counter() - t0
+        w.commit({})
+    return {"workers": workers, "parts": parts, "bytes": part_bytes * parts, "seconds": round(secs, 3),
+            "gb_per_s": round(part_bytes * parts / secs / 1e9, 2)}
+
+
 def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stage_prompts: int,
-               layers: int | None, part_tokens: int):
+               layers: int | None, part_tokens: int, write_workers: list[int] | None = None):
     from tasks.config import ExtractConfig, RunConfig, TargetConfig
     from tasks.extract import engine_for_group, extract_shard, plan_extract
     from tasks.store import Store
@@ -256,14 +280,19 @@ def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stag
                build_s=round(time.perf_counter() - t0, 1), save_s=round(save_s, 1), model_dir=str(folder))
     log(f"{name}: {params / 1e9:.2f}B params, built+saved in {res['build_s']}s to {folder}")
 
-    n_layers = model.config.num_hidden_layers
     hf_config = load_hf_config(TargetConfig(model=str(folder)), str(folder))
-    cfg = RunConfig(target=TargetConfig(model=str(folder), max_model_len=seq + 64),
-                    extract=ExtractConfig(backend="transformers", batch_tokens=n_prompts * seq,
-                                          part_tokens=part_tokens))
-    store = Store(f"file://{tmp}/store")
+    workers_list = write_workers or [ExtractConfig().write_workers]
+
+    def stage_cfg(workers: int) -> RunConfig:
+        return RunConfig(target=TargetConfig(model=str(folder), max_model_len=seq + 64),
+                         extract=ExtractConfig(backend="transformers", batch_tokens=n_prompts * seq,
+                                               part_tokens=part_tokens, write_workers=workers))
+
+    cfg = stage_cfg(workers_list[0])
     prompts = random_prompts(stage_prompts, seq, shape["vocab_size"], seed=1)
-    data_ref, samples = write_data(store, name, prompts)
+    stores = {w: Store(f"file://{tmp}/store-{name}-w{w}") for w in workers_list}  # one per run: none cached
+    data = {w: write_data(st, name, prompts) for w, st in stores.items()}
+    store, (data_ref, samples) = stores[workers_list[0]], data[workers_list[0]]
     plan = plan_extract(cfg, data_ref, hf_config)[0]
     layer_ids = plan.layer_ids
     res["layer_ids"] = layer_ids
@@ -313,13 +342,46 @@ def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stag
                 return out
 
             engine.extract = timed  # type: ignore[method-assign]
-            t1 = time.perf_counter()
-            ref = extract_shard(cfg, store, plan, engine)
-            stage_s = time.perf_counter() - t1
+            runs = {}
+            for w in workers_list:  # the same shard, each into its own store, with w part writers
+                timings.clear()
+                c = stage_cfg(w)
+                p = plan_extract(c, data[w][0], hf_config)[0]
+                t1 = time.perf_counter()
+                r = extract_shard(c, stores[w], p, engine)
+                runs[w] = (r, time.perf_counter() - t1, list(timings))
         finally:
             engine.close()
-    art = store.open("extract", ref.digest)
-    tokens = stage_prompts * seq
+    stages = {}
+    for w, (r, stage_s, tms) in runs.items():
+        stages[w] = stage_stats(stores[w].open("extract", r.digest), stage_prompts * seq, stage_s, tms, poll,
+                                total - free0, layer_params, rate, bare)
+        log(f"{name} stage, {w} writer(s): {stages[w]['tokens_per_s']} tok/s = {stages[w]['over_bare']} x bare; "
+            + ", ".join(f"{k}={stages[w].get(k)}" for k in ("write_s", "write_wait_s", "engine_wait_s", "collect_s")))
+    ref = runs[workers_list[0]][0]
+    stage = stages[workers_list[0]]
+    res["engine_call"]["over_bare"] = round(res["engine_call"]["tokens_per_s"] / bare["tokens_per_s"], 3)
+    res["stage"] = stage
+    if len(stages) > 1:
+        res["stage_by_write_workers"] = {str(w): v for w, v in stages.items()}
+    # what the store takes alone, with as many writers: the ceiling the stage can reach
+    part_bytes = int(stage["bytes"] / max(1, stage["parts"]))
+    res["store_write_ceiling"] = {}
+    for w in workers_list:
+        res["store_write_ceiling"][str(w)] = write_ceiling(Store(f"file://{tmp}/ceiling-{name}"), part_bytes,
+                                                           max(4, stage["parts"]), w)
+        shutil.rmtree(tmp / f"ceiling-{name}", ignore_errors=True)
+    for w, c in res["store_write_ceiling"].items():
+        c["tokens_per_s"] = round(c["gb_per_s"] * 1e9 / stage["bytes_per_token"]) if stage["bytes_per_token"] else None
+        c["over_bare"] = round(c["tokens_per_s"] / bare["tokens_per_s"], 3) if c["tokens_per_s"] else None
+        log(f"{name} store write alone, {w} writer(s): {c['gb_per_s']} GB/s = {c['tokens_per_s']} tok/s "
+            f"({c['over_bare']} x bare)")
+    save()
+    return store, folder, ref, samples, layer_ids, shape["vocab_size"]
+
+
+def stage_stats(art, tokens: int, stage_s: float, timings: list[dict], poll, used0: int, layer_params: int,
+                rate: float, bare: dict) -> dict:
     summed = {k: round(sum(t.get(k, 0.0) for t in timings), 3) for k in ("forward_s", "save_s", "engine_s",
                                                                            "call_s", "load_s")}
     stage = {"tokens": tokens, "wall_s": round(stage_s, 2), "tokens_per_s": round(tokens / stage_s),
@@ -329,16 +391,10 @@ def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stag
              # the stage's own accounting: time writing parts (summed over workers), and how long its
              # loop waited for the writers / for the engine
              **{k: art.stats.get(k) for k in ("write_s", "write_wait_s", "engine_wait_s", "collect_s", "write_workers")},
-             "engine_gpu_gib_device_wide": gib(poll.peak - (total - free0))}
+             "engine_gpu_gib_device_wide": gib(poll.peak - used0)}
     stage["mfu_layers"] = round(2 * layer_params * stage["tokens_per_s"] / rate, 3)
     stage["over_bare"] = round(stage["tokens_per_s"] / bare["tokens_per_s"], 3)
-    res["engine_call"]["over_bare"] = round(res["engine_call"]["tokens_per_s"] / bare["tokens_per_s"], 3)
-    res["stage"] = stage
-    log(f"{name} stage waits: " + ", ".join(f"{k}={stage.get(k)}" for k in ("write_s", "write_wait_s",
-                                                                           "engine_wait_s", "collect_s")))
-    log(f"{name} stage extract_shard: {stage['tokens_per_s']} tok/s = {stage['over_bare']} x bare; "
-        f"engine call alone {res['engine_call']['tokens_per_s']} tok/s; timings {summed}")
-    return store, folder, ref, samples, layer_ids, shape["vocab_size"]
+    return stage
 
 
 # ============================================================================ 3. training
@@ -495,6 +551,14 @@ def markdown() -> str:
                          f"{s.get('tokens_per_s')} (**{s.get('over_bare')}**) | {s.get('bytes_per_token')} | "
                          f"{b.get('peak_gpu_gib')} / {s.get('engine_gpu_gib_device_wide')} |")
         lines.append("")
+        for name, e in r["extract"].items():
+            for w, x in e.get("stage_by_write_workers", {}).items():
+                lines.append(f"- {name}, {w} part writers: stage {x['tokens_per_s']} tok/s = **{x['over_bare']} x bare** "
+                             f"(collect {x.get('collect_s')} s, waiting for writers {x.get('write_wait_s')} s)")
+            for w, c in e.get("store_write_ceiling", {}).items():
+                lines.append(f"- {name}, the store alone with {w} writers: {c['gb_per_s']} GB/s = {c['tokens_per_s']} "
+                             f"tok/s = {c['over_bare']} x bare (the most the stage can reach)")
+        lines.append("")
     t = r.get("train")
     if t:
         lines += [f"Training ({t.get('tokens')} extracted tokens of the 8B-shaped target, draft vocab "
@@ -535,6 +599,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--stage-prompts-8b", type=int, default=48, help="prompts in the 8B stage-path shard")
     ap.add_argument("--stage-prompts-small", type=int, default=128)
+    ap.add_argument("--small-write-workers", default="2",
+                    help="part writers for the SmolLM2-shape stage, one run each (e.g. 2,4)")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-speculators", action="store_true")
@@ -571,7 +637,8 @@ def main() -> None:
     if "extract" in only:
         section("extract-smollm2")(extraction)(
             "smollm2-shape", SMOLLM2, tmp, args.prompts, args.seq,
-            args.prompts * 2 if args.quick else args.stage_prompts_small, None, 32 * args.seq)
+            args.prompts * 2 if args.quick else args.stage_prompts_small, None, 32 * args.seq,
+            [int(w) for w in args.small_write_workers.split(",")])
     if "train" in only and big is not None:
         store, folder, ref, samples, layer_ids, vocab = big
         section("train")(train_bench)(store, str(folder), ref, samples, layer_ids, vocab,

@@ -374,7 +374,8 @@ def test_vllm_engine_killed_mid_shard(store, model_path, vllm_engine):
 
 
 def test_streamed_parts_are_standard_safetensors(tmp_path):
-    """Parts are written chunk by chunk (no concatenation in memory); any safetensors reader reads them."""
+    """Parts are written as streams (no concatenation in memory); any safetensors reader reads them.
+    The buffer starts at 4 tokens and grows twice mid-part, keeping what it already holds."""
     from safetensors.torch import load_file
 
     from tasks.engine import read_safetensors
@@ -382,7 +383,7 @@ def test_streamed_parts_are_standard_safetensors(tmp_path):
 
     torch.manual_seed(0)
     for dtype in ("bf16", "fp8"):
-        buf = _PartBuffer([1, 3, 4, 6], 16, dtype)
+        buf = _PartBuffer([1, 3, 4, 6], 16, dtype, capacity=4)
         chunks = [torch.randn(n, 4, 16).to(torch.bfloat16) for n in (5, 1, 9)]
         for i, c in enumerate(chunks):
             buf.add(f"s{i}", list(range(len(c))), [i % 2] * len(c), c)
@@ -512,6 +513,36 @@ def test_part_writes_overlap_the_engine_with_bounded_parts(store, model_path, mo
     rows = shard_rows(store, data, 0)
     parts = read_parts(store, ref)
     assert [sid for p in parts for sid in p["sample_ids"]] == rows["sample_id"]
+    want = FakeEngine().extract(rows["input_ids"], LAYER_IDS)
+    torch.testing.assert_close(torch.cat([p["hidden_states"] for p in parts]), torch.cat(want), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("overlap,queue,workers", [(False, 1, 1), (True, 1, 1), (True, 2, 2), (True, 3, 3)])
+def test_part_buffers_are_reused_at_most_write_queue_plus_one(store, model_path, monkeypatch, overlap, queue,
+                                                              workers):
+    """12 parts go through write_queue + 1 buffers (fresh memory per part costs page faults that were
+    slower than the copy on the H200's host), and reuse corrupts nothing: every part reads back exactly."""
+    from tasks.extract import _PartBuffer
+
+    made: list = []
+    real_init = _PartBuffer.__init__
+
+    def counting_init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(_PartBuffer, "__init__", counting_init)
+    cfg = writer_cfg(model_path, overlap, queue, workers)
+    data = fixed_data(store, f"reuse-{overlap}-{queue}-{workers}")
+    plan = plan_extract(cfg, data, load_hf_config(cfg.target))[0]
+    ref = extract_shard(cfg, store, plan, FakeEngine(delay_s=0.01))  # type: ignore[arg-type]
+    assert len(ref.stats["parts"]) == 12
+    assert 1 <= len(made) <= (queue if overlap else 0) + 1
+    assert all(b.capacity == 399 for b in made)  # part_tokens - 1 + one batch: allocated once, never grown
+    rows = shard_rows(store, data, 0)
+    parts = read_parts(store, ref)
+    assert [sid for p in parts for sid in p["sample_ids"]] == rows["sample_id"]
+    assert torch.cat([p["input_ids"] for p in parts]).tolist() == [t for r in rows["input_ids"] for t in r]
     want = FakeEngine().extract(rows["input_ids"], LAYER_IDS)
     torch.testing.assert_close(torch.cat([p["hidden_states"] for p in parts]), torch.cat(want), atol=0, rtol=0)
 
