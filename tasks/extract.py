@@ -248,6 +248,17 @@ def dequantize_fp8(q: Any, scale: Any) -> Any:
     return (q.float() * scale.float().unsqueeze(-1)).to(torch.bfloat16)
 
 
+def _copy_into(dst: Any, src: Any) -> None:
+    """dst[...] = src for contiguous tensors of one dtype, on this thread only (numpy's copy, which
+    releases the GIL). torch's copy_ runs on all the process's intra-op threads, and on the H200's
+    host, while the engine process computed the next batch, those parallel copies were held up to
+    the engine's pace (8 x 2048 tokens of SmolLM2 shape: 4.5 ms alone, 42 ms beside the engine)."""
+    import numpy as np
+    import torch
+
+    np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+
+
 class _PartBuffer:
     """Samples collected for one part, copied into preallocated tensors; flushed as one safetensors file.
 
@@ -308,6 +319,8 @@ class _PartBuffer:
             q, s = quantize_fp8(hidden)
             self._hidden[a:b].copy_(q)
             self._scales[a:b].copy_(s)
+        elif hidden.dtype == torch.bfloat16 and hidden.is_contiguous():
+            _copy_into(self._hidden[a:b], hidden)
         else:
             self._hidden[a:b].copy_(hidden)  # casts to bf16 if the engine returned another dtype
         self._ids[a:b].copy_(torch.as_tensor(input_ids, dtype=torch.int32))
