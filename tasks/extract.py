@@ -262,10 +262,11 @@ def _copy_into(dst: Any, src: Any) -> None:
 class _PartBuffer:
     """Samples collected for one part, copied into preallocated tensors; flushed as one safetensors file.
 
-    A buffer is reused from part to part (`_PartWriter` hands written ones back): copying a batch
-    into fresh memory costs a page fault per 4 KiB page, which measured slower than the copy itself
-    (1.2 GB/s on the H200's host for the SmolLM2 shape). `capacity` tokens are allocated on first
-    use and grown (doubling) if a part outgrows them.
+    A buffer is reused from part to part (`_PartWriter` hands written ones back), so a shard
+    allocates at most write_queue + 1 of them and its resident memory stays flat. (Reuse alone
+    did not speed up collecting on the H200: the cost there was the multi-threaded copy, see
+    `_copy_into`.) `capacity` tokens are allocated on first use and grown (doubling) if a part
+    outgrows them.
     """
 
     def __init__(self, layer_ids: list[int], hidden_size: int, storage_dtype: str, capacity: int = 0):

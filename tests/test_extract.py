@@ -520,8 +520,8 @@ def test_part_writes_overlap_the_engine_with_bounded_parts(store, model_path, mo
 @pytest.mark.parametrize("overlap,queue,workers", [(False, 1, 1), (True, 1, 1), (True, 2, 2), (True, 3, 3)])
 def test_part_buffers_are_reused_at_most_write_queue_plus_one(store, model_path, monkeypatch, overlap, queue,
                                                               workers):
-    """12 parts go through write_queue + 1 buffers (fresh memory per part costs page faults that were
-    slower than the copy on the H200's host), and reuse corrupts nothing: every part reads back exactly."""
+    """12 parts go through at most write_queue + 1 buffers (host memory stays bounded and flat), and
+    reuse corrupts nothing: every part reads back exactly."""
     from tasks.extract import _PartBuffer
 
     made: list = []
