@@ -763,7 +763,7 @@ class _TransformersBackend:
             return fn
 
         handles = [self.layers[k - 1].register_forward_hook(hook(slot)) for slot, k in enumerate(layer_ids)]
-        tensors: dict[str, Any] = {}
+        tensors: dict[str, Any] = {}  # ring=False: what save_file writes
         spans: list[list[int]] = []  # [first element, rows] of each sub-batch in the buffer
         orders: list[list[int]] = []
         forward_s = 0.0
@@ -798,7 +798,8 @@ class _TransformersBackend:
                     dst.copy_(valid, non_blocking=True)
                     del valid
                 forward_s += time.monotonic() - t0
-                tensors[f"hidden_states.{len(orders)}"] = dst
+                if not ring:
+                    tensors[f"hidden_states.{len(orders)}"] = dst
                 spans.append([pos * row, rows])
                 orders.append(batch)
                 pos += rows

@@ -336,12 +336,15 @@ class _PartBuffer:
         t, n_l, h = self.tokens, len(self.layer_ids), self.hidden_size
         offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(self.lengths, dtype=torch.int64).cumsum(0)
+        def rows(x: Any) -> list[Any]:  # the filled rows, as one chunk (none before the first add)
+            return [x[:t]] if t else []
+
         tensors = [("hidden_states", "float8_e4m3fn" if self.storage_dtype == "fp8" else "bfloat16",
-                    [t, n_l, h], [self._hidden[:t]] if t else [])]
+                    [t, n_l, h], rows(self._hidden))]
         if self.storage_dtype == "fp8":
-            tensors.append(("hidden_scales", "float32", [t, n_l], [self._scales[:t]] if t else []))
-        tensors += [("input_ids", "int32", [t], [self._ids[:t]] if t else []),
-                    ("loss_mask", "uint8", [t], [self._mask[:t]] if t else []),
+            tensors.append(("hidden_scales", "float32", [t, n_l], rows(self._scales)))
+        tensors += [("input_ids", "int32", [t], rows(self._ids)),
+                    ("loss_mask", "uint8", [t], rows(self._mask)),
                     ("offsets", "int64", [len(self.lengths) + 1], [offsets])]
         meta = {"sample_ids": json.dumps(self.sample_ids), "layer_ids": json.dumps(self.layer_ids),
                 "storage_dtype": self.storage_dtype, "hidden_size": str(h), "format": "draftline-extract-v1"}
