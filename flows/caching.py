@@ -18,6 +18,7 @@ from typing import Any
 from prefect.cache_policies import CachePolicy
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
+from flows.locks import LeaseLockManager
 from tasks.store import Store
 
 
@@ -56,14 +57,23 @@ def result_storage(store: Store, sub: str = "results"):
     return block
 
 
-def lock_manager(store: Store):
-    """Serialize two runs of one stage on one machine; across machines the store's
-    attempt folders keep concurrent writers apart (both copies valid)."""
-    if store.is_local:
-        from prefect.locking.filesystem import FileSystemLockManager
+_LOCKS: dict[str, LeaseLockManager] = {}
 
-        return FileSystemLockManager(lock_files_directory=Path(store.root) / "_prefect" / "locks")
-    return None
+
+def lock_folder(store: Store) -> Path:
+    return Path(store.root) / "_prefect" / "locks"
+
+
+def lock_manager(store: Store) -> LeaseLockManager | None:
+    """Serialize two runs of one stage on one machine, with locks that die with their holder
+    (flows/locks.py); across machines (S3) there is no lock: the store's attempt folders keep
+    concurrent writers apart (both copies valid), at the cost of computing twice."""
+    if not store.is_local:
+        return None
+    folder = str(lock_folder(store))
+    if folder not in _LOCKS:
+        _LOCKS[folder] = LeaseLockManager(Path(folder))
+    return _LOCKS[folder]
 
 
 def stage_options(stage: str, store: Store, digest: str) -> dict[str, Any]:

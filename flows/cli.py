@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,6 +16,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# draftline's own loggers (locks, engines, training) reach the terminal and the Prefect UI.
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftline")
 
 import typer
 from rich.console import Console
@@ -115,9 +118,20 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
         _fail(f"--until {until!r}: use one of {', '.join(STAGES)}")
     _store(cfg)
     _check_inputs(cfg)
+    from flows import interrupts
     from flows import pipeline as pl
 
-    state = pl.pipeline(config_path=str(config), overrides=list(overrides), until=until, return_state=True)
+    t0 = time.monotonic()
+    state = None
+    with interrupts.stop_on_signals(lambda m: err.print(f"[yellow]{m}[/]")):
+        try:
+            state = pl.pipeline(config_path=str(config), overrides=list(overrides), until=until, return_state=True)
+        except BaseException as exc:  # Ctrl-C / SIGTERM (our handler or Prefect's bridge), or a crash
+            if interrupts.stop_signal() is None and not isinstance(exc, KeyboardInterrupt):
+                raise
+    signum = interrupts.stop_signal()
+    if signum is not None or state is None:
+        _stopped(pl.LAST_RUN, signum, time.monotonic() - t0, as_json)
     rec = pl.LAST_RUN
     summary = rec.to_json() if rec is not None else {"state": "FAILED", "stages": {}}
     summary["state"] = "COMPLETED" if state.is_completed() else "FAILED"
@@ -145,6 +159,27 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
             msg = state.message or ""
             err.print(f"[bold red]run failed[/]: {msg}")
         raise typer.Exit(1)
+
+
+def _stopped(rec, signum: int | None, seconds: float, as_json: bool) -> None:
+    """The end of a run stopped by a signal: what was kept, and a clean exit (no process left)."""
+    import signal as sig
+
+    from flows.interrupts import exit_code, kill_descendants
+
+    name = sig.Signals(signum).name if signum else "SIGINT"
+    left = kill_descendants()
+    summary = rec.to_json() if rec is not None else {"stages": {}}
+    summary["state"] = "STOPPED"
+    summary["stopped_by"] = name
+    if as_json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        print_summary(summary)
+    err.print(f"[bold yellow]stopped[/] by {name} after {seconds:.1f} s"
+              + (f" ({left} leftover process(es) killed)" if left else "")
+              + ": committed stages and shards are kept and will be reused; run the same command again to resume")
+    raise typer.Exit(exit_code(signum or sig.SIGINT))
 
 
 def print_summary(summary: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import signal
@@ -46,8 +47,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Literal
 
+from tasks import owners, stopping
+
 ROOT = Path(__file__).resolve().parent.parent
 LOG_TAIL_CHARS = 4000
+LOG_WAIT_EVERY_S = 30.0
+START_TIMEOUT_ENV = "DRAFTLINE_ENGINE_START_TIMEOUT_S"
+DEFAULT_START_TIMEOUT_S = 1800.0
+log = logging.getLogger("draftline.engine")
 HS_CONNECTOR = "SyncHiddenStatesConnector"
 HS_CONNECTOR_MODULE = "tasks.vllm_connector"
 
@@ -121,6 +128,19 @@ def engine_tmp_base() -> str | None:
 _LIVE: "weakref.WeakSet[EngineProcess]" = weakref.WeakSet()
 
 
+def kill_all() -> int:
+    """SIGKILL the process group of every live engine now, without waiting (a run told to stop);
+    returns how many there were. Their callers see them dead at their next poll."""
+    n = 0
+    for eng in list(_LIVE):
+        proc = eng._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+                n += 1
+    return n
+
+
 @atexit.register
 def _close_all() -> None:
     for eng in list(_LIVE):
@@ -164,13 +184,19 @@ class EngineProcess:
     def log_path(self) -> str | None:
         return os.path.join(self.workdir, "engine.log") if self.workdir else None
 
-    def start(self, timeout_s: float = 600) -> None:
-        """Spawn the engine and wait until it has loaded the model (or raise EngineError)."""
+    def start(self, timeout_s: float | None = None) -> None:
+        """Spawn the engine and wait until it has loaded the model (or raise EngineError).
+
+        The wait is bounded by `timeout_s`, else DRAFTLINE_ENGINE_START_TIMEOUT_S, else 1800 s (a 1T
+        model loads for many minutes); it logs every LOG_WAIT_EVERY_S while it waits."""
+        if timeout_s is None:
+            timeout_s = float(os.environ.get(START_TIMEOUT_ENV) or DEFAULT_START_TIMEOUT_S)
         if self.alive:
             return
+        stopping.check(f"starting {self.name}")  # a run asked to stop starts no new engine
         self._cleanup()
         self._dead = False
-        self.workdir = tempfile.mkdtemp(prefix=f"draftline-{self.name}-", dir=engine_tmp_base())
+        self.workdir = owners.owned_tempdir(f"draftline-{self.name}-", engine_tmp_base())
         env = {**os.environ, **self.env}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -318,8 +344,17 @@ class EngineProcess:
 
     def _receive(self, timeout_s: float | None, what: str) -> Any:
         assert self._conn is not None and self._proc is not None
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline = None if timeout_s is None else t0 + timeout_s
+        next_log = t0 + LOG_WAIT_EVERY_S
         while True:
+            if stopping.requested():
+                self._mark_dead()
+                stopping.check(f"{self.name} was {what}")
+            if deadline is not None and time.monotonic() >= next_log:  # a bounded wait says what it waits for
+                log.info(f"{self.name} (pid {self.pid}) still {what} after {time.monotonic() - t0:.0f} s; "
+                         f"gives up after {timeout_s:.0f} s; its log: {self.log_path}")
+                next_log += LOG_WAIT_EVERY_S
             try:
                 ready = self._conn.poll(0.2)
             except (OSError, EOFError):
@@ -345,7 +380,9 @@ class EngineProcess:
                 raise EngineError(f"{self.name} died while {what} ({self._exit_text()})", self._log_tail())
             if deadline is not None and time.monotonic() > deadline:
                 self._mark_dead()
-                raise EngineError(f"{self.name} did not answer within {timeout_s:.0f} s while {what}; killed it",
+                hint = (f"; a large model may need longer: set {START_TIMEOUT_ENV} (seconds)"
+                        if what == "starting" else "")
+                raise EngineError(f"{self.name} did not answer within {timeout_s:.0f} s while {what}; killed it{hint}",
                                   self._log_tail())
 
     # ------------------------------------------------------------------ helpers

@@ -39,6 +39,7 @@ from pydantic import BaseModel, Field
 from tasks.config import RunConfig
 from tasks.digest import VERSIONS, stage_digest
 from tasks.engine import EngineError, EngineProcess, engine_dtype, vllm_extract_kwargs
+from tasks.faults import kill_point
 from tasks.store import ArtifactRef, ArtifactWriter, Store
 from tasks.target import default_layer_ids, load_hf_config, text_config, validate_for_vllm, validate_layer_ids
 
@@ -552,6 +553,7 @@ class _PartWriter:
             buf.write(_CancellableFile(fh, self._cancelled))  # type: ignore[arg-type]
         with self._cond:
             self.write_s += time.monotonic() - t0
+        kill_point("extract.part-written")
 
     def _run(self) -> None:
         while True:

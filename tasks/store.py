@@ -39,12 +39,14 @@ import fsspec
 from pydantic import BaseModel, Field
 
 from tasks.config import StoreConfig
+from tasks.faults import kill_point
 
 MANIFEST = "manifest.json"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HASH_CHUNK = 8 << 20
 # botocore "standard" retries per S3 request (backoff: random up to 1, 2, 4, ... 20 s between attempts).
 S3_MAX_ATTEMPTS = 8
+_KILL_MID_FILE_BYTES = 4096  # tasks/faults.py: `store.STAGE.mid-file` fires once a file holds this much
 _PARALLEL_HASH_MIN = 1 << 20  # writes this big are hashed on a helper thread while they are written
 _HASHER: ThreadPoolExecutor | None = None
 _HASHER_LOCK = threading.Lock()
@@ -328,6 +330,7 @@ class ArtifactWriter:
         key = self._key(name)
         h = hashlib.sha256()
         count = 0
+        mid_file = f"store.{self.stage}.mid-file"
         with _space_errors(self.store.uri, key), self.store.fs.open(key, "wb") as raw:
 
             class _Hashing(io.RawIOBase):
@@ -349,6 +352,8 @@ class ArtifactWriter:
                         h.update(mv)
                         raw.write(mv)
                     count += mv.nbytes
+                    if count >= _KILL_MID_FILE_BYTES > count - mv.nbytes:  # once per file, bytes still to come
+                        kill_point(mid_file)
                     return mv.nbytes
 
             yield _Hashing()  # type: ignore[misc]
@@ -374,6 +379,7 @@ class ArtifactWriter:
             created=_now(), inputs=self.inputs, files=self.files, stats=self.stats,
             config=self.config, run=run or {},
         )
+        kill_point(f"commit.{self.stage}.before-manifest")
         self.store._publish(manifest)
         COMMITTED_HERE.add(self.attempt)
         self.committed = Artifact(self.store, manifest)

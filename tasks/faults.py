@@ -1,0 +1,49 @@
+"""Named points where a recovery drill (or a test) kills the whole run for real.
+
+    DRAFTLINE_FAULT_KILL=extract.part-written        SIGKILL the run's process group the first time
+    DRAFTLINE_FAULT_KILL=extract.part-written:3      ... the third time this process passes there
+    DRAFTLINE_FAULT_KILL=train.checkpoint-file:2:TERM  ... with SIGTERM instead
+
+The kill is real (the process group gets the signal, as from a preempted node, the OOM killer or
+Ctrl-C); only the moment is chosen. Points, in the order a run meets them:
+
+    commit.<stage>.before-manifest   every file of an artifact written, its manifest not yet
+    extract.part-written             a part of a shard is on the store, the shard not finished
+    store.<stage>.mid-file           a file of a <stage> artifact partly written (4 KiB of it so far)
+    train.checkpoint-file            one file of a training checkpoint written, the others not
+    benchmark.baseline-measured      the benchmark's baseline decoded, the draft not yet
+
+Unset (always, outside drills), `kill_point` costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+_COUNTS: dict[str, int] = {}
+_LOCK = threading.Lock()
+
+
+def _spec() -> tuple[str, int, int] | None:
+    raw = os.environ.get("DRAFTLINE_FAULT_KILL", "").strip()
+    if not raw:
+        return None
+    name, _, rest = raw.partition(":")
+    nth, _, sig = rest.partition(":")
+    return name, int(nth or 1), getattr(signal, f"SIG{sig or 'KILL'}")
+
+
+def kill_point(name: str) -> None:
+    spec = _spec()
+    if spec is None or spec[0] != name:
+        return
+    with _LOCK:
+        _COUNTS[name] = _COUNTS.get(name, 0) + 1
+        hit = _COUNTS[name] == spec[1]
+    if hit:
+        os.killpg(os.getpgid(0), spec[2])
+        if spec[2] != signal.SIGKILL:
+            return  # a catchable signal: the run's own handler takes it from here
+        threading.Event().wait()  # SIGKILL is asynchronous: never run past the point
