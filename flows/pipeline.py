@@ -23,6 +23,7 @@ from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.caching import stage_options
+from tasks import stopping
 from tasks.config import STAGES, RunConfig, load_config
 from tasks.store import ArtifactRef, Store
 
@@ -243,7 +244,13 @@ class EnginePool:
 
         class _Borrow:
             def __enter__(self_inner):
-                self_inner.idx = pool._free.get()
+                while True:  # every group busy: wait for one, but not past a stop request
+                    stopping.check("waiting for a free engine group")
+                    try:
+                        self_inner.idx = pool._free.get(timeout=0.5)
+                        break
+                    except queue.Empty:
+                        continue
                 try:
                     eng = pool._engines.get(self_inner.idx)
                     if eng is None or not eng.alive:
@@ -305,6 +312,9 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     global LAST_RUN
     from prefect.runtime import flow_run
 
+    from flows.interrupts import chain_into_flow
+
+    chain_into_flow()  # SIGTERM (a worker cancelling, a node shutting down) stops engines and waits first
     overrides = list(overrides or [])
     cfg = load_config(config_path, overrides)
     if until is not None and until not in STAGES:

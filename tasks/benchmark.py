@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from tasks import digest as digests
+from tasks.faults import kill_point
 from tasks.config import EvalConfig, RunConfig
 from tasks.store import Artifact, ArtifactRef, Store
 
@@ -681,6 +682,7 @@ def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef, data: Arti
         draft_info["extract_layer_ids"] = resolve_layer_ids(cfg, hf_config)
         _log(log, "benchmark: baseline engine (no draft)")
         baseline = serve("baseline", engine_kwargs(cfg, None))
+        kill_point("benchmark.baseline-measured")
         spec: dict[int, dict[str, dict[int, RunResult]]] = {}
         for k in b.num_speculative_tokens:
             _log(log, f"benchmark: eagle3 engine, k={k}")
