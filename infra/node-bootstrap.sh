@@ -8,9 +8,11 @@
 #   curl -fsSL .../infra/node-bootstrap.sh | sudo -E bash    # or: sudo -E infra/node-bootstrap.sh
 #
 # What it does, in order (each step says what is missing and stops):
-#   1. checks its inputs and the node (Python >= 3.11, git, GPUs via nvidia-smi; docker with --docker);
+#   1. checks its inputs and the node (the Python the lock is resolved for: 3.12 for requirements/gpu.lock;
+#      git, GPUs via nvidia-smi; docker with --docker);
 #   2. installs the pinned release: DRAFTLINE_RELEASE of DRAFTLINE_REPO into
-#      $DRAFTLINE_PREFIX/releases/RELEASE with its own virtualenv (requirements/gpu.txt);
+#      $DRAFTLINE_PREFIX/releases/RELEASE with its own virtualenv holding exactly the lock
+#      (requirements/gpu.lock, `pip install --no-deps`: nothing is resolved on the node);
 #   3. writes the worker's environment ($DRAFTLINE_PREFIX/worker-RELEASE.env, mode 600): Prefect API,
 #      store URI and keys, caches on the node's disk ($DRAFTLINE_CACHE);
 #   4. runs `draftline doctor` (versions, GPUs, store and keys, Prefect API) and stops on a failure;
@@ -20,11 +22,15 @@
 #      or in the background with a pid file when there is no systemd.
 #
 # Options:
+#   --pool NAME    the work pool to join (default draftline-b300; draftline-b300-docker with --docker)
 #   --check        only steps 1 and 4 (nothing is installed or started)
 #   --docker       a docker worker (pool draftline-b300-docker): flows run in the worker image
 #                  (DRAFTLINE_IMAGE, see infra/Dockerfile); the host only needs prefect + prefect-docker
 #   --foreground   run the worker in this shell (exec) instead of as a service
+#   --background   run the worker in the background with a pid file even where systemd runs
 #   --no-install   skip step 2 (the release and its virtualenv are already there)
+#   --install-only only step 2, from DRAFTLINE_SOURCE_DIR (infra/Dockerfile builds the image with it)
+#   --lock FILE    the lock to install, relative to the checkout (default requirements/gpu.lock)
 #   -h, --help     this text
 #
 # Required environment:
@@ -36,7 +42,8 @@
 # Optional:
 #   PREFECT_API_KEY        for Prefect Cloud
 #   AWS_ENDPOINT_URL       S3 endpoint of non-AWS stores (SeaweedFS, MinIO, Ceph, R2, ...); AWS_DEFAULT_REGION
-#   DRAFTLINE_POOL         work pool (default draftline-b300; draftline-b300-docker with --docker)
+#   DRAFTLINE_POOL         work pool, as --pool (default draftline-b300; draftline-b300-docker with --docker)
+#   DRAFTLINE_LOCK         the lock to install, as --lock (requirements/cpu.lock on a CPU machine)
 #   DRAFTLINE_WORKER_LIMIT flow runs this node runs at once (default 1: one run owns the 8 GPUs)
 #   DRAFTLINE_PREFIX       install folder (default /opt/draftline)
 #   DRAFTLINE_CACHE        model / Hugging Face / vLLM caches, on the node's NVMe (default /var/cache/draftline)
@@ -45,21 +52,34 @@
 #   DRAFTLINE_CREDENTIALS_BLOCK  --docker: AwsCredentials block saved from AWS_* (default draftline-store)
 #   DRAFTLINE_SOURCE_DIR   use this checkout instead of cloning (development, tests)
 #   DRAFTLINE_VENV         use this virtualenv instead of creating one (development, tests)
-#   PYTHON                 Python >= 3.11 to build the virtualenv with (default python3.11, else python3)
+#   PYTHON                 the Python to build the virtualenv with (default: the version the lock was
+#                          resolved for, python3.12 for requirements/gpu.lock; else python3.11 or python3)
 set -euo pipefail
 
-CHECK_ONLY=0 DOCKER=0 FOREGROUND=0 INSTALL=1
-usage() { sed -n '2,50p' "$0" | sed 's/^# \{0,1\}//'; }
-for arg in "$@"; do
-  case "$arg" in
+CHECK_ONLY=0 DOCKER=0 FOREGROUND=0 BACKGROUND=0 INSTALL=1 INSTALL_ONLY=0
+POOL_ARG="" LOCK="${DRAFTLINE_LOCK:-requirements/gpu.lock}"
+usage() { sed -n '2,60p' "$0" | sed -n '/^#/p' | sed 's/^# \{0,1\}//'; }
+while (( $# )); do
+  case "$1" in
     --check) CHECK_ONLY=1 ;;
     --docker) DOCKER=1 ;;
     --foreground) FOREGROUND=1 ;;
+    --background) BACKGROUND=1 ;;
     --no-install) INSTALL=0 ;;
+    --install-only) INSTALL_ONLY=1 ;;
+    --pool|--lock)
+      [[ $# -ge 2 && -n "$2" && "$2" != -* ]] \
+        || { echo "node-bootstrap: $1 needs a value (--pool draftline-b300, --lock requirements/cpu.lock)" >&2; exit 2; }
+      if [[ "$1" == --pool ]]; then POOL_ARG="$2"; else LOCK="$2"; fi
+      shift ;;
+    --pool=*) POOL_ARG="${1#--pool=}" ;;
+    --lock=*) LOCK="${1#--lock=}" ;;
     -h|--help) usage; exit 0 ;;
-    *) echo "node-bootstrap: unknown option '$arg' (see --help)" >&2; exit 2 ;;
+    *) echo "node-bootstrap: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
+  shift
 done
+if (( FOREGROUND && BACKGROUND )); then echo "node-bootstrap: --foreground and --background exclude each other" >&2; exit 2; fi
 
 say() { echo "node-bootstrap: $*"; }
 die() { echo "node-bootstrap: error: $*" >&2; exit 2; }
@@ -69,11 +89,13 @@ CACHE="${DRAFTLINE_CACHE:-/var/cache/draftline}"
 LIMIT="${DRAFTLINE_WORKER_LIMIT:-1}"
 EXPECT_GPUS="${DRAFTLINE_EXPECT_GPUS:-8}"
 if (( DOCKER )); then POOL="${DRAFTLINE_POOL:-draftline-b300-docker}"; else POOL="${DRAFTLINE_POOL:-draftline-b300}"; fi
+[[ -n "$POOL_ARG" ]] && POOL="$POOL_ARG"
 RELEASE="${DRAFTLINE_RELEASE:-}"
 WORKER_NAME="draftline@$(hostname)"
 
 # ------------------------------------------------------------------ 1. inputs and the node
 missing=()
+if (( ! INSTALL_ONLY )); then
 [[ -n "${PREFECT_API_URL:-}" ]] || missing+=("PREFECT_API_URL: the Prefect API, e.g. http://prefect.internal:4200/api")
 if [[ "${PREFECT_API_URL:-}" == *api.prefect.cloud* && -z "${PREFECT_API_KEY:-}" ]]; then
   missing+=("PREFECT_API_KEY: PREFECT_API_URL is Prefect Cloud")
@@ -88,19 +110,39 @@ elif [[ -n "${DRAFTLINE_STORE_URI:-}" && "${DRAFTLINE_STORE_URI}" != file://* ]]
   missing+=("DRAFTLINE_STORE_URI must start with s3:// (or file:// for one machine), got '${DRAFTLINE_STORE_URI}'")
 fi
 [[ -n "$RELEASE" ]] || missing+=("DRAFTLINE_RELEASE: the release to install, e.g. v0.1.0 (the b300 deployment's pin)")
+fi
+if (( INSTALL_ONLY )); then
+  [[ -n "${DRAFTLINE_SOURCE_DIR:-}" ]] || missing+=("DRAFTLINE_SOURCE_DIR: --install-only installs the checkout in that folder")
+  (( DOCKER || CHECK_ONLY || ! INSTALL )) && missing+=("--install-only goes with none of --docker, --check, --no-install")
+fi
+[[ "$LOCK" != /* && "$LOCK" != *..* ]] || missing+=("--lock / DRAFTLINE_LOCK is a path inside the checkout, e.g. requirements/gpu.lock, got '$LOCK'")
 if (( INSTALL && ! DOCKER )) && [[ -z "${DRAFTLINE_SOURCE_DIR:-}" && -z "${DRAFTLINE_REPO:-}" ]]; then
   missing+=("DRAFTLINE_REPO: git URL of draftline (or DRAFTLINE_SOURCE_DIR: an existing checkout)")
 fi
 [[ "$LIMIT" =~ ^[1-9][0-9]*$ ]] || missing+=("DRAFTLINE_WORKER_LIMIT must be a positive number, got '$LIMIT'")
 [[ "$EXPECT_GPUS" =~ ^[0-9]+$ ]] || missing+=("DRAFTLINE_EXPECT_GPUS must be a number, got '$EXPECT_GPUS'")
 
+# The Python the lock was resolved for (uv's header: --python-version X.Y); the GPU lock's is known before
+# the release is cloned (tests/test_locks.py keeps GPU_LOCK_PYTHON equal to the header).
+GPU_LOCK_PYTHON=3.12
+LOCK_PY=""
+lock_here="${DRAFTLINE_SOURCE_DIR:-$PREFIX/releases/${RELEASE:-none}}/$LOCK"
+if [[ -f "$lock_here" ]]; then
+  LOCK_PY="$(sed -n 's/.*--python-version \([0-9][0-9.]*\).*/\1/p' "$lock_here" | head -1)"
+elif [[ "$LOCK" == requirements/gpu.lock ]]; then
+  LOCK_PY="$GPU_LOCK_PYTHON"
+fi
 PY="${PYTHON:-}"
-if [[ -z "$PY" ]]; then PY="$(command -v python3.11 || command -v python3 || true)"; fi
+if [[ -z "$PY" && -n "$LOCK_PY" ]]; then PY="$(command -v "python$LOCK_PY" || true)"; fi
+if [[ -z "$PY" && -z "$LOCK_PY" ]]; then PY="$(command -v python3.11 || command -v python3 || true)"; fi
 if [[ -z "${DRAFTLINE_VENV:-}" ]]; then
+  want="${LOCK_PY:-3.11}"
   if [[ -z "$PY" ]]; then
-    missing+=("python3 (3.11 or newer): apt-get install -y python3.11 python3.11-venv")
-  elif ! "$PY" -c 'import sys, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-    missing+=("Python >= 3.11 with venv (found $("$PY" --version 2>&1)): apt-get install -y python3.11 python3.11-venv, or set PYTHON")
+    missing+=("python$want with venv ($LOCK is resolved for Python ${LOCK_PY:-3.11+}): apt-get install -y python$want python$want-venv, or set PYTHON")
+  elif [[ -n "$LOCK_PY" ]] && ! "$PY" -c 'import sys, venv; sys.exit("%d.%d" % sys.version_info[:2] != sys.argv[1])' "$LOCK_PY" 2>/dev/null; then
+    missing+=("Python $LOCK_PY with venv, the version $LOCK is resolved for (PYTHON=$PY is $("$PY" --version 2>/dev/null || echo "not runnable")): apt-get install -y python$LOCK_PY python$LOCK_PY-venv, or set PYTHON")
+  elif [[ -z "$LOCK_PY" ]] && ! "$PY" -c 'import sys, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    missing+=("Python >= 3.11 with venv (found $("$PY" --version 2>/dev/null || echo "not runnable")): apt-get install -y python3.11 python3.11-venv, or set PYTHON")
   fi
 elif [[ ! -x "${DRAFTLINE_VENV}/bin/python" ]]; then
   missing+=("DRAFTLINE_VENV=${DRAFTLINE_VENV} has no bin/python")
@@ -111,7 +153,7 @@ fi
 if [[ -n "${DRAFTLINE_SOURCE_DIR:-}" && ! -f "${DRAFTLINE_SOURCE_DIR}/flows/pipeline.py" ]]; then
   missing+=("DRAFTLINE_SOURCE_DIR=${DRAFTLINE_SOURCE_DIR} is not a draftline checkout (no flows/pipeline.py)")
 fi
-if (( EXPECT_GPUS > 0 )); then
+if (( EXPECT_GPUS > 0 && ! INSTALL_ONLY )); then
   if ! command -v nvidia-smi >/dev/null; then
     missing+=("nvidia-smi: install the NVIDIA driver (or DRAFTLINE_EXPECT_GPUS=0 for a CPU node)")
   else
@@ -146,7 +188,7 @@ ENV_FILE="$PREFIX/worker-$RELEASE.env"
 
 # ------------------------------------------------------------------ 2. install the pinned release
 if (( INSTALL && ! CHECK_ONLY )); then
-  mkdir -p "$PREFIX/releases" "$CACHE"
+  (( INSTALL_ONLY )) || mkdir -p "$PREFIX/releases" "$CACHE"
   if [[ -z "${DRAFTLINE_SOURCE_DIR:-}" ]]; then
     if (( DOCKER )); then
       mkdir -p "$CODE"
@@ -160,15 +202,19 @@ if (( INSTALL && ! CHECK_ONLY )); then
     [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     if (( DOCKER )); then
+      # The host holds no checkout; these are requirements/gpu.lock's versions (tests/test_locks.py).
       say "installing the docker worker (prefect, prefect-docker) into $VENV"
       "$VENV/bin/python" -m pip install -q "prefect==3.7.7" "prefect-docker==0.7.3" "prefect-aws==0.7.11"
     else
-      say "installing requirements/gpu.txt and draftline $RELEASE into $VENV (a few minutes)"
-      "$VENV/bin/python" -m pip install -q -r "$CODE/requirements/gpu.txt"
+      [[ -f "$CODE/$LOCK" ]] || die "$CODE has no $LOCK: --lock names a file of the checkout (requirements/gpu.lock, requirements/cpu.lock)"
+      # Exactly the lock: every package pinned, nothing resolved here (--no-deps).
+      say "installing $LOCK and draftline ${RELEASE:-(checkout)} into $VENV (a few minutes)"
+      "$VENV/bin/python" -m pip install -q --no-deps -r "$CODE/$LOCK"
       "$VENV/bin/python" -m pip install -q --no-deps -e "$CODE"
     fi
   fi
 fi
+if (( INSTALL_ONLY )); then say "installed into $VENV (--install-only: nothing checked or started)"; exit 0; fi
 if (( ! DOCKER )); then
   if [[ ! -f "$CODE/flows/pipeline.py" ]]; then
     if (( CHECK_ONLY )); then say "inputs ok; draftline is not installed at $CODE yet, so doctor is skipped"; exit 0; fi
@@ -273,7 +319,7 @@ if (( FOREGROUND )); then
   exec "${worker_cmd[@]}"
 fi
 
-if command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
+if (( ! BACKGROUND )) && command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
   unit="draftline-worker-${POOL}.service"
   say "installing systemd unit $unit"
   cat > "/etc/systemd/system/$unit" <<EOF

@@ -237,7 +237,7 @@ def test_doctor_compares_with_the_tested_versions(monkeypatch):
     by = {c.name: c for c in checks}
     want = ops.tested_versions("gpu")
     assert by["torch"].status == "fail" and f"tested with {want['torch']}" in by["torch"].detail
-    assert "requirements/gpu.txt" in by["torch"].fix
+    assert "requirements/gpu.lock" in by["torch"].fix
     assert by["vllm"].status == "fail" and "not installed" in by["vllm"].detail
     assert by["speculators"].status == "ok"
 
