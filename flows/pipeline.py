@@ -177,11 +177,15 @@ def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[Art
     progress = _Progress("train-progress", "Training steps")
 
     def on_metrics(m: dict[str, Any]) -> None:
+        """Rank 0's records, from this process or (several ranks) from the launched ranks as they train."""
         if "step" in m and "max_steps" in m:
-            progress.update(100.0 * m["step"] / max(1, m["max_steps"]))
-        if m.get("log"):
-            logger.info(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                 for k, v in m.items() if k != "log"))
+            progress.update(100.0 * m["step"] / max(1, m["max_steps"]),
+                            f"step {m['step']}/{m['max_steps']}" + (f", loss {m['loss']:.4f}" if "loss" in m else ""))
+        line = _train_log_line(m)
+        if line:
+            logger.info(line)
+        if m.get("attn_fallback"):
+            logger.warning(f"train: {m['attn_fallback']}; training with sdpa")
 
     ref = run_train(cfg, Store.from_config(cfg.store), vocab, shards, on_metrics=on_metrics)
     progress.update(100.0)
@@ -191,6 +195,27 @@ def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[Art
             [{"position": i + 1, "accuracy": round(a, 4)} for i, a in enumerate(acc)],
             key="train-heldout-accuracy", description="Draft accuracy per TTT position on held-out data")
     return ref
+
+
+def _train_log_line(m: dict[str, Any]) -> str | None:
+    """A log line for a training record: start, every ~5% of the steps, checkpoints, evaluation."""
+    kind = m.get("kind")
+    if kind == "start":
+        resumed = f", resumed from the checkpoint of step {m['resumed_from']}" if m.get("resumed_from") is not None else ""
+        return (f"train: {m.get('world_size', 1)} rank(s) on {m.get('device')}, {m.get('attn_impl')} attention, "
+                f"{m.get('precision')}, step {m.get('step')}/{m.get('max_steps')}{resumed}")
+    if kind == "train":
+        step, total = int(m["step"]), int(m["max_steps"])
+        if step == 1 or step == total or step % max(1, total // 20) == 0:
+            return (f"train step {step}/{total}: loss {m['loss']:.4f}, acc {m.get('acc_per_pos')}, "
+                    f"{m.get('tokens_per_s', 0):.0f} tok/s, data wait {m.get('data_wait_s', 0):.3f}s")
+        return None
+    if kind == "checkpoint":
+        return f"train: checkpoint at step {m['step']} ({m.get('digest')})"
+    if kind == "eval":
+        return (f"train: held-out accuracy per position {m.get('val_acc_per_pos')}, simulated acceptance length "
+                f"{m.get('simulated_acceptance_length')}")
+    return None
 
 
 @task(name="benchmark", task_run_name="benchmark")

@@ -170,7 +170,14 @@ class TrainConfig(Section):
     ttt_steps: int = Field(3, ge=1)
     ttt_step_loss_decay: float = Field(1.0, gt=0)
     num_layers: int = Field(1, ge=1)
-    attn_impl: Literal["sdpa", "flex_attention", "eager"] = "sdpa"
+    attn_impl: Literal["auto", "sdpa", "flex_attention", "eager"] = Field(
+        "auto", description="Draft attention kernel (the same attention either way, so not part of the artifact's "
+        "address). auto: flex_attention on a GPU where it compiles (else sdpa, with the reason in the log), sdpa on "
+        "a CPU (flex_attention has no backward pass there).")
+    gpus: int | None = Field(
+        None, ge=1, description="Training ranks started on this node by torch's elastic launcher (torchrun), one "
+        "per GPU: default every visible GPU, 1 on a CPU. On a CPU, N > 1 starts N gloo ranks. batch_tokens is per "
+        "rank. Not part of the artifact's address: a retry may resume on another count.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Matmul precision of the training step: bf16 autocast (weights and optimizer stay "
         "float32) or float32. auto: bf16 on GPUs and on CPUs with native bf16 (AMX, AVX512-BF16), else fp32.")

@@ -81,8 +81,10 @@ def vocab(cfg, data) -> str:
     return stage_digest("vocab", cfg.vocab, {"data": data.digest})
 
 
-# Train keys that change how fast the draft is made, never which draft.
-TRAIN_SCHEDULING_KEYS = {"device", "prefetch", "checkpoint_every", "keep_checkpoints", "loss_impl"}
+# Train keys that change how fast or where the draft is made, not the recipe: the number of ranks
+# (a retry may resume on another count), and kernels computing the same function (attention, loss).
+TRAIN_SCHEDULING_KEYS = {"device", "gpus", "prefetch", "checkpoint_every", "keep_checkpoints", "loss_impl",
+                         "attn_impl"}
 
 
 def train(cfg, vocab_ref, shard_refs) -> str:

@@ -43,9 +43,13 @@ import math
 import os
 import queue
 import random
+import shutil
+import signal
+import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -54,6 +58,8 @@ import torch
 
 from tasks.config import RunConfig, TargetConfig, TrainConfig
 from tasks.digest import TRAIN_SCHEDULING_KEYS, VERSIONS, stage_digest
+from tasks.faults import kill_point
+from tasks.owners import owned_temporary_directory
 from tasks.store import Artifact, ArtifactCorrupt, ArtifactMissing, ArtifactRef, Store
 from tasks.target import (
     default_layer_ids,
@@ -232,17 +238,8 @@ def _draft_arch(tc: Any) -> str:
     return "qwen3" if str(getattr(tc, "model_type", "")).startswith("qwen3") else "llama"
 
 
-def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str, hf_config: Any,
-                      layer_ids: list[int], d2t: torch.Tensor, t2d: torch.Tensor):
-    """speculators' Eagle3DraftModel for this target, seeded, verifier weights loaded.
-
-    The decoder follows speculators' EAGLE-3 recipe (`speculators train` defaults:
-    norm before residual, norm before fc, normed output fed back across TTT steps),
-    with full attention in every draft layer and the target's layer type.
-    """
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
+def draft_layer_config(train: TrainConfig, target: TargetConfig, target_path: str, hf_config: Any) -> Any:
+    """The draft decoder layer's config: the target's layer type and attention shape."""
     from speculators.train.cli import create_transformer_layer_config
 
     tc = text_config(hf_config)
@@ -254,7 +251,80 @@ def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str
         # MLA targets (DeepSeek-V3, Kimi-K2.5): their `head_dim` is the rotary part only (64), which would give
         # the Llama draft layer a narrow attention (64 heads x 64 for a 7168 hidden). Use the value head width.
         layer_cfg.head_dim = int(getattr(tc, "v_head_dim", 0) or int(tc.hidden_size) // int(tc.num_attention_heads))
-    layer_cfg._attn_implementation = "simple_flex_attention" if train.attn_impl == "flex_attention" else train.attn_impl
+    return layer_cfg
+
+
+def attention_shape(layer_cfg: Any) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of a draft layer's attention."""
+    heads = int(layer_cfg.num_attention_heads)
+    kv_heads = int(getattr(layer_cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(layer_cfg, "head_dim", None) or int(layer_cfg.hidden_size) // heads)
+    return heads, kv_heads, head_dim
+
+
+def flex_attention_compiles(device: torch.device, heads: int, kv_heads: int, head_dim: int,
+                            dtype: torch.dtype = torch.bfloat16, seq: int = 256) -> None:
+    """Compile flex_attention for this attention shape on `device` and run a forward and a backward
+    pass with a causal mask over two packed documents, as a training step does; raises whatever the
+    compiler or the kernel raises (no Triton, a head dim the GPU's shared memory cannot hold, ...)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = torch.arange(seq, device=device) // (seq // 2)
+
+    def same_doc_causal(_b, _h, q, k):
+        return (q >= k) & (doc[q] == doc[k])
+
+    block = create_block_mask(same_doc_causal, None, None, seq, seq, device=device)
+    q = torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    out = torch.compile(flex_attention)(q, k, v, block_mask=block, enable_gqa=heads != kv_heads)
+    out.float().sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def resolve_attn_impl(requested: str, device: torch.device, probe: Callable[[], None]) -> tuple[str, str | None]:
+    """`train.attn_impl` on this device: (implementation, why auto fell back to sdpa or None).
+
+    auto is flex_attention on a GPU when `probe` (flex_attention_compiles for the draft's shape)
+    passes, 1.49x faster than sdpa on the H200 (benchmarks/RESULTS.md), and sdpa when it raises;
+    on a CPU it is sdpa without a probe (flex_attention has no backward pass there). An explicit
+    choice is returned as it is."""
+    if requested != "auto":
+        return requested, None
+    if device.type != "cuda":
+        return "sdpa", None
+    try:
+        probe()
+    except Exception as exc:  # noqa: BLE001 - any compiler failure means: use sdpa
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        reason = f"flex_attention does not compile on {device}: {type(exc).__name__}: {first}"
+        log.warning("train.attn_impl auto: %s; training with sdpa instead (set train.attn_impl: sdpa to skip "
+                    "this check)", reason)
+        with contextlib.suppress(Exception):
+            torch._dynamo.reset()  # drop what the failed compile left behind
+        return "sdpa", reason
+    return "flex_attention", None
+
+
+def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str, hf_config: Any,
+                      layer_ids: list[int], d2t: torch.Tensor, t2d: torch.Tensor, attn_impl: str | None = None):
+    """speculators' Eagle3DraftModel for this target, seeded, verifier weights loaded.
+
+    The decoder follows speculators' EAGLE-3 recipe (`speculators train` defaults:
+    norm before residual, norm before fc, normed output fed back across TTT steps),
+    with full attention in every draft layer and the target's layer type. `attn_impl`
+    (sdpa, flex_attention, eager) is the resolved `train.attn_impl` (auto means sdpa here).
+    """
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    tc = text_config(hf_config)
+    layer_cfg = draft_layer_config(train, target, target_path, hf_config)
+    impl = attn_impl or (train.attn_impl if train.attn_impl != "auto" else "sdpa")
+    layer_cfg._attn_implementation = "simple_flex_attention" if impl == "flex_attention" else impl
     k = int(d2t.shape[0])
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer_cfg, draft_vocab_size=k, norm_before_residual=True, norm_before_fc=True,
@@ -877,14 +947,20 @@ class Trainer:
         self.on_metrics = on_metrics
         t = self.t
         if env.device.type == "cpu" and t.attn_impl == "flex_attention":
-            raise TrainError("train.attn_impl flex_attention has no backward pass on CPU; use sdpa (or eager)")
+            raise TrainError("train.attn_impl flex_attention has no backward pass on CPU; use sdpa (or eager, "
+                             "or auto)")
         if env.device.type == "cpu" and t.loss_impl == "fused":
             raise TrainError("train.loss_impl fused needs Triton on a GPU; use eager on CPU")
         self.read_part = load_part or PartReader(inputs.artifacts, inputs.layer_ids, inputs.hidden_size)
+        self.precision = resolve_precision(t.precision, env.device)
 
-        # model
+        # model (auto attention: flex_attention where it compiles for this shape, else sdpa)
+        shape = attention_shape(draft_layer_config(t, cfg.target, inputs.target_path, inputs.hf_config))
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        self.attn_impl, self.attn_fallback = resolve_attn_impl(
+            t.attn_impl, env.device, lambda: flex_attention_compiles(env.device, *shape, dtype=dtype))
         self.model = build_draft_model(t, cfg.target, inputs.target_path, inputs.hf_config, inputs.layer_ids,
-                                       inputs.d2t, inputs.t2d).to(env.device)
+                                       inputs.d2t, inputs.t2d, attn_impl=self.attn_impl).to(env.device)
         self.model.train()
         self.names = trainable_names(self.model)
         self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
@@ -896,7 +972,6 @@ class Trainer:
                                                else None)
         self.flops_per_token = flops_per_token(self.model, t.ttt_steps)
         self.peak_flops = self._peak_flops()
-        self.precision = resolve_precision(t.precision, env.device)
 
         # optimizer (lr is set every step from lr_at)
         self.optimizer = torch.optim.AdamW(self.params, lr=lr_at(0, t), weight_decay=t.weight_decay)
@@ -969,11 +1044,12 @@ class Trainer:
                               "lr": state.history[-1]["lr"] if state.history else lr_at(state.step, self.t)},
                 "stopped_reason": state.stopped_reason, "history": state.history, "train_digest": self.inp.digest,
             }
-            with tempfile.TemporaryDirectory(prefix="draftline-ckpt-") as tmp, \
+            with owned_temporary_directory("draftline-ckpt-") as tmp, \
                     self.store.write(CKPT_STAGE, digest, VERSIONS[CKPT_STAGE], {"train": self.inp.digest},
                                      {"step": state.step}) as w:
                 save_file(weights, os.path.join(tmp, "m.safetensors"))
                 w.put_file("model.safetensors", os.path.join(tmp, "m.safetensors"))
+                kill_point("train.checkpoint-file")
                 save_file(opt_tensors, os.path.join(tmp, "o.safetensors"))
                 w.put_file("optimizer.safetensors", os.path.join(tmp, "o.safetensors"))
                 w.write_json("state.json", meta)
@@ -1043,14 +1119,15 @@ class Trainer:
                             state.world, env.world, epoch)
                 position = {"epoch": epoch, "cursor": 0, "sample": 0, "offset": 0}
         n_params = sum(p.numel() for p in self.params)
-        log.info("train %s: %d trainable parameters, %.3g FLOPs/token, device %s x%d, %d parts, %d held-out samples",
-                 self.inp.digest, n_params, self.flops_per_token, env.device, env.world, len(self.parts),
-                 self.heldout_samples)
+        log.info("train %s: %d trainable parameters, %.3g FLOPs/token, device %s x%d, %s attention, %s, %d parts, "
+                 "%d held-out samples", self.inp.digest, n_params, self.flops_per_token, env.device, env.world,
+                 self.attn_impl, self.precision, len(self.parts), self.heldout_samples)
         log.info("train config: %s", json.dumps(t.model_dump(mode="json"), sort_keys=True))
         self._emit({"kind": "start", "digest": self.inp.digest, "max_steps": t.max_steps, "step": state.step,
                     "resumed_from": state.resumed_from, "trainable_params": n_params,
                     "flops_per_token": self.flops_per_token, "peak_flops": self.peak_flops,
-                    "device": str(env.device), "world_size": env.world, "layer_ids": self.inp.layer_ids})
+                    "device": str(env.device), "world_size": env.world, "layer_ids": self.inp.layer_ids,
+                    "attn_impl": self.attn_impl, "attn_fallback": self.attn_fallback, "precision": self.precision})
         budget = t.max_minutes * 60 if t.max_minutes else None
         if state.stopped_reason == "time_budget" or state.step >= t.max_steps:
             return state  # the last run already finished training; only eval/export remain
@@ -1086,6 +1163,7 @@ class Trainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
                 self.optimizer.step()
                 state.step += 1
+                kill_point(f"train.rank{env.rank}.step")  # drills: DRAFTLINE_FAULT_KILL=train.rank1.step:3
 
                 sums = {k: float(v) for k, v in metrics.items()}
                 sums["tokens"] = float(batch.tokens)
@@ -1143,10 +1221,11 @@ class Trainer:
                 "final_loss": state.history[-1]["loss"] if state.history else None,
                 "layer_ids": self.inp.layer_ids, "draft_vocab_size": int(self.inp.d2t.shape[0]),
                 "trainable_params": sum(p.numel() for p in self.params), "world_size": env.world,
-                "device": env.device.type, "precision": self.precision, "resumed_from_step": state.resumed_from,
+                "device": env.device.type, "precision": self.precision, "attn_impl": self.attn_impl,
+                "resumed_from_step": state.resumed_from,
             }
             metrics = {"steps": state.history, "eval": val, "stopped_reason": state.stopped_reason}
-            with tempfile.TemporaryDirectory(prefix="draftline-draft-") as tmp, \
+            with owned_temporary_directory("draftline-draft-") as tmp, \
                     self.store.write(STAGE, self.inp.digest, VERSIONS[STAGE], self.inp.inputs,
                                      self.cfg.train.model_dump(mode="json")) as w:
                 export_draft(self.model, tmp, self.cfg.target.dtype)
@@ -1212,18 +1291,260 @@ def export_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
+# ============================================================================ ranks on this node
+
+
+RANK_ENTRY = "from tasks.train import rank_main; rank_main()"  # what each rank's `python -c` runs
+RANK_LOG_TAIL_LINES = 25
+
+
+def _wants_cuda(train: TrainConfig) -> bool:
+    return train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available())
+
+
+def train_ranks(train: TrainConfig) -> int:
+    """How many ranks `train.gpus` asks for here: every visible GPU by default, 1 on a CPU."""
+    if not _wants_cuda(train):
+        return train.gpus or 1
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        raise TrainError("train.device is cuda but torch sees no GPU; set train.device: auto (or cpu)")
+    n = visible if train.gpus is None else train.gpus
+    if n > visible:
+        raise TrainError(f"train.gpus={n} but only {visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); lower train.gpus or leave it unset "
+                         "to use every visible GPU")
+    return n
+
+
+def launched_as_rank() -> bool:
+    """True inside a process torchrun (or our launcher) started: it trains as one rank of WORLD_SIZE."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ
+
+
+class _MetricsTail:
+    """Follows rank 0's JSON-lines metrics file from a thread and hands each record to `on_metrics`
+    as it lands; `stop()` delivers what is left. A record is a whole line: a half-written one waits."""
+
+    def __init__(self, path: str, on_metrics: MetricsCallback | None):
+        self.path, self.on_metrics = path, on_metrics
+        self.records = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="draftline-rank0-metrics", daemon=True)
+        self._warned = False
+
+    def start(self) -> "_MetricsTail":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        pos, rest = 0, b""
+        while True:
+            last = self._stop.is_set()
+            try:
+                with open(self.path, "rb") as fh:
+                    fh.seek(pos)
+                    chunk = fh.read()
+            except FileNotFoundError:
+                chunk = b""
+            pos += len(chunk)
+            *lines, rest = (rest + chunk).split(b"\n")
+            for line in lines:
+                if line.strip():
+                    self._deliver(json.loads(line))
+            if last:
+                return
+            self._stop.wait(0.2)
+
+    def _deliver(self, rec: dict[str, Any]) -> None:
+        self.records += 1
+        if self.on_metrics is None:
+            return
+        try:
+            self.on_metrics(rec)
+        except Exception as exc:  # noqa: BLE001 - a reporting failure must not stop the training it reports
+            if not self._warned:
+                log.warning("metrics callback failed (%s: %s); training goes on", type(exc).__name__, exc)
+                self._warned = True
+
+
+def _rank_log_tail(folder: str, local_rank: int) -> str:
+    """The last lines a rank wrote to stderr (torch elastic's log layout: RUN/attempt_N/RANK/stderr.log)."""
+    import glob
+
+    lines: list[str] = []
+    for path in sorted(glob.glob(os.path.join(folder, "*", "attempt_*", str(local_rank), "stderr.log"))):
+        with open(path, errors="replace") as fh:
+            lines = fh.read().splitlines()
+    return "\n".join(lines[-RANK_LOG_TAIL_LINES:])
+
+
+def describe_rank_failure(failures: dict[int, Any], world: int, log_dir: str) -> str:
+    """One message for the ranks that failed (torch elastic's ProcessFailure per rank): the rank
+    that started it first (killed by a signal from outside, else the earliest error), its error
+    and traceback (or its last log lines when a signal left none), the others in a line each."""
+    def tier(f: Any) -> int:  # 0: killed from outside (SIGKILL: OOM killer, a drill); 1: an error; 2: stopped
+        if f.exitcode < 0:
+            return 2 if f.signal_name() in ("SIGTERM", "SIGINT") else 0
+        return 1
+
+    def what(f: Any) -> tuple[str, str]:
+        if f.exitcode < 0:
+            return f"killed by {f.signal_name()} (exit code {f.exitcode}, pid {f.pid})", ""
+        msg = f.message
+        if isinstance(msg, dict):
+            return msg.get("message", "<no message>"), msg.get("extraInfo", {}).get("py_callstack", "")
+        return f"exited with code {f.exitcode} (pid {f.pid}): {msg}", ""
+
+    order = sorted(failures, key=lambda r: (tier(failures[r]), failures[r].timestamp, r))
+    root = order[0]
+    head, trace = what(failures[root])
+    lines = [f"training rank {root} of {world} failed: {head}"]
+    for r in order[1:]:
+        lines.append(f"rank {r} of {world} also failed: {what(failures[r])[0]}")
+    if trace:
+        lines += [f"rank {root} traceback:", trace.rstrip()]
+    else:
+        tail = _rank_log_tail(log_dir, failures[root].local_rank)
+        if tail:
+            lines += [f"rank {root}'s last log lines:", tail]
+    lines.append(f"The other ranks were stopped; every rank's log is under {log_dir}. Fix the cause if it is one, "
+                 "then retry the run (`draftline retry`): it resumes from the last checkpoint, if one was written, "
+                 "with this or another train.gpus.")
+    return "\n".join(lines)
+
+
+def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef],
+                 ranks: int, on_metrics: MetricsCallback | None = None) -> ArtifactRef:
+    """Train on `ranks` processes of this node started by torch's elastic launcher (what torchrun
+    runs): each is a fresh Python that calls `run_train` as one DDP rank (NCCL on GPUs, gloo on a
+    CPU). Rank 0 appends its metrics to a JSON-lines file that this process follows while they run.
+    A rank that fails stops the others (the launcher's doing) and this call raises TrainError naming
+    the rank, with its error and traceback. Rank logs go to a temporary folder, kept on failure."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from tasks.owners import owned_tempdir
+    from tasks.store import COMMITTED_HERE
+
+    digest = train_digest(cfg, vocab_ref, extract_refs)
+    folder = owned_tempdir("draftline-ranks-")
+    paths = {k: os.path.join(folder, name) for k, name in
+             (("args", "args.json"), ("metrics", "metrics.jsonl"), ("result", "result.json"), ("logs", "logs"))}
+    with open(paths["args"], "w") as fh:  # no secrets: the store's credentials come from each rank's environment
+        json.dump({"cfg": cfg.model_dump(mode="json"), "store": store.uri, "vocab": vocab_ref.model_dump(mode="json"),
+                   "extract": [r.model_dump(mode="json") for r in extract_refs], "metrics": paths["metrics"],
+                   "result": paths["result"]}, fh)
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"draftline-{digest[:12]}-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # torchrun --standalone: a private rendezvous
+        max_restarts=0,  # a failed rank fails the task; the retry resumes from the checkpoint
+        monitor_interval=0.5, logs_specs=DefaultLogsSpecs(log_dir=paths["logs"], redirects=Std.ALL))
+    log.info("train %s: starting %d ranks with torch's elastic launcher; rank logs under %s", digest, ranks,
+             paths["logs"])
+    # In the main thread the launcher installs SIGTERM/SIGINT handlers that stop the ranks; put ours back after.
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    tail = _MetricsTail(paths["metrics"], on_metrics).start()
+    try:
+        elastic_launch(launch, sys.executable)("-c", RANK_ENTRY, paths["args"])
+    except ChildFailedError as exc:
+        raise TrainError(describe_rank_failure(exc.failures, ranks, paths["logs"])) from None
+    except SignalException as exc:
+        raise TrainError(f"training on {ranks} ranks was stopped by {exc.sigval.name}; the ranks were terminated "
+                         f"(logs under {paths['logs']}); a retry resumes from the last checkpoint") from None
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        tail.stop()
+    with open(paths["result"]) as fh:
+        result = json.load(fh)
+    ref = ArtifactRef.model_validate(result["ref"])
+    if result["executed"]:
+        COMMITTED_HERE.add(ref.attempt)  # our ranks computed it: the run summary counts it as executed
+    shutil.rmtree(folder, ignore_errors=True)
+    return ref
+
+
+def _exit_with_parent() -> None:
+    """A rank whose launcher died (the flow's process killed) stops too instead of training on unseen."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="draftline-parent-watch", daemon=True).start()
+
+
+def _rank_main() -> None:
+    args = json.loads(open(sys.argv[-1]).read())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank {rank}/{world} %(levelname)s %(name)s: %(message)s")
+    _exit_with_parent()
+    cfg = RunConfig.model_validate(args["cfg"])
+    if not _wants_cuda(cfg.train) and "OMP_NUM_THREADS" not in os.environ:
+        # ranks share the CPU: oversubscribed OpenMP threads spin against each other
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    store = Store.from_config(cfg.store.model_copy(update={"uri": args["store"]}))
+    sink = open(args["metrics"], "a", buffering=1) if rank == 0 else None
+
+    def on_metrics(rec: dict[str, Any]) -> None:
+        if sink is not None:
+            sink.write(json.dumps(rec, default=str) + "\n")  # line-buffered: one whole line per record
+
+    try:
+        ref = run_train(cfg, store, ArtifactRef.model_validate(args["vocab"]),
+                        [ArtifactRef.model_validate(r) for r in args["extract"]], on_metrics)
+    finally:
+        if sink is not None:
+            sink.close()
+    if rank == 0:
+        tmp = args["result"] + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"ref": ref.model_dump(mode="json"), "executed": ref.executed_here}, fh)
+        os.replace(tmp, args["result"])
+
+
+def rank_main() -> None:
+    """Entry point of one rank that `launch_ranks` started (`python -c RANK_ENTRY ARGS.json`). An
+    exception is written to torch elastic's error file, from which the launcher reports it."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(_rank_main)()
+
+
 def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef],
               on_metrics: MetricsCallback | None = None) -> ArtifactRef:
     """Train (or resume, or find) the draft for these inputs; returns the train artifact's ref.
 
     A committed train artifact is returned at once. Otherwise training resumes from
-    the newest committed checkpoint of the same digest, or starts fresh. Under
-    torchrun every rank calls this; rank 0 writes, all ranks return the same ref.
+    the newest committed checkpoint of the same digest, or starts fresh. With more
+    than one rank to use (`train.gpus`, default every visible GPU) this process
+    starts them with torch's elastic launcher (`launch_ranks`) and waits; with one,
+    it trains itself. Under torchrun every rank calls this; rank 0 writes, all ranks
+    return the same ref.
     """
     digest = train_digest(cfg, vocab_ref, extract_refs)
     found = store.find(STAGE, digest)
     if found is not None:
         return found.ref()
+    if not launched_as_rank():
+        ranks = train_ranks(cfg.train)
+        if ranks > 1:
+            resolve_inputs(cfg, store, vocab_ref, extract_refs)  # bad inputs fail here, before any rank starts
+            return launch_ranks(cfg, store, vocab_ref, extract_refs, ranks, on_metrics)
     env = DistEnv.from_env(cfg.train)
     try:
         inputs = resolve_inputs(cfg, store, vocab_ref, extract_refs)
@@ -1238,6 +1559,6 @@ __all__ = [
     "Batch", "BatchStream", "CKPT_STAGE", "DistEnv", "PartData", "PartReader", "PartSpec", "SCHEDULING_KEYS",
     "STAGE", "TrainError", "TrainInputs", "Trainer", "build_draft_model", "checkpoint_digest", "evaluate_model",
     "export_draft",
-    "flops_per_token", "lr_at", "read_vocab", "resolve_inputs", "run_train", "simulated_acceptance_length",
-    "train_digest",
+    "flops_per_token", "launch_ranks", "lr_at", "read_vocab", "resolve_attn_impl", "resolve_inputs", "run_train",
+    "simulated_acceptance_length", "train_digest", "train_ranks",
 ]
