@@ -1405,7 +1405,9 @@ def describe_rank_failure(failures: dict[int, Any], world: int, log_dir: str) ->
     head, trace = what(failures[root])
     lines = [f"training rank {root} of {world} failed: {head}"]
     for r in order[1:]:
-        lines.append(f"rank {r} of {world} also failed: {what(failures[r])[0]}")
+        f = failures[r]
+        lines.append(f"rank {r} of {world} was stopped ({f.signal_name()}, pid {f.pid})" if tier(f) == 2
+                     else f"rank {r} of {world} also failed: {what(f)[0]}")
     if trace:
         lines += [f"rank {root} traceback:", trace.rstrip()]
     else:

@@ -30,10 +30,13 @@ from tasks.train import (
     PartSpec,
     TrainError,
     checkpoint_digest,
+    flex_attention_compiles,
     lr_at,
+    resolve_attn_impl,
     run_train,
     simulated_acceptance_length,
     train_digest,
+    train_ranks,
 )
 from train_data import generate_samples, make_tiny_target, write_extract, write_vocab
 
@@ -99,6 +102,48 @@ def test_simulated_acceptance_length_formula():
     assert simulated_acceptance_length([1.0, 1.0, 1.0]) == 4.0
     assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
     assert simulated_acceptance_length([0.0, 1.0]) == 1.0
+
+
+def test_attn_impl_auto_is_flex_where_it_compiles_else_sdpa_with_the_reason(caplog):
+    """auto: sdpa on a CPU without a probe; on a GPU flex_attention when the compile probe passes, sdpa
+    (and the reason, logged) when it raises; an explicit choice is kept as it is."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    probed = []
+    assert resolve_attn_impl("auto", cpu, lambda: probed.append(1)) == ("sdpa", None) and probed == []
+    assert resolve_attn_impl("auto", gpu, lambda: None) == ("flex_attention", None)
+    assert resolve_attn_impl("sdpa", gpu, lambda: None) == ("sdpa", None)
+    assert resolve_attn_impl("flex_attention", cpu, lambda: None) == ("flex_attention", None)  # the Trainer refuses
+    # A real compile failure: the probe compiles flex_attention and runs its backward, which a CPU does not have.
+    impl, reason = resolve_attn_impl("auto", gpu, lambda: flex_attention_compiles(cpu, 4, 2, 16, torch.float32,
+                                                                                   seq=64))
+    assert impl == "sdpa"
+    assert "flex_attention does not compile on cuda:0: NotImplementedError" in reason, reason
+    assert "does not support backward on CPU" in reason
+    assert "training with sdpa instead" in caplog.text and "set train.attn_impl: sdpa" in caplog.text
+
+
+def test_ranks_and_kernels_are_not_part_of_the_train_address():
+    """train.gpus (a retry may resume on another count) and the attention/loss kernels (same function)
+    leave the digest alone; the recipe (precision, lr) does not."""
+    vocab = ArtifactRef(stage="vocab", digest="v" * 32, uri="memory://v")
+    shards = [ArtifactRef(stage="extract", digest=f"{i}" * 32, uri=f"memory://{i}", stats={"shard": i}) for i in (0, 1)]
+
+    def address(**train) -> str:
+        return digest_of_train(RunConfig.model_validate({"train": train}), vocab, shards)
+
+    same = {address(), address(gpus=2), address(gpus=8, attn_impl="flex_attention"), address(attn_impl="sdpa"),
+            address(loss_impl="fused", device="cuda")}
+    assert len(same) == 1
+    assert address(precision="fp32") not in same and address(lr=1e-3) not in same
+
+
+def test_rank_count_defaults_to_one_on_a_cpu_and_checks_a_gpu_request():
+    cfg = lambda **t: RunConfig.model_validate({"train": t}).train  # noqa: E731
+    assert train_ranks(cfg(device="cpu")) == 1 and train_ranks(cfg(device="cpu", gpus=3)) == 3
+    if not torch.cuda.is_available():
+        assert train_ranks(cfg()) == 1 and train_ranks(cfg(gpus=2)) == 2  # auto on a CPU: gloo ranks
+        with pytest.raises(TrainError, match="train.device is cuda but torch sees no GPU"):
+            train_ranks(cfg(device="cuda", gpus=2))
 
 
 def synthetic_parts(lengths_per_part: list[list[int]], holdout_last: int = 0) -> dict[PartSpec, PartData]:
@@ -193,6 +238,7 @@ def test_trains_exports_and_reuses(store, tiny):
     assert set(art.files()) == {"draft/config.json", "draft/model.safetensors", "metrics.json"}
     st = art.stats
     assert st["steps"] == 12 and st["tokens"] == 12 * 128 and st["stopped_reason"] == "max_steps"
+    assert st["world_size"] == 1 and st["attn_impl"] == "sdpa"  # auto on a CPU; one rank, in this process
     assert len(st["val_acc_per_pos"]) == 3 and st["val_tokens"] > 0
     assert st["simulated_acceptance_length"] == pytest.approx(simulated_acceptance_length(st["val_acc_per_pos"]),
                                                             abs=1e-3)
