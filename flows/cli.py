@@ -251,6 +251,7 @@ def report(target: str = typer.Argument(..., help="A benchmark artifact digest, 
 
 
 from flows.ops import register; register(app)  # noqa: E402,E702  (doctor, deploy, submit, status, retry, ui)
+from flows.plan import register as register_plan; register_plan(app)  # noqa: E402,E702  (plan)
 
 
 def main() -> None:  # pragma: no cover
