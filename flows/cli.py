@@ -168,9 +168,12 @@ def _stopped(rec, signum: int | None, seconds: float, as_json: bool) -> None:
     from flows.interrupts import exit_code, kill_descendants
 
     name = sig.Signals(signum).name if signum else "SIGINT"
-    left = kill_descendants()
+    left = kill_descendants(spare_prefect_server=True)
     summary = rec.to_json() if rec is not None else {"stages": {}}
     summary["state"] = "STOPPED"
+    for r in summary["stages"].values():
+        if r.get("status") == "running":
+            r["status"] = "stopped"
     summary["stopped_by"] = name
     if as_json:
         print(json.dumps(summary, indent=2, default=str))
@@ -188,7 +191,8 @@ def print_summary(summary: dict[str, Any]) -> None:
                   caption=f"artifacts under {store}" if store else None)
     for col in ("stage", "status", "ran", "cached", "failed", "time", "artifact"):
         table.add_column(col, justify="right" if col in ("ran", "cached", "failed", "time") else "left")
-    colors = {"ran": "green", "cached": "cyan", "failed": "red", "partial": "yellow", "skipped": "dim"}
+    colors = {"ran": "green", "cached": "cyan", "failed": "red", "partial": "yellow", "skipped": "dim",
+              "stopped": "yellow"}
     for name, r in summary.get("stages", {}).items():
         st = r.get("status", "")
         table.add_row(name, f"[{colors.get(st, 'white')}]{st}[/]", str(r.get("executed", 0)), str(r.get("cached", 0)),
@@ -219,16 +223,27 @@ def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to
 
 @app.command()
 def gc(config: Optional[Path] = typer.Argument(None), overrides: list[str] = SetOpt,
-       min_age: float = typer.Option(3600, help="Only remove leftovers older than this many seconds "
-                                                "(protects writers still running)."),
+       min_age: float = typer.Option(3600, help="Leftovers whose owner may still be running (another host, "
+                                                "none recorded) go only once older than this many seconds."),
        dry_run: bool = typer.Option(False, "--dry-run", help="List, do not delete.")):
-    """Remove uncommitted leftovers (crashed writers' attempt folders, temp files)."""
+    """Remove what dead runs left: attempt folders no manifest names, temp files, stale locks, engine
+    work folders (/dev/shm) and a killed trainer's temporary checkpoints. A leftover whose owner
+    process is gone goes at once; one whose owner cannot be checked, after --min-age."""
+    from flows.leftovers import find, human_age
+
     cfg = _load(config, overrides)
     store = _store(cfg)
-    keys = store.garbage(min_age) if dry_run else store.gc(min_age)
-    for k in keys:
-        console.print(("would remove " if dry_run else "removed ") + k)
-    console.print(f"{len(keys)} leftover(s) {'found' if dry_run else 'removed'}")
+    found = find(store, min_age)
+    table = Table(title=f"leftovers of dead runs ({store.uri} and this machine's temp folders)")
+    for col in ("kind", "where", "age", "owner", "why"):
+        table.add_column(col, overflow="fold")
+    for item in found:
+        table.add_row(item.kind, item.where, human_age(item.age_s), item.owner, item.why)
+        if not dry_run:
+            item.remove(store)
+    if found:
+        console.print(table)
+    console.print(f"{len(found)} leftover(s) {'found (--dry-run: nothing removed)' if dry_run else 'removed'}")
 
 
 @app.command()

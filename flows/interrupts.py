@@ -48,12 +48,31 @@ def descendants() -> list[Any]:
     return []
 
 
-def kill_descendants() -> int:
-    """SIGKILL every process this one started (engines, their workers, training ranks, a Prefect
-    server of its own); returns how many were alive."""
+def _prefect_server_pids() -> set[int]:
+    """The ephemeral Prefect server this process started (and what it started)."""
     import psutil
 
-    kids = descendants()
+    pids: set[int] = set()
+    with contextlib.suppress(Exception):
+        from prefect.server.api.server import SubprocessASGIServer
+
+        for server in SubprocessASGIServer._instances.values():
+            proc = getattr(server, "server_process", None)
+            if proc is not None:
+                pids.add(proc.pid)
+                with contextlib.suppress(psutil.Error):
+                    pids.update(p.pid for p in psutil.Process(proc.pid).children(recursive=True))
+    return pids
+
+
+def kill_descendants(spare_prefect_server: bool = False) -> int:
+    """SIGKILL every process this one started (engines, their workers, training ranks, and unless
+    spared, a Prefect server of its own, which must outlive the run's last log lines); returns how
+    many were alive."""
+    import psutil
+
+    spare = _prefect_server_pids() if spare_prefect_server else set()
+    kids = [p for p in descendants() if p.pid not in spare]
     for p in kids:
         with contextlib.suppress(psutil.Error):
             p.kill()
@@ -73,6 +92,10 @@ def hard_exit(code: int, why: str) -> None:
 
 def _watchdog(grace: float, code: int, name: str) -> None:
     time.sleep(grace)
+    if os.environ.get("DRAFTLINE_STOP_TRACE"):  # what held the exit up: every thread's stack
+        import faulthandler
+
+        faulthandler.dump_traceback(all_threads=True)
     hard_exit(code, f"draftline: the run did not stop within {grace:.0f} s of {name} "
                     "(DRAFTLINE_STOP_GRACE_S); killed what it had started and exited")
 

@@ -988,8 +988,10 @@ def serve(fd: int, parent_pid: int) -> int:
     while True:
         try:
             msg = conn.recv()
-        except (EOFError, OSError):
-            break  # the caller went away
+        except (EOFError, OSError):  # the caller went away (killed, or closing after our death)
+            if _WORKDIR:  # nobody else will remove it (it may sit in /dev/shm, i.e. RAM)
+                shutil.rmtree(_WORKDIR, ignore_errors=True)
+            break
         op = msg.pop("op")
         msg.pop("seq", None)
         if op == "close":

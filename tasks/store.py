@@ -27,6 +27,7 @@ import io
 import json
 import os
 import re
+import socket
 import threading
 import time
 import uuid
@@ -305,6 +306,27 @@ class Artifact:
                     raise ArtifactCorrupt(f"{self.uri}: {f.path} has {size} bytes, manifest says {f.bytes}")
 
 
+_WRITER = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:16] or "host"
+_ATTEMPT_RE = re.compile(r"^a\d{8}T\d{6}-([A-Za-z0-9]+)-(\d+)-[0-9a-f]{8}$")
+
+
+def attempt_writer(attempt: str) -> dict[str, Any]:
+    """The host and pid an attempt folder's name records, and whether that writer still runs
+    (None: another host, or a name from an older version that records no writer)."""
+    m = _ATTEMPT_RE.match(attempt)
+    if not m:
+        return {}
+    host, pid = m.group(1), int(m.group(2))
+    alive: bool | None = None
+    if host == _WRITER:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+            alive = state not in ("Z", "X")
+        except OSError:
+            alive = False
+    return {"host": host, "pid": pid, "alive": alive}
+
+
 class ArtifactWriter:
     """Collects the files of one attempt, then publishes them with the manifest."""
 
@@ -316,7 +338,8 @@ class ArtifactWriter:
         self.version = version
         self.inputs = dict(inputs)
         self.config = config or {}
-        self.attempt = f"a{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        # The writer's host and pid in the name: `draftline gc` removes a dead writer's attempt at once.
+        self.attempt = f"a{time.strftime('%Y%m%dT%H%M%S')}-{_WRITER}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.files: list[FileEntry] = []
         self.stats: dict[str, Any] = {}
         self.committed: Artifact | None = None
@@ -586,8 +609,13 @@ class Store:
 
     # ---------------------------------------------------------------- gc
     def garbage(self, min_age_s: float = 3600) -> list[str]:
-        """Keys of uncommitted attempt folders and temp files older than min_age_s."""
-        out = []
+        """Keys of uncommitted attempt folders and temp files: a dead writer's at once, others once
+        older than min_age_s (a writer that may still be running is protected by the age)."""
+        return [g["key"] for g in self.garbage_detail(min_age_s)]
+
+    def garbage_detail(self, min_age_s: float = 3600) -> list[dict[str, Any]]:
+        """`garbage` with each leftover's age in seconds and its writer (host, pid, alive?)."""
+        out: list[dict[str, Any]] = []
         now = time.time()
         if not self.is_local:
             self.fs.invalidate_cache()
@@ -604,15 +632,16 @@ class Store:
                     found = self.fs.find(key, detail=True)
                     if not any(i.get("type") == "file" and k.rstrip("/") != key for k, i in found.items()):
                         continue  # an empty prefix some S3 servers keep after deletion: nothing to free
-                    if self._age(key, now) >= min_age_s:
-                        out.append(key)
+                    age, writer = self._age(key, now), attempt_writer(a)
+                    if age >= min_age_s or writer.get("alive") is False:
+                        out.append({"kind": "attempt", "key": key, "age_s": age, "owner": writer})
                 try:
                     files = self.fs.ls(self._key(s, d), detail=False)
                 except FileNotFoundError:
                     files = []
                 for f in files:
-                    if ".tmp-" in f.rsplit("/", 1)[-1] and self._age(f, now) >= min_age_s:
-                        out.append(f)
+                    if ".tmp-" in f.rsplit("/", 1)[-1] and (age := self._age(f, now)) >= min_age_s:
+                        out.append({"kind": "temp-file", "key": f, "age_s": age, "owner": {}})
         return out
 
     def _age(self, key: str, now: float) -> float:

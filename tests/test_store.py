@@ -68,14 +68,17 @@ def test_writer_killed_before_manifest_leaves_nothing_visible(store):
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=_child_env())
     assert proc.stdout.readline().strip() == b"written"
+    assert store.garbage(min_age_s=3600) == []  # its writer is alive: protected by the age limit
+    assert len(store.garbage(min_age_s=0)) == 1
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert store.find("extract", "dkill") is None
     assert store.list() == []
-    leftovers = store.garbage(min_age_s=0)
-    assert len(leftovers) == 1 and "/extract/dkill/a" in leftovers[0]
-    assert store.garbage(min_age_s=3600) == []  # a writer that might still be running is protected
-    store.gc(min_age_s=0)
+    # The attempt's name records its writer (host, pid): a dead writer's leftovers go at once.
+    (detail,) = store.garbage_detail(min_age_s=3600)
+    assert "/extract/dkill/a" in detail["key"] and detail["kind"] == "attempt" and detail["owner"] == {"host": detail["owner"]["host"],
+                                                                       "pid": proc.pid, "alive": False}
+    store.gc(min_age_s=3600)
     assert store.garbage(min_age_s=0) == []
 
 
