@@ -16,7 +16,10 @@ Measured, all in one process (the extraction engine is a child process, as in th
    peak GPU memory.
 3. Training on the 8B-shaped target's extracted hidden states (32K draft vocabulary, 3 TTT
    steps, 8192 packed tokens per step): our loop streamed from the store vs in memory, and
-   vs speculators' Trainer on identical data and config (benchmarks/bench_train.py's helpers).
+   vs speculators' Trainer on identical data and config (benchmarks/bench_train.py's helpers),
+   per attention implementation (`--speculators-attns`, default sdpa and flex_attention), with
+   the anchor: speculators' bare Eagle3DraftModel step (forward, backward, AdamW) on one packed
+   batch of ours already on the GPU (`--bare-steps`), the ceiling the two loops are compared to.
 
 Results go to OUT/bench_gpu.json (rewritten after every section) and OUT/bench_gpu.md.
 Every section runs under try/except: a failure is recorded and the next section runs.
@@ -409,7 +412,9 @@ class _Done:
 
 def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], vocab: int, steps: int,
                 draft_vocab: int, batch_tokens: int, rounds: int, speculators: bool, flex: bool,
-                attns: list[str] | None = None) -> None:
+                attns: list[str] | None = None, spec_attns: list[str] | None = None, bare_steps: int = 12) -> None:
+    """Ours (streamed / in memory, per attention), then the anchors per attention in `spec_attns`:
+    speculators' bare Eagle3DraftModel step on one packed batch of ours, and speculators' Trainer."""
     import bench_train
     from tasks.config import RunConfig
     from tasks.extract import load_part
@@ -459,13 +464,84 @@ def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], 
             f"{r['data_wait_frac']:.1%}, peak {r['peak_gpu_gib']} GiB, acc {r.get('val_acc_per_pos')}")
         return r, trainer
 
+    def held_out_ids(trainer: _Done) -> set[str]:
+        held = trainer.parts[-1]
+        last = preloaded[(held.digest, held.name)]
+        with inputs.artifacts[held.digest].local_copy(held.name) as path:
+            sample_ids = load_part(path)["sample_ids"]
+        return set(sample_ids[last.num_samples - held.holdout:])
+
+    def ours_tokens_per_s(attn: str) -> float | None:
+        for key in (f"ours_streamed_{attn}", "ours_streamed_flex" if attn == "flex_attention" else ""):
+            if "tokens_per_s" in res.get(key, {}):
+                return res[key]["tokens_per_s"]
+        if attn == "sdpa" and res.get("ours_streamed"):
+            return statistics.median(x["tokens_per_s"] for x in res["ours_streamed"])
+        return None
+
+    def anchors(trainer: _Done | None) -> None:
+        """Per attention: speculators' bare model step on one packed batch of ours (the ceiling), then
+        speculators' Trainer on the same data and config; each from a clean GPU (dynamo reset)."""
+        for attn in spec_attns or []:
+            if not bare_steps:
+                break
+            if time_left() < 60:
+                res.setdefault("bare_model", {})[attn] = {"error": f"skipped: {time_left():.0f}s left of --budget-s"}
+                continue
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                b = bench_train.run_bare_step(make_cfg(attn), inputs, preloaded, attn, bare_steps, "cuda")
+                b["mfu"] = round(b["tokens_per_s"] * b["flops_per_token"] / rate, 3)
+                b["peak_gpu_gib"] = gib(torch.cuda.max_memory_allocated())
+                log(f"speculators' bare Eagle3DraftModel step ({attn}): {b['tokens_per_s']:.0f} tok/s, MFU "
+                    f"{b['mfu']:.1%}, first step {b['first_step_s']} s, peak {b['peak_gpu_gib']} GiB")
+            except Exception as exc:  # noqa: BLE001 - the next anchor still runs
+                b = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+                traceback.print_exc()
+            res.setdefault("bare_model", {})[attn] = b
+            save()
+        held_ids = held_out_ids(trainer) if trainer is not None else set()
+        for attn in spec_attns or []:
+            if not speculators or trainer is None:
+                break
+            if time_left() < 150:
+                res.setdefault("speculators_by_attn", {})[attn] = {
+                    "error": f"skipped: {time_left():.0f}s left of --budget-s"}
+                continue
+            bench_train.free_memory()  # gc, empty cache, dynamo reset: their compiled forward starts afresh
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                theirs = bench_train.run_speculators(make_cfg(attn), store, inputs, held_ids, trainer.eval, 4, "cuda",
+                                                     attn=attn)
+                theirs["peak_gpu_gib"] = gib(torch.cuda.max_memory_allocated())
+                theirs["mfu_by_our_flops"] = round(theirs["tokens_per_s"] * trainer.flops_per_token / rate, 3)
+                log(f"speculators Trainer ({attn}): {theirs['tokens_per_s']:.0f} tok/s")
+            except Exception as exc:  # noqa: BLE001 - the next one still runs
+                theirs = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+                traceback.print_exc()
+            res.setdefault("speculators_by_attn", {})[attn] = theirs
+            if attn == "sdpa":
+                res["speculators"] = theirs
+            save()
+        for attn in spec_attns or []:  # ratios, where both sides ran
+            ours = ours_tokens_per_s(attn)
+            bare = res.get("bare_model", {}).get(attn, {}).get("tokens_per_s")
+            theirs = res.get("speculators_by_attn", {}).get(attn, {}).get("tokens_per_s")
+            for key, num, den in (("ours_over_bare", ours, bare), ("ours_over_speculators", ours, theirs),
+                                  ("speculators_over_bare", theirs, bare)):
+                if num and den:
+                    res.setdefault(f"{key}_by_attn", {})[attn] = round(num / den, 3)
+        if "sdpa" in res.get("ours_over_speculators_by_attn", {}):
+            res["ours_over_speculators"] = res["ours_over_speculators_by_attn"]["sdpa"]
+        save()
+
     if attns:  # one streamed run per attention implementation, each from a clean GPU, in this order
+        last = None
         for attn in attns:
             gc.collect()
             torch.cuda.empty_cache()
             try:
-                r, _t = one("streamed", make_cfg(attn))
-                del _t
+                r, last = one("streamed", make_cfg(attn))
                 res[f"ours_streamed_{attn}"] = r
             except Exception as exc:  # noqa: BLE001
                 res[f"ours_streamed_{attn}"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -474,6 +550,7 @@ def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], 
         a, b = res.get("ours_streamed_flex_attention", {}), res.get("ours_streamed_sdpa", {})
         if "tokens_per_s" in a and "tokens_per_s" in b:
             res["flex_over_sdpa"] = round(a["tokens_per_s"] / b["tokens_per_s"], 3)
+        anchors(last)
         return
 
     streamed, in_mem = [], []
@@ -491,30 +568,6 @@ def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], 
     log(f"streamed / in-memory: {res['streamed_over_in_memory']}")
     save()
 
-    theirs = None
-    if speculators and time_left() < 150:
-        res["speculators"] = {"error": f"skipped: {time_left():.0f}s left of --budget-s"}
-    elif speculators and trainer is not None:
-        held = trainer.parts[-1]
-        last = preloaded[(held.digest, held.name)]
-        with inputs.artifacts[held.digest].local_copy(held.name) as path:
-            sample_ids = load_part(path)["sample_ids"]
-        held_ids = set(sample_ids[last.num_samples - held.holdout:])
-        torch.cuda.reset_peak_memory_stats()
-        try:
-            theirs = bench_train.run_speculators(cfg, store, inputs, held_ids, trainer.eval, 4, "cuda")
-        except Exception as exc:  # noqa: BLE001 - flex still runs
-            res["speculators"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
-            traceback.print_exc()
-            theirs = None
-    if speculators and trainer is not None and theirs is not None:
-        theirs["peak_gpu_gib"] = gib(torch.cuda.max_memory_allocated())
-        theirs["mfu_by_our_flops"] = round(theirs["tokens_per_s"] * trainer.flops_per_token / rate, 3)
-        res["speculators"] = theirs
-        res["ours_over_speculators"] = round(med(streamed) / theirs["tokens_per_s"], 3)
-        log(f"speculators Trainer: {theirs['tokens_per_s']:.0f} tok/s; ours/theirs {res['ours_over_speculators']}")
-        save()
-
     if flex and time_left() < 60:
         res["ours_streamed_flex"] = {"error": f"skipped: {time_left():.0f}s left of --budget-s"}
     elif flex:
@@ -526,6 +579,7 @@ def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], 
             res["ours_streamed_flex"] = {"error": f"{type(exc).__name__}: {exc}"}
             traceback.print_exc()
         save()
+    anchors(trainer)
 
 
 # ============================================================================ report
@@ -572,9 +626,14 @@ def markdown() -> str:
         for attn in ("flex_attention", "sdpa"):
             if "tokens_per_s" in t.get(f"ours_streamed_{attn}", {}):
                 rows.append((f"ours streamed, {attn} (fresh GPU)", t[f"ours_streamed_{attn}"]))
-        if "tokens_per_s" in t.get("speculators", {}):
-            rows.append(("speculators Trainer (sdpa, eager loss)", {**t["speculators"],
-                                                                  "mfu": t["speculators"].get("mfu_by_our_flops")}))
+        by_attn = t.get("speculators_by_attn") or ({"sdpa": t["speculators"]} if "speculators" in t else {})
+        for attn, x in by_attn.items():
+            if "tokens_per_s" in x:
+                rows.append((f"speculators Trainer ({attn}, eager loss)", {**x, "mfu": x.get("mfu_by_our_flops")}))
+        for attn, x in t.get("bare_model", {}).items():
+            if "tokens_per_s" in x:
+                rows.append((f"speculators' bare Eagle3DraftModel step ({attn}, one packed batch of ours, "
+                             f"{x.get('documents')} documents)", {**x, "data_wait_frac": "-"}))
         for label, x in rows:
             lines.append(f"| {label} | {x.get('tokens_per_s', 0):.0f} | {x.get('mfu')} | "
                          f"{x.get('data_wait_frac', '-') if isinstance(x.get('data_wait_frac'), str) else round(x.get('data_wait_frac', 0) or 0, 3)} | "
@@ -583,6 +642,9 @@ def markdown() -> str:
         for k in ("streamed_over_in_memory", "ours_over_speculators", "flex_over_sdpa"):
             if k in t:
                 lines.append(f"- {k}: **{t[k]}**")
+        for k in ("ours_over_bare_by_attn", "ours_over_speculators_by_attn", "speculators_over_bare_by_attn"):
+            for attn, v in t.get(k, {}).items():
+                lines.append(f"- {k.removesuffix('_by_attn')} ({attn}): **{v}**")
         lines.append("")
     if r.get("errors"):
         lines.append("Errors: " + "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in r["errors"].items()))
@@ -604,6 +666,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-speculators", action="store_true")
+    ap.add_argument("--speculators-attns", default="sdpa,flex_attention",
+                    help="attention implementations for the anchors: speculators' bare model step and their Trainer")
+    ap.add_argument("--bare-steps", type=int, default=12,
+                    help="steps of speculators' bare Eagle3DraftModel on one packed batch (0: skip the anchor)")
     ap.add_argument("--flex", action="store_true", help="also train ours with flex_attention")
     ap.add_argument("--train-attns", default=None,
                     help="instead of the default training runs: one streamed run per attn impl, in this order "
@@ -644,7 +710,9 @@ def main() -> None:
         section("train")(train_bench)(store, str(folder), ref, samples, layer_ids, vocab,
                                       8 if args.quick else args.steps, 32000, 8192,
                                       1 if args.quick else args.rounds, not args.skip_speculators, args.flex,
-                                      args.train_attns.split(",") if args.train_attns else None)
+                                      args.train_attns.split(",") if args.train_attns else None,
+                                      [a for a in args.speculators_attns.split(",") if a],
+                                      4 if args.quick else args.bare_steps)
     RESULTS["total_s"] = round(time.perf_counter() - t_all, 1)
     save()
     md = markdown()

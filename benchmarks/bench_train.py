@@ -26,6 +26,8 @@ Measured:
 2. held-out accuracy per position and simulated acceptance length after the same steps.
 3. ours streamed from the store (prefetch thread) vs the same loop on parts
    preloaded in memory: tokens/s ratio (goal >= 0.9). Runs alternate to share noise.
+4. with --bare-steps N: the anchor, speculators' Eagle3DraftModel alone (forward, backward,
+   AdamW) N times on one packed batch of ours already on the device (`run_bare_step`).
 """
 
 from __future__ import annotations
@@ -51,12 +53,16 @@ from tasks.config import RunConfig, TargetConfig  # noqa: E402
 from tasks.store import Store  # noqa: E402
 from tasks.target import load_tokenizer, resolve_model  # noqa: E402
 from tasks.train import (  # noqa: E402
+    BatchStream,
     DistEnv,
     PartReader,
     Trainer,
+    build_draft_model,
     checkpoint_digest,
     evaluate_model,
+    flops_per_token,
     resolve_inputs,
+    resolve_precision,
 )
 from train_data import generate_samples, write_extract, write_vocab  # noqa: E402
 
@@ -119,12 +125,17 @@ def clear_checkpoints(store: Store, digest: str, steps: int) -> None:
     assert store.find("checkpoint", checkpoint_digest(digest, steps)) is None
 
 
-def run_ours(cfg: RunConfig, store: Store, inputs, preloaded: dict | None) -> dict:
-    """One training run; preloaded = {(digest, part name): PartData} replaces the store reads."""
+def memory_reader(preloaded: dict):
+    """A part loader over {(digest, part name): PartData} (parts read from the store beforehand)."""
     def from_memory(spec):
         return dataclasses.replace(preloaded[(spec.digest, spec.name)], spec=spec)
 
-    load = from_memory if preloaded is not None else None
+    return from_memory
+
+
+def run_ours(cfg: RunConfig, store: Store, inputs, preloaded: dict | None) -> dict:
+    """One training run; preloaded = {(digest, part name): PartData} replaces the store reads."""
+    load = memory_reader(preloaded) if preloaded is not None else None
     clear_checkpoints(store, inputs.digest, cfg.train.max_steps)
     free_memory()
     records: list[dict] = []
@@ -143,6 +154,54 @@ def run_ours(cfg: RunConfig, store: Store, inputs, preloaded: dict | None) -> di
     out.update(trainer.evaluate())
     out["_eval"], out["_parts"] = trainer.eval, trainer.parts
     del trainer, state
+    free_memory()
+    return out
+
+
+def run_bare_step(cfg: RunConfig, inputs, preloaded: dict, attn: str, steps: int, device: str) -> dict:
+    """The anchor: speculators' Eagle3DraftModel alone, forward + backward + AdamW step, `steps` times on
+    ONE packed batch of ours (the stream's first, `train.batch_tokens` positions) already on the device.
+    No data loading, no DDP, no metric reductions, no gradient clipping, no checkpoints: what the model
+    costs, which our loop and speculators' Trainer add their overheads to. The model is the one our
+    Trainer builds (same config, verifier weights), with `attn` (sdpa / flex_attention) and
+    `train.precision` (bf16 autocast on a GPU). tok/s is the median over the steps after the first 2
+    (the first compiles)."""
+    from speculators.losses import resolve_loss_config
+
+    t = cfg.train
+    free_memory()
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    model = build_draft_model(t, cfg.target, inputs.target_path, inputs.hf_config, inputs.layer_ids, inputs.d2t,
+                              inputs.t2d, attn_impl=attn).to(dev)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr,
+                                  weight_decay=t.weight_decay)
+    stream = BatchStream(inputs.parts, memory_reader(preloaded), batch_tokens=t.batch_tokens, seed=t.seed, prefetch=0)
+    batch = stream.next()
+    stream.close()
+    x = batch.model_inputs(dev)
+    kwargs = {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": t.ttt_step_loss_decay,
+              "loss_config": resolve_loss_config("kl_div", t.loss_impl)}
+    precision = resolve_precision(t.precision, dev)
+    cast = autocast(device) if precision == "bf16" else contextlib.nullcontext
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        with cast():
+            _, loss, _ = model(**x, **kwargs)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    timed = times[2:] or times
+    out = {"attn_impl": attn, "precision": precision, "tokens_per_step": batch.tokens, "documents":
+           int(batch.document_ids.max()) + 1, "steps": steps, "first_step_s": round(times[0], 3),
+           "median_step_s": round(statistics.median(timed), 4),
+           "tokens_per_s": batch.tokens / statistics.median(timed), "flops_per_token": flops_per_token(model, t.ttt_steps),
+           "final_loss": round(loss.item(), 6)}
+    del model, optimizer, x
     free_memory()
     return out
 
@@ -186,7 +245,9 @@ def speculators_dataset(folder: Path, store: Store, inputs, held_ids: set[str]) 
 
 
 def run_speculators(cfg: RunConfig, store: Store, inputs, held_ids: set[str], eval_batches, workers: int,
-                    device: str) -> dict:
+                    device: str, attn: str | None = None) -> dict:
+    """speculators' Trainer on our data and config; `attn` (sdpa / flex_attention) overrides
+    `train.attn_impl`, whose auto means flex_attention on a GPU and sdpa on a CPU here."""
     import speculators.train.trainer as sp_trainer
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel
@@ -203,7 +264,8 @@ def run_speculators(cfg: RunConfig, store: Store, inputs, held_ids: set[str], ev
         layer_cfg = create_transformer_layer_config(verifier_name_or_path=target, num_layers=t.num_layers,
                                                     draft_arch="llama", hidden_act="silu", sliding_window=2048,
                                                     full_attention_indices=[])
-        attn = "simple_flex_attention" if t.attn_impl == "flex_attention" else t.attn_impl
+        attn = attn or (t.attn_impl if t.attn_impl != "auto" else "flex_attention" if device == "cuda" else "sdpa")
+        attn = "simple_flex_attention" if attn == "flex_attention" else attn
         hs_dtype = torch.bfloat16 if device == "cuda" else torch.float32  # CPU: fp32 math, as ours
         torch.manual_seed(t.seed)
         model = Eagle3DraftModel.from_training_args(
@@ -243,7 +305,7 @@ def run_speculators(cfg: RunConfig, store: Store, inputs, held_ids: set[str], ev
     step_s = [b - a for a, b in zip(stamps, stamps[1:])]
     per_step = [n / s for n, s in zip(tokens, step_s)]
     timed = slice(2, None) if len(per_step) > 2 else slice(None)
-    out = {"tokens_per_s": statistics.median(per_step[timed]),
+    out = {"attn_impl": attn, "tokens_per_s": statistics.median(per_step[timed]),
            "mean_tokens_per_s": sum(tokens[timed]) / sum(step_s[timed]), "steps": trainer.global_step,
            "wall_s": round(wall, 1), "tokens_per_step": statistics.mean(tokens), "epochs": epoch}
     dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
@@ -277,6 +339,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048, help="random samples: lengths in [seq_len/2, seq_len]")
     ap.add_argument("--attn-impl", choices=["sdpa", "flex_attention"], default="sdpa")
     ap.add_argument("--skip-speculators", action="store_true")
+    ap.add_argument("--bare-steps", type=int, default=0,
+                    help="also time speculators' bare Eagle3DraftModel step on one packed batch this many times "
+                         "(the anchor: no data loading, no DDP, no clipping)")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default=None,
                     help="ours: bf16 autocast or float32 (default: what speculators' Trainer does on that device: "
                          "fp32 on CPU, bf16 on CUDA), so the comparison is like for like")
@@ -372,6 +437,13 @@ def main() -> None:
         results["streamed_over_in_memory_mean"] = round(
             med(streamed, "mean_tokens_per_s") / med(in_memory, "mean_tokens_per_s"), 3)
         save()
+        if args.bare_steps:
+            bare = run_bare_step(cfg, inputs, preloaded, args.attn_impl, args.bare_steps, args.device)
+            results["bare_model"] = bare
+            results["ours_over_bare"] = round(med(streamed, "tokens_per_s") / bare["tokens_per_s"], 3)
+            print(f"speculators' bare Eagle3DraftModel step ({args.attn_impl}): {bare['tokens_per_s']:.0f} tok/s; "
+                  f"ours / bare {results['ours_over_bare']}", flush=True)
+            save()
         del preloaded
         free_memory()
         if not args.skip_speculators:
@@ -400,6 +472,10 @@ def main() -> None:
     if "tokens_per_s" in theirs:
         rows.append((f"speculators Trainer ({'CPU-patched' if args.device == 'cpu' else 'unpatched'})", theirs,
                      theirs["tokens_per_s"], theirs["mean_tokens_per_s"]))
+    bare = results.get("bare_model")
+    if bare:
+        rows.append((f"speculators' bare Eagle3DraftModel step ({bare['attn_impl']}, one batch)", {},
+                     bare["tokens_per_s"], bare["tokens_per_s"]))
     for name, r, tps, mean in rows:
         print(f"| {name} | {tps:.0f} | {mean:.0f} | {r.get('val_acc_per_pos')} | {r.get('simulated_acceptance_length')} |")
     if other:
@@ -407,6 +483,8 @@ def main() -> None:
               f"{results[f'{args.also_precision}_over_{args.precision}']} (median)")
     print(f"\nstreamed / in-memory: {results['streamed_over_in_memory']} (median), "
           f"{results['streamed_over_in_memory_mean']} (mean)")
+    if "ours_over_bare" in results:
+        print(f"ours / speculators' bare model step: {results['ours_over_bare']} (median)")
     if "ours_over_speculators" in results:
         print(f"ours / speculators: {results['ours_over_speculators']} (median), "
               f"{results['ours_over_speculators_mean']} (mean)")
