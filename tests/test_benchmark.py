@@ -32,6 +32,7 @@ from tasks.benchmark import (
     plot_report,
     render_terminal,
     report_markdown,
+    report_stats,
     report_table_rows,
     run_benchmark,
     select_evenly,
@@ -62,23 +63,31 @@ OUTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
 
 
 def fabricated_report(cfg: RunConfig, acc=(0.5, 0.4, 0.3), k3_diverges: bool = True,
-                      replayed: dict | None = None, draft_info: dict | None = None) -> dict:
-    """Baseline 12 tokens/s... figures chosen so the expected numbers are easy to check by hand."""
+                      replayed: dict | None = None, draft_info: dict | None = None,
+                      base_outs: dict[int, list] | None = None, k3_outs: dict[int, list] | None = None,
+                      controls: dict[str, list] | None = None) -> dict:
+    """Baseline 12 tokens/s... figures chosen so the expected numbers are easy to check by hand.
+
+    base_outs / k3_outs: greedy outputs per batch size of the baseline / the k=3 engine (default OUTS, and
+    OUTS with a token changed when k3_diverges); controls: extra baseline decodes (label -> outputs)."""
     from tasks.benchmark import EvalPrompts
 
     evals = [EvalPrompts(e.name, e.name, [[1, 2]] * 2, ["a", "b"], 2, requested=2) for e in cfg.benchmark.evals]
-    base = {e.name: {1: run(1, OUTS, 1.0), 4: run(4, OUTS, 0.5)} for e in evals}
+    bo = base_outs or {1: OUTS, 4: OUTS}
+    base = {e.name: {1: run(1, bo[1], 1.0), 4: run(4, bo[4], 0.5)} for e in evals}
     k1 = SpecCounters(drafts=100, draft_tokens=100, accepted=45, per_pos=[45])       # AL 1.45
     k3 = SpecCounters(drafts=100, draft_tokens=300, accepted=44, per_pos=[30, 10, 4])  # AL 1.44
     diverged = [[1, 2, 3, 4, 5, 6], [7, 8, 99, 10, 11, 12]] if k3_diverges else OUTS
+    ko = k3_outs or {1: diverged, 4: diverged}
     spec = {
-        1: {e.name: {1: run(1, OUTS, 2.0, k1), 4: run(4, OUTS, 1.0, k1)} for e in evals},
-        3: {e.name: {1: run(1, diverged, 1.5, k3), 4: run(4, diverged, 2.0, k3)} for e in evals},
+        1: {e.name: {1: run(1, bo[1], 2.0, k1), 4: run(4, bo[4], 1.0, k1)} for e in evals},
+        3: {e.name: {1: run(1, ko[1], 1.5, k3), 4: run(4, ko[4], 2.0, k3)} for e in evals},
     }
     stats = {"val_acc_per_pos": list(acc)} if acc else {}
     mb = {"flow_run_id": "run-123", "date": "2026-12-02T00:00:00+00:00", "machine": "test: 2 x cpu"}
+    ctrl = {e.name: {label: run(4, outs, 0.5) for label, outs in controls.items()} for e in evals} if controls else None
     return assemble_report(cfg, evals, base, spec, stats, draft_info or {"draft_vocab_size": 8}, mb,
-                           {"total_s": 1.0, "engine_start_s": {"baseline": 30.0}}, replayed)
+                           {"total_s": 1.0, "engine_start_s": {"baseline": 30.0}}, replayed, ctrl)
 
 
 # --------------------------------------------------------------------------- math
@@ -210,9 +219,69 @@ def test_speedup_and_token_identity():
     assert k1["1"]["token_identical"] is True
     k3 = rep["benchmark"]["heldout"]["3"]["by_batch_size"]["1"]
     assert k3["token_identical"] is False and k3["identical_requests"] == 1 and k3["first_divergence"] == 2
-    assert any("differ from the baseline at temperature 0" in w for w in rep["warnings"])
+    # the baseline agrees with itself at both batch sizes, so a changed token is beyond its noise
+    assert k3["greedy_identity"] == "beyond_noise"
+    assert any("likely a bug" in w and "heldout k=3" in w for w in rep["warnings"])
     # slower than plain decoding is said plainly
     assert any("SLOWER" in n for n in rep["notes"])
+
+
+# The demo's case (issue 20): vLLM's CPU bf16 decode of a lone sequence rounds differently from the same
+# sequence in a batch, so the baseline at batch 1 parts from the baseline at batch 4 while the speculative
+# engine (k+1 tokens per step) gives the batched outputs at every batch size.
+B4 = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+B1 = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 55, 56]]      # request 2 parts at token 4 at batch 1
+
+
+def test_greedy_identity_judged_against_the_baselines_own_divergence():
+    rep = fabricated_report(bench_cfg(), k3_diverges=False, base_outs={1: B1, 4: B4}, k3_outs={1: B4, 4: B4},
+                            controls={"batch 4 (repeat)": B4})
+    gi = rep["greedy_identity"]
+    pairs = {(p["a"], p["b"]): p for p in gi["control"]["heldout"]["pairs"]}
+    assert pairs[("batch 1", "batch 4")]["differing"] == 1 and pairs[("batch 1", "batch 4")]["first_divergence"] == 4
+    assert pairs[("batch 4", "batch 4 (repeat)")]["differing"] == 0
+    k3 = rep["benchmark"]["heldout"]["3"]["by_batch_size"]
+    assert k3["1"]["token_identical"] is False and k3["1"]["greedy_identity"] == "within_noise"
+    assert k3["4"]["greedy_identity"] == "identical"
+    line = next(x for x in gi["lines"] if x.startswith("heldout k=3 batch 1"))
+    assert "differs within the engine's own numeric noise (measured: baseline batch 1 vs batch 4: 1 of 2 " \
+           "prompts differ (first at token 4)" in line
+    assert not any("bug" in w for w in rep["warnings"])
+    md = report_markdown(rep)
+    assert "## Greedy identity (temperature 0)" in md
+    assert "| heldout | batch 1 | batch 4 | 1 of 2 | 4 |" in md and "| heldout | batch 4 | batch 4 (repeat) | 0 of 2 | - |" in md
+    assert "| heldout | 3 | 1 | 1.44 |" in md and "noise (1/2 same)" in md
+    assert report_stats(rep)["greedy_identity"] == "within_noise"
+
+
+def test_greedy_identity_parting_where_the_baseline_parts_is_noise_elsewhere_a_bug():
+    # a third continuation from token 4 of request 2, where batch 1 and batch 4 part: noise
+    third = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 77, 78]]
+    rep = fabricated_report(bench_cfg(), k3_diverges=False, base_outs={1: B1, 4: B4}, k3_outs={1: third, 4: B4})
+    j = rep["greedy_identity"]["verdicts"]["mtbench"]["3"]["1"]
+    assert j["verdict"] == "within_noise" and j["within_floor"] == 1
+    # parting earlier than the baseline ever does (token 2), or on a request the baseline never varies: a bug
+    early = [[1, 2, 3, 4, 5, 6], [7, 8, 66, 10, 11, 12]]
+    other = [[1, 2, 3, 4, 9, 9], [7, 8, 9, 10, 11, 12]]
+    for outs in (early, other):
+        rep = fabricated_report(bench_cfg(), k3_diverges=False, base_outs={1: B1, 4: B4}, k3_outs={1: B4, 4: outs})
+        j = rep["greedy_identity"]["verdicts"]["mtbench"]["3"]["4"]
+        assert j["verdict"] == "beyond_noise" and j["beyond"] == 1, j
+        assert j["sentence"].startswith("differs beyond it: likely a bug")
+        assert any("mtbench k=3" in w and "likely a bug" in w for w in rep["warnings"])
+        from rich.console import Console
+
+        console = Console(record=True, width=200)
+        render_terminal(rep["benchmark"], console, rep)
+        assert "NO" in console.export_text()
+
+
+def test_control_decodes_stay_few():
+    from tasks.benchmark import control_batch_sizes
+
+    assert control_batch_sizes([1, 8], 8) == [8]          # the measured sizes already differ: one repeat
+    assert control_batch_sizes([4], 4) == [4, 1]          # one measured size: a repeat and batch 1
+    assert control_batch_sizes([1], 8) == [1, 8]
 
 
 def test_mismatch_beyond_threshold_is_warned_with_causes():
@@ -450,14 +519,17 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
             assert g["mean_acceptance_length"] >= 1.0
             assert g["drafts"] > 0 and len(g["per_position_acceptance"]) == 2
             assert g["speedup"] > 0 and g["output_tokens_per_s"] > 0 and g["tpot_ms"] > 0 and g["ttft_ms"] > 0
-            assert g["token_identical"] is True, (ev, bs, g)
+            assert g["token_identical"] is True and g["greedy_identity"] == "identical", (ev, bs, g)
+        # the control: the baseline decoded the same prompts once more at the largest batch size
+        assert rep["greedy_identity"]["control"][ev]["decodes"] == ["batch 1", "batch 3", "batch 3 (repeat)"]
     assert rep["measured_by"]["flow_run_id"] == "slow-test"
     # the offline replay ran on the same outputs: an untrained draft gets (almost) nothing accepted either way
     assert "error" not in rep["replay"], rep["replay"]
     for ev in ("mtbench", "heldout"):
         r = rep["replay"]["by_eval"][ev]["2"]
         assert r["replayed_drafts"] > 0 and 1.0 <= r["replayed"] < 1.2 and 1.0 <= r["position_average"] < 1.2
-    assert "Where the acceptance goes" in art.read_bytes("report.md").decode()
+    md = art.read_bytes("report.md").decode()
+    assert "Where the acceptance goes" in md and "## Greedy identity" in md and "batch 3 (repeat)" in md
     assert find_report(store, "slow-test")["digest"] == ref.digest
     print(json.dumps({ev: {bs: {k: g[k] for k in ("mean_acceptance_length", "output_tokens_per_s", "speedup",
                                                   "tpot_ms", "ttft_ms")}
