@@ -220,9 +220,12 @@ def _train_log_line(m: dict[str, Any]) -> str | None:
 
 @task(name="benchmark", task_run_name="benchmark")
 def benchmark_task(cfg: RunConfig, digest: str, trained: ArtifactRef, data: ArtifactRef) -> ArtifactRef:
+    from prefect.runtime import flow_run
+
     from tasks.benchmark import run_benchmark
 
-    ref = run_benchmark(cfg, Store.from_config(cfg.store), trained, data)
+    # The report names the flow run that measured it (PREFECT__FLOW_RUN_ID is set only in deployed runs).
+    ref = run_benchmark(cfg, Store.from_config(cfg.store), trained, data, flow_run_id=flow_run.id)
     return ref
 
 
