@@ -32,7 +32,7 @@ hidden-state extraction plus `speculators generate-offline-data` sending each sa
 to it (`/v1/completions`, `max_tokens=1`) and moving each per-request safetensors file into its
 output folder. The server runs the same engine settings as draftline's vLLM extraction engine
 (`tasks.extract.engine_for_group`: float32, enforce_eager, seed 0, `extract_hidden_states` with
-the same layer ids). vLLM's stock `ExampleHiddenStatesConnector` crashes on a CPU build (FACTS.md:
+the same layer ids). vLLM's stock `ExampleHiddenStatesConnector` crashes on a CPU build (docs/STACK.md:
 `pin_memory=True requires a CUDA ...`), so the server loads draftline's CPU-safe subclass
 (`tasks.vllm_connector.SyncHiddenStatesConnector`, the same file format); it is started with
 `python -m vllm.entrypoints.openai.api_server` because the `vllm` console script fails on

@@ -184,3 +184,12 @@ def test_pyproject_declares_only_what_exists():
     # every make target's script exists
     for script in re.findall(r"\$\(BIN\)/python (\S+\.py)", (ROOT / "Makefile").read_text()):
         assert (ROOT / script).is_file(), f"Makefile runs {script}, which does not exist"
+
+
+def test_the_stack_page_states_the_locked_versions():
+    cpu, gpu = pins(REQ / "cpu.lock"), pins(REQ / "gpu.lock")
+    rows = re.findall(r"^\| ([a-z0-9-]+) \| ([^|]+) \| ([^|]+) \|$", (ROOT / "docs" / "STACK.md").read_text(), re.M)
+    assert len(rows) >= 10 and rows[0][0] == "package", rows
+    for name, want_cpu, want_gpu in rows[1:]:  # after the header row
+        assert cpu.get(name, "-") == want_cpu.strip(), f"docs/STACK.md says {name} {want_cpu} in cpu.lock"
+        assert gpu.get(name, "-") == want_gpu.strip(), f"docs/STACK.md says {name} {want_gpu} in gpu.lock"
