@@ -77,11 +77,16 @@ def fork_call(fn: Callable, *args: Any, env: dict[str, str] | None = None, log: 
     return p
 
 
-def _draftline(args: list[str], out: str) -> None:
-    """Child process: `draftline ARGS`, its stdout to OUT, its exit code as ours."""
+def _draftline(args: list[str], out: str, session: bool = False) -> None:
+    """Child process: `draftline ARGS`, its stdout to OUT, its exit code as ours. session=True: its own
+    session and process group, as a `draftline` started from a shell (a kill of "the whole run"
+    then reaches it and what it started, and nothing of the test's)."""
     import contextlib
 
     import click
+
+    if session:
+        os.setsid()
 
     from flows.cli import app
 
@@ -107,8 +112,10 @@ def _draftline(args: list[str], out: str) -> None:
     os._exit(code)
 
 
-def start_draftline(args: list[str], folder: Path, name: str = "draftline", env: dict[str, str] | None = None):
-    return fork_call(_draftline, list(args), str(folder / f"{name}.out"), env=env, log=str(folder / f"{name}.log"))
+def start_draftline(args: list[str], folder: Path, name: str = "draftline", env: dict[str, str] | None = None,
+                    session: bool = False):
+    return fork_call(_draftline, list(args), str(folder / f"{name}.out"), session, env=env,
+                     log=str(folder / f"{name}.log"))
 
 
 def finish(p, folder: Path, name: str = "draftline", timeout: float = 900) -> tuple[int | None, str, str]:
