@@ -62,7 +62,7 @@ lock:
 # tests/test_locks.py runs the command in the lock's header again and fails when the lock is stale.
 gpu-lock: venv
 	$(BIN)/uv pip compile requirements/gpu.in --excludes requirements/gpu.exclude \
-	  --python-platform x86_64-manylinux_2_28 --python-version 3.12 -o requirements/gpu.lock
+	  --python-platform x86_64-manylinux_2_34 --python-version 3.12 --only-binary :all: -o requirements/gpu.lock
 
 clean:
 	rm -rf $(VENV) .draftline

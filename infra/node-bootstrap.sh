@@ -132,6 +132,19 @@ if [[ -f "$lock_here" ]]; then
 elif [[ "$LOCK" == requirements/gpu.lock ]]; then
   LOCK_PY="$GPU_LOCK_PYTHON"
 fi
+# Its wheels' platform (--python-platform ...-manylinux_2_XX): the node's glibc must be at least 2.XX, or pip
+# would find no wheel for some packages (llguidance 1.7 has none below manylinux_2_34).
+GPU_LOCK_GLIBC=2.34
+LOCK_GLIBC=""
+if [[ -f "$lock_here" ]]; then
+  LOCK_GLIBC="$(sed -n 's/.*--python-platform [a-z0-9_]*-manylinux_\([0-9]*\)_\([0-9]*\).*/\1.\2/p' "$lock_here" | head -1)"
+elif [[ "$LOCK" == requirements/gpu.lock ]]; then
+  LOCK_GLIBC="$GPU_LOCK_GLIBC"
+fi
+have_glibc="$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}' || true)"
+if [[ -n "$LOCK_GLIBC" && -n "$have_glibc" ]] && ! printf '%s\n%s\n' "$LOCK_GLIBC" "$have_glibc" | sort -V -C; then
+  missing+=("glibc $LOCK_GLIBC or newer ($LOCK holds wheels for manylinux_${LOCK_GLIBC/./_}; this node has $have_glibc): Ubuntu 22.04+ or Debian 12+")
+fi
 PY="${PYTHON:-}"
 if [[ -z "$PY" && -n "$LOCK_PY" ]]; then PY="$(command -v "python$LOCK_PY" || true)"; fi
 if [[ -z "$PY" && -z "$LOCK_PY" ]]; then PY="$(command -v python3.11 || command -v python3 || true)"; fi

@@ -138,6 +138,18 @@ def test_install_only_needs_just_the_checkout(tmp_path):
     for name in ("PREFECT_API_URL", "DRAFTLINE_STORE_URI", "DRAFTLINE_RELEASE", "nvidia-smi"):
         assert name not in out.stderr, out.stderr
     assert "is not a draftline checkout" in out.stderr and "path inside the checkout" in out.stderr
+    # a lock whose wheels need a newer glibc than this machine's is refused before anything is installed
+    checkout = tmp_path / "checkout"
+    (checkout / "flows").mkdir(parents=True)
+    (checkout / "flows" / "pipeline.py").write_text("")
+    (checkout / "requirements").mkdir()
+    (checkout / "requirements" / "future.lock").write_text(
+        "#    uv pip compile x.in --python-platform x86_64-manylinux_2_99 --python-version 3.11 -o x.lock\n")
+    out = subprocess.run(["bash", str(BOOTSTRAP), "--install-only", "--lock", "requirements/future.lock"],
+                         env={**env, "DRAFTLINE_SOURCE_DIR": str(checkout)}, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "glibc 2.99 or newer" in out.stderr, out.stderr
+    assert not (tmp_path / "no-venv").exists()
     out = subprocess.run(["bash", str(BOOTSTRAP), "--pool"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--pool needs a value" in out.stderr
     out = subprocess.run(["bash", str(BOOTSTRAP), "--install-only", "--docker"], env=env, capture_output=True,

@@ -120,6 +120,10 @@ def test_node_and_image_install_the_gpu_lock_with_the_same_step():
     cmd = header_command(GPU_LOCK)
     py = cmd[cmd.index("--python-version") + 1]
     assert f"GPU_LOCK_PYTHON={py}\n" in script
+    # and the glibc its wheels need; every package of it is a wheel (nothing compiles on a node)
+    assert "--only-binary" in cmd and cmd[cmd.index("--only-binary") + 1] == ":all:"
+    glibc = re.fullmatch(r"x86_64-manylinux_(\d+)_(\d+)", cmd[cmd.index("--python-platform") + 1])
+    assert glibc and f"GPU_LOCK_GLIBC={glibc[1]}.{glibc[2]}\n" in script
     # the docker host installs only the worker; its pins are the lock's
     for name, version in re.findall(r'"(prefect(?:-docker|-aws)?)==([0-9.]+)"', script):
         assert lock[name] == version, f"node-bootstrap.sh --docker pins {name}=={version}, gpu.lock has {lock[name]}"
@@ -135,7 +139,7 @@ def test_gpu_lock_resolves_again_to_itself(tmp_path):
     """Re-runs the lock's own `uv pip compile` command (PyPI needed). uv keeps the pins of the existing
     output file where gpu.in still admits them, so the result differs only when the lock is stale."""
     cmd = header_command(GPU_LOCK)
-    assert cmd[:3] == ["uv", "pip", "compile"] and "--python-platform" in cmd
+    assert cmd[:3] == ["uv", "pip", "compile"] and "--python-platform" in cmd and "--only-binary" in cmd
     out = tmp_path / "gpu.lock"
     shutil.copy(GPU_LOCK, out)
     cmd = [uv_binary(), *cmd[1:]]
