@@ -56,6 +56,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from tasks import stopping
 from tasks.config import RunConfig, TargetConfig, TrainConfig
 from tasks.digest import TRAIN_SCHEDULING_KEYS, VERSIONS, stage_digest
 from tasks.faults import kill_point
@@ -1324,10 +1325,12 @@ def launched_as_rank() -> bool:
 
 class _MetricsTail:
     """Follows rank 0's JSON-lines metrics file from a thread and hands each record to `on_metrics`
-    as it lands; `stop()` delivers what is left. A record is a whole line: a half-written one waits."""
+    as it lands; `stop()` delivers what is left. A record is a whole line: a half-written one waits.
+    When the run is asked to stop (tasks/stopping.py: Ctrl-C, SIGTERM) it calls `on_stop_request` once."""
 
-    def __init__(self, path: str, on_metrics: MetricsCallback | None):
-        self.path, self.on_metrics = path, on_metrics
+    def __init__(self, path: str, on_metrics: MetricsCallback | None,
+                 on_stop_request: Callable[[], None] | None = None):
+        self.path, self.on_metrics, self.on_stop_request = path, on_metrics, on_stop_request
         self.records = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="draftline-rank0-metrics", daemon=True)
@@ -1355,9 +1358,17 @@ class _MetricsTail:
             *lines, rest = (rest + chunk).split(b"\n")
             for line in lines:
                 if line.strip():
-                    self._deliver(json.loads(line))
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        log.warning("rank 0 wrote a metrics line that is not JSON: %r", line[:200])
+                        continue
+                    self._deliver(rec)
             if last:
                 return
+            if self.on_stop_request is not None and stopping.requested():
+                self.on_stop_request()
+                self.on_stop_request = None
             self._stop.wait(0.2)
 
     def _deliver(self, rec: dict[str, Any]) -> None:
@@ -1447,25 +1458,27 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
         min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"draftline-{digest[:12]}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # torchrun --standalone: a private rendezvous
         max_restarts=0,  # a failed rank fails the task; the retry resumes from the checkpoint
-        monitor_interval=0.5, logs_specs=DefaultLogsSpecs(log_dir=paths["logs"], redirects=Std.ALL))
+        monitor_interval=0.5, logs_specs=DefaultLogsSpecs(log_dir=paths["logs"], redirects=Std.ALL),
+        # Ctrl-C and SIGTERM stay with the run's own handlers (flows/interrupts.py): they raise in this thread,
+        # and the launcher stops the ranks on the way out. (It takes a signal nobody sends, restored below.)
+        signals_to_handle="SIGUSR2")
     log.info("train %s: starting %d ranks with torch's elastic launcher; rank logs under %s", digest, ranks,
              paths["logs"])
-    # In the main thread the launcher installs SIGTERM/SIGINT handlers that stop the ranks; put ours back after.
-    saved = {}
-    if threading.current_thread() is threading.main_thread():
-        saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
-    tail = _MetricsTail(paths["metrics"], on_metrics).start()
+    main = threading.current_thread() is threading.main_thread()
+    saved = signal.getsignal(signal.SIGUSR2) if main else None
+    tail = _MetricsTail(paths["metrics"], on_metrics, lambda: _terminate_ranks(folder)).start()
     try:
         elastic_launch(launch, sys.executable)("-c", RANK_ENTRY, paths["args"])
-    except ChildFailedError as exc:
+    except (ChildFailedError, SignalException) as exc:
+        stopping.check(f"training on {ranks} ranks (they were stopped; a rerun resumes from the last checkpoint)")
+        if isinstance(exc, SignalException):
+            raise TrainError(f"training on {ranks} ranks was stopped by {exc.sigval.name}; the ranks were "
+                             f"terminated (logs under {paths['logs']}); a retry resumes from the last checkpoint"
+                             ) from None
         raise TrainError(describe_rank_failure(exc.failures, ranks, paths["logs"])) from None
-    except SignalException as exc:
-        raise TrainError(f"training on {ranks} ranks was stopped by {exc.sigval.name}; the ranks were terminated "
-                         f"(logs under {paths['logs']}); a retry resumes from the last checkpoint") from None
     finally:
-        for sig, handler in saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
+        if main and saved is not None:
+            signal.signal(signal.SIGUSR2, saved)
         tail.stop()
     with open(paths["result"]) as fh:
         result = json.load(fh)
@@ -1474,6 +1487,16 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
         COMMITTED_HERE.add(ref.attempt)  # our ranks computed it: the run summary counts it as executed
     shutil.rmtree(folder, ignore_errors=True)
     return ref
+
+
+def _terminate_ranks(folder: str) -> None:
+    """SIGTERM the ranks whose pid files are in `folder` (the run was asked to stop); the launcher
+    then sees them end and returns."""
+    import glob
+
+    for path in glob.glob(os.path.join(folder, "rank-*.pid")):
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(open(path).read()), signal.SIGTERM)
 
 
 def _exit_with_parent() -> None:
@@ -1494,6 +1517,8 @@ def _rank_main() -> None:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank {rank}/{world} %(levelname)s %(name)s: %(message)s")
     _exit_with_parent()
+    with open(os.path.join(os.path.dirname(sys.argv[-1]), f"rank-{rank}.pid"), "w") as fh:
+        fh.write(str(os.getpid()))
     cfg = RunConfig.model_validate(args["cfg"])
     if not _wants_cuda(cfg.train) and "OMP_NUM_THREADS" not in os.environ:
         # ranks share the CPU: oversubscribed OpenMP threads spin against each other
