@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -532,6 +533,23 @@ def test_ddp_run_killed_resumes_on_fewer_ranks(tmp_path, tiny):
     assert st["world_size"] == 1 and st["resumed_from_step"] == 2
     # steps 1-2 saw two ranks' batches, steps 3-5 one rank's
     assert st["tokens"] == 2 * 2 * 128 + 3 * 128
+
+
+@pytest.mark.slow
+def test_an_error_in_a_launched_rank_fails_the_call_with_its_traceback(tmp_path, tiny):
+    """train.gpus=2 on a CPU: run_train starts two gloo ranks with torch's elastic launcher; an error
+    raised inside them comes back as a TrainError that names the rank and carries its traceback."""
+    store = Store(f"file://{tmp_path}/store")
+    vref, refs = data_on(store, tiny)
+    cfg = config(tiny, max_steps=2, gpus=2, attn_impl="flex_attention", device="cpu")  # refused in each rank
+    with pytest.raises(TrainError) as exc:
+        run_train(cfg, store, vref, refs)
+    msg = str(exc.value)
+    assert re.match(r"training rank [01] of 2 failed: TrainError: train.attn_impl flex_attention has no backward "
+                    r"pass on CPU", msg), msg
+    assert "traceback:\nTraceback (most recent call last)" in msg and "in __init__" in msg, msg
+    assert "retry the run (`draftline retry`)" in msg
+    assert store.list("train") == [] and store.list("checkpoint") == []
 
 
 VLLM_CHILD = """
