@@ -32,6 +32,11 @@ def test_the_runbook_shows_the_plan_commands_output_unchanged():
     assert out.exit_code == 0, out.output
     assert m.group(2) == out.output, ("docs/kimi-k2.5.md is stale: paste the output of "
                                       f"`draftline plan {m.group(1)}` between the plan markers")
+    # the prose around the table quotes figures of this output: they must be in it
+    prose = doc[:m.start()] + doc[m.end():]
+    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693"):
+        assert figure in out.output, figure
+        assert figure.split()[0] in prose, f"docs/kimi-k2.5.md's text no longer quotes {figure}"
     # what the issue asks of it: every stage, both dtypes, totals, and a source for every rate
     assert "| **total** |" in out.output and "store, fp8" in out.output
     rates = [line for line in out.output.splitlines() if re.match(r"\| [a-z_]+\.[a-z_0-9]+ \|", line)]
