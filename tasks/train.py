@@ -5,15 +5,23 @@
 
 The model is speculators' `Eagle3DraftModel` (the architecture and checkpoint
 format vLLM loads); everything around it is ours, so that it runs on a CPU, one
-GPU, or under `torchrun` across a node's GPUs (DDP applied from outside the
-model), reads its data from the store (file:// or s3://) and survives kill -9.
+GPU, or as DDP ranks across a node's GPUs (applied from outside the model),
+reads its data from the store (file:// or s3://) and survives kill -9.
+
+Ranks: `train.gpus` (default every visible GPU, 1 on a CPU, where N > 1 means N
+gloo ranks). With more than one, `run_train` starts them with torch's elastic
+launcher (`launch_ranks`, what torchrun runs), follows rank 0's metrics while
+they train and turns a failed rank into a TrainError naming it; each rank calls
+`run_train` again. Started by torchrun yourself, every rank calls it directly.
 
 The parts of a run, in the order `Trainer` builds them:
 
 - inputs      `resolve_inputs`: target folder and config, layer ids (checked
               across shards and against the config), vocab maps, parts on the store
 - model       `build_draft_model`: decoder shaped like the target (Llama or Qwen3
-              layers), verifier embed/norm/lm_head from the target's safetensors
+              layers), verifier embed/norm/lm_head from the target's safetensors;
+              attention `resolve_attn_impl` (auto: flex_attention on a GPU where it
+              compiles for the draft's shape, else sdpa, with the reason logged)
 - data        `BatchStream`: a seeded (shard, part) order per epoch, seeded sample
               order inside a part, packing to exactly `batch_tokens` per step,
               `prefetch` parts loading ahead in parallel, a packer thread
