@@ -1462,18 +1462,21 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
         json.dump({"cfg": cfg.model_dump(mode="json"), "store": store.uri, "vocab": vocab_ref.model_dump(mode="json"),
                    "extract": [r.model_dump(mode="json") for r in extract_refs], "metrics": paths["metrics"],
                    "result": paths["result"]}, fh)
+    # Ctrl-C and SIGTERM stay with the run's own handlers (flows/interrupts.py): they raise in this thread, and
+    # the launcher stops the ranks on the way out. (It takes a signal nobody sends, restored below; torch < 2.8
+    # has no such option and takes SIGTERM/SIGINT itself, which stops the ranks too.)
+    quiet = {"signals_to_handle": "SIGUSR2"} if "signals_to_handle" in LaunchConfig.__dataclass_fields__ else {}
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"draftline-{digest[:12]}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # torchrun --standalone: a private rendezvous
         max_restarts=0,  # a failed rank fails the task; the retry resumes from the checkpoint
-        monitor_interval=0.5, logs_specs=DefaultLogsSpecs(log_dir=paths["logs"], redirects=Std.ALL),
-        # Ctrl-C and SIGTERM stay with the run's own handlers (flows/interrupts.py): they raise in this thread,
-        # and the launcher stops the ranks on the way out. (It takes a signal nobody sends, restored below.)
-        signals_to_handle="SIGUSR2")
+        monitor_interval=0.5, logs_specs=DefaultLogsSpecs(log_dir=paths["logs"], redirects=Std.ALL), **quiet)
     log.info("train %s: starting %d ranks with torch's elastic launcher; rank logs under %s", digest, ranks,
              paths["logs"])
-    main = threading.current_thread() is threading.main_thread()
-    saved = signal.getsignal(signal.SIGUSR2) if main else None
+    saved = {}  # the launcher sets handlers in the main thread only; whatever it set, ours come back after
+    if threading.current_thread() is threading.main_thread():
+        saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
+                                                        signal.SIGQUIT)}
     tail = _MetricsTail(paths["metrics"], on_metrics, lambda: _terminate_ranks(folder)).start()
     try:
         elastic_launch(launch, sys.executable)("-c", RANK_ENTRY, paths["args"])
@@ -1485,8 +1488,9 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
                              ) from None
         raise TrainError(describe_rank_failure(exc.failures, ranks, paths["logs"])) from None
     finally:
-        if main and saved is not None:
-            signal.signal(signal.SIGUSR2, saved)
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
         tail.stop()
     with open(paths["result"]) as fh:
         result = json.load(fh)
