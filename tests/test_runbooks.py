@@ -42,6 +42,7 @@ class Command:
     doc: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # `export`s earlier in the same block
+    block: int = 0  # which fenced block of the doc
 
     def __str__(self) -> str:
         return f"{self.doc}: {shlex.join(self.argv)}"
@@ -50,7 +51,7 @@ class Command:
 def runbook_commands() -> list[Command]:
     out = []
     for doc in DOCS:
-        for block in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.S):
+        for n, block in enumerate(re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.S)):
             env: dict[str, str] = {}
             for line in block.replace("\\\n", " ").splitlines():
                 argv = shlex.split(line, comments=True)
@@ -59,7 +60,7 @@ def runbook_commands() -> list[Command]:
                 if argv[0] == "export":
                     env.update(a.split("=", 1) for a in argv[1:] if "=" in a)
                     continue
-                out.append(Command(doc, argv, dict(env)))
+                out.append(Command(doc, argv, dict(env), n))
     return out
 
 
@@ -210,9 +211,10 @@ def test_docker_commands_parse():
 
 @pytest.mark.slow
 @pytest.mark.s3
-def test_local_stack_section_runs_as_written(tmp_path):
-    """docs/DEPLOY.md section 1: `infra/local-stack.sh up`, `source .draftline/stack/env.sh`,
-    `draftline doctor`, then `status`, `env` and `down` (on free ports, state in a temp folder)."""
+def test_local_stack_sections_run_as_written(tmp_path):
+    """docs/DEPLOY.md sections 1 and 2: `infra/local-stack.sh up`, `source .draftline/stack/env.sh`,
+    `draftline doctor`; then the next block (a run until prepare on the stack's S3 store and Prefect server,
+    `ls`, `ui`); then `status`, `env` and `down` (on free ports, state in a temp folder)."""
     from prefect_server import free_port
     from s3server import free_port_block
 
@@ -222,15 +224,22 @@ def test_local_stack_section_runs_as_written(tmp_path):
     state = tmp_path / "stack"
     env = {"PATH": f"{BIN}:{os.environ['PATH']}", "HOME": os.environ.get("HOME", "/root"),
            "DRAFTLINE_STACK_DIR": str(state), "DRAFTLINE_VENV": str(BIN.parent),
-           "PREFECT_PORT": str(free_port()), "S3_PORT": str(free_port_block(5) + 3)}
-    doctor = [c.argv for c in COMMANDS if c.doc == "docs/DEPLOY.md" and c.argv[1:] == ["doctor"]][0]
-    script = (f"set -e; infra/local-stack.sh up; source {state}/env.sh; "
-              f"PREFECT_HOME={tmp_path}/home {shlex.join(doctor)}; infra/local-stack.sh status; "
-              "infra/local-stack.sh env >/dev/null")
+           "PREFECT_PORT": str(free_port()), "S3_PORT": str(free_port_block(5) + 3), "HF_HUB_OFFLINE": "1",
+           "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    doctor = next(c for c in COMMANDS if c.doc == "docs/DEPLOY.md" and c.argv[1:] == ["doctor"])
+    section2 = [c.argv for c in COMMANDS if c.doc == "docs/DEPLOY.md" and c.block == doctor.block + 1]
+    assert [a[1] for a in section2] == ["run", "ls", "ui"], section2
+    script = (f"set -e; infra/local-stack.sh up; source {state}/env.sh; {shlex.join(doctor.argv)}; "
+              + "; ".join(shlex.join(a) for a in section2)
+              + "; infra/local-stack.sh status; infra/local-stack.sh env >/dev/null")
     try:
         out = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
         assert "ready" in out.stdout and "prefect running" in out.stdout and "weed running" in out.stdout
+        assert "COMPLETED" in out.stdout and "s3://draftline/dev" in out.stdout  # the run, on the stack's store
+        assert re.search(r"committed artifacts in s3://draftline/dev", out.stdout) and "prepare" in out.stdout
+        assert f"http://127.0.0.1:{env['PREFECT_PORT']}" in out.stdout  # `draftline ui`
     finally:
         down = subprocess.run(["bash", "infra/local-stack.sh", "down"], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=120)
