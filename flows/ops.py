@@ -388,13 +388,21 @@ def wait_for(c: Any, run_id: Any, timeout: float, *, quiet: bool = False, not_be
     """Poll until the run reaches a terminal state (after `not_before`, for a retried run)."""
     deadline = time.time() + timeout
     last = None
+    since = note = time.time()
     while True:
         run = c.read_flow_run(run_id)
         st = _state(run)
         fresh = not_before is None or (run.state is not None and run.state.timestamp >= not_before)
         if st != last and not quiet:
             console.print(f"  {dt.datetime.now().strftime('%H:%M:%S')} {run.name}: {run.state.name if run.state else st}")
-            last = st
+            last, since, note = st, time.time(), time.time()
+        elif not quiet and time.time() - note >= 60:
+            note = time.time()
+            # Never silent: a Scheduled run waits for a worker of its pool, a Running one for its node.
+            waits = "for a worker of its pool to pick it up" if st in ("SCHEDULED", "PENDING") else "for it to finish"
+            console.print(f"  {dt.datetime.now().strftime('%H:%M:%S')} {run.name}: still {st} after "
+                          f"{time.time() - since:.0f} s, waiting {waits}; gives up at "
+                          f"{time.strftime('%H:%M:%S', time.localtime(deadline))}")
         if st in TERMINAL and fresh:
             return run
         if time.time() > deadline:
