@@ -91,6 +91,17 @@ def train_artifacts(store: Store) -> list:
     return [m for m in store.list("train")]
 
 
+def prefect_artifacts(server, flow_run_id: str) -> dict:
+    """The flow run's Prefect artifacts by key, from the server's API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as c:
+        arts = c.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {a.key: a for a in arts}
+
+
 @pytest.mark.slow
 def test_two_gloo_ranks_through_the_flow_same_digest_killed_rank_named_retry_resumes(prefect_server, project,
                                                                                      tmp_path):
@@ -123,8 +134,11 @@ def test_two_gloo_ranks_through_the_flow_same_digest_killed_rank_named_retry_res
     assert ["cached"] * 3 == [failed["stages"][s]["status"] for s in ("prepare", "vocab", "extract")]
     assert store.find("train", made.digest) is None
     assert sorted(m.stats["step"] for m in store.list("checkpoint")) == [2]
-    # rank 0's metrics reached the task while the ranks trained: its log has their steps
+    # rank 0's metrics reached the task while the ranks trained: its log and its progress artifact have them
     assert "train: 2 rank(s) on cpu" in err and "train step 1/6" in err, err[-4000:]
+    progress = prefect_artifacts(prefect_server, failed["flow_run_id"])["train-progress"]
+    assert progress.description.startswith("step 2/6, loss"), progress.description
+    assert float(progress.data) == pytest.approx(100 * 2 / 6, abs=0.1)
 
     # The retry resumes from the checkpoint, on two ranks, and lands where the one-rank run did.
     code, out, err = draftline(["retry", failed["flow_run_id"]], tmp_path, "retry")
