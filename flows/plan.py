@@ -237,7 +237,8 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     add("vocab", tokens, "counted", 0.0, 0.0, 0.0, 0.0)
 
     bpt = {d: hidden_bytes_per_token(n_layers, hidden, d) for d in ("bf16", "fp8")}
-    mfu = r["extract.mfu_moe"] if target.experts else r["extract.mfu_dense"]
+    extract_rate_name = "extract.mfu_moe" if target.experts else "extract.mfu_dense"
+    mfu = r[extract_rate_name]
     compute_rate = gpus * peak * mfu / (2 * t["active_params"])
     store_rate = {d: r["node.store_write_gb_s"] * 1e9 / bpt[d] for d in bpt}
     rate = {d: min(compute_rate, store_rate[d]) for d in bpt}
@@ -248,7 +249,10 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
 
     ranks = cfg.train.gpus or gpus
     train_tokens = cfg.train.max_steps * cfg.train.batch_tokens * ranks
-    mfu_t = r["train.mfu_flex_attention"] if cfg.train.attn_impl in ("auto", "flex_attention") else r["train.mfu_sdpa"]
+    # auto is flex_attention on a GPU where it compiles (tasks.train.resolve_attn_impl)
+    train_rate_name = ("train.mfu_flex_attention" if cfg.train.attn_impl in ("auto", "flex_attention")
+                       else "train.mfu_sdpa")
+    mfu_t = r[train_rate_name]
     per_gpu = peak * mfu_t / train_flops
     node_rate = per_gpu * ranks * (r["train.multi_gpu_efficiency"] if ranks > 1 else 1.0)
     ckpt = (cfg.train.max_steps // cfg.train.checkpoint_every) * trainable * CHECKPOINT_BYTES_PER_PARAM
@@ -269,7 +273,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
               "node_hours": node_hours, "wall_hours": sum(s.wall_hours for s in stages),
               "cost": node_hours * gpus * price}
     other = "fp8" if dtype == "bf16" else "bf16"
-    bound = lambda d: "store" if store_rate[d] < compute_rate else "compute"  # noqa: E731
+    bound = "store" if store_rate[dtype] < compute_rate else "compute"
     notes = [
         f"Workload: {samples:,} samples x {per_sample:,.0f} tokens ({prompt:,.0f} prompt + {answer:,.0f} answer"
         f"{'' if cfg.regenerate.enabled else ' from the data'}) = {_count(tokens)} tokens; training reads "
@@ -278,7 +282,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         f"Extraction: {n_layers} layers x hidden {hidden:,} = {bpt['bf16']:,} bytes/token bf16, {bpt['fp8']:,} fp8; "
         f"compute {_count(compute_rate)} tok/s per node (2 x {_count(t['active_params'])} active params, MFU "
         f"{mfu:g}), store {_count(store_rate[dtype])} tok/s ({dtype}): {_count(rate[dtype])} tok/s, "
-        f"{bound(dtype)}-bound. With {other}: {_count(rate[other])} tok/s, "
+        f"{bound}-bound. With {other}: {_count(rate[other])} tok/s, "
         f"{tokens / rate[other] / 3600:,.1f} node-hours.",
         f"Training: the draft has {_count(trainable)} trainable parameters, {train_flops / 1e9:.2f} GFLOP per token "
         f"(tasks.train.flops_per_token, {cfg.train.ttt_steps} TTT steps): {_count(per_gpu)} tok/s per GPU at MFU "
@@ -287,10 +291,9 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         "does not fan one run out over nodes by itself yet (docs/kimi-k2.5.md, Known gaps).",
     ]
     used = ["node.gpus", "node.matmul_tflops", "node.gpu_hour_price", "node.store_write_gb_s",
-            "extract.mfu_moe" if target.experts else "extract.mfu_dense", "regenerate.answer_fill",
-            "regenerate.prompt_tokens", "prepare.samples_per_s", "prepare.bytes_per_token",
-            "train.mfu_flex_attention" if mfu_t == r["train.mfu_flex_attention"] else "train.mfu_sdpa",
-            "train.multi_gpu_efficiency", "benchmark.decode_tok_s_batch1"]
+            extract_rate_name, "regenerate.answer_fill", "regenerate.prompt_tokens", "prepare.samples_per_s",
+            "prepare.bytes_per_token", train_rate_name, "train.multi_gpu_efficiency",
+            "benchmark.decode_tok_s_batch1"]
     listed = [rates["rates"][k] for k in used] + list(target.rates.values())
     return Plan(config_name, nodes, gpus, price, stages, notes, listed, totals)
 
