@@ -225,7 +225,8 @@ def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to
 def gc(config: Optional[Path] = typer.Argument(None), overrides: list[str] = SetOpt,
        min_age: float = typer.Option(3600, help="Leftovers whose owner may still be running (another host, "
                                                 "none recorded) go only once older than this many seconds."),
-       dry_run: bool = typer.Option(False, "--dry-run", help="List, do not delete.")):
+       dry_run: bool = typer.Option(False, "--dry-run", help="List, do not delete."),
+       as_json: bool = typer.Option(False, "--json", help="Print the leftovers as a JSON list.")):
     """Remove what dead runs left: attempt folders no manifest names, temp files, stale locks, engine
     work folders (/dev/shm) and a killed trainer's temporary checkpoints. A leftover whose owner
     process is gone goes at once; one whose owner cannot be checked, after --min-age."""
@@ -241,6 +242,9 @@ def gc(config: Optional[Path] = typer.Argument(None), overrides: list[str] = Set
         table.add_row(item.kind, item.where, human_age(item.age_s), item.owner, item.why)
         if not dry_run:
             item.remove(store)
+    if as_json:
+        print(json.dumps([{**vars(i), "age_s": round(i.age_s, 1), "removed": not dry_run} for i in found], indent=2))
+        return
     if found:
         console.print(table)
     console.print(f"{len(found)} leftover(s) {'found (--dry-run: nothing removed)' if dry_run else 'removed'}")

@@ -154,3 +154,57 @@ def test_two_takers_of_a_free_lock_one_wins(tmp_path):
     m1.release_lock("k", "one")
     assert m2.acquire_lock("k", holder="two")
     assert [p.name for p in tmp_path.iterdir()] == ["k.lock"]  # no temp files left
+
+
+def test_gc_lists_and_removes_what_dead_runs_left_and_spares_the_living(tmp_path):
+    """`draftline gc --dry-run` lists, with age and owner: a stale lock of an older version, a dead
+    writer's attempt folder, an engine work folder in /dev/shm and a trainer's temporary checkpoint
+    whose process is gone. `draftline gc` removes exactly those; a live process's are kept."""
+    from prefect.locking.filesystem import FileSystemLockManager
+
+    from tasks.store import Store
+
+    store_dir = tmp_path / "store"
+    store = Store(f"file://{store_dir}")
+    locks = store_dir / "_prefect" / "locks"
+    FileSystemLockManager(locks).acquire_lock("extract-old", holder="a-dead-run")
+    live_lock = LeaseLockManager(locks)
+    live_lock.acquire_lock("extract-live", holder="me")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    # A real process that wrote part of an artifact and made two temp folders, then died.
+    script = ("import tempfile, sys; from tasks.store import Store; from tasks.owners import owned_tempdir; "
+              f"w = Store({store.uri!r}).writer('extract', 'd0', 'v1'); w.write_bytes('part-00000.safetensors', b'x' * 9); "
+              "print(owned_tempdir('draftline-ckpt-'), owned_tempdir('draftline-gctest-', '/dev/shm'))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(temp)}
+    dead = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    ckpt, shm = dead.stdout.split()
+    dead_pid = owners.read(ckpt)["pid"]
+    alive_dir = owners.owned_tempdir("draftline-ckpt-", str(temp))
+    try:
+        cli = [sys.executable, "-m", "flows.cli", "gc", "--set", f"store.uri={store.uri}"]
+        dry = subprocess.run([*cli, "--dry-run", "--json"], env=env, cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+        assert dry.returncode == 0, dry.stderr[-3000:]
+        found = {(x["kind"], x["where"]): x for x in json.loads(dry.stdout)}
+        attempt = next(w for k, w in found if k == "attempt" and "/extract/d0/a" in w)
+        for key, owner, why in [(("lock", str(locks / "extract-old.lock")), "owner unknown", "older draftline"),
+                                (("attempt", attempt), f"pid {dead_pid}", "its writer is gone"),
+                                (("temp-dir", ckpt), f"pid {dead_pid}", "its owner is gone"),
+                                (("engine-dir", shm), f"pid {dead_pid}", "its owner is gone")]:
+            assert key in found, (key, dry.stdout)
+            assert owner in found[key]["owner"] and why in found[key]["why"] and found[key]["age_s"] >= 0, found[key]
+            assert found[key]["removed"] is False
+        assert not any("extract-live" in w or w == alive_dir for _, w in found)
+        assert os.path.isdir(ckpt) and os.path.isdir(shm) and (locks / "extract-old.lock").exists()
+
+        done = subprocess.run(cli, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert not os.path.exists(ckpt) and not os.path.exists(shm)
+        assert not (locks / "extract-old.lock").exists() and (locks / "extract-live.lock").exists()
+        assert store.garbage_detail(min_age_s=0) == [] and os.path.isdir(alive_dir)
+    finally:
+        live_lock.release_lock("extract-live", "me")
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
