@@ -122,24 +122,22 @@ fi
 [[ "$LIMIT" =~ ^[1-9][0-9]*$ ]] || missing+=("DRAFTLINE_WORKER_LIMIT must be a positive number, got '$LIMIT'")
 [[ "$EXPECT_GPUS" =~ ^[0-9]+$ ]] || missing+=("DRAFTLINE_EXPECT_GPUS must be a number, got '$EXPECT_GPUS'")
 
-# The Python the lock was resolved for (uv's header: --python-version X.Y); the GPU lock's is known before
-# the release is cloned (tests/test_locks.py keeps GPU_LOCK_PYTHON equal to the header).
+# When the lock is installed here (not --docker, no DRAFTLINE_VENV): the Python it was resolved for (uv's
+# header: --python-version X.Y) and its wheels' platform (--python-platform ...-manylinux_2_XX: the node's
+# glibc must be at least 2.XX, or pip finds no wheel for some packages; llguidance 1.7 has none below
+# manylinux_2_34). The GPU lock's are known before the release is cloned (tests/test_locks.py keeps
+# GPU_LOCK_PYTHON and GPU_LOCK_GLIBC equal to its header).
 GPU_LOCK_PYTHON=3.12
-LOCK_PY=""
-lock_here="${DRAFTLINE_SOURCE_DIR:-$PREFIX/releases/${RELEASE:-none}}/$LOCK"
-if [[ -f "$lock_here" ]]; then
-  LOCK_PY="$(sed -n 's/.*--python-version \([0-9][0-9.]*\).*/\1/p' "$lock_here" | head -1)"
-elif [[ "$LOCK" == requirements/gpu.lock ]]; then
-  LOCK_PY="$GPU_LOCK_PYTHON"
-fi
-# Its wheels' platform (--python-platform ...-manylinux_2_XX): the node's glibc must be at least 2.XX, or pip
-# would find no wheel for some packages (llguidance 1.7 has none below manylinux_2_34).
 GPU_LOCK_GLIBC=2.34
-LOCK_GLIBC=""
-if [[ -f "$lock_here" ]]; then
+LOCK_PY="" LOCK_GLIBC=""
+lock_here="${DRAFTLINE_SOURCE_DIR:-$PREFIX/releases/${RELEASE:-none}}/$LOCK"
+if (( DOCKER )) || [[ -n "${DRAFTLINE_VENV:-}" ]]; then
+  :
+elif [[ -f "$lock_here" ]]; then
+  LOCK_PY="$(sed -n 's/.*--python-version \([0-9][0-9.]*\).*/\1/p' "$lock_here" | head -1)"
   LOCK_GLIBC="$(sed -n 's/.*--python-platform [a-z0-9_]*-manylinux_\([0-9]*\)_\([0-9]*\).*/\1.\2/p' "$lock_here" | head -1)"
 elif [[ "$LOCK" == requirements/gpu.lock ]]; then
-  LOCK_GLIBC="$GPU_LOCK_GLIBC"
+  LOCK_PY="$GPU_LOCK_PYTHON" LOCK_GLIBC="$GPU_LOCK_GLIBC"
 fi
 have_glibc="$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}' || true)"
 if [[ -n "$LOCK_GLIBC" && -n "$have_glibc" ]] && ! printf '%s\n%s\n' "$LOCK_GLIBC" "$have_glibc" | sort -V -C; then
