@@ -965,7 +965,8 @@ def retry(run: str = typer.Argument(..., help="Flow run id (or 8+ first characte
           force: bool = typer.Option(False, "--force", help="Retry a run that looks alive or that completed."),
           stale_after: float = StaleOpt,
           watch: bool = typer.Option(False, "--watch", help="Wait for the retried run; exit 1 unless it completes."),
-          timeout: float = typer.Option(24 * 3600, help="With --watch: give up after this many seconds.")):
+          timeout: float = typer.Option(24 * 3600, help="With --watch: give up after this many seconds."),
+          as_json: bool = typer.Option(False, "--json", help="A local run: print its summary as one JSON object.")):
     """Re-run only what did not finish: finished stages and shards are reused from the store.
 
     A run of a deployment is retried in place (set to Scheduled; a worker of its pool picks it up,
@@ -1014,17 +1015,18 @@ def retry(run: str = typer.Argument(..., help="Flow run id (or 8+ first characte
         _fail(str(exc))
     except httpx.HTTPError as exc:
         _fail(api_problem(exc))
-    _retry_locally(fr, params)
+    _retry_locally(fr, params, as_json)
 
 
-def _retry_locally(fr: Any, params: dict[str, Any]) -> None:
+def _retry_locally(fr: Any, params: dict[str, Any], as_json: bool = False) -> None:
     from flows import pipeline as pl
 
     cfg_path = params.get("config_path")
     if cfg_path and not Path(cfg_path).is_file():
         _fail(f"run {fr.name} read its config from {cfg_path}, which is not here; run the retry from the "
               "folder the run started in")
-    console.print(f"{fr.name} was a local run (no deployment): running it again here with the same parameters")
+    (err if as_json else console).print(
+        f"{fr.name} was a local run (no deployment): running it again here with the same parameters")
     state = pl.pipeline(config_path=cfg_path, overrides=list(params.get("overrides") or []),
                         until=params.get("until"), return_state=True)
     from flows.cli import print_summary
@@ -1032,7 +1034,10 @@ def _retry_locally(fr: Any, params: dict[str, Any]) -> None:
     rec = pl.LAST_RUN
     summary = rec.to_json() if rec is not None else {"state": "FAILED", "stages": {}}
     summary["state"] = "COMPLETED" if state.is_completed() else "FAILED"
-    print_summary(summary)
+    if as_json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        print_summary(summary)
     if summary["state"] != "COMPLETED":
         raise typer.Exit(1)
 

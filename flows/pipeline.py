@@ -442,7 +442,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
 
 
 def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, logger) -> list[ArtifactRef]:
-    from tasks.extract import engine_for_group, gpu_groups, plan_extract
+    from tasks.extract import engine_for_group, engine_groups, plan_extract
     from tasks.target import load_hf_config, resolve_model
 
     r = rec.stages["extract"]
@@ -450,8 +450,11 @@ def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef
     r.status = "running"
     model = resolve_model(cfg.target)
     plans = plan_extract(cfg, data, load_hf_config(cfg.target, model))
-    groups = gpu_groups(cfg)
+    groups = engine_groups(cfg)
     pool = EnginePool(lambda group: engine_for_group(cfg, model, group), groups)
+    if len(groups) > 1:
+        logger.info(f"extract: {len(plans)} shards over {len(groups)} engines side by side: "
+                    + ", ".join(g.name for g in groups))
     progress = _Progress("extract-progress", f"Extraction: 0/{len(plans)} shards")
     done = 0
     tokens = 0

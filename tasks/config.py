@@ -122,6 +122,11 @@ class ExtractConfig(Section):
     )
     tensor_parallel_size: int = Field(1, ge=1)
     gpus: int | None = Field(None, ge=0, description="GPUs to use; default all visible (0 = CPU).")
+    cpu_groups: int = Field(
+        1, ge=1,
+        description="On a CPU (no GPU in use): engines side by side, each pinned to its own share of the cores, "
+                    "through the same pool that runs one engine per GPU group on a GPU node.",
+    )
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
     batch_tokens: int = Field(16384, ge=64, description="Tokens per engine call.")
     part_tokens: int = Field(262144, ge=64, description="Tokens per safetensors part.")

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tasks import owners, stopping
+from tasks.faults import kill_point
 
 ROOT = Path(__file__).resolve().parent.parent
 LOG_TAIL_CHARS = 4000
@@ -215,7 +216,7 @@ class EngineProcess:
         self._conn = Connection(parent_sock.detach())
         _LIVE.add(self)
         try:
-            self._conn.send({"op": "init", "kind": self.kind, "model": self.model,
+            self._conn.send({"op": "init", "kind": self.kind, "model": self.model, "name": self.name,
                              "llm_kwargs": self.llm_kwargs, "workdir": self.workdir})
             self.info = self._receive(timeout_s, "starting")
         except BaseException:
@@ -956,6 +957,18 @@ def _die_with_parent(parent_pid: int) -> None:
 _WORKDIR: str | None = None
 
 
+def _pin_cores() -> None:
+    """An engine of a CPU group (tasks/extract.py `engine_groups`) runs on its own cores only."""
+    cores = os.environ.get("DRAFTLINE_ENGINE_CPUS")
+    if not cores:
+        return
+    ids = {int(c) for c in cores.split(",")}
+    os.sched_setaffinity(0, ids)
+    import torch
+
+    torch.set_num_threads(len(ids))
+
+
 def serve(fd: int, parent_pid: int) -> int:
     global _WORKDIR
     conn = Connection(fd)
@@ -967,6 +980,8 @@ def serve(fd: int, parent_pid: int) -> int:
         return 1
     backend: Any = None
     _WORKDIR = init.get("workdir")
+    request_point = f"engine.{init.get('name', 'engine')}.request"  # tasks/faults.py: the engine kills itself
+    _pin_cores()
     try:
         model = str(init["model"])
         if model.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(model)):
@@ -999,6 +1014,8 @@ def serve(fd: int, parent_pid: int) -> int:
         try:
             if op not in ("generate", "extract", "metrics"):
                 raise ValueError(f"unknown engine request {op!r}")
+            if op != "metrics":
+                kill_point(request_point)
             result = getattr(backend, op)(**msg)
             conn.send({"ok": True, "result": result})
         except Exception as exc:

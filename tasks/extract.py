@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Iterator
 
 from pydantic import BaseModel, Field
@@ -45,7 +46,7 @@ from tasks.target import default_layer_ids, load_hf_config, text_config, validat
 
 STAGE = "extract"
 # Keys that decide where and how fast extraction runs, not what it produces.
-SCHEDULING_KEYS = {"gpus", "kv_cache_gib", "batch_tokens", "tensor_parallel_size", "enforce_eager",
+SCHEDULING_KEYS = {"gpus", "cpu_groups", "kv_cache_gib", "batch_tokens", "tensor_parallel_size", "enforce_eager",
                    "write_overlap", "write_queue", "write_workers"}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DATA_STAGES = ("prepare", "regenerate")
@@ -161,34 +162,72 @@ def gpu_groups(cfg: RunConfig) -> list[list[int]]:
     return [use[i:i + tp] for i in range(0, len(use), tp)]
 
 
-def engine_for_group(cfg: RunConfig, model_path: str, group: list[int]) -> EngineProcess:
+@dataclass(frozen=True)
+class EngineGroup:
+    """What one engine of the pool may use: GPUs (one tensor-parallel group), or on a CPU, cores
+    (None = every core this process may use)."""
+
+    gpus: tuple[int, ...] = ()
+    cpus: tuple[int, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        if self.gpus:
+            return "gpu" + "-".join(map(str, self.gpus))
+        return "cpu" + ("-".join(map(str, self.cpus)) if self.cpus else "")
+
+
+def engine_groups(cfg: RunConfig) -> list[EngineGroup]:
+    """The engines extraction runs side by side: one per GPU group (`gpu_groups`), or on a CPU
+    `extract.cpu_groups` engines over disjoint shares of the cores this process may use."""
+    gpus = gpu_groups(cfg)
+    if gpus != [[]]:
+        return [EngineGroup(gpus=tuple(g)) for g in gpus]
+    n = cfg.extract.cpu_groups
+    if n == 1:
+        return [EngineGroup()]
+    cores = sorted(os.sched_getaffinity(0))
+    if n > len(cores):
+        raise ExtractError(f"extract.cpu_groups={n} but this process may use {len(cores)} core(s) ({cores}); "
+                           f"set extract.cpu_groups to at most {len(cores)}")
+    size = len(cores) // n
+    return [EngineGroup(cpus=tuple(cores[i * size:(i + 1) * size])) for i in range(n)]
+
+
+def engine_for_group(cfg: RunConfig, model_path: str, group: list[int] | EngineGroup) -> EngineProcess:
     """An extraction engine (not yet started: `with engine_for_group(...) as eng:` starts it)
-    that sees only the group's GPUs."""
+    that sees only the group's GPUs (a list of GPU ids, or an EngineGroup), or only its cores."""
+    if not isinstance(group, EngineGroup):
+        group = EngineGroup(gpus=tuple(group))
     e = cfg.extract
     hf_config = load_hf_config(cfg.target, model_path)
     layer_ids = resolve_layer_ids(cfg, hf_config)
     env = {
-        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in group),  # "" = no GPU for a CPU group
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in group.gpus),  # "" = no GPU for a CPU group
         "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(e.kv_cache_gib))),
     }
+    if group.cpus:  # pinned by the engine itself (tasks/engine.py), and vLLM's OpenMP threads with it
+        cores = ",".join(map(str, group.cpus))
+        env.update({"DRAFTLINE_ENGINE_CPUS": cores, "VLLM_CPU_OMP_THREADS_BIND": cores,
+                    "OMP_NUM_THREADS": str(len(group.cpus))})
+    on_gpu = bool(group.gpus)
     common: dict[str, Any] = {"max_model_len": cfg.target.max_model_len,
                               "trust_remote_code": cfg.target.trust_remote_code}
     if cfg.target.revision:
         common["revision"] = cfg.target.revision
     if e.backend == "vllm":
-        kwargs = {**common, "dtype": engine_dtype(cfg.target.dtype, on_gpu=bool(group)),
+        kwargs = {**common, "dtype": engine_dtype(cfg.target.dtype, on_gpu=on_gpu),
                   "tensor_parallel_size": e.tensor_parallel_size,
                   "enforce_eager": e.enforce_eager, "seed": 0, **vllm_extract_kwargs(layer_ids)}
-        if not group and kwargs["dtype"] == "float32" and getattr(text_config(hf_config), "kv_lora_rank", None):
+        if not on_gpu and kwargs["dtype"] == "float32" and getattr(text_config(hf_config), "kv_lora_rank", None):
             # An MLA target (DeepSeek-V3 / Kimi) on a CPU: vLLM picks its AMX MLA backend where the CPU has
             # AMX, and that one takes bf16/fp16/int8 weights only; the reference CPU MLA runs float32.
             kwargs["attention_backend"] = "CPU_MLA"
     else:
         kwargs = {**common, "max_batch_tokens": e.batch_tokens}
-        if group:
+        if on_gpu:
             kwargs["dtype"] = cfg.target.dtype  # CPU keeps float32 (bf16 matmuls are slow there)
-    name = "extract-" + ("cpu" if not group else "gpu" + "-".join(str(g) for g in group))
-    return EngineProcess(e.backend, model_path, kwargs, env=env, name=name)
+    return EngineProcess(e.backend, model_path, kwargs, env=env, name=f"extract-{group.name}")
 
 
 # ============================================================================ parts on disk
@@ -668,6 +707,7 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
             "bytes": stored, "bytes_per_token": round(stored / total, 2) if total else 0.0,
             "tokens_per_s": round(total / seconds, 1) if seconds > 0 else 0.0, "seconds": round(seconds, 2),
             "parts": [{"name": n, "tokens": t} for n, t in writer.parts], "backend": engine.kind,
+            "engine": engine.name,
             # Where the time went: writing parts (summed), and how long the loop was held up by the
             # writer (all of write_s when writing inline) and by the engine.
             "write_overlap": depth > 0, "write_workers": min(e.write_workers, depth) if depth else 0,
@@ -681,6 +721,6 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
 
 __all__ = [
     "EngineError", "ExtractError", "ShardPlan", "SCHEDULING_KEYS", "plan_extract", "extract_shard", "load_part",
-    "gpu_groups", "engine_for_group", "visible_gpus", "resolve_layer_ids", "quantize_fp8", "dequantize_fp8",
+    "gpu_groups", "engine_groups", "EngineGroup", "engine_for_group", "visible_gpus", "resolve_layer_ids", "quantize_fp8", "dequantize_fp8",
     "write_safetensors_stream",
 ]

@@ -12,6 +12,11 @@ Ctrl-C); only the moment is chosen. Points, in the order a run meets them:
     store.<stage>.mid-file           a file of a <stage> artifact partly written (4 KiB of it so far)
     train.checkpoint-file            one file of a training checkpoint written, the others not
     benchmark.baseline-measured      the benchmark's baseline decoded, the draft not yet
+    engine.<name>.request            an engine (e.g. extract-cpu1) about to serve a request: the engine
+                                     kills its own process group (the run itself lives on)
+
+With DRAFTLINE_FAULT_ONCE_DIR set, a point fires once across all processes (a marker file in that
+folder): an engine restarted after the kill does not kill itself again.
 
 Unset (always, outside drills), `kill_point` costs one dictionary lookup.
 """
@@ -42,6 +47,12 @@ def kill_point(name: str) -> None:
     with _LOCK:
         _COUNTS[name] = _COUNTS.get(name, 0) + 1
         hit = _COUNTS[name] == spec[1]
+    once = os.environ.get("DRAFTLINE_FAULT_ONCE_DIR")
+    if hit and once:
+        try:
+            os.close(os.open(os.path.join(once, f"fired-{name}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            hit = False
     if hit:
         os.killpg(os.getpgid(0), spec[2])
         if spec[2] != signal.SIGKILL:
