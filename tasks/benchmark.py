@@ -532,6 +532,11 @@ def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
         "num_layers": layer.get("num_hidden_layers"),
         "trained_speculative_tokens": proposals[0].get("speculative_tokens"),
         "norm_before_residual": conf.get("norm_before_residual"),
+        # EAGLE-3.1's options: one norm over the concatenated layers, or one per layer, before the fc;
+        # the normed output fed back across steps. vLLM reads them from this config.json.
+        "norm_before_fc": conf.get("norm_before_fc"),
+        "fc_norm": conf.get("fc_norm"),
+        "norm_output": conf.get("norm_output"),
     }
 
 
@@ -1122,8 +1127,9 @@ def report_markdown(report: dict[str, Any]) -> str:
     tgt = report.get("target", {}).get("model")
     dr = report.get("draft", {})
     if tgt:
+        norms = [n for n in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if dr.get(n)]
         lines.append(f"Target `{tgt}`; draft `{dr.get('uri', '?')}` (draft vocabulary {dr.get('draft_vocab_size')}, "
-                     f"layer ids {dr.get('layer_ids')}).")
+                     f"layer ids {dr.get('layer_ids')}, norms: {', '.join(norms) or 'none'}).")
     lines.append(f"Temperature {s.get('temperature')}, max {s.get('max_tokens')} new tokens, batch sizes "
                  f"{s.get('batch_sizes')}, speculative tokens {s.get('num_speculative_tokens')}.")
     lines.append("")
