@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tasks import owners
 from tasks.engine import EngineError, EngineProcess, find_decoder_layers
 
 LAYER_IDS = [1, 3, 4, 6]  # 6-layer tiny model: three auxiliary layers + the last
@@ -110,7 +111,7 @@ def test_ring_extract_matches_files_and_reuses_two_buffers(engine):
     big = engine.extract([PROMPTS[0] * 20], LAYER_IDS, ring=True)[0]  # outgrows its buffer: a new one
     assert big.shape == (800, 4, 128)
     torch.testing.assert_close(big[:40].float(), files[0].float(), atol=2e-2, rtol=2e-2)
-    left = sorted(p.name for p in Path(engine.workdir).iterdir() if p.name != "engine.log")
+    left = sorted(p.name for p in Path(engine.workdir).iterdir() if p.name not in ("engine.log", owners.OWNER_FILE))
     assert len(left) == 2 and all(n.startswith("ring-") for n in left), left
 
 

@@ -145,6 +145,7 @@ class NoEngine:
     """Fails the test if extraction touches the engine."""
 
     kind = "none"
+    name = "no-engine"
     info: dict = {}
 
     def extract(self, *a, **k):
@@ -413,6 +414,7 @@ class FakeEngine:
     and optionally a failure at call `fail_at` (1-based)."""
 
     kind = "fake"
+    name = "fake-engine"
 
     def __init__(self, fail_at: int | None = None, delay_s: float = 0.0):
         self.info: dict = {"max_model_len": 512}
