@@ -536,9 +536,13 @@ def test_ddp_run_killed_resumes_on_fewer_ranks(tmp_path, tiny):
 
 
 @pytest.mark.slow
-def test_an_error_in_a_launched_rank_fails_the_call_with_its_traceback(tmp_path, tiny):
+def test_an_error_in_a_launched_rank_fails_the_call_with_its_traceback(tmp_path, tiny, monkeypatch):
     """train.gpus=2 on a CPU: run_train starts two gloo ranks with torch's elastic launcher; an error
-    raised inside them comes back as a TrainError that names the rank and carries its traceback."""
+    raised inside them comes back as a TrainError that names the rank and carries its traceback, and
+    says where every rank's log is."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the ranks' folder, kept on failure
     store = Store(f"file://{tmp_path}/store")
     vref, refs = data_on(store, tiny)
     cfg = config(tiny, max_steps=2, gpus=2, attn_impl="flex_attention", device="cpu")  # refused in each rank
@@ -550,6 +554,8 @@ def test_an_error_in_a_launched_rank_fails_the_call_with_its_traceback(tmp_path,
     assert "traceback:\nTraceback (most recent call last)" in msg and "in __init__" in msg, msg
     assert "retry the run (`draftline retry`)" in msg
     assert store.list("train") == [] and store.list("checkpoint") == []
+    logs = Path(re.search(r"every rank's log is under (\S+)\.", msg).group(1))
+    assert logs.is_relative_to(tmp_path) and len(list(logs.glob("*/attempt_0/[01]/stderr.log"))) == 2
 
 
 VLLM_CHILD = """

@@ -82,9 +82,10 @@ def project(tmp_path_factory) -> SimpleNamespace:
 
 
 def draftline(args: list[str], folder: Path, name: str, **env: str) -> tuple[int | None, str, str]:
+    """`draftline ARGS` in a child; its temporary folders (the ranks' logs, kept on failure) under `folder`."""
     import os
 
-    return finish(start_draftline(args, folder, name, env={**os.environ, **env}), folder, name)
+    return finish(start_draftline(args, folder, name, env={**os.environ, "TMPDIR": str(folder), **env}), folder, name)
 
 
 def train_artifacts(store: Store) -> list:
