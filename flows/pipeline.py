@@ -111,8 +111,7 @@ def regenerate_task(cfg: RunConfig, digest: str, prepared: ArtifactRef) -> Artif
     model = resolve_model(cfg.target)
 
     def engine_factory() -> EngineProcess:
-        return EngineProcess(kind="vllm", model=model, llm_kwargs=vllm_generate_kwargs(cfg),
-                             env=cpu_engine_env(cfg), name="regenerate")
+        return regenerate_engine(cfg, model)
 
     logger = get_run_logger()
     progress = _Progress("regenerate-progress", "Regenerate: shards answered by the target")
@@ -231,24 +230,11 @@ def benchmark_task(cfg: RunConfig, digest: str, trained: ArtifactRef, data: Arti
 
 # --------------------------------------------------------------------------- engines
 
-def cpu_engine_env(cfg: RunConfig) -> dict[str, str]:
-    return {"VLLM_CPU_KVCACHE_SPACE": str(int(max(1, cfg.extract.kv_cache_gib)))}
+def regenerate_engine(cfg: RunConfig, model: str):
+    """The engine that answers the prompts (tasks/engine_settings.py: the same rules as every engine)."""
+    from tasks.engine_settings import vllm_engine
 
-
-def vllm_generate_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    import torch
-
-    from tasks.engine import engine_dtype
-
-    return dict(
-        max_model_len=cfg.target.max_model_len,
-        # bf16 on a CPU without native bf16 is many times slower than float32 (tasks/engine.py).
-        dtype=engine_dtype(cfg.target.dtype, on_gpu=torch.cuda.is_available()),
-        trust_remote_code=cfg.target.trust_remote_code,
-        enforce_eager=cfg.extract.enforce_eager,
-        tensor_parallel_size=cfg.extract.tensor_parallel_size,
-        seed=cfg.data.seed,
-    )
+    return vllm_engine(cfg, model, "regenerate")
 
 
 class EnginePool:

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from tasks import digest as digests
+from tasks.engine_settings import engine_env, vllm_kwargs
 from tasks.faults import kill_point
 from tasks.config import EvalConfig, RunConfig
 from tasks.store import Artifact, ArtifactRef, Store
@@ -458,22 +459,14 @@ def identity_sentence(j: dict[str, Any], floor: dict[str, Any]) -> str:
 
 # =========================================================================== engines and the draft
 
-def engine_kwargs(cfg: RunConfig, speculative: dict | None) -> dict[str, Any]:
-    kw: dict[str, Any] = dict(
-        max_model_len=cfg.target.max_model_len, dtype=_engine_dtype(cfg.target.dtype),
-        trust_remote_code=cfg.target.trust_remote_code, enforce_eager=cfg.extract.enforce_eager,
-        tensor_parallel_size=cfg.extract.tensor_parallel_size, seed=cfg.data.seed,
-        disable_log_stats=False,  # the spec-decode counters and latency histograms need the stat loggers
-    )
-    if cfg.target.revision:
-        kw["revision"] = cfg.target.revision
+def engine_kwargs(cfg: RunConfig, speculative: dict | None, model_path: str | None = None) -> dict[str, Any]:
+    """The decoding engines' settings: the target's (tasks/engine_settings.py), plus the draft."""
+    from tasks.target import resolve_model
+
+    extra: dict[str, Any] = {"disable_log_stats": False}  # the spec-decode counters and latency histograms
     if speculative is not None:
-        kw["speculative_config"] = speculative
-    return kw
-
-
-def engine_env(cfg: RunConfig) -> dict[str, str]:
-    return {"VLLM_CPU_KVCACHE_SPACE": str(int(max(1, cfg.extract.kv_cache_gib)))}
+        extra["speculative_config"] = speculative
+    return vllm_kwargs(cfg, model_path or resolve_model(cfg.target), **extra)
 
 
 EngineFactory = Callable[[str, dict], Any]  # (name, llm_kwargs) -> an unstarted EngineProcess
@@ -801,13 +794,13 @@ def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef, data: Arti
         draft_info["target_num_layers"] = int(text_config(hf_config).num_hidden_layers)
         draft_info["extract_layer_ids"] = resolve_layer_ids(cfg, hf_config)
         _log(log, "benchmark: baseline engine (no draft)")
-        baseline = serve("baseline", engine_kwargs(cfg, None), control=b.temperature == 0)
+        baseline = serve("baseline", engine_kwargs(cfg, None, model), control=b.temperature == 0)
         kill_point("benchmark.baseline-measured")
         spec: dict[int, dict[str, dict[int, RunResult]]] = {}
         for k in b.num_speculative_tokens:
             _log(log, f"benchmark: eagle3 engine, k={k}")
             spec[k] = serve(f"eagle3-k{k}", engine_kwargs(
-                cfg, {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}))
+                cfg, {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}, model))
         replayed: dict[str, Any] | None = None
         if b.offline_replay and b.temperature == 0:
             smallest = min(b.batch_sizes)

@@ -39,7 +39,8 @@ from pydantic import BaseModel, Field
 
 from tasks.config import RunConfig
 from tasks.digest import VERSIONS, stage_digest
-from tasks.engine import EngineError, EngineProcess, engine_dtype, vllm_extract_kwargs
+from tasks.engine import EngineError, EngineProcess, vllm_extract_kwargs
+from tasks.engine_settings import engine_env, vllm_kwargs
 from tasks.faults import kill_point
 from tasks.store import ArtifactRef, ArtifactWriter, Store
 from tasks.target import default_layer_ids, load_hf_config, text_config, validate_for_vllm, validate_layer_ids
@@ -202,29 +203,19 @@ def engine_for_group(cfg: RunConfig, model_path: str, group: list[int] | EngineG
     e = cfg.extract
     hf_config = load_hf_config(cfg.target, model_path)
     layer_ids = resolve_layer_ids(cfg, hf_config)
-    env = {
-        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in group.gpus),  # "" = no GPU for a CPU group
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(e.kv_cache_gib))),
-    }
+    env = {**engine_env(cfg), "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in group.gpus)}  # "": no GPU
     if group.cpus:  # pinned by the engine itself (tasks/engine.py), and vLLM's OpenMP threads with it
         cores = ",".join(map(str, group.cpus))
         env.update({"DRAFTLINE_ENGINE_CPUS": cores, "VLLM_CPU_OMP_THREADS_BIND": cores,
                     "OMP_NUM_THREADS": str(len(group.cpus))})
     on_gpu = bool(group.gpus)
-    common: dict[str, Any] = {"max_model_len": cfg.target.max_model_len,
-                              "trust_remote_code": cfg.target.trust_remote_code}
-    if cfg.target.revision:
-        common["revision"] = cfg.target.revision
     if e.backend == "vllm":
-        kwargs = {**common, "dtype": engine_dtype(cfg.target.dtype, on_gpu=on_gpu),
-                  "tensor_parallel_size": e.tensor_parallel_size,
-                  "enforce_eager": e.enforce_eager, "seed": 0, **vllm_extract_kwargs(layer_ids)}
-        if not on_gpu and kwargs["dtype"] == "float32" and getattr(text_config(hf_config), "kv_lora_rank", None):
-            # An MLA target (DeepSeek-V3 / Kimi) on a CPU: vLLM picks its AMX MLA backend where the CPU has
-            # AMX, and that one takes bf16/fp16/int8 weights only; the reference CPU MLA runs float32.
-            kwargs["attention_backend"] = "CPU_MLA"
+        kwargs = vllm_kwargs(cfg, model_path, on_gpu=on_gpu, **vllm_extract_kwargs(layer_ids))
     else:
-        kwargs = {**common, "max_batch_tokens": e.batch_tokens}
+        kwargs = {"max_model_len": cfg.target.max_model_len, "trust_remote_code": cfg.target.trust_remote_code,
+                  "max_batch_tokens": e.batch_tokens}
+        if cfg.target.revision:
+            kwargs["revision"] = cfg.target.revision
         if on_gpu:
             kwargs["dtype"] = cfg.target.dtype  # CPU keeps float32 (bf16 matmuls are slow there)
     return EngineProcess(e.backend, model_path, kwargs, env=env, name=f"extract-{group.name}")
