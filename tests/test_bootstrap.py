@@ -121,10 +121,24 @@ def test_bootstrap_installs_the_lock_from_a_fresh_virtualenv_and_leaves_a_worker
         assert again.returncode == 0 and f"a worker is already running (pid {pid})" in again.stdout, again.stderr
         print(json.dumps({"bootstrap_seconds": round(took, 1)}))
     finally:
+        stop_worker(pid)
+
+
+def stop_worker(pid: int, grace: float = 10) -> None:
+    """SIGTERM the worker's process group (the script started it in its own session), SIGKILL what is left:
+    a Prefect worker that has lost its server may not finish shutting down on SIGTERM."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(pid, signal.SIGTERM)
+            os.killpg(pid, sig)
         except ProcessLookupError:
-            pass
+            return
+        deadline = time.time() + grace
+        while time.time() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
 
 
 def test_install_only_needs_just_the_checkout(tmp_path):
