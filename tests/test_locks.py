@@ -197,3 +197,16 @@ def test_the_stack_page_states_the_locked_versions():
     for name, want_cpu, want_gpu in rows[1:]:  # after the header row
         assert cpu.get(name, "-") == want_cpu.strip(), f"docs/STACK.md says {name} {want_cpu} in cpu.lock"
         assert gpu.get(name, "-") == want_gpu.strip(), f"docs/STACK.md says {name} {want_gpu} in gpu.lock"
+
+
+def test_prefect_newer_than_3_7_does_not_resolve_with_vllm(tmp_path):
+    """Why gpu.in holds Prefect at 3.7 (docs/STACK.md): 3.9 needs a fastapi that vLLM 0.33 refuses. PyPI needed."""
+    cmd = header_command(GPU_LOCK)
+    src = (REQ / "gpu.in").read_text().replace("prefect>=3.7,<3.8", "prefect>=3.9")
+    assert src != (REQ / "gpu.in").read_text()
+    (tmp_path / "gpu.in").write_text(src)
+    cmd = [uv_binary(), *cmd[1:]]
+    cmd[cmd.index("requirements/gpu.in")] = str(tmp_path / "gpu.in")
+    cmd[cmd.index("-o") + 1] = str(tmp_path / "out.lock")
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and "fastapi" in run.stderr, run.stderr[-2000:]
