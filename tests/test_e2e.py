@@ -18,15 +18,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Small, but the draft really learns: 48 chitchat prompts answered by the target itself (48 tokens each),
+# 80 steps of 512 tokens at lr 1e-3 (~40 s on 2 cores), measured on 8 held-out prompts x 32 tokens.
 SMALL = [
-    "data.max_samples=24", "data.num_shards=2", "data.heldout=4", "data.max_length=256",
-    "regenerate.max_tokens=24", "vocab.draft_vocab_size=2048",
-    "train.max_steps=6", "train.max_minutes=null", "train.batch_tokens=512", "train.checkpoint_every=3",
-    "train.warmup_steps=1",
-    "benchmark.num_speculative_tokens=[2]", "benchmark.batch_sizes=[4]", "benchmark.max_tokens=16",
+    "data.max_samples=48", "data.num_shards=2", "data.heldout=8", "data.max_length=256",
+    "regenerate.max_tokens=48", "vocab.draft_vocab_size=2048",
+    "train.max_steps=80", "train.max_minutes=null", "train.batch_tokens=512", "train.checkpoint_every=40",
+    "train.warmup_steps=2", "train.lr=1e-3",
+    "benchmark.num_speculative_tokens=[2]", "benchmark.batch_sizes=[4]", "benchmark.max_tokens=32",
     "benchmark.evals=[{name: mtbench, source: {preset: mtbench}, num_prompts: 4}, "
-    "{name: heldout, source: heldout, num_prompts: 4}]",
+    "{name: heldout, source: heldout, num_prompts: 8}]",
 ]
+
+# What an untrained draft reaches in this very setup: the run above with its training reduced to one step at
+# lr 1e-12 (`--set train.max_steps=1 train.lr=1e-12 train.warmup_steps=0`, i.e. the initial weights) got no
+# draft token accepted, acceptance length 1.00 on held-out and on MT-Bench, with train.seed 0 and 1; the
+# trained draft measured 1.9-2.0 on held-out (benchmarks/RESULTS.md, "The e2e test's bound"). A draft that
+# learned nothing cannot pass this bound; one that learned what this run teaches passes it with room.
+UNTRAINED_BOUND = 1.3
 
 
 def draftline(*args: str, env: dict | None = None, timeout: float = 1500) -> subprocess.CompletedProcess:
@@ -70,11 +79,45 @@ def test_benchmark_figures_in_json_are_measured_and_shaped(small_run):
     assert set(bench) == {"mtbench", "heldout"}
     for name, per_k in bench.items():
         fig = per_k["2"]
-        assert 1.0 <= fig["mean_acceptance_length"] <= 3.0
+        assert fig["drafts"] > 0 and fig["mean_acceptance_length"] == pytest.approx(
+            1 + fig["accepted_tokens"] / fig["drafts"])
         assert len(fig["per_position_acceptance"]) == 2
         assert fig["output_tokens_per_s"] > 0 and fig["baseline_output_tokens_per_s"] > 0
         assert fig["speedup"] == pytest.approx(fig["output_tokens_per_s"] / fig["baseline_output_tokens_per_s"],
                                                rel=1e-3)
+
+
+@pytest.mark.slow
+def test_trained_draft_is_accepted_where_an_untrained_one_is_not(small_run):
+    held = _summary(small_run["first"])["benchmark"]["heldout"]["2"]
+    al = held["mean_acceptance_length"]
+    assert al >= UNTRAINED_BOUND, (
+        f"the trained draft's held-out acceptance length at k=2 is {al:.2f} ({held['accepted_tokens']} tokens "
+        f"accepted in {held['drafts']} drafts), under {UNTRAINED_BOUND}, the bound an untrained draft cannot "
+        "reach: training taught it nothing vLLM accepts")
+    # the first drafted token is the one a trained head gets right most often
+    assert held["per_position_acceptance"][0] > 0.3, held["per_position_acceptance"]
+
+
+@pytest.mark.slow
+def test_report_names_its_flow_run_and_judges_greedy_identity_against_a_control(small_run):
+    run_id = _summary(small_run["first"])["flow_run_id"]
+    out = draftline("report", run_id, "--json", "--set", f"store.uri=file://{small_run['store']}")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["measured_by"]["flow_run_id"] == run_id
+    gi = rep["greedy_identity"]
+    for ev in ("mtbench", "heldout"):
+        # the baseline decoded the same prompts again: at the measured batch size and at batch 1
+        assert gi["control"][ev]["decodes"] == ["batch 4", "batch 4 (repeat)", "batch 1"]
+        verdict = gi["verdicts"][ev]["2"]["4"]
+        assert verdict["verdict"] in ("identical", "within_noise"), verdict["sentence"]
+    assert not any("likely a bug" in w for w in rep["warnings"]), rep["warnings"]
+    from tasks.store import Store
+
+    art = Store(f"file://{small_run['store']}").open("benchmark", rep["digest"])
+    text = art.read_bytes("report.md").decode()
+    assert "## Greedy identity" in text and "| heldout | batch 4 | batch 4 (repeat) |" in text
 
 
 @pytest.mark.slow
