@@ -242,7 +242,7 @@ def write_ceiling(store, part_bytes: int, parts: int, workers: int) -> dict:
     included) on `workers` threads, from one buffer already in memory. The stage cannot write faster."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tasks.extract import _tensor_bytes
+    from tasks.parts import _tensor_bytes
 
     data = torch.randint(-100, 100, (part_bytes,), dtype=torch.int8)
     view = _tensor_bytes(data)

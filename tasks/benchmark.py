@@ -213,7 +213,7 @@ def load_eval_prompts(cfg: RunConfig, store: Store, data: ArtifactRef, ev: EvalC
     training data (prompt-only rows allowed)."""
     convs: list[tuple[str, list[dict]]]
     if ev.source == "heldout":
-        from tasks.prepare import read_samples
+        from tasks.samples import read_samples
 
         art = store.open(data.stage, data.digest)
         if "heldout.parquet" not in art.files():
@@ -640,7 +640,8 @@ def offline_replay(cfg: RunConfig, model_path: str, draft_dir: str, draft_info: 
     estimates, here on the eval's own text) and the replayed one (drafts started where vLLM starts
     them), to set beside vLLM's measured figure.
     """
-    from tasks.extract import engine_for_group, gpu_groups, resolve_layer_ids
+    from tasks.engine_settings import engine_for_group, gpu_groups
+    from tasks.target import resolve_layer_ids
     from tasks.target import load_hf_config
 
     t0 = time.time()
@@ -749,7 +750,7 @@ def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef, data: Arti
     hf_config = load_hf_config(cfg.target, model)
     train_art = store.open("train", trained.digest)
 
-    from tasks.prepare import make_masker
+    from tasks.chat import make_masker
 
     # Render prompts exactly as the training answers were asked for (regenerate passes enable_thinking).
     masker = make_masker(cfg, template_kwargs={"enable_thinking": bool(cfg.regenerate.thinking)}
@@ -788,8 +789,7 @@ def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef, data: Arti
 
     with draft_folder(train_art) as draft_dir:
         draft_info = check_draft(draft_dir, hf_config)
-        from tasks.extract import resolve_layer_ids
-        from tasks.target import text_config
+        from tasks.target import resolve_layer_ids, text_config
 
         draft_info["target_num_layers"] = int(text_config(hf_config).num_hidden_layers)
         draft_info["extract_layer_ids"] = resolve_layer_ids(cfg, hf_config)

@@ -5,15 +5,24 @@ Three copies of these rules had drifted apart: regeneration ignored `target.revi
 hub revision answered with another revision of the model than the one extracted and benchmarked),
 only extraction chose vLLM's reference MLA backend for a float32 MLA target on a CPU, and the
 KV-cache size was rounded down in two places and up in the third.
+
+The same module plans what the engines run on: one engine per GPU group on a GPU node (a group is
+`extract.tensor_parallel_size` GPUs), or `extract.cpu_groups` engines over disjoint cores on a CPU.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
 from typing import Any
 
 from tasks.config import RunConfig
-from tasks.engine import engine_dtype
+from tasks.engine import EngineProcess, engine_dtype, vllm_extract_kwargs
+
+
+class EngineSettingsError(ValueError):
+    """GPUs or cores asked for that this machine does not have; the message says what to set."""
 
 
 def on_gpu_here() -> bool:
@@ -61,3 +70,107 @@ def vllm_engine(cfg: RunConfig, model_path: str, name: str, **extra: Any):
 
     return EngineProcess(kind="vllm", model=model_path, llm_kwargs=vllm_kwargs(cfg, model_path, **extra),
                          env=engine_env(cfg), name=name)
+
+
+# ============================================================================ engine groups
+
+
+def visible_gpus() -> list[int]:
+    """GPU ids as CUDA_VISIBLE_DEVICES names them (or 0..n-1 when it is unset)."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        items = [x.strip() for x in cvd.split(",") if x.strip()]
+        try:
+            return [int(x) for x in items]
+        except ValueError:
+            raise EngineSettingsError(
+                f"CUDA_VISIBLE_DEVICES={cvd!r}: draftline needs numeric GPU ids to form groups; use indices"
+            ) from None
+    try:
+        import torch
+
+        return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    except Exception:
+        return []
+
+
+def gpu_groups(cfg: RunConfig) -> list[list[int]]:
+    """Visible GPUs split into groups of `tensor_parallel_size`; on CPU one group `[]`."""
+    e = cfg.extract
+    visible = visible_gpus()
+    if e.gpus == 0:
+        return [[]]
+    if not visible:
+        if e.gpus:
+            raise EngineSettingsError(f"extract.gpus={e.gpus} but no GPU is visible; set extract.gpus: 0 to use the CPU")
+        return [[]]
+    n = len(visible) if e.gpus is None else e.gpus
+    if n > len(visible):
+        raise EngineSettingsError(f"extract.gpus={n} but only {len(visible)} GPU(s) are visible ({visible})")
+    tp = e.tensor_parallel_size
+    if n < tp:
+        raise EngineSettingsError(
+            f"extract.tensor_parallel_size={tp} needs {tp} GPUs per engine, only {n} to use; "
+            f"lower tensor_parallel_size or raise extract.gpus"
+        )
+    use = visible[: n - n % tp]
+    return [use[i:i + tp] for i in range(0, len(use), tp)]
+
+
+@dataclass(frozen=True)
+class EngineGroup:
+    """What one engine of the pool may use: GPUs (one tensor-parallel group), or on a CPU, cores
+    (None = every core this process may use)."""
+
+    gpus: tuple[int, ...] = ()
+    cpus: tuple[int, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        if self.gpus:
+            return "gpu" + "-".join(map(str, self.gpus))
+        return "cpu" + ("-".join(map(str, self.cpus)) if self.cpus else "")
+
+
+def engine_groups(cfg: RunConfig) -> list[EngineGroup]:
+    """The engines extraction runs side by side: one per GPU group (`gpu_groups`), or on a CPU
+    `extract.cpu_groups` engines over disjoint shares of the cores this process may use."""
+    gpus = gpu_groups(cfg)
+    if gpus != [[]]:
+        return [EngineGroup(gpus=tuple(g)) for g in gpus]
+    n = cfg.extract.cpu_groups
+    if n == 1:
+        return [EngineGroup()]
+    cores = sorted(os.sched_getaffinity(0))
+    if n > len(cores):
+        raise EngineSettingsError(f"extract.cpu_groups={n} but this process may use {len(cores)} core(s) ({cores}); "
+                           f"set extract.cpu_groups to at most {len(cores)}")
+    size = len(cores) // n
+    return [EngineGroup(cpus=tuple(cores[i * size:(i + 1) * size])) for i in range(n)]
+
+
+def engine_for_group(cfg: RunConfig, model_path: str, group: list[int] | EngineGroup) -> EngineProcess:
+    """An extraction engine (not yet started: `with engine_for_group(...) as eng:` starts it)
+    that sees only the group's GPUs (a list of GPU ids, or an EngineGroup), or only its cores."""
+    if not isinstance(group, EngineGroup):
+        group = EngineGroup(gpus=tuple(group))
+    e = cfg.extract
+    from tasks.target import load_hf_config, resolve_layer_ids
+
+    layer_ids = resolve_layer_ids(cfg, load_hf_config(cfg.target, model_path))
+    env = {**engine_env(cfg), "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in group.gpus)}  # "": no GPU
+    if group.cpus:  # pinned by the engine itself (tasks/engine.py), and vLLM's OpenMP threads with it
+        cores = ",".join(map(str, group.cpus))
+        env.update({"DRAFTLINE_ENGINE_CPUS": cores, "VLLM_CPU_OMP_THREADS_BIND": cores,
+                    "OMP_NUM_THREADS": str(len(group.cpus))})
+    on_gpu = bool(group.gpus)
+    if e.backend == "vllm":
+        kwargs = vllm_kwargs(cfg, model_path, on_gpu=on_gpu, **vllm_extract_kwargs(layer_ids))
+    else:
+        kwargs = {"max_model_len": cfg.target.max_model_len, "trust_remote_code": cfg.target.trust_remote_code,
+                  "max_batch_tokens": e.batch_tokens}
+        if cfg.target.revision:
+            kwargs["revision"] = cfg.target.revision
+        if on_gpu:
+            kwargs["dtype"] = cfg.target.dtype  # CPU keeps float32 (bf16 matmuls are slow there)
+    return EngineProcess(e.backend, model_path, kwargs, env=env, name=f"extract-{group.name}")

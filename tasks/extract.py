@@ -24,32 +24,39 @@ one float32 scale per token and layer, about half the bytes of bf16.
 from __future__ import annotations
 
 import functools
-import json
-import math
-import os
-import struct
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Iterator
 
 from pydantic import BaseModel, Field
 
 from tasks.config import RunConfig
 from tasks.digest import VERSIONS, stage_digest
-from tasks.engine import EngineError, EngineProcess, vllm_extract_kwargs
-from tasks.engine_settings import engine_env, vllm_kwargs
+from tasks.engine import EngineError, EngineProcess
+from tasks.engine_settings import (  # noqa: F401  (re-exported: the extraction API callers know)
+    EngineGroup,
+    engine_for_group,
+    engine_groups,
+    gpu_groups,
+    visible_gpus,
+)
 from tasks.faults import kill_point
+from tasks.parts import (  # noqa: F401  (the part format, re-exported for readers of extraction)
+    PartBuffer,
+    dequantize_fp8,
+    load_part,
+    quantize_fp8,
+    write_safetensors_stream,
+)
 from tasks.store import ArtifactRef, ArtifactWriter, Store
-from tasks.target import default_layer_ids, load_hf_config, text_config, validate_for_vllm, validate_layer_ids
+from tasks.target import resolve_layer_ids, text_config, validate_for_vllm
 
 STAGE = "extract"
 # Keys that decide where and how fast extraction runs, not what it produces.
 SCHEDULING_KEYS = {"gpus", "cpu_groups", "kv_cache_gib", "batch_tokens", "tensor_parallel_size", "enforce_eager",
                    "write_overlap", "write_queue", "write_workers"}
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DATA_STAGES = ("prepare", "regenerate")
 
 ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in the shard)
@@ -78,12 +85,6 @@ class ShardPlan(BaseModel):
 
 
 # ============================================================================ planning
-
-
-def resolve_layer_ids(cfg: RunConfig, hf_config: Any) -> list[int]:
-    n = int(text_config(hf_config).num_hidden_layers)
-    ids = list(cfg.extract.layer_ids) if cfg.extract.layer_ids else default_layer_ids(n)
-    return validate_layer_ids(ids, n)
 
 
 def digest_section(cfg: RunConfig, layer_ids: list[int]) -> dict[str, Any]:
@@ -121,297 +122,7 @@ def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[
 # ============================================================================ GPU groups and engines
 
 
-def visible_gpus() -> list[int]:
-    """GPU ids as CUDA_VISIBLE_DEVICES names them (or 0..n-1 when it is unset)."""
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd is not None:
-        items = [x.strip() for x in cvd.split(",") if x.strip()]
-        try:
-            return [int(x) for x in items]
-        except ValueError:
-            raise ExtractError(
-                f"CUDA_VISIBLE_DEVICES={cvd!r}: draftline needs numeric GPU ids to form groups; use indices"
-            ) from None
-    try:
-        import torch
-
-        return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    except Exception:
-        return []
-
-
-def gpu_groups(cfg: RunConfig) -> list[list[int]]:
-    """Visible GPUs split into groups of `tensor_parallel_size`; on CPU one group `[]`."""
-    e = cfg.extract
-    visible = visible_gpus()
-    if e.gpus == 0:
-        return [[]]
-    if not visible:
-        if e.gpus:
-            raise ExtractError(f"extract.gpus={e.gpus} but no GPU is visible; set extract.gpus: 0 to use the CPU")
-        return [[]]
-    n = len(visible) if e.gpus is None else e.gpus
-    if n > len(visible):
-        raise ExtractError(f"extract.gpus={n} but only {len(visible)} GPU(s) are visible ({visible})")
-    tp = e.tensor_parallel_size
-    if n < tp:
-        raise ExtractError(
-            f"extract.tensor_parallel_size={tp} needs {tp} GPUs per engine, only {n} to use; "
-            f"lower tensor_parallel_size or raise extract.gpus"
-        )
-    use = visible[: n - n % tp]
-    return [use[i:i + tp] for i in range(0, len(use), tp)]
-
-
-@dataclass(frozen=True)
-class EngineGroup:
-    """What one engine of the pool may use: GPUs (one tensor-parallel group), or on a CPU, cores
-    (None = every core this process may use)."""
-
-    gpus: tuple[int, ...] = ()
-    cpus: tuple[int, ...] | None = None
-
-    @property
-    def name(self) -> str:
-        if self.gpus:
-            return "gpu" + "-".join(map(str, self.gpus))
-        return "cpu" + ("-".join(map(str, self.cpus)) if self.cpus else "")
-
-
-def engine_groups(cfg: RunConfig) -> list[EngineGroup]:
-    """The engines extraction runs side by side: one per GPU group (`gpu_groups`), or on a CPU
-    `extract.cpu_groups` engines over disjoint shares of the cores this process may use."""
-    gpus = gpu_groups(cfg)
-    if gpus != [[]]:
-        return [EngineGroup(gpus=tuple(g)) for g in gpus]
-    n = cfg.extract.cpu_groups
-    if n == 1:
-        return [EngineGroup()]
-    cores = sorted(os.sched_getaffinity(0))
-    if n > len(cores):
-        raise ExtractError(f"extract.cpu_groups={n} but this process may use {len(cores)} core(s) ({cores}); "
-                           f"set extract.cpu_groups to at most {len(cores)}")
-    size = len(cores) // n
-    return [EngineGroup(cpus=tuple(cores[i * size:(i + 1) * size])) for i in range(n)]
-
-
-def engine_for_group(cfg: RunConfig, model_path: str, group: list[int] | EngineGroup) -> EngineProcess:
-    """An extraction engine (not yet started: `with engine_for_group(...) as eng:` starts it)
-    that sees only the group's GPUs (a list of GPU ids, or an EngineGroup), or only its cores."""
-    if not isinstance(group, EngineGroup):
-        group = EngineGroup(gpus=tuple(group))
-    e = cfg.extract
-    hf_config = load_hf_config(cfg.target, model_path)
-    layer_ids = resolve_layer_ids(cfg, hf_config)
-    env = {**engine_env(cfg), "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in group.gpus)}  # "": no GPU
-    if group.cpus:  # pinned by the engine itself (tasks/engine.py), and vLLM's OpenMP threads with it
-        cores = ",".join(map(str, group.cpus))
-        env.update({"DRAFTLINE_ENGINE_CPUS": cores, "VLLM_CPU_OMP_THREADS_BIND": cores,
-                    "OMP_NUM_THREADS": str(len(group.cpus))})
-    on_gpu = bool(group.gpus)
-    if e.backend == "vllm":
-        kwargs = vllm_kwargs(cfg, model_path, on_gpu=on_gpu, **vllm_extract_kwargs(layer_ids))
-    else:
-        kwargs = {"max_model_len": cfg.target.max_model_len, "trust_remote_code": cfg.target.trust_remote_code,
-                  "max_batch_tokens": e.batch_tokens}
-        if cfg.target.revision:
-            kwargs["revision"] = cfg.target.revision
-        if on_gpu:
-            kwargs["dtype"] = cfg.target.dtype  # CPU keeps float32 (bf16 matmuls are slow there)
-    return EngineProcess(e.backend, model_path, kwargs, env=env, name=f"extract-{group.name}")
-
-
 # ============================================================================ parts on disk
-
-_ST_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32", "int32": "I32",
-              "uint8": "U8", "int64": "I64"}
-
-
-def _tensor_bytes(t: Any) -> memoryview:
-    import torch
-
-    t = t.detach().contiguous().cpu()
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
-
-
-def write_safetensors_stream(fh: BinaryIO, tensors: list[tuple[str, str, list[int], list[Any]]],
-                             metadata: dict[str, str]) -> int:
-    """Write a safetensors file from chunks, without concatenating them in memory.
-
-    tensors: (name, torch dtype name, shape, chunks); the chunks of one tensor, in
-    order, make up its row-major data. Returns the bytes written.
-    """
-    import torch
-
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, dtype, shape, chunks in tensors:
-        nbytes = sum(c.numel() * c.element_size() for c in chunks)
-        elem = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-        if nbytes != math.prod(shape) * elem:
-            raise ValueError(f"{name}: chunks hold {nbytes} bytes, shape {shape} of {dtype} needs "
-                             f"{math.prod(shape) * elem}")
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    fh.write(struct.pack("<Q", len(raw)))
-    fh.write(raw)
-    for _name, _dtype, _shape, chunks in tensors:
-        for c in chunks:
-            fh.write(_tensor_bytes(c))
-    return 8 + len(raw) + offset
-
-
-def quantize_fp8(hidden: Any) -> tuple[Any, Any]:
-    """[T, L, H] -> (float8_e4m3fn [T, L, H], float32 scales [T, L]); x ~= q * scale."""
-    import torch
-
-    x = hidden.float()
-    scale = (x.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
-    q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def dequantize_fp8(q: Any, scale: Any) -> Any:
-    import torch
-
-    return (q.float() * scale.float().unsqueeze(-1)).to(torch.bfloat16)
-
-
-def _copy_into(dst: Any, src: Any) -> None:
-    """dst[...] = src for contiguous tensors of one dtype, on this thread only (numpy's copy, which
-    releases the GIL). torch's copy_ runs on all the process's intra-op threads, and on the H200's
-    host, while the engine process computed the next batch, those parallel copies were held up to
-    the engine's pace (8 x 2048 tokens of SmolLM2 shape: 4.5 ms alone, 42 ms beside the engine)."""
-    import numpy as np
-    import torch
-
-    np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
-
-
-class _PartBuffer:
-    """Samples collected for one part, copied into preallocated tensors; flushed as one safetensors file.
-
-    A buffer is reused from part to part (`_PartWriter` hands written ones back), so a shard
-    allocates at most write_queue + 1 of them and its resident memory stays flat. (Reuse alone
-    did not speed up collecting on the H200: the cost there was the multi-threaded copy, see
-    `_copy_into`.) `capacity` tokens are allocated on first use and grown (doubling) if a part
-    outgrows them.
-    """
-
-    def __init__(self, layer_ids: list[int], hidden_size: int, storage_dtype: str, capacity: int = 0):
-        self.layer_ids = layer_ids
-        self.hidden_size = hidden_size
-        self.storage_dtype = storage_dtype
-        self.capacity = 0
-        self._want = max(1, capacity)
-        self._hidden: Any = None  # [capacity, L, H] in the storage dtype
-        self._scales: Any = None  # fp8: float32 [capacity, L]
-        self._ids: Any = None  # int32 [capacity]
-        self._mask: Any = None  # uint8 [capacity]
-        self.reset()
-
-    def reset(self) -> None:
-        """Empty the buffer; its memory is kept for the next part."""
-        self.sample_ids: list[str] = []
-        self.lengths: list[int] = []
-        self.tokens = 0
-
-    def _reserve(self, tokens: int) -> None:
-        import torch
-
-        if tokens <= self.capacity:
-            return
-        cap = max(tokens, self._want, 2 * self.capacity)
-        n_l, h, t = len(self.layer_ids), self.hidden_size, self.tokens
-        fp8 = self.storage_dtype == "fp8"
-        hidden = torch.empty(cap, n_l, h, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
-        scales = torch.empty(cap, n_l, dtype=torch.float32) if fp8 else None
-        ids, mask = torch.empty(cap, dtype=torch.int32), torch.empty(cap, dtype=torch.uint8)
-        if t:  # outgrown mid-part: keep what it holds
-            hidden[:t].copy_(self._hidden[:t])
-            ids[:t].copy_(self._ids[:t])
-            mask[:t].copy_(self._mask[:t])
-            if fp8:
-                scales[:t].copy_(self._scales[:t])
-        self._hidden, self._scales, self._ids, self._mask, self.capacity = hidden, scales, ids, mask, cap
-
-    def add(self, sample_id: str, input_ids: Any, loss_mask: Any, hidden: Any) -> None:
-        """Copies `hidden` [T, L, H] in (it may live in memory the engine reuses: extract(ring=True))."""
-        import torch
-
-        n = int(hidden.shape[0])
-        if len(input_ids) != n or len(loss_mask) != n:
-            raise ExtractError(f"sample {sample_id}: {n} hidden states for {len(input_ids)} input_ids and "
-                               f"{len(loss_mask)} loss_mask values")
-        self._reserve(self.tokens + n)
-        a, b = self.tokens, self.tokens + n
-        if self.storage_dtype == "fp8":
-            q, s = quantize_fp8(hidden)
-            self._hidden[a:b].copy_(q)
-            self._scales[a:b].copy_(s)
-        elif hidden.dtype == torch.bfloat16 and hidden.is_contiguous():
-            _copy_into(self._hidden[a:b], hidden)
-        else:
-            self._hidden[a:b].copy_(hidden)  # casts to bf16 if the engine returned another dtype
-        self._ids[a:b].copy_(torch.as_tensor(input_ids, dtype=torch.int32))
-        self._mask[a:b].copy_(torch.as_tensor(loss_mask, dtype=torch.uint8))
-        self.sample_ids.append(sample_id)
-        self.lengths.append(n)
-        self.tokens = b
-
-    def write(self, fh: BinaryIO) -> int:
-        import torch
-
-        t, n_l, h = self.tokens, len(self.layer_ids), self.hidden_size
-        offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor(self.lengths, dtype=torch.int64).cumsum(0)
-        def rows(x: Any) -> list[Any]:  # the filled rows, as one chunk (none before the first add)
-            return [x[:t]] if t else []
-
-        tensors = [("hidden_states", "float8_e4m3fn" if self.storage_dtype == "fp8" else "bfloat16",
-                    [t, n_l, h], rows(self._hidden))]
-        if self.storage_dtype == "fp8":
-            tensors.append(("hidden_scales", "float32", [t, n_l], rows(self._scales)))
-        tensors += [("input_ids", "int32", [t], rows(self._ids)),
-                    ("loss_mask", "uint8", [t], rows(self._mask)),
-                    ("offsets", "int64", [len(self.lengths) + 1], [offsets])]
-        meta = {"sample_ids": json.dumps(self.sample_ids), "layer_ids": json.dumps(self.layer_ids),
-                "storage_dtype": self.storage_dtype, "hidden_size": str(h), "format": "draftline-extract-v1"}
-        return write_safetensors_stream(fh, tensors, meta)
-
-
-def load_part(path: str) -> dict[str, Any]:
-    """One part as {"hidden_states" bf16 [T, L, H], "input_ids" int32 [T], "loss_mask" uint8 [T],
-    "offsets" int64 [N+1], "sample_ids" list[str], "layer_ids" list[int], "storage_dtype" str}.
-    fp8 parts are dequantized with their per-token-per-layer scales."""
-    import torch
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as f:
-        meta = f.metadata() or {}
-        names = set(f.keys())
-        missing = {"hidden_states", "input_ids", "loss_mask", "offsets"} - names
-        if missing:
-            raise ExtractError(f"{path} is not an extraction part: it lacks {sorted(missing)}")
-        hs = f.get_tensor("hidden_states")
-        if hs.dtype == torch.float8_e4m3fn:
-            if "hidden_scales" not in names:
-                raise ExtractError(f"{path}: fp8 hidden_states without hidden_scales; the part is corrupt")
-            hs = dequantize_fp8(hs, f.get_tensor("hidden_scales"))
-        else:
-            hs = hs.to(torch.bfloat16)
-        out = {
-            "hidden_states": hs,
-            "input_ids": f.get_tensor("input_ids"),
-            "loss_mask": f.get_tensor("loss_mask"),
-            "offsets": f.get_tensor("offsets"),
-        }
-    out["sample_ids"] = json.loads(meta.get("sample_ids", "[]"))
-    out["layer_ids"] = json.loads(meta.get("layer_ids", "[]"))
-    out["storage_dtype"] = meta.get("storage_dtype", "bf16")
-    return out
 
 
 # ============================================================================ the stage
@@ -451,7 +162,7 @@ def _batches(samples: list, batch_tokens: int) -> Iterator[list]:
         yield batch
 
 
-def _store_batch(plan: ShardPlan, buf: "_PartBuffer", batch: list, hidden: list, done: int,
+def _store_batch(plan: ShardPlan, buf: "PartBuffer", batch: list, hidden: list, done: int,
                  masked: int) -> tuple[int, int]:
     if len(hidden) != len(batch):
         raise ExtractError(f"the engine returned {len(hidden)} results for {len(batch)} samples")
@@ -505,8 +216,8 @@ class _PartWriter:
         self.write_s = 0.0  # time spent writing parts, summed over the workers
         self.peak_in_flight = 0
         self.error: BaseException | None = None
-        self._pending: deque[tuple[str, _PartBuffer]] = deque()  # handed over, not started
-        self._free: list[_PartBuffer] = []  # written and emptied, for `take`
+        self._pending: deque[tuple[str, PartBuffer]] = deque()  # handed over, not started
+        self._free: list[PartBuffer] = []  # written and emptied, for `take`
         self._active = 0  # being written
         self._closing = False
         self._cancelled = threading.Event()
@@ -518,7 +229,7 @@ class _PartWriter:
                 t.start()
                 self._threads.append(t)
 
-    def put(self, buf: "_PartBuffer") -> None:
+    def put(self, buf: "PartBuffer") -> None:
         """Hand over a filled part; the caller starts a new buffer."""
         if not buf.tokens:
             return
@@ -539,7 +250,7 @@ class _PartWriter:
             self.peak_in_flight = max(self.peak_in_flight, len(self._pending) + self._active)
             self._cond.notify_all()
 
-    def take(self) -> "_PartBuffer | None":
+    def take(self) -> "PartBuffer | None":
         """A written, emptied buffer to fill again (its memory already touched), or None."""
         with self._cond:
             return self._free.pop() if self._free else None
@@ -577,7 +288,7 @@ class _PartWriter:
         if self.error is not None:
             raise self.error
 
-    def _write(self, name: str, buf: "_PartBuffer") -> None:
+    def _write(self, name: str, buf: "PartBuffer") -> None:
         t0 = time.monotonic()
         with self.w.open(name) as fh:
             buf.write(_CancellableFile(fh, self._cancelled))  # type: ignore[arg-type]
@@ -648,7 +359,7 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
     batches = list(_batches(samples, e.batch_tokens))
     longest_batch = max((sum(len(s[1]) for s in b) for b in batches), default=0)
     capacity = min(total, e.part_tokens - 1 + longest_batch)
-    new_buffer = lambda: _PartBuffer(plan.layer_ids, plan.hidden_size, e.storage_dtype, capacity)  # noqa: E731
+    new_buffer = lambda: PartBuffer(plan.layer_ids, plan.hidden_size, e.storage_dtype, capacity)  # noqa: E731
     buf = new_buffer()
 
     with store.write(STAGE, plan.digest, VERSIONS[STAGE], inputs=plan.inputs, config=plan.config) as w:

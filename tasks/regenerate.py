@@ -39,18 +39,8 @@ from tasks.config import RunConfig
 from tasks.data_sources import Conversation, strip_thinking, user_turns
 from tasks.digest import VERSIONS, stage_digest
 from tasks.digest import regenerate as _regenerate_digest
-from tasks.prepare import (
-    HELDOUT,
-    ChatMasker,
-    Sample,
-    SampleDropped,
-    encode_sample,
-    make_masker,
-    parquet_bytes,
-    read_samples,
-    shard_name,
-    token_stats,
-)
+from tasks.chat import ChatMasker, SampleDropped, encode_sample, make_masker
+from tasks.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats
 from tasks.store import Artifact, ArtifactRef, Store
 
 STAGE = "regenerate"

@@ -305,3 +305,11 @@ def load_verifier_weights(path: str, tie_word_embeddings: bool) -> dict[str, Any
     if missing:
         raise TargetError(f"{path}: could not find verifier weights for {missing} (looked for {VERIFIER_KEYS})")
     return out
+
+
+def resolve_layer_ids(cfg: Any, hf_config: Any) -> list[int]:
+    """The layer ids a run extracts and trains on: `extract.layer_ids`, or the EAGLE-3 default for the
+    target's depth; checked either way (the one place this rule lives)."""
+    n = int(text_config(hf_config).num_hidden_layers)
+    ids = list(cfg.extract.layer_ids) if cfg.extract.layer_ids else default_layer_ids(n)
+    return validate_layer_ids(ids, n)

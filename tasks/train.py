@@ -426,7 +426,7 @@ class PartReader:
         self.verified: set[tuple[str, str]] = set()  # sha256 checked once per process, sizes every read
 
     def __call__(self, spec: PartSpec) -> PartData:
-        from tasks.extract import load_part
+        from tasks.parts import load_part
 
         art = self.artifacts[spec.digest]
         key = (spec.digest, spec.name)
@@ -1303,7 +1303,7 @@ def export_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
 # ============================================================================ ranks on this node
 
 
-RANK_ENTRY = "from tasks.train import rank_main; rank_main()"  # what each rank's `python -c` runs
+RANK_ENTRY = "import tasks.train; tasks.train.rank_main()"  # what each rank's `python -c` runs
 RANK_LOG_TAIL_LINES = 25
 
 

@@ -55,7 +55,7 @@ def draft_size(requested: int, target_vocab: int) -> int:
 
 
 def training_shards(data_art: Any) -> list[str]:
-    from tasks.prepare import HELDOUT
+    from tasks.samples import HELDOUT
 
     shards = sorted(f for f in data_art.files() if f.endswith(".parquet") and f != HELDOUT)
     if not shards:
@@ -65,7 +65,7 @@ def training_shards(data_art: Any) -> list[str]:
 
 def count_tokens(data_art: Any, vocab_size: int, files: list[str] | None = None) -> tuple[np.ndarray, int]:
     """Counts of loss-masked token ids over the training shards (or `files`), and the number of masked tokens."""
-    from tasks.prepare import iter_token_batches
+    from tasks.samples import iter_token_batches
 
     shards = files if files is not None else training_shards(data_art)
     counts = np.zeros(vocab_size, dtype=np.int64)
@@ -157,7 +157,7 @@ def run_vocab(cfg: RunConfig, store: Store, data_ref: ArtifactRef) -> ArtifactRe
         raise VocabError(f"{data_art.uri} has no loss-masked tokens; the data has no assistant answers to learn")
     d2t, t2d = build_maps(counts, k)
     coverage = float(counts[t2d].sum() / masked)
-    from tasks.prepare import HELDOUT
+    from tasks.samples import HELDOUT
 
     heldout_coverage = None
     if HELDOUT in data_art.files():  # out of sample: tokens the vocabulary was not chosen on

@@ -24,6 +24,7 @@ import torch
 from tasks.config import ExtractConfig, RunConfig, TargetConfig
 from tasks.digest import VERSIONS, stage_digest
 from tasks.engine import EngineError
+from tasks.engine_settings import EngineSettingsError
 from tasks.extract import (
     ExtractError,
     engine_for_group,
@@ -191,7 +192,7 @@ def test_gpu_groups(monkeypatch, model_path):
     assert gpu_groups(make_cfg(model_path, tensor_parallel_size=8)) == [list(range(8))]
     assert gpu_groups(make_cfg(model_path, gpus=3, tensor_parallel_size=2)) == [[0, 1]]
     assert gpu_groups(make_cfg(model_path, gpus=0)) == [[]]
-    with pytest.raises(ExtractError, match="tensor_parallel_size=4"):
+    with pytest.raises(EngineSettingsError, match="tensor_parallel_size=4"):
         gpu_groups(make_cfg(model_path, gpus=2, tensor_parallel_size=4))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
     assert gpu_groups(make_cfg(model_path)) == [[4], [5]]
@@ -202,7 +203,7 @@ def test_gpu_groups(monkeypatch, model_path):
     assert not eng.alive  # not started until used
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert gpu_groups(make_cfg(model_path)) == [[]]
-    with pytest.raises(ExtractError, match="no GPU"):
+    with pytest.raises(EngineSettingsError, match="no GPU"):
         gpu_groups(make_cfg(model_path, gpus=2))
 
 
@@ -380,11 +381,11 @@ def test_streamed_parts_are_standard_safetensors(tmp_path):
     from safetensors.torch import load_file
 
     from tasks.engine import read_safetensors
-    from tasks.extract import _PartBuffer
+    from tasks.parts import PartBuffer
 
     torch.manual_seed(0)
     for dtype in ("bf16", "fp8"):
-        buf = _PartBuffer([1, 3, 4, 6], 16, dtype, capacity=4)
+        buf = PartBuffer([1, 3, 4, 6], 16, dtype, capacity=4)
         chunks = [torch.randn(n, 4, 16).to(torch.bfloat16) for n in (5, 1, 9)]
         for i, c in enumerate(chunks):
             buf.add(f"s{i}", list(range(len(c))), [i % 2] * len(c), c)
@@ -524,16 +525,16 @@ def test_part_buffers_are_reused_at_most_write_queue_plus_one(store, model_path,
                                                               workers):
     """12 parts go through at most write_queue + 1 buffers (host memory stays bounded and flat), and
     reuse corrupts nothing: every part reads back exactly."""
-    from tasks.extract import _PartBuffer
+    from tasks.parts import PartBuffer
 
     made: list = []
-    real_init = _PartBuffer.__init__
+    real_init = PartBuffer.__init__
 
     def counting_init(self, *a, **kw):
         real_init(self, *a, **kw)
         made.append(self)
 
-    monkeypatch.setattr(_PartBuffer, "__init__", counting_init)
+    monkeypatch.setattr(PartBuffer, "__init__", counting_init)
     cfg = writer_cfg(model_path, overlap, queue, workers)
     data = fixed_data(store, f"reuse-{overlap}-{queue}-{workers}")
     plan = plan_extract(cfg, data, load_hf_config(cfg.target))[0]

@@ -231,15 +231,15 @@ def test_corrupted_part_is_named_never_trained_on_and_reextracted(tmp_path, targ
     store, _cfg, data, plans, refs, vref = extracted(tmp_path, target, engine)
     cfg = config(target, max_steps=14, prefetch=0)  # > 1 epoch: every part is read; prefetch 0: no read-ahead
     loaded: list[str] = []
-    import tasks.extract
+    import tasks.parts
 
-    real_load = tasks.extract.load_part
+    real_load = tasks.parts.load_part
 
     def recording(path):
         loaded.append(str(path))
         return real_load(path)
 
-    monkeypatch.setattr(tasks.extract, "load_part", recording)
+    monkeypatch.setattr(tasks.parts, "load_part", recording)
     bad: dict = {}
 
     def corrupt_an_unread_part(rec: dict) -> None:

@@ -320,7 +320,7 @@ def test_precision_bf16_autocasts_on_cpu_and_fp32_does_not(tmp_path, tiny, monke
 
 
 def test_fp8_parts_train(tmp_path, tiny):
-    """fp8 parts (float8_e4m3fn + per-token scales) are dequantized by tasks.extract.load_part."""
+    """fp8 parts (float8_e4m3fn + per-token scales) are dequantized by tasks.parts.load_part."""
     from safetensors.torch import save as st_save
 
     from tasks.extract import quantize_fp8
