@@ -77,8 +77,34 @@ def regenerate(cfg, prepared) -> str:
                         {"data": prepared.digest})
 
 
+REGENERATE_SHARD = "regenerate-shard"
+
+
+def regenerate_shard(regenerate_digest: str, shard: int) -> str:
+    """One regenerated shard, committed on its own so a crash loses at most one shard."""
+    return stage_digest(REGENERATE_SHARD, {"shard": shard}, {"regenerate": regenerate_digest},
+                        version=VERSIONS["regenerate"])
+
+
 def vocab(cfg, data) -> str:
     return stage_digest("vocab", cfg.vocab, {"data": data.digest})
+
+
+# Extract keys that change where and how fast hidden states are made, not their bytes.
+EXTRACT_SCHEDULING_KEYS = {"gpus", "cpu_groups", "kv_cache_gib", "batch_tokens", "tensor_parallel_size",
+                           "enforce_eager", "write_overlap", "write_queue", "write_workers"}
+
+
+def extract_section(cfg, layer_ids: list[int]) -> dict[str, Any]:
+    """The extract section minus scheduling-only keys, with the layer ids resolved
+    (so `layer_ids: null` and the same ids written out share a digest)."""
+    section = cfg.extract.model_dump(mode="json", exclude=EXTRACT_SCHEDULING_KEYS)
+    section["layer_ids"] = list(layer_ids)
+    return section
+
+
+def extract_shard(cfg, layer_ids: list[int], data_digest: str, shard: int) -> str:
+    return stage_digest("extract", extract_section(cfg, layer_ids), {"data": data_digest, "shard": str(shard)})
 
 
 # Train keys that change how fast or where the draft is made, not the recipe: the number of ranks
@@ -87,13 +113,19 @@ TRAIN_SCHEDULING_KEYS = {"device", "gpus", "prefetch", "checkpoint_every", "keep
                          "attn_impl"}
 
 
-def train(cfg, vocab_ref, shard_refs) -> str:
-    """The train artifact's address (run_train commits there; the Prefect key uses it too)."""
+def train_inputs(cfg, vocab_ref, shard_refs) -> dict[str, str]:
+    """What a train artifact is made of (its digest's inputs, and its manifest's): the vocabulary, the
+    extraction shards in shard order (not completion order), the target."""
     refs = sorted(shard_refs, key=lambda r: (int(r.stats.get("shard", 0)), r.digest))
     t = cfg.target
-    inputs = {"vocab": vocab_ref.digest, "extract": ",".join(r.digest for r in refs),
-              "target": t.model + (f"@{t.revision}" if t.revision else "")}
-    return stage_digest("train", cfg.train.model_dump(mode="json", exclude=TRAIN_SCHEDULING_KEYS), inputs)
+    return {"vocab": vocab_ref.digest, "extract": ",".join(r.digest for r in refs),
+            "target": t.model + (f"@{t.revision}" if t.revision else "")}
+
+
+def train(cfg, vocab_ref, shard_refs) -> str:
+    """The train artifact's address (run_train commits there; the Prefect key uses it too)."""
+    return stage_digest("train", cfg.train.model_dump(mode="json", exclude=TRAIN_SCHEDULING_KEYS),
+                        train_inputs(cfg, vocab_ref, shard_refs))
 
 
 def benchmark(cfg, trained, data) -> str:

@@ -33,7 +33,8 @@ from typing import Any, BinaryIO, Callable, Iterator
 from pydantic import BaseModel, Field
 
 from tasks.config import RunConfig
-from tasks.digest import VERSIONS, stage_digest
+from tasks import digest as digests
+from tasks.digest import VERSIONS
 from tasks.engine import EngineError, EngineProcess
 from tasks.engine_settings import (  # noqa: F401  (re-exported: the extraction API callers know)
     EngineGroup,
@@ -55,8 +56,7 @@ from tasks.target import resolve_layer_ids, text_config, validate_for_vllm
 
 STAGE = "extract"
 # Keys that decide where and how fast extraction runs, not what it produces.
-SCHEDULING_KEYS = {"gpus", "cpu_groups", "kv_cache_gib", "batch_tokens", "tensor_parallel_size", "enforce_eager",
-                   "write_overlap", "write_queue", "write_workers"}
+SCHEDULING_KEYS = digests.EXTRACT_SCHEDULING_KEYS
 DATA_STAGES = ("prepare", "regenerate")
 
 ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in the shard)
@@ -87,14 +87,6 @@ class ShardPlan(BaseModel):
 # ============================================================================ planning
 
 
-def digest_section(cfg: RunConfig, layer_ids: list[int]) -> dict[str, Any]:
-    """The extract section minus scheduling-only keys, with the layer ids resolved
-    (so `layer_ids: null` and the same ids written out share a digest)."""
-    section = cfg.extract.model_dump(mode="json", exclude=SCHEDULING_KEYS)
-    section["layer_ids"] = list(layer_ids)
-    return section
-
-
 def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[ShardPlan]:
     if data_ref.stage not in DATA_STAGES:
         raise ExtractError(f"extract reads a prepare or regenerate artifact, got stage {data_ref.stage!r}")
@@ -108,10 +100,10 @@ def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[
     layer_ids = resolve_layer_ids(cfg, hf_config)
     if cfg.extract.backend == "vllm":  # refuse what vLLM would refuse (or misread) before any engine loads
         validate_for_vllm(hf_config, layer_ids, cfg.target.model)
-    section = digest_section(cfg, layer_ids)
+    section = digests.extract_section(cfg, layer_ids)
     plans = []
     for i in range(num_shards):
-        digest = stage_digest(STAGE, section, {"data": data_ref.digest, "shard": str(i)})
+        digest = digests.extract_shard(cfg, layer_ids, data_ref.digest, i)
         plans.append(ShardPlan(shard=i, digest=digest, data_stage=data_ref.stage, data_digest=data_ref.digest,
                                data_file=f"shard-{i:05d}.parquet", layer_ids=layer_ids,
                                hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),

@@ -31,8 +31,8 @@ from tasks.chat import (  # noqa: F401  (ChatTemplateError, SampleDropped, encod
     make_masker,
     template_help,
 )
+from tasks import digest as digests
 from tasks.digest import VERSIONS
-from tasks.digest import prepare as _prepare_digest
 from tasks.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats  # noqa: F401
 from tasks.store import ArtifactRef, Store
 
@@ -74,11 +74,6 @@ def write_split(w: Any, train: list[Sample], heldout: list[Sample], num_shards: 
 
 
 # =========================================================================== the stage
-
-def prepare_key(cfg: RunConfig) -> str:
-    """The prepare artifact's digest: the target's identity (model, revision, template) + the data section."""
-    return _prepare_digest(cfg)
-
 
 @dataclass
 class _Mix:
@@ -131,7 +126,7 @@ def build_samples(mixes: list[_Mix], masker: ChatMasker, data: DataConfig) -> No
 
 def run_prepare(cfg: RunConfig, store: Store) -> ArtifactRef:
     """Build (or find) the prepare artifact: `shard-*.parquet` + `heldout.parquet` (docs/ARTIFACTS.md)."""
-    digest = prepare_key(cfg)
+    digest = digests.prepare(cfg)
     hit = store.find(STAGE, digest)
     if hit is not None:
         return hit.ref()

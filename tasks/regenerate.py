@@ -37,14 +37,14 @@ from typing import Any, Callable, Protocol
 
 from tasks.config import RunConfig
 from tasks.data_sources import Conversation, strip_thinking, user_turns
-from tasks.digest import VERSIONS, stage_digest
-from tasks.digest import regenerate as _regenerate_digest
+from tasks import digest as digests
+from tasks.digest import VERSIONS
 from tasks.chat import ChatMasker, SampleDropped, encode_sample, make_masker
 from tasks.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats
 from tasks.store import Artifact, ArtifactRef, Store
 
 STAGE = "regenerate"
-SHARD_STAGE = "regenerate-shard"
+SHARD_STAGE = digests.REGENERATE_SHARD
 SHARD_FILE = "shard.parquet"
 
 
@@ -56,15 +56,6 @@ class Engine(Protocol):
 
 class RegenerateError(RuntimeError):
     pass
-
-
-def regenerate_key(cfg: RunConfig, prepared: ArtifactRef) -> str:
-    return _regenerate_digest(cfg, prepared)
-
-
-def shard_key(regenerate_digest: str, shard: int) -> str:
-    return stage_digest(SHARD_STAGE, {"shard": shard}, {"regenerate": regenerate_digest},
-                        version=VERSIONS[STAGE])
 
 
 @dataclass
@@ -189,7 +180,7 @@ def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
     shard needs generating and closed before this returns. `on_shard(done, total, stats, reused)`
     is called after each shard (progress for the flow).
     """
-    digest = regenerate_key(cfg, prepared)
+    digest = digests.regenerate(cfg, prepared)
     hit = store.find(STAGE, digest)
     if hit is not None:
         return hit.ref()
@@ -204,7 +195,7 @@ def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
     reused = 0
     try:
         for i in range(n):
-            key = shard_key(digest, i)
+            key = digests.regenerate_shard(digest, i)
             art = store.find(SHARD_STAGE, key)
             if art is None:
                 if engine is None:

@@ -66,7 +66,8 @@ import torch
 
 from tasks import stopping
 from tasks.config import RunConfig, TargetConfig, TrainConfig
-from tasks.digest import TRAIN_SCHEDULING_KEYS, VERSIONS, stage_digest
+from tasks import digest as digests
+from tasks.digest import TRAIN_SCHEDULING_KEYS, VERSIONS
 from tasks.faults import kill_point
 from tasks.owners import owned_temporary_directory
 from tasks.store import Artifact, ArtifactCorrupt, ArtifactMissing, ArtifactRef, Store
@@ -99,25 +100,9 @@ class TrainError(ValueError):
 # ============================================================================ inputs
 
 
-def target_id(target: TargetConfig) -> str:
-    return target.model + (f"@{target.revision}" if target.revision else "")
-
-
 def _sorted_extract_refs(extract_refs: Sequence[ArtifactRef]) -> list[ArtifactRef]:
     """Shards in shard order (from their stats), so the caller's list order does not matter."""
     return sorted(extract_refs, key=lambda r: (int(r.stats.get("shard", 0)), r.digest))
-
-
-def train_digest(cfg: RunConfig, vocab_ref: ArtifactRef, extract_refs: Sequence[ArtifactRef]) -> str:
-    """The train artifact's address: the train section minus scheduling keys, plus the inputs."""
-    from tasks import digest
-
-    return digest.train(cfg, vocab_ref, extract_refs)
-
-
-def _digest_inputs(cfg: RunConfig, vocab_ref: ArtifactRef, extract_refs: Sequence[ArtifactRef]) -> dict[str, str]:
-    refs = _sorted_extract_refs(extract_refs)
-    return {"vocab": vocab_ref.digest, "extract": ",".join(r.digest for r in refs), "target": target_id(cfg.target)}
 
 
 @dataclass(frozen=True)
@@ -234,7 +219,7 @@ def resolve_inputs(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef,
         raise TrainError(str(exc)) from None
     d2t, t2d = read_vocab(store, vocab_ref, vocab)
     return TrainInputs(
-        digest=train_digest(cfg, vocab_ref, extract_refs), inputs=_digest_inputs(cfg, vocab_ref, extract_refs),
+        digest=digests.train(cfg, vocab_ref, extract_refs), inputs=digests.train_inputs(cfg, vocab_ref, extract_refs),
         target_path=target_path, hf_config=hf, layer_ids=layer_ids, hidden_size=hidden, vocab_size=vocab,
         d2t=d2t, t2d=t2d, parts=parts, artifacts=arts, total_samples=total_samples)
 
@@ -1454,7 +1439,7 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
     from tasks.owners import owned_tempdir
     from tasks.store import COMMITTED_HERE
 
-    digest = train_digest(cfg, vocab_ref, extract_refs)
+    digest = digests.train(cfg, vocab_ref, extract_refs)
     folder = owned_tempdir("draftline-ranks-")
     paths = {k: os.path.join(folder, name) for k, name in
              (("args", "args.json"), ("metrics", "metrics.jsonl"), ("result", "result.json"), ("logs", "logs"))}
@@ -1575,7 +1560,7 @@ def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs
     it trains itself. Under torchrun every rank calls this; rank 0 writes, all ranks
     return the same ref.
     """
-    digest = train_digest(cfg, vocab_ref, extract_refs)
+    digest = digests.train(cfg, vocab_ref, extract_refs)
     found = store.find(STAGE, digest)
     if found is not None:
         return found.ref()
@@ -1599,5 +1584,5 @@ __all__ = [
     "STAGE", "TrainError", "TrainInputs", "Trainer", "build_draft_model", "checkpoint_digest", "evaluate_model",
     "export_draft",
     "flops_per_token", "launch_ranks", "lr_at", "read_vocab", "resolve_attn_impl", "resolve_inputs", "run_train",
-    "simulated_acceptance_length", "train_digest", "train_ranks",
+    "simulated_acceptance_length", "train_ranks",
 ]

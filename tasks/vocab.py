@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from tasks.config import RunConfig, VocabConfig
+from tasks import digest as digests
 from tasks.digest import VERSIONS
-from tasks.digest import vocab as _vocab_digest
 from tasks.store import ArtifactRef, Store
 
 STAGE = "vocab"
@@ -144,7 +144,7 @@ def run_vocab(cfg: RunConfig, store: Store, data_ref: ArtifactRef) -> ArtifactRe
     """Build (or find) `vocab.safetensors` (d2t, t2d, token_counts) for the data artifact `data_ref`."""
     from safetensors.numpy import save
 
-    digest = _vocab_digest(cfg, data_ref)
+    digest = digests.vocab(cfg, data_ref)
     hit = store.find(STAGE, digest)
     if hit is not None:
         return hit.ref()

@@ -35,7 +35,8 @@ from tasks.engine import EngineError
 from tasks.extract import engine_for_group, extract_shard, load_part, plan_extract
 from tasks.store import MANIFEST, ArtifactRef, Store
 from tasks.target import load_hf_config
-from tasks.train import TrainError, checkpoint_digest, run_train, train_digest
+from tasks import digest as digests
+from tasks.train import TrainError, checkpoint_digest, run_train
 from train_data import make_tiny_target, write_vocab
 from warm import WarmEngine, finish, fork_call, start_draftline
 
@@ -318,7 +319,7 @@ def _train_and_die(args: dict) -> None:
 
 def test_training_killed_inside_a_checkpoint_write_resumes_from_the_last_committed_one(tmp_path, target, engine):
     store, cfg, data, plans, refs, vref = extracted(tmp_path, target, engine)
-    digest = train_digest(cfg, vref, refs)
+    digest = digests.train(cfg, vref, refs)
     s3, s6 = checkpoint_digest(digest, 3), checkpoint_digest(digest, 6)
     args = {"cfg": cfg.model_dump(mode="json"), "store": store.uri, "die_at": 6,
             "vocab": vref.model_dump(mode="json"), "extract": [r.model_dump(mode="json") for r in refs]}

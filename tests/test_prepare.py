@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from tasks import digest as digests
 from tasks.config import ConfigError, RunConfig, SourceConfig, TargetConfig, load_config
 from tasks.data_sources import DataSourceError, load_source, normalize_row, BadRow
 from tasks.prepare import (
@@ -25,7 +26,6 @@ from tasks.prepare import (
     ChatTemplateError,
     PrepareError,
     SampleDropped,
-    prepare_key,
     read_samples,
     run_prepare,
     shard_name,
@@ -433,7 +433,7 @@ def test_run_prepare_writes_verified_shards(tmp_path, chat_jsonl, smol_tok):
     store = Store(f"file://{tmp_path}/store")
     cfg = _cfg(chat_jsonl)
     ref = run_prepare(cfg, store)
-    assert ref.digest == prepare_key(cfg)
+    assert ref.digest == digests.prepare(cfg)
     art = store.open("prepare", ref.digest, checksums=True)
     assert sorted(art.files()) == [HELDOUT] + [shard_name(i) for i in range(3)]
     t = _rows(art, shard_name(0))

@@ -10,7 +10,8 @@ import pytest
 
 from tasks.config import RunConfig
 from tasks.prepare import HELDOUT, read_samples, run_prepare, shard_name
-from tasks.regenerate import SHARD_STAGE, regenerate_key, run_regenerate, shard_key
+from tasks import digest as digests
+from tasks.regenerate import SHARD_STAGE, run_regenerate
 from tasks.store import Store
 
 
@@ -72,18 +73,18 @@ def _tok(cfg):
 
 def test_resumes_per_shard_after_a_crash(setup):
     cfg, store, prepared = setup
-    digest = regenerate_key(cfg, prepared)
+    digest = digests.regenerate(cfg, prepared)
     dying = StubEngine(die_on_call=3)  # 17 training prompts in shards of 6/6/5, batches of 4: dies in shard 1
     with pytest.raises(RuntimeError, match="simulated"):
         run_regenerate(cfg, store, prepared, lambda: dying)
     assert dying.closed == 1  # the engine is closed even when a shard fails
-    assert store.find(SHARD_STAGE, shard_key(digest, 0)) is not None
-    assert store.find(SHARD_STAGE, shard_key(digest, 1)) is None
+    assert store.find(SHARD_STAGE, digests.regenerate_shard(digest, 0)) is not None
+    assert store.find(SHARD_STAGE, digests.regenerate_shard(digest, 1)) is None
     assert store.find("regenerate", digest) is None
 
     fresh = StubEngine()
     ref = run_regenerate(cfg, store, prepared, lambda: fresh)
-    done0 = store.find(SHARD_STAGE, shard_key(digest, 0)).stats["prompts"]
+    done0 = store.find(SHARD_STAGE, digests.regenerate_shard(digest, 0)).stats["prompts"]
     assert len(fresh.prompts) == prepared.stats["samples"] - done0  # shard 0 was not generated again
     assert ref.stats["shards_reused"] == 1
     # a finished stage does not even start an engine

@@ -36,7 +36,6 @@ from tasks.train import (
     resolve_attn_impl,
     run_train,
     simulated_acceptance_length,
-    train_digest,
     train_ranks,
 )
 from train_data import generate_samples, make_tiny_target, write_extract, write_vocab
@@ -434,7 +433,7 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, tiny, stop)
 
     crashed = Store(f"file://{tmp_path}/b")
     vref_b, refs_b = data_on(crashed, tiny)
-    digest = train_digest(cfg, vref_b, refs_b)
+    digest = digest_of_train(cfg, vref_b, refs_b)
     assert digest == ref_a.digest  # same inputs, same address on another store
     stop(cfg, crashed, vref_b, refs_b, tmp_path)  # dies at step 5; the checkpoint of step 3 is committed
     assert crashed.find("train", digest) is None  # nothing exported by the dead run
@@ -520,7 +519,7 @@ def test_ddp_run_killed_resumes_on_fewer_ranks(tmp_path, tiny):
     cfg = config(tiny, max_steps=5, checkpoint_every=2)
     proc = torchrun_two_ranks(tmp_path, cfg, store, vref, refs, kill_at=3)
     assert proc.returncode != 0, proc.stderr[-3000:]
-    digest = train_digest(cfg, vref, refs)
+    digest = digest_of_train(cfg, vref, refs)
     assert store.find("train", digest) is None
     assert sorted(m.stats["step"] for m in store.list("checkpoint")) == [2]
 
