@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from tasks import digest as digests
+from tasks.acceptance import accepted_up_to, simulated_acceptance_length
 from tasks.engine_settings import engine_env, vllm_kwargs
 from tasks.faults import kill_point
 from tasks.config import EvalConfig, RunConfig
@@ -144,23 +145,6 @@ def histogram_delta(before: dict[str, Any], after: dict[str, Any], name: str) ->
     if not isinstance(a, dict):
         return None
     return int(a["count"]) - int(b["count"]), float(a["sum"]) - float(b["sum"])
-
-
-def simulated_acceptance_length(acc_per_pos: list[float] | None, k: int | None = None) -> float | None:
-    """Offline estimate: 1 + sum_{j=1..k} prod_{i<=j} acc_i (acceptance stops at the first miss).
-
-    Same formula as tasks/train.py's `simulated_acceptance_length` stat. With k beyond the trained
-    positions the last position's accuracy is repeated (an extrapolation; the report marks it).
-    """
-    if not acc_per_pos:
-        return None
-    acc = [min(1.0, max(0.0, float(a))) for a in acc_per_pos]
-    k = len(acc) if k is None else k
-    total, run = 1.0, 1.0
-    for j in range(k):
-        run *= acc[min(j, len(acc) - 1)]
-        total += run
-    return total
 
 
 def relative_difference(measured: float, simulated: float) -> float:
@@ -379,7 +363,8 @@ def _common_prefix(x: list[int], y: list[int]) -> int:
 def baseline_floor(decodes: dict[str, list[list[int]]]) -> dict[str, Any]:
     """The engine's own greedy divergence: every pair of baseline decodes of the same prompts (other batch
     sizes, a repeat). Per request, `earliest` is the first token at which any two of them differ (None:
-    they all agree), the noise floor a speculative output is judged against."""
+    they all agree), the noise floor a speculative output is judged against. `pairs` lists each pair once,
+    a repeat ("batch 8 (repeat)") only against its original."""
     labels = list(decodes)
     n = min((len(v) for v in decodes.values()), default=0)
     pairs = []
@@ -388,8 +373,10 @@ def baseline_floor(decodes: dict[str, list[list[int]]]) -> dict[str, Any]:
         for lb in labels[i + 1:]:
             firsts = identical(decodes[la], decodes[lb])[1]
             hits = [f for f in firsts if f is not None]
-            pairs.append({"a": la, "b": lb, "requests": len(firsts), "differing": len(hits),
-                          "first_divergence": min(hits) if hits else None})
+            repeats = [x.removesuffix(" (repeat)") for x in (la, lb) if x.endswith(" (repeat)")]
+            if not repeats or repeats[0] in (la, lb):
+                pairs.append({"a": la, "b": lb, "requests": len(firsts), "differing": len(hits),
+                              "first_divergence": min(hits) if hits else None})
             for r, f in enumerate(firsts[:n]):
                 if f is not None and (earliest[r] is None or f < earliest[r]):
                     earliest[r] = f
@@ -1176,6 +1163,7 @@ def report_markdown(report: dict[str, Any]) -> str:
     if t:
         starts = ", ".join(f"{k} {v}s" for k, v in (t.get("engine_start_s") or {}).items())
         lines += ["", f"Benchmark wall time {t.get('total_s')}s (engine starts: {starts}"
+                  + (f"; greedy-identity control decodes {t['control_s']}s" if t.get("control_s") is not None else "")
                   + (f"; offline replay {t['replay_s']}s" if t.get("replay_s") is not None else "") + ")."]
     lines += ["", "## How these figures are measured", "", METHOD, ""]
     return "\n".join(lines)
@@ -1279,10 +1267,7 @@ def plot_report(report: dict[str, Any], dpi: int = 80) -> bytes:
                      label=f"{ev} k={k} (AL {f['mean_acceptance_length']:.2f})")
     acc = (report.get("simulated") or {}).get("val_acc_per_pos")
     if acc:
-        cum, run = [], 1.0
-        for a in acc:
-            run *= a
-            cum.append(run)
+        cum = accepted_up_to(acc)
         ax1.plot(range(1, len(cum) + 1), cum, "k:", marker="x", label="simulated (validation)")
     kmax = max([len(f["per_position_acceptance"]) for ks in bench.values() for f in ks.values()] + [len(acc or [])])
     ax1.set_xticks(range(1, kmax + 1))

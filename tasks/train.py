@@ -67,6 +67,8 @@ import torch
 from tasks import stopping
 from tasks.config import RunConfig, TargetConfig, TrainConfig
 from tasks import digest as digests
+from tasks.acceptance import simulated_acceptance_length
+from tasks.vocab_maps import VocabFormatError, read_vocab
 from tasks.digest import TRAIN_SCHEDULING_KEYS, VERSIONS
 from tasks.faults import kill_point
 from tasks.owners import owned_temporary_directory
@@ -134,36 +136,6 @@ class TrainInputs:
     total_samples: int
 
 
-def read_vocab(store: Store, vocab_ref: ArtifactRef, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t offsets int64 [K], t2d bool [V]) from the vocab artifact, checked against each other."""
-    from safetensors.torch import load as st_load
-
-    try:
-        art = store.open(vocab_ref.stage or "vocab", vocab_ref.digest)
-    except ArtifactMissing:
-        raise TrainError(f"vocab artifact {vocab_ref.uri} is not committed on {store.uri}; run the vocab stage "
-                         "first (or pass the ref it returned)") from None
-    if "vocab.safetensors" not in art.files():
-        raise TrainError(f"{art.uri} has no vocab.safetensors (files: {art.files()}); it is not a vocab artifact")
-    maps = st_load(art.read_bytes("vocab.safetensors"))
-    if "d2t" not in maps or "t2d" not in maps:
-        raise TrainError(f"{art.uri}/vocab.safetensors lacks d2t/t2d (has {sorted(maps)}); rebuild the vocab stage")
-    d2t, t2d = maps["d2t"].to(torch.int64), maps["t2d"].to(torch.bool)
-    if t2d.ndim != 1 or t2d.shape[0] != vocab_size:
-        raise TrainError(f"{art.uri}: t2d has shape {list(t2d.shape)} but the target's vocabulary has {vocab_size} "
-                         "ids; the vocab artifact was built for another target: rerun the vocab stage")
-    k = int(d2t.shape[0])
-    ids = torch.nonzero(t2d).squeeze(1)  # ascending target ids in the draft vocabulary
-    if ids.numel() != k:
-        raise TrainError(f"{art.uri}: t2d marks {ids.numel()} ids but d2t has {k} entries; the maps disagree")
-    arange = torch.arange(k, dtype=torch.int64)
-    if torch.equal(d2t + arange, ids):
-        return d2t, t2d  # offsets, the convention of speculators and vLLM
-    if torch.equal(torch.sort(d2t).values, ids):
-        return ids - arange, t2d  # absolute ids: convert (sorted, as the draft lm_head rows follow t2d)
-    raise TrainError(f"{art.uri}: d2t is neither offsets (i + d2t[i]) nor ids matching t2d; rerun the vocab stage")
-
-
 def resolve_inputs(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef,
                    extract_refs: Sequence[ArtifactRef]) -> TrainInputs:
     """Open and cross-check the inputs: layer ids, hidden size, vocab maps, parts, held-out samples."""
@@ -217,7 +189,10 @@ def resolve_inputs(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef,
         validate_layer_ids(layer_ids, n_layers)
     except ValueError as exc:
         raise TrainError(str(exc)) from None
-    d2t, t2d = read_vocab(store, vocab_ref, vocab)
+    try:
+        d2t, t2d = read_vocab(store, vocab_ref, vocab)
+    except VocabFormatError as exc:
+        raise TrainError(str(exc)) from None
     return TrainInputs(
         digest=digests.train(cfg, vocab_ref, extract_refs), inputs=digests.train_inputs(cfg, vocab_ref, extract_refs),
         target_path=target_path, hf_config=hf, layer_ids=layer_ids, hidden_size=hidden, vocab_size=vocab,
@@ -767,25 +742,6 @@ def lr_at(step: int, train: TrainConfig, elapsed_s: float | None = None) -> floa
         progress = max(progress, elapsed_s / (train.max_minutes * 60))
     progress = min(1.0, max(0.0, progress))
     return train.lr * (train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def simulated_acceptance_length(acc_per_pos: Sequence[float]) -> float:
-    """Expected tokens per verifier step with K = len(acc_per_pos) draft tokens:
-
-        E[accept len] = 1 + sum_{k=1..K} prod_{j<=k} acc_j
-
-    where acc_j = P(draft token j is right | draft tokens 1..j-1 were right), the
-    per-position accuracy `val_acc_per_pos` reports (greedy, against the verifier's
-    argmax within the draft vocabulary, on loss-masked positions). The leading 1 is
-    the token the verifier always emits. The product is the chance that the first k
-    drafts are all accepted; speculators measures it directly (`full_acc_k`), and
-    acc_j is its ratio to the previous one.
-    """
-    total, run = 1.0, 1.0
-    for a in acc_per_pos:
-        run *= float(a)
-        total += run
-    return total
 
 
 def _ratios(metrics: dict[str, float], ttt_steps: int) -> dict[str, Any]:
@@ -1583,6 +1539,6 @@ __all__ = [
     "Batch", "BatchStream", "CKPT_STAGE", "DistEnv", "PartData", "PartReader", "PartSpec", "SCHEDULING_KEYS",
     "STAGE", "TrainError", "TrainInputs", "Trainer", "build_draft_model", "checkpoint_digest", "evaluate_model",
     "export_draft",
-    "flops_per_token", "launch_ranks", "lr_at", "read_vocab", "resolve_attn_impl", "resolve_inputs", "run_train",
+    "flops_per_token", "launch_ranks", "lr_at", "resolve_attn_impl", "resolve_inputs", "run_train",
     "simulated_acceptance_length", "train_ranks",
 ]

@@ -24,9 +24,9 @@ from tasks.config import RunConfig, VocabConfig
 from tasks import digest as digests
 from tasks.digest import VERSIONS
 from tasks.store import ArtifactRef, Store
+from tasks.vocab_maps import FILE
 
 STAGE = "vocab"
-FILE = "vocab.safetensors"
 _DEFAULT_K = VocabConfig.model_fields["draft_vocab_size"].default
 _REPORT_SIZES = (1024, 2048, 4096, 8192, 16384, 32000, 65536)
 
@@ -182,12 +182,3 @@ def run_vocab(cfg: RunConfig, store: Store, data_ref: ArtifactRef) -> ArtifactRe
         stats["seconds"] = round(time.time() - t0, 2)
         art = w.commit(stats)
     return art.ref()
-
-
-def load_maps(store: Store, vocab_ref: ArtifactRef) -> dict[str, Any]:
-    """d2t, t2d, token_counts as torch tensors (what the trainer hands to Eagle3DraftModel)."""
-    from safetensors.torch import load
-
-    art = store.open(vocab_ref.stage, vocab_ref.digest)
-    return load(art.read_bytes(FILE))
-

@@ -97,7 +97,7 @@ def test_simulated_acceptance_length_is_the_cumulative_product():
     assert simulated_acceptance_length([0.5, 0.4, 0.3], k=1) == pytest.approx(1.5)
     # beyond the trained positions the last accuracy repeats
     assert simulated_acceptance_length([0.5, 0.4], k=3) == pytest.approx(1 + 0.5 + 0.2 + 0.08)
-    assert simulated_acceptance_length([]) is None
+    assert simulated_acceptance_length(None) is None and simulated_acceptance_length([]) == 1.0
     assert simulated_acceptance_length([1.0, 1.0, 1.0]) == pytest.approx(4.0)
 
 
@@ -238,6 +238,7 @@ def test_greedy_identity_judged_against_the_baselines_own_divergence():
                             controls={"batch 4 (repeat)": B4})
     gi = rep["greedy_identity"]
     pairs = {(p["a"], p["b"]): p for p in gi["control"]["heldout"]["pairs"]}
+    assert set(pairs) == {("batch 1", "batch 4"), ("batch 4", "batch 4 (repeat)")}  # a repeat against its original
     assert pairs[("batch 1", "batch 4")]["differing"] == 1 and pairs[("batch 1", "batch 4")]["first_divergence"] == 4
     assert pairs[("batch 4", "batch 4 (repeat)")]["differing"] == 0
     k3 = rep["benchmark"]["heldout"]["3"]["by_batch_size"]
@@ -528,7 +529,8 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
         # the baseline agrees with itself across batch shapes (in bf16 batch 1 parts: docs/BENCHMARK.md)
         control = rep["greedy_identity"]["control"][ev]
         assert control["decodes"] == ["batch 1", "batch 3", "batch 3 (repeat)"]
-        assert [p["differing"] for p in control["pairs"]] == [0, 0, 0], control["pairs"]
+        assert [(p["a"], p["b"], p["differing"]) for p in control["pairs"]] == [
+            ("batch 1", "batch 3", 0), ("batch 3", "batch 3 (repeat)", 0)], control["pairs"]
     assert rep["measured_by"]["flow_run_id"] == "slow-test"
     assert (rep["draft"]["fc_norm"], rep["draft"]["norm_output"], rep["draft"]["norm_before_fc"]) == (True, True, False)
     # the offline replay ran on the same outputs: an untrained draft gets (almost) nothing accepted either way

@@ -11,7 +11,8 @@ import torch
 from tasks.config import RunConfig
 from tasks.prepare import HELDOUT, read_samples, run_prepare, shard_name
 from tasks.store import Store
-from tasks.vocab import FILE, VocabError, build_maps, draft_size, load_maps, run_vocab
+from tasks.vocab import FILE, VocabError, build_maps, draft_size, run_vocab
+from tasks.vocab_maps import read_maps
 
 
 def speculators_maps(counts: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +68,7 @@ def test_run_vocab_counts_loss_masked_training_tokens(prepared):
     vref = run_vocab(cfg, store, ref)
     art = store.open("vocab", vref.digest, checksums=True)
     assert art.files() == [FILE]
-    maps = load_maps(store, vref)
+    maps = read_maps(store, vref)
     assert maps["d2t"].dtype == torch.int64 and list(maps["d2t"].shape) == [64]
     assert maps["t2d"].dtype == torch.bool and list(maps["t2d"].shape) == [49152]
     assert int(maps["t2d"].sum()) == 64
@@ -102,7 +103,7 @@ def test_coverage_below_one_when_the_vocab_is_small(prepared):
     small = cfg.model_copy(deep=True)
     small.vocab.draft_vocab_size = 16
     vref = run_vocab(small, store, ref)
-    counts = load_maps(store, vref)["token_counts"].numpy()
+    counts = read_maps(store, vref)["token_counts"].numpy()
     top16 = np.sort(counts)[::-1][:16].sum()
     assert vref.stats["coverage"] == pytest.approx(top16 / counts.sum(), abs=1e-6)
     assert vref.stats["coverage"] < 1.0
