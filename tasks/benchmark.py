@@ -1182,6 +1182,22 @@ def identity_cell(f: dict[str, Any]) -> str:
     return "n/a"
 
 
+def identity_brief(gi: dict[str, Any]) -> list[str]:
+    """Terminal lines: per eval, the verdicts that are not 'identical' and the control they rest on."""
+    out = []
+    for ev, ks in (gi.get("verdicts") or {}).items():
+        odd = [(k, bs, j) for k, by_bs in ks.items() for bs, j in by_bs.items() if j["verdict"] != IDENTICAL]
+        if not odd:
+            out.append(f"greedy identity, {ev}: identical to the baseline everywhere")
+            continue
+        parts = []
+        for k, bs, j in odd:
+            what = "within the engine's own noise" if j["verdict"] == WITHIN_NOISE else "[red]BEYOND it: likely a bug[/]"
+            parts.append(f"k={k} batch {bs}: {j['differing']} of {j['requests']} differ, {what}")
+        out.append(f"greedy identity, {ev}: " + "; ".join(parts) + f" (control: {gi['control'][ev]['summary']})")
+    return out
+
+
 IDENTITY_EXPLAINED = (
     "At temperature 0 speculative decoding must reproduce the target's greedy outputs. The engine itself is not "
     "bit-stable across batch shapes (a different kernel path, different bf16 rounding, a different argmax at a "
@@ -1355,10 +1371,8 @@ def render_terminal(benchmark: dict[str, Any], console: Any, report: dict[str, A
     for line in headline(benchmark):
         console.print(line)
     if report:
-        gi = report.get("greedy_identity") or {}
-        for line in gi.get("lines", []):
-            if not line.endswith(": identical"):
-                console.print(f"[dim]greedy identity: {line}[/]")
+        for line in identity_brief(report.get("greedy_identity") or {}):
+            console.print(line)
         for w in report.get("warnings", []):
             console.print(f"[yellow]warning[/]: {w}")
         for n in report.get("notes", []):

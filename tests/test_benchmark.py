@@ -253,6 +253,13 @@ def test_greedy_identity_judged_against_the_baselines_own_divergence():
     assert "| heldout | batch 1 | batch 4 | 1 of 2 | 4 |" in md and "| heldout | batch 4 | batch 4 (repeat) | 0 of 2 | - |" in md
     assert "| heldout | 3 | 1 | 1.44 |" in md and "noise (1/2 same)" in md
     assert report_stats(rep)["greedy_identity"] == "within_noise"
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    render_terminal(rep["benchmark"], console, rep)
+    text = console.export_text()
+    assert "greedy identity, heldout: k=3 batch 1: 1 of 2 differ, within the engine's own noise (control: " \
+           "baseline batch 1 vs batch 4: 1 of 2 prompts differ (first at token 4)" in text
 
 
 def test_greedy_identity_parting_where_the_baseline_parts_is_noise_elsewhere_a_bug():
