@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -60,7 +59,7 @@ def _check_inputs(cfg) -> None:
     """What can be checked in seconds before a run starts, so a typo fails now and not after hours of
     earlier stages (each stage checks again): local paths, and the layer ids and draft vocabulary
     against the target's config."""
-    from tasks.target import TargetError, load_hf_config, resolve_model, text_config, validate_layer_ids
+    from tasks.target import TargetError, load_hf_config, resolve_layer_ids, resolve_model, text_config
     from tasks.vocab import VocabError, draft_size
 
     problems = []
@@ -79,9 +78,9 @@ def _check_inputs(cfg) -> None:
         problems.append(f"target.model {t.model!r}: cannot read its config ({str(exc).splitlines()[0][:200]}); "
                         "give a local model folder or a hub id this machine can download")
     else:
-        if cfg.extract.layer_ids:
+        if cfg.extract.layer_ids:  # the default for the target is valid by construction
             try:
-                validate_layer_ids(list(cfg.extract.layer_ids), int(text.num_hidden_layers))
+                resolve_layer_ids(cfg, text)
             except TargetError as exc:
                 problems.append(str(exc))
         try:

@@ -189,7 +189,7 @@ def hidden_bytes_per_token(layers: int, hidden: int, dtype: str) -> int:
 # --------------------------------------------------------------------------- the plan
 
 def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_name: str = "") -> Plan:
-    from tasks.target import default_layer_ids, text_config
+    from tasks.target import configured_layer_ids, text_config
     from tasks.train import flops_per_token
 
     if nodes < 1:
@@ -201,7 +201,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     with tempfile.TemporaryDirectory() as tmp:
         target = load_target(cfg, rates, Path(tmp))
         tc = text_config(target.hf_config)
-        layer_ids = list(cfg.extract.layer_ids or default_layer_ids(int(tc.num_hidden_layers)))
+        layer_ids = configured_layer_ids(cfg, int(tc.num_hidden_layers))
         draft = draft_model(cfg, target, layer_ids)
         train_flops = flops_per_token(draft, cfg.train.ttt_steps)
         trainable = trainable_params(draft)

@@ -92,7 +92,7 @@ def vocab(cfg, data) -> str:
 
 # Extract keys that change where and how fast hidden states are made, not their bytes.
 EXTRACT_SCHEDULING_KEYS = {"gpus", "cpu_groups", "kv_cache_gib", "batch_tokens", "tensor_parallel_size",
-                           "enforce_eager", "write_overlap", "write_queue", "write_workers"}
+                           "enforce_eager", "write_overlap", "write_queue", "write_workers", "nodes", "deployment"}
 
 
 def extract_section(cfg, layer_ids: list[int]) -> dict[str, Any]:
@@ -116,7 +116,9 @@ TRAIN_SCHEDULING_KEYS = {"device", "gpus", "prefetch", "checkpoint_every", "keep
 def train_inputs(cfg, vocab_ref, shard_refs) -> dict[str, str]:
     """What a train artifact is made of (its digest's inputs, and its manifest's): the vocabulary, the
     extraction shards in shard order (not completion order), the target."""
-    refs = sorted(shard_refs, key=lambda r: (int(r.stats.get("shard", 0)), r.digest))
+    from tasks.stats import shard_stats
+
+    refs = sorted(shard_refs, key=lambda r: (shard_stats(r).shard, r.digest))
     t = cfg.target
     return {"vocab": vocab_ref.digest, "extract": ",".join(r.digest for r in refs),
             "target": t.model + (f"@{t.revision}" if t.revision else "")}

@@ -51,6 +51,7 @@ from tasks.parts import (  # noqa: F401  (the part format, re-exported for reade
     quantize_fp8,
     write_safetensors_stream,
 )
+from tasks.stats import StatsError, data_stats
 from tasks.store import ArtifactRef, ArtifactWriter, Store
 from tasks.target import resolve_layer_ids, text_config, validate_for_vllm
 
@@ -90,12 +91,12 @@ class ShardPlan(BaseModel):
 def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[ShardPlan]:
     if data_ref.stage not in DATA_STAGES:
         raise ExtractError(f"extract reads a prepare or regenerate artifact, got stage {data_ref.stage!r}")
-    num_shards = data_ref.stats.get("num_shards")
-    if not isinstance(num_shards, int) or num_shards < 1:
-        raise ExtractError(
-            f"{data_ref.uri}: its stats have no num_shards ({data_ref.stats.get('num_shards')!r}); "
-            "re-run the prepare stage (its manifest must list num_shards)"
-        )
+    try:
+        num_shards = data_stats(data_ref).num_shards
+    except StatsError as exc:
+        raise ExtractError(str(exc)) from None
+    if num_shards < 1:
+        raise ExtractError(f"{data_ref.uri}: its stats list {num_shards} shards; re-run the prepare stage")
     text = text_config(hf_config)
     layer_ids = resolve_layer_ids(cfg, hf_config)
     if cfg.extract.backend == "vllm":  # refuse what vLLM would refuse (or misread) before any engine loads

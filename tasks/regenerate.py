@@ -41,6 +41,7 @@ from tasks import digest as digests
 from tasks.digest import VERSIONS
 from tasks.chat import ChatMasker, SampleDropped, encode_sample, make_masker
 from tasks.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats
+from tasks.stats import data_stats
 from tasks.store import Artifact, ArtifactRef, Store
 
 STAGE = "regenerate"
@@ -186,7 +187,7 @@ def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
         return hit.ref()
     t0 = time.time()
     prep_art = store.open(prepared.stage, prepared.digest)
-    n = int(prep_art.stats.get("num_shards") or len([f for f in prep_art.files() if f.startswith("shard-")]))
+    n = data_stats(prep_art.ref()).num_shards
     think = {"enable_thinking": bool(cfg.regenerate.thinking)}
     masker = make_masker(cfg, template_kwargs=think)
     inputs = {prepared.stage: prepared.digest}
@@ -239,8 +240,8 @@ def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
         **{k: totals[k] for k in ("samples", "tokens", "masked_tokens")},
         "dropped": dict(sorted(dropped.items())),
         "num_shards": n,
-        "heldout": int(prep_art.stats.get("heldout", 0)),
-        "heldout_tokens": int(prep_art.stats.get("heldout_tokens", 0)),
+        "heldout": data_stats(prep_art.ref()).heldout,
+        "heldout_tokens": data_stats(prep_art.ref()).heldout_tokens,
         "per_source": dict(sorted(per_source.items())),
         "prompts": totals["prompts"],
         "generated_tokens": totals["generated_tokens"],

@@ -307,9 +307,13 @@ def load_verifier_weights(path: str, tie_word_embeddings: bool) -> dict[str, Any
     return out
 
 
+def configured_layer_ids(cfg: Any, num_layers: int) -> list[int]:
+    """The layer ids a run asks for: `extract.layer_ids`, or the EAGLE-3 default for the target's depth
+    (the one place this rule lives)."""
+    return list(cfg.extract.layer_ids) if cfg.extract.layer_ids else default_layer_ids(num_layers)
+
+
 def resolve_layer_ids(cfg: Any, hf_config: Any) -> list[int]:
-    """The layer ids a run extracts and trains on: `extract.layer_ids`, or the EAGLE-3 default for the
-    target's depth; checked either way (the one place this rule lives)."""
+    """`configured_layer_ids`, checked against the target: what a run extracts and trains on."""
     n = int(text_config(hf_config).num_hidden_layers)
-    ids = list(cfg.extract.layer_ids) if cfg.extract.layer_ids else default_layer_ids(n)
-    return validate_layer_ids(ids, n)
+    return validate_layer_ids(configured_layer_ids(cfg, n), n)

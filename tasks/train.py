@@ -68,13 +68,14 @@ from tasks import stopping
 from tasks.config import RunConfig, TargetConfig, TrainConfig
 from tasks import digest as digests
 from tasks.acceptance import simulated_acceptance_length
+from tasks.stats import StatsError, shard_stats
 from tasks.vocab_maps import VocabFormatError, read_vocab
 from tasks.digest import TRAIN_SCHEDULING_KEYS, VERSIONS
 from tasks.faults import kill_point
 from tasks.owners import owned_temporary_directory
 from tasks.store import Artifact, ArtifactCorrupt, ArtifactMissing, ArtifactRef, Store
 from tasks.target import (
-    default_layer_ids,
+    configured_layer_ids,
     load_hf_config,
     load_verifier_weights,
     resolve_model,
@@ -104,7 +105,10 @@ class TrainError(ValueError):
 
 def _sorted_extract_refs(extract_refs: Sequence[ArtifactRef]) -> list[ArtifactRef]:
     """Shards in shard order (from their stats), so the caller's list order does not matter."""
-    return sorted(extract_refs, key=lambda r: (int(r.stats.get("shard", 0)), r.digest))
+    try:
+        return sorted(extract_refs, key=lambda r: (shard_stats(r).shard, r.digest))
+    except StatsError as exc:
+        raise TrainError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -146,13 +150,13 @@ def resolve_inputs(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef,
     tc = text_config(hf)
     n_layers, hidden, vocab = int(tc.num_hidden_layers), int(tc.hidden_size), int(tc.vocab_size)
 
-    want = list(cfg.extract.layer_ids) if cfg.extract.layer_ids else default_layer_ids(n_layers)
+    want = configured_layer_ids(cfg, n_layers)  # compared with the shards' own ids below
     refs = _sorted_extract_refs(extract_refs)
     arts: dict[str, Artifact] = {}
     parts: list[PartSpec] = []
     layer_ids: list[int] | None = None
     total_samples = 0
-    for pos, ref in enumerate(refs):
+    for ref in refs:
         try:
             art = store.open(ref.stage or "extract", ref.digest)
         except ArtifactMissing:
@@ -161,8 +165,8 @@ def resolve_inputs(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef,
         except ArtifactCorrupt as exc:
             raise TrainError(f"extraction shard {ref.uri} is corrupt ({exc}); rerun the run (`draftline retry`): "
                              "a corrupt shard counts as missing and is extracted again") from None
-        st = art.stats
-        ids = [int(i) for i in st.get("layer_ids") or []]
+        st = shard_stats(art.ref())
+        ids = list(st.layer_ids)
         if not ids:
             raise TrainError(f"{art.uri}: its manifest has no layer_ids; it was not written by the extract stage")
         if layer_ids is None:
@@ -170,16 +174,16 @@ def resolve_inputs(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef,
         elif ids != layer_ids:
             raise TrainError(f"extraction shards disagree on layer ids: {refs[0].uri} has {layer_ids}, {art.uri} "
                              f"has {ids}; re-extract the odd shard with extract.layer_ids: {layer_ids}")
-        if int(st.get("hidden_size", hidden)) != hidden:
-            raise TrainError(f"{art.uri}: hidden_size {st.get('hidden_size')} but the target {target_path} has "
+        if st.hidden_size is not None and st.hidden_size != hidden:
+            raise TrainError(f"{art.uri}: hidden_size {st.hidden_size} but the target {target_path} has "
                              f"{hidden}; these hidden states come from another model")
         names = sorted(f for f in art.files() if f.startswith("part-") and f.endswith(".safetensors"))
         if not names:
             raise TrainError(f"{art.uri} holds no part-*.safetensors files; rerun extraction for it")
         arts[art.digest] = art
-        shard = int(st.get("shard", pos))
-        parts += [PartSpec(index=len(parts) + i, shard=shard, digest=art.digest, name=n) for i, n in enumerate(names)]
-        total_samples += int(st.get("samples", 0))
+        parts += [PartSpec(index=len(parts) + i, shard=st.shard, digest=art.digest, name=n)
+                  for i, n in enumerate(names)]
+        total_samples += st.samples
     assert layer_ids is not None
     if layer_ids != want:
         source = "extract.layer_ids in the config" if cfg.extract.layer_ids else "the default for this target"
