@@ -13,8 +13,8 @@ for how it was launched.
   is imported there, with the caller's environment: in-process flow runs would bind Prefect's
   settings and log handlers to whatever the first test left behind).
 - `WarmEngine`: `tasks.engine.EngineProcess` whose engine child is forked from the
-  server instead of exec'ing `python -m tasks.engine`; the child runs the production
-  `tasks.engine.serve` loop and backend, and the parent side (requests, death
+  server instead of exec'ing `python -m tasks.engine_child`; the child runs the production
+  `tasks.engine_child.serve` loop and backend, and the parent side (requests, death
   detection, killing the process group) is the production class unchanged.
 """
 
@@ -35,7 +35,7 @@ PRELOAD = [
     "torch", "numpy", "pyarrow.parquet", "safetensors.torch", "transformers",
     "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
     "transformers.models.llama.modeling_llama", "speculators.models.eagle3",
-    "tasks.engine", "tasks.extract", "tasks.store", "tasks.train", "tasks.prepare", "warm",
+    "tasks.engine", "tasks.engine_child", "tasks.extract", "tasks.store", "tasks.train", "tasks.prepare", "warm",
 ]
 _CTX: Any = None
 
@@ -129,12 +129,12 @@ def finish(p, folder: Path, name: str = "draftline", timeout: float = 900) -> tu
 
 
 def _engine_child(sock: socket.socket, env: dict[str, str], log: str) -> None:
-    from tasks import engine
+    from tasks import engine_child
 
     _enter(env, str(ROOT), log)
     os.setsid()  # its own process group, as EngineProcess gives its engines (start_new_session)
     # Its parent is the fork server: the engine watches that pid and dies with it.
-    os._exit(engine.serve(sock.detach(), os.getppid()))
+    os._exit(engine_child.serve(sock.detach(), os.getppid()))
 
 
 class _Proc:
