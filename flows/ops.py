@@ -47,7 +47,13 @@ ALIVE = ("RUNNING", "PENDING", "CANCELLING")
 # The versions draftline is tested with (doctor compares against these).
 CORE_PACKAGES = ("vllm", "speculators", "torch", "transformers", "prefect")
 # Flow-run heartbeats come every 30 s (job templates); this much silence means the process is gone.
+HEARTBEAT_SECONDS = 30
 HEARTBEAT_GRACE = 150.0
+# The flow of a slice of a run's extraction shards on another node (extract.nodes > 1).
+EXTRACT_FLOW = "draftline-extract"
+# The server-side crash detection `draftline deploy` sets up (a Prefect automation on heartbeats).
+CRASH_AUTOMATION = "draftline-crash-silent-runs"
+CRASH_AFTER = 90
 
 console = Console()
 err = Console(stderr=True)
@@ -300,8 +306,37 @@ def submitting_worker(c: Any, run: Any) -> Any | None:
 
 # =========================================================================== run summaries
 
-def run_report(c: Any, run: Any, stale_after: float) -> dict[str, Any]:
+def child_runs(c: Any, run_id: Any) -> list[Any]:
+    """Flow runs started by this run through run_deployment (extraction slices on other nodes), oldest first."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    return list(c.read_flow_runs(flow_run_filter=FlowRunFilter(
+        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id])),
+        sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=200))
+
+
+def child_report(c: Any, run: Any, stale_after: float) -> dict[str, Any]:
+    """A child run's state, node, liveness and shards (the latest task run of each)."""
     tasks = task_runs(c, run.id)
+    shards = {shard_of(n): t for n, t in latest_by_name(tasks).items() if shard_of(n) is not None}
+    worker = submitting_worker(c, run)
+    live = assess(run, tasks, heartbeat=last_heartbeat(c, run) if _state(run) in ALIVE else None,
+                  worker=worker, stale_after=stale_after)
+    return {
+        "id": str(run.id), "name": run.name, "state": _state(run),
+        "state_name": run.state.name if run.state else None,
+        "message": run.state.message if run.state else None,
+        "worker": worker.name if worker is not None else None,
+        "shards": list((run.parameters or {}).get("shards") or []),
+        "shard_states": {str(k): (t.state.name if t.state else None) for k, t in sorted(shards.items())},
+        "stale": live.stale, "stale_reasons": live.reasons, "last_heartbeat": live.last_heartbeat,
+    }
+
+
+def run_report(c: Any, run: Any, stale_after: float) -> dict[str, Any]:
+    # run_deployment adds a task run named after the child's deployment (FLOW/NAME): not a stage
+    tasks = [t for t in task_runs(c, run.id) if "/" not in t.name]
     latest = latest_by_name(tasks)
     stages: dict[str, dict[str, Any]] = {}
     for name, t in latest.items():
@@ -342,6 +377,7 @@ def run_report(c: Any, run: Any, stale_after: float) -> dict[str, Any]:
         "last_progress": live.last_progress,
         "last_heartbeat": live.last_heartbeat,
         "stages": {s: stages[s] for s in sorted(stages, key=lambda s: STAGES.index(s) if s in STAGES else 99)},
+        "children": [child_report(c, ch, stale_after) for ch in child_runs(c, run.id)],
         "tasks": [
             {"name": t.name, "state": t.state.name if t.state else None,
              "type": t.state.type.value if t.state else None, "id": str(t.id),
@@ -368,6 +404,15 @@ def print_report(rep: dict[str, Any], show_tasks: bool) -> None:
         states = ", ".join(f"{k} {v}" for k, v in sorted(st["states"].items()))
         table.add_row(name, str(st["tasks"]), states, ", ".join(map(str, st["failed_shards"])) or "")
     console.print(table)
+    if rep.get("children"):
+        t3 = Table(title="child runs (extraction slices on other nodes)")
+        for col in ("child run", "state", "worker", "shards"):
+            t3.add_column(col, overflow="fold")
+        for ch in rep["children"]:
+            shards = ", ".join(f"{s} {ch['shard_states'].get(str(s)) or 'not started'}" for s in ch["shards"])
+            state = ch["state_name"] + (" (looks dead: " + "; ".join(ch["stale_reasons"]) + ")" if ch["stale"] else "")
+            t3.add_row(f"{ch['name']} ({ch['id'][:8]})", state, ch["worker"] or "-", shards)
+        console.print(t3)
     if show_tasks:
         t2 = Table(title="task runs")
         for col in ("task run", "state", "started", "seconds", "attempts"):
@@ -722,8 +767,13 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
            save_s3_credentials: Optional[str] = typer.Option(
                None, "--save-s3-credentials", metavar="BLOCK",
                help="Also save AWS_ACCESS_KEY_ID/SECRET/ENDPOINT from this environment as a prefect-aws "
-                    "AwsCredentials block (the docker deployment reads `draftline-store`).")):
-    """Create the work pools and register the deployments of deployments/prefect.yaml."""
+                    "AwsCredentials block (the docker deployment reads `draftline-store`)."),
+           crash_after: int = typer.Option(
+               CRASH_AFTER, "--crash-after", metavar="SECONDS",
+               help="The server marks a draftline flow run Crashed when its heartbeats (every 30 s) stop for "
+                    "this long: a lost node, on any host (a Prefect automation, created or updated here).")):
+    """Create the work pools, register the deployments of deployments/prefect.yaml, and the automation
+    that marks a flow run Crashed when its node stops sending heartbeats."""
     try:
         url = require_server("draftline deploy")
         deps = load_deployments()
@@ -735,11 +785,16 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
         if save_s3_credentials:
             save_credentials_block(save_s3_credentials)
             console.print(f"saved AwsCredentials block {save_s3_credentials!r} (keys not shown)")
+        if crash_after < 2 * HEARTBEAT_SECONDS:
+            raise OpsError(f"--crash-after {crash_after}: flow runs send a heartbeat every {HEARTBEAT_SECONDS} s; "
+                           f"give at least {2 * HEARTBEAT_SECONDS} (default {CRASH_AFTER})")
         rows = []
         with client() as c:
             for d in chosen:
                 pool, kind, template = pool_spec(d)
-                rows.append((d["name"], pool, kind, ensure_pool(c, pool, kind, template, update_pools)))
+                rows.append((f"{flow_of(d)}/{d['name']}", pool, kind, ensure_pool(c, pool, kind, template,
+                                                                                 update_pools)))
+            automation = ensure_crash_automation(c, crash_after)
         _prefect_deploy(chosen, image=image, store=store)
     except OpsError as exc:
         _fail(str(exc))
@@ -749,11 +804,64 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
     for col in ("deployment", "work pool", "type", "pool", "start a worker"):
         table.add_column(col, overflow="fold")
     for name, pool, kind, how in rows:
-        start = (f"prefect worker start --pool {pool}" if name == "local"
+        start = (f"prefect worker start --pool {pool}" if name.endswith("/local")
                  else "infra/node-bootstrap.sh" + (" --docker" if kind == "docker" else ""))
-        table.add_row(f"{FLOW_NAME}/{name}", pool, kind, how, start)
+        table.add_row(name, pool, kind, how, start)
     console.print(table)
+    console.print(f"automation {CRASH_AUTOMATION!r} ({automation}): a flow run silent for {crash_after} s "
+                  "(no heartbeat) is marked Crashed")
     console.print("next: draftline submit CONFIG --deployment NAME")
+
+
+def flow_of(dep: dict[str, Any]) -> str:
+    """The flow name of a deployment in prefect.yaml (from its entrypoint)."""
+    return EXTRACT_FLOW if dep.get("entrypoint", "").endswith(":extract_slice") else FLOW_NAME
+
+
+def crash_automation(within_s: int) -> Any:
+    """Prefect's own crash detection for flow runs on any host: after a heartbeat of a draftline flow run,
+    the server expects another heartbeat (or a final state) within `within_s`; when none comes the
+    automation sets the run Crashed. Flow runs send heartbeats when PREFECT_FLOWS_HEARTBEAT_FREQUENCY is
+    set: the job templates set it (heartbeat_seconds, 30)."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    ends = [f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")]
+    return AutomationCore(
+        name=CRASH_AUTOMATION,
+        description="Marks a draftline flow run Crashed when its heartbeats stop (its node or process died); "
+                    "`draftline retry` then re-runs what did not finish. Created by `draftline deploy`.",
+        trigger=EventTrigger(
+            match={"prefect.resource.id": "prefect.flow-run.*"},
+            match_related={"prefect.resource.role": "flow", "prefect.resource.name": [FLOW_NAME, EXTRACT_FLOW]},
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *ends},
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=dt.timedelta(seconds=within_s),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"no heartbeat for {within_s} s: its node or process died "
+                                            f"(automation {CRASH_AUTOMATION!r}); `draftline retry` re-runs what "
+                                            "did not finish")],
+    )
+
+
+def ensure_crash_automation(c: Any, within_s: int) -> str:
+    want = crash_automation(within_s)
+    found = c.read_automations_by_name(CRASH_AUTOMATION)
+    if not found:
+        c.create_automation(want)
+        return "created"
+    first, *extra = found
+    for a in extra:
+        c.delete_automation(a.id)
+    if first.trigger.within != want.trigger.within or not first.enabled or extra:
+        c.update_automation(first.id, want)
+        return "updated"
+    return "exists"
 
 
 def _prefect_deploy(deps: list[dict[str, Any]], image: str | None, store: str | None) -> None:
@@ -989,7 +1097,17 @@ def retry(run: str = typer.Argument(..., help="Flow run id (or 8+ first characte
                 c.set_flow_run_state(fr.id, Crashed(message=f"marked Crashed by draftline retry: {why}"), force=True)
                 console.print(f"marked {fr.name} Crashed ({why})")
                 fr = c.read_flow_run(fr.id)
-            elif st == "SCHEDULED":
+            for ch in child_runs(c, fr.id):
+                # a child whose node died (and no automation marked it): Crashed, so nobody waits for it
+                if _state(ch) in ALIVE:
+                    live = assess(ch, task_runs(c, ch.id), heartbeat=last_heartbeat(c, ch),
+                                  worker=submitting_worker(c, ch), stale_after=stale_after * 60)
+                    if live.stale:
+                        why = "; ".join(live.reasons)
+                        c.set_flow_run_state(ch.id, Crashed(message=f"marked Crashed by draftline retry: {why}"),
+                                             force=True)
+                        console.print(f"marked child {ch.name} Crashed ({why})")
+            if st == "SCHEDULED":
                 raise OpsError(f"run {fr.name} is already scheduled; a worker of pool "
                                f"{getattr(fr, 'work_pool_name', None) or '?'} will pick it up")
             elif st == "COMPLETED" and not force:

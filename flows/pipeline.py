@@ -428,7 +428,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
 
 
 def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, logger) -> list[ArtifactRef]:
-    from tasks.extract import engine_for_group, engine_groups, plan_extract
+    from tasks.extract import plan_extract
     from tasks.target import load_hf_config, resolve_model
 
     r = rec.stages["extract"]
@@ -436,12 +436,32 @@ def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef
     r.status = "running"
     model = resolve_model(cfg.target)
     plans = plan_extract(cfg, data, load_hf_config(cfg.target, model))
+    if cfg.extract.nodes > 1:
+        return _run_extract_nodes(cfg, store, rec, data, model, plans, logger, t0)
+    progress = _Progress("extract-progress", f"Extraction: 0/{len(plans)} shards")
+    refs, errors = _extract_here(cfg, store, model, plans, logger, progress)
+    _finish(r, t0, refs, failed=len(errors))
+    r.artifact = f"{store.uri}/extract/"
+    r.stats = {"shards": len(plans), "tokens": sum(int(x.stats.get("tokens", 0)) for x in refs)}
+    if errors:
+        r.error = errors[0]
+        logger.error(f"extract: {len(errors)} of {len(plans)} shards failed; first error: {errors[0]}")
+        raise RuntimeError(f"{len(errors)} of {len(plans)} extraction shards failed (retry runs only those): {errors[0]}")
+    logger.info(f"extract: {r.executed} shards ran, {r.cached} cached, in {r.seconds}s")
+    return refs
+
+
+def _extract_here(cfg: RunConfig, store: Store, model: str, plans: list, logger,
+                  progress: "_Progress") -> tuple[list[ArtifactRef], list[str]]:
+    """One task per shard of PLANS in this flow run, fanned out over this node's engine groups."""
+    from tasks.extract import engine_for_group, engine_groups
+
+    t0 = time.time()
     groups = engine_groups(cfg)
     pool = EnginePool(lambda group: engine_for_group(cfg, model, group), groups)
     if len(groups) > 1:
         logger.info(f"extract: {len(plans)} shards over {len(groups)} engines side by side: "
                     + ", ".join(g.name for g in groups))
-    progress = _Progress("extract-progress", f"Extraction: 0/{len(plans)} shards")
     done = 0
     tokens = 0
     refs: list[ArtifactRef] = []
@@ -463,21 +483,175 @@ def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef
                     tokens += int(ref.stats.get("tokens", 0))
                 done += 1
             el = max(1e-6, time.time() - t0)
-            progress.update(100.0 * done / len(plans),
+            progress.update(100.0 * done / max(1, len(plans)),
                             f"Extraction: {done}/{len(plans)} shards, {len(errors)} failed, "
                             f"{tokens / el:,.0f} tok/s (incl. cached)")
     finally:
         pool.close()
     refs.sort(key=lambda x: int(x.stats.get("shard", 0)))
-    _finish(r, t0, refs, failed=len(errors))
+    return refs, errors
+
+
+# --------------------------------------------------------------------------- several nodes
+
+EXTRACT_FLOW = "draftline-extract"
+
+
+def child_deployment(cfg: RunConfig) -> str:
+    """The deployment that extraction slices go to: extract.deployment, else draftline-extract/ plus the
+    name of this run's own deployment (a run of draftline/b300 sends its slices to draftline-extract/b300)."""
+    from prefect.runtime import deployment
+
+    name = cfg.extract.deployment or deployment.name
+    if not name:
+        raise RuntimeError(
+            f"extract.nodes={cfg.extract.nodes} sends slices of the shards to other nodes through a deployment, "
+            "and this run is not a deployment run: set extract.deployment (e.g. --set "
+            f"extract.deployment={EXTRACT_FLOW}/local, registered by `draftline deploy --name local`), "
+            "submit the run to a pool (`draftline submit ... --deployment b300`), or set extract.nodes=1")
+    return name if "/" in name else f"{EXTRACT_FLOW}/{name}"
+
+
+def slice_shards(missing: list[int], nodes: int) -> list[list[int]]:
+    """Missing shards dealt round-robin into at most NODES slices (none empty)."""
+    k = min(nodes, len(missing))
+    return [missing[i::k] for i in range(k)]
+
+
+def _run_extract_nodes(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, model: str, plans: list,
+                       logger, t0: float) -> list[ArtifactRef]:
+    """extract.nodes > 1: the shards not yet on the store are dealt into slices; this node extracts the
+    first slice, a child flow run of `child_deployment` each other one (Prefect's run_deployment: a
+    worker of that deployment's pool picks it up, on any node). The store, not Prefect, says what is
+    done: the children's shards are read back from it, and a child that crashed (its node lost: the
+    heartbeat automation of `draftline deploy` marks it Crashed) leaves exactly its unfinished shards
+    missing, which `draftline retry` extracts again on any node."""
+    from prefect.deployments import run_deployment
+    from prefect.runtime import flow_run
+
+    r = rec.stages["extract"]
+    by_shard = {p.shard: p for p in plans}
+    cached = [p.shard for p in plans if store.find("extract", p.digest) is not None]
+    missing = [p.shard for p in plans if p.shard not in set(cached)]
+    slices = slice_shards(missing, cfg.extract.nodes)
+    own = slices[0] if slices else []
+    children: list[tuple[Any, list[int]]] = []
+    if len(slices) > 1:
+        target = child_deployment(cfg)
+        if store.is_local:
+            logger.warning(f"extract: {store.uri} is a local folder: slices on other machines cannot write to it; "
+                           "use a shared s3:// store with extract.nodes > 1")
+        attempt = flow_run.run_count or 1
+        params = {"config_path": rec.config_path,
+                  # the children write where this run writes, whatever their node's DRAFTLINE_STORE_URI says
+                  "overrides": list(rec.overrides) + [f"store.uri={store.uri}"],
+                  "data_stage": data.stage, "data_digest": data.digest}
+        for i, part in enumerate(slices[1:], start=1):
+            child = run_deployment(target, parameters={**params, "shards": part}, timeout=0,
+                                   flow_run_name=f"{flow_run.name or 'draftline'}-extract-{i}of{len(slices)}-try{attempt}",
+                                   tags=["draftline", f"draftline-parent:{flow_run.id}"])
+            children.append((child, part))
+            logger.info(f"extract: shards {part} -> child flow run {child.name} ({child.id}) of {target}")
+    logger.info(f"extract: {len(plans)} shards, {len(cached)} on the store; this node extracts {own}, "
+                f"{len(children)} child run(s) the rest")
+    progress = _Progress("extract-progress", f"Extraction: 0/{len(plans)} shards")
+    # The cached shards go through Prefect too (Cached task runs), so the run's page lists every shard.
+    mine = [by_shard[s] for s in sorted(cached + own)]
+    refs, errors = _extract_here(cfg, store, model, mine, logger, progress)
+    errors += _wait_children(children, store, by_shard, logger)
+    found = {s: store.find("extract", by_shard[s].digest) for s in missing}
+    have = {int(x.stats.get("shard", 0)) for x in refs}
+    refs += [a.ref() for s, a in found.items() if a is not None and s not in have]
+    refs.sort(key=lambda x: int(x.stats.get("shard", 0)))
+    r.executed = sum(1 for a in found.values() if a is not None)
+    r.cached = len(cached)
+    r.failed = len(plans) - len(refs)
+    r.seconds = round(time.time() - t0, 1)
+    r.status = ("failed" if not refs else "partial") if r.failed else ("ran" if r.executed else "cached")
     r.artifact = f"{store.uri}/extract/"
-    r.stats = {"shards": len(plans), "tokens": sum(int(x.stats.get("tokens", 0)) for x in refs)}
-    if errors:
-        r.error = errors[0]
-        logger.error(f"extract: {len(errors)} of {len(plans)} shards failed; first error: {errors[0]}")
-        raise RuntimeError(f"{len(errors)} of {len(plans)} extraction shards failed (retry runs only those): {errors[0]}")
-    logger.info(f"extract: {r.executed} shards ran, {r.cached} cached, in {r.seconds}s")
+    r.stats = {"shards": len(plans), "tokens": sum(int(x.stats.get("tokens", 0)) for x in refs),
+               "nodes": 1 + len(children)}
+    if r.failed:
+        lost = sorted(s for s, a in found.items() if a is None)
+        r.error = errors[0] if errors else f"shards {lost} are not on {store.uri}"
+        logger.error(f"extract: {r.failed} of {len(plans)} shards not finished ({lost}); " + "; ".join(errors))
+        raise RuntimeError(f"{r.failed} of {len(plans)} extraction shards not finished ({lost}): {r.error}; "
+                           "`draftline retry` this run: it extracts only those, on any node")
+    logger.info(f"extract: {r.executed} shards ran (on {1 + len(children)} nodes), {r.cached} cached, in {r.seconds}s")
     return refs
+
+
+def _wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard: dict[int, Any],
+                   logger, poll: float = 5.0) -> list[str]:
+    """Wait for the child runs to end (Completed, Failed, Crashed, Cancelled); the errors of those whose
+    shards are not all on the store."""
+    from prefect.client.orchestration import get_client
+
+    errors: list[str] = []
+    pending = {c.id: (c, shards) for c, shards in children}
+    last_note = time.time()
+    with get_client(sync_client=True) as client:
+        while pending:
+            for cid in list(pending):
+                child, shards = pending[cid]
+                run = client.read_flow_run(cid)
+                if run.state is None or not run.state.is_final():
+                    continue
+                del pending[cid]
+                lost = [s for s in shards if store.find("extract", by_shard[s].digest) is None]
+                state = run.state.name
+                if lost and run.state.is_completed():
+                    errors.append(f"child {run.name} completed but shards {lost} are not on {store.uri}: its node "
+                                  "writes to another store; give every node the same s3:// store")
+                elif lost:
+                    why = (run.state.message or "").strip()[:300]
+                    errors.append(f"child {run.name} ({run.id}) ended {state}" + (f" ({why})" if why else "")
+                                  + f" with shards {lost} unfinished")
+                logger.info(f"extract: child {run.name} {state}; shards {shards}: "
+                            f"{len(shards) - len(lost)} on the store, {len(lost)} missing")
+            if not pending:
+                break
+            if time.time() - last_note > 300:
+                last_note = time.time()
+                logger.info("extract: waiting for child runs " + ", ".join(
+                    f"{c.name} ({client.read_flow_run(c.id).state.name})" for c, _ in pending.values()))
+            deadline = time.time() + poll
+            while time.time() < deadline:
+                stopping.check("waiting for the extraction child runs")
+                time.sleep(0.5)
+    return errors
+
+
+@flow(name=EXTRACT_FLOW, log_prints=True, persist_result=False)
+def extract_slice(config_path: str | None = None, overrides: list[str] | None = None, data_stage: str = "prepare",
+                  data_digest: str = "", shards: list[int] | None = None) -> dict:
+    """A slice of a run's extraction shards on one node (started by the run with extract.nodes > 1)."""
+    from flows.interrupts import chain_into_flow
+    from tasks.extract import plan_extract
+    from tasks.target import load_hf_config, resolve_model
+
+    chain_into_flow()
+    cfg = load_config(config_path, list(overrides or []))
+    store = Store.from_config(cfg.store)
+    store.check()
+    logger = get_run_logger()
+    hit = store.find(data_stage, data_digest)
+    if hit is None:
+        raise RuntimeError(f"the data this slice reads ({data_stage}/{data_digest}) is not on {store.uri}: "
+                           "the parent run and this node must share one s3:// store")
+    model = resolve_model(cfg.target)
+    want = set(shards or [])
+    plans = [p for p in plan_extract(cfg, hit.ref(), load_hf_config(cfg.target, model)) if p.shard in want]
+    if len(plans) != len(want):
+        raise RuntimeError(f"shards {sorted(want - {p.shard for p in plans})} do not exist in {data_stage}/{data_digest}")
+    progress = _Progress("extract-progress", f"Extraction slice: 0/{len(plans)} shards")
+    refs, errors = _extract_here(cfg, store, model, plans, logger, progress)
+    summary = {"shards": sorted(want), "executed": sum(1 for x in refs if x.executed_here),
+               "cached": sum(1 for x in refs if not x.executed_here), "failed": len(errors)}
+    logger.info(f"extract slice: {summary}")
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(plans)} shards of this slice failed: {errors[0]}")
+    return summary
 
 
 def _brief(stats: dict[str, Any]) -> dict[str, Any]:

@@ -127,6 +127,17 @@ class ExtractConfig(Section):
         description="On a CPU (no GPU in use): engines side by side, each pinned to its own share of the cores, "
                     "through the same pool that runs one engine per GPU group on a GPU node.",
     )
+    nodes: int = Field(
+        1, ge=1,
+        description="Nodes of a work pool the run's extraction shards spread over (docs/DEPLOY.md): the run's own "
+                    "node extracts one slice, child flow runs of extract.deployment the others, all on the shared "
+                    "store.",
+    )
+    deployment: str | None = Field(
+        None,
+        description="With extract.nodes > 1: the deployment the child flow runs go to (draftline-extract/NAME, or "
+                    "NAME). Default: draftline-extract/ plus the name of the run's own deployment.",
+    )
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
     batch_tokens: int = Field(16384, ge=64, description="Tokens per engine call.")
     part_tokens: int = Field(262144, ge=64, description="Tokens per safetensors part.")

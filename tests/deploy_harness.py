@@ -116,12 +116,59 @@ class Node:
             self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_group(self.proc)
+
+
+def stop_group(proc: subprocess.Popen | None, grace: float = 30) -> None:
+    """SIGTERM to a process group started with start_new_session, SIGKILL after GRACE seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(grace)
+
+
+class Worker:
+    """A node as a plain `prefect worker start --limit 1` (what node-bootstrap.sh ends with), in its own
+    process group with its own Prefect home: killing the group is the node dying, with the flow-run
+    processes it started (Prefect's process worker keeps them in its group)."""
+
+    def __init__(self, name: str, pool: str, tmp: Path, env: dict[str, str]):
+        self.name, self.pool = name, pool
+        self.home = tmp / name
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.home / "worker.log"
+        self.env = dict(env, PREFECT_HOME=str(self.home / "prefect-home"))
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Worker":
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", self.pool, "--limit", "1",
+                                      "--name", f"draftline@{self.name}"], cwd=ROOT, env=self.env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_started(self, timeout: float = 120) -> "Worker":
+        deadline = time.time() + timeout
+        while "started!" not in self.read_log():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker {self.name} exited {self.proc.returncode}:\n{self.read_log()[-4000:]}")
+            if time.time() > deadline:
+                raise AssertionError(f"worker {self.name} not started after {timeout}s:\n{self.read_log()[-3000:]}")
+            time.sleep(0.5)
+        return self
+
+    def read_log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        stop_group(self.proc)
 
 
 def kill_pid(pid: int) -> None:

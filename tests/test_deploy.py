@@ -31,9 +31,10 @@ STACK = ROOT / "infra" / "local-stack.sh"
 TEMPLATES = ROOT / "deployments" / "job-templates"
 
 
-def deployments() -> dict[str, dict]:
+def deployments(flow: str = "draftline") -> dict[str, dict]:
+    """The deployments of FLOW in prefect.yaml, by name (`draftline-extract`: the extraction slices)."""
     spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
-    return {d["name"]: d for d in spec["deployments"]}
+    return {d["name"]: d for d in spec["deployments"] if ops.flow_of(d) == flow}
 
 
 def render(template: str, values: dict) -> dict:
@@ -58,9 +59,17 @@ def test_prefect_yaml_has_local_and_b300_deployments_of_the_pipeline():
         assert set(d["parameters"]) == {"config_path", "overrides", "until"}
         assert (ROOT / d["parameters"]["config_path"]).is_file()
     # the entrypoint is the flow, with exactly those parameters
-    from flows.pipeline import pipeline
+    from flows.pipeline import extract_slice, pipeline
 
     assert list(pipeline.parameters.properties) == ["config_path", "overrides", "until"]
+    # every pool also has the deployment of the extraction slices (extract.nodes > 1), same name and pool
+    slices = deployments("draftline-extract")
+    assert {n: d["work_pool"]["name"] for n, d in slices.items()} == pools
+    for name, d in slices.items():
+        assert d["entrypoint"] == "flows/pipeline.py:extract_slice"
+        assert d.get("pull") == deps[name].get("pull"), name  # the same release (or checkout) as the run
+        assert d["work_pool"]["job_variables"] == deps[name]["work_pool"]["job_variables"], name
+    assert extract_slice.name == "draftline-extract"
 
 
 def test_b300_deployments_pin_the_release_of_this_checkout():
@@ -74,7 +83,7 @@ def test_b300_deployments_pin_the_release_of_this_checkout():
 
 
 def test_every_job_variable_in_prefect_yaml_exists_in_its_pool_template():
-    for name, d in deployments().items():
+    for name, d in [*deployments().items(), *deployments("draftline-extract").items()]:
         _, kind, template = ops.pool_spec(d)
         props = json.loads(template.read_text())["variables"]["properties"]
         unknown = set(d["work_pool"].get("job_variables") or {}) - set(props)

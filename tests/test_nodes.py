@@ -1,0 +1,148 @@
+"""Several nodes for one run (issue 18, item 3), with real parts: a Prefect server, SeaweedFS S3 and
+two process workers (`prefect worker start --limit 1`) as the nodes of pool draftline-local.
+
+A run submitted with `extract.nodes=2` extracts one slice of its shards on its own node (node A) and
+sends the other slice to node B as a child flow run of `draftline-extract/local` (Prefect's
+run_deployment). Node B dies mid-extraction (a drill kill point SIGKILLs its worker's process group,
+with the child's flow-run process: the whole node), after one of its shards is committed. Nobody on
+this host tells the server: the heartbeat automation `draftline deploy` created marks the child
+Crashed (the workers are named after other hosts, so the same-host pid check cannot help), the
+parent sees it and fails naming the lost shard, `draftline status` shows the child and its shards,
+and `draftline retry` extracts exactly the lost shard on the node that is left (summary: 1 ran,
+3 cached), with no second child.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import time
+import uuid
+
+import pytest
+
+import deploy_harness as harness
+from tasks.config import StoreConfig
+from tasks.store import Store
+
+CRASH_AFTER = 60  # the automation's silence before Crashed (heartbeats every 30 s)
+
+
+def summary_rows(server, run_id: str) -> dict[str, dict]:
+    """The newest run-summary table artifact of the run, by stage (what the UI's Artifacts tab shows)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with harness.client(server) as c:
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["run-summary"])),
+                                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(run_id)])),
+                                sort=ArtifactSort.CREATED_DESC, limit=1)
+    data = arts[0].data
+    rows = json.loads(data) if isinstance(data, str) else data
+    return {r["stage"]: r for r in rows}
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_shards(
+        prefect_server, s3_server, tmp_path):
+    t0 = time.time()
+    t: dict[str, float] = {}
+    store_uri = f"s3://draftline-test/nodes-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, **prefect_server.env(), **s3_server.env(), DRAFTLINE_STORE_URI=store_uri)
+    env.pop("PREFECT_UI_URL", None)
+    cli = dict(env, PREFECT_HOME=str(tmp_path / "laptop-home"), COLUMNS="200")
+    cli.pop("DRAFTLINE_STORE_URI")  # the nodes' environment names the store
+
+    out = harness.draftline("deploy", "--name", "local", "--crash-after", str(CRASH_AFTER), env=cli, timeout=600)
+    assert "draftline-extract/local" in out.stdout and "draftline-crash-silent-runs" in out.stdout, out.stdout
+    t["deploy"] = time.time() - t0
+    node_a = harness.Worker("node-a", "draftline-local", tmp_path, env).start()
+    # node B is a node that dies at its second shard: after one shard committed, mid-way through the next
+    node_b = harness.Worker("node-b", "draftline-local", tmp_path,
+                            dict(env, DRAFTLINE_FAULT_KILL="extract.part-written:2"))
+    try:
+        node_a.wait_started()
+        sub = json.loads(harness.draftline(
+            "submit", harness.CONFIG, "--deployment", "local", "--until", "extract", "--set", "extract.nodes=2",
+            "--json", env=cli).stdout.strip().splitlines()[-1])
+        run_id = sub["id"]
+        harness.wait_state(prefect_server, run_id, ("RUNNING",), timeout=300)
+        node_b.start().wait_started()  # the parent holds node A (--limit 1): its child can only go to B
+        t["submitted"] = time.time() - t0
+
+        run = harness.wait_state(prefect_server, run_id, ("FAILED", "COMPLETED", "CRASHED"), timeout=600)
+        t["attempt1"] = time.time() - t0
+        assert node_b.proc.poll() is not None, "node B should have died at its kill point"
+        status = json.loads(harness.draftline("status", run_id, "--json", env=cli).stdout)
+        assert run.state.type.value == "FAILED", status
+
+        # the shards were split over both nodes: 0 and 2 here, 1 and 3 in the child on node B
+        assert status["worker"] == "draftline@node-a"
+        assert status["stages"]["extract"]["states"] == {"Completed": 2}, status["stages"]
+        (child,) = status["children"]
+        assert child["worker"] == "draftline@node-b" and child["shards"] == [1, 3], child
+        # found dead by Prefect's heartbeats (the automation), not by anything on this host
+        assert child["state"] == "CRASHED" and "no heartbeat" in child["message"], child
+        assert "draftline-crash-silent-runs" in child["message"]
+        done_b = [int(s) for s, st in child["shard_states"].items() if st == "Completed"]
+        lost = sorted({1, 3} - set(done_b))
+        assert len(done_b) == 1 and len(lost) == 1, child["shard_states"]
+        store = Store.from_config(StoreConfig(uri=store_uri))
+        assert sorted(m.stats["shard"] for m in store.list("extract")) == sorted({0, 1, 2, 3} - set(lost))
+        assert f"shards {lost}" in status["message"] and "draftline retry" in status["message"], status["message"]
+        text = harness.draftline("status", run_id, env=cli).stdout
+        assert "child runs" in text and child["name"] in text and "draftline@node-b" in text, text
+
+        # the retry: any node of the pool (only A is left) extracts exactly the lost shard
+        t_retry = dt.datetime.now(dt.timezone.utc)
+        out = harness.draftline("retry", run_id, "--watch", "--timeout", "600", env=cli, timeout=700)
+        t["retry"] = time.time() - t0
+        rows = summary_rows(prefect_server, run_id)
+        assert (rows["extract"]["status"], rows["extract"]["ran"], rows["extract"]["cached"],
+                rows["extract"]["failed"]) == ("ran", 1, 3, 0), rows
+        assert (rows["prepare"]["status"], rows["vocab"]["status"]) == ("cached", "cached"), rows
+        done = json.loads(harness.draftline("status", run_id, "--json", env=cli).stdout)
+        assert done["state"] == "COMPLETED" and done["run_count"] == 2 and done["worker"] == "draftline@node-a"
+        assert len(done["children"]) == 1, "the retry needed no other node for one shard"
+        ran = {t_["name"] for t_ in done["tasks"] if t_["state"] == "Completed"}
+        assert ran == {f"extract-shard-{lost[0]}"}, done["tasks"]
+        shards = {m.stats["shard"]: m for m in store.list("extract")}
+        assert sorted(shards) == [0, 1, 2, 3]
+        for s, m in shards.items():
+            store.open("extract", m.digest).verify(checksums=True)
+            assert (m.created >= t_retry.isoformat()[:19]) == (s in lost), (s, m.created)
+    finally:
+        node_a.stop()
+        node_b.stop()
+        print("timings (s):", {k: round(v, 1) for k, v in t.items()}, "total", round(time.time() - t0, 1))
+
+
+def test_nodes_and_deployment_are_scheduling_keys_that_change_no_address():
+    from tasks import digest
+    from tasks.config import load_config
+
+    one = load_config(harness.CONFIG)
+    many = load_config(harness.CONFIG, ["extract.nodes=8", "extract.deployment=draftline-extract/b300"])
+    assert digest.extract_shard(one, [2, 15, 27, 30], "d" * 64, 3) == \
+        digest.extract_shard(many, [2, 15, 27, 30], "d" * 64, 3)
+
+
+def test_missing_shards_are_dealt_round_robin_into_at_most_one_slice_per_node():
+    from flows.pipeline import slice_shards
+
+    assert slice_shards([0, 1, 2, 3], 2) == [[0, 2], [1, 3]]
+    assert slice_shards([3], 2) == [[3]]  # one shard left: no child run, the run's own node takes it
+    assert slice_shards([], 4) == []
+    assert slice_shards([1, 4, 5], 8) == [[1], [4], [5]]
+
+
+def test_a_local_run_with_several_nodes_says_which_deployment_to_name():
+    from flows.pipeline import child_deployment
+    from tasks.config import load_config
+
+    with pytest.raises(RuntimeError, match=r"not a deployment run: set extract.deployment.*draftline deploy"):
+        child_deployment(load_config(harness.CONFIG, ["extract.nodes=2"]))
+    assert child_deployment(load_config(harness.CONFIG, ["extract.nodes=2", "extract.deployment=b300"])) == \
+        "draftline-extract/b300"
