@@ -1,0 +1,400 @@
+"""Training data from extraction parts: parts read (and sha256-checked) ahead of the loop, samples
+packed into fixed-size batches in a seeded order that a checkpoint can resume exactly, and the
+held-out tail the validation batches come from.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from tasks.config import TrainConfig
+from tasks.store import Artifact, ArtifactCorrupt
+from tasks.train_common import TrainError
+
+HOLDOUT_MAX_FRACTION = 0.1
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One extraction part, as the data stream sees it."""
+
+    index: int  # position in the run's part list (shard order, then part name)
+    shard: int
+    digest: str  # the extract artifact holding it
+    name: str  # its file name there
+    holdout: int = 0  # samples at the END of this part kept out of training for evaluation
+
+
+@dataclass
+class PartData:
+    """One part in memory: bf16 hidden states [T, L, H] and its token arrays."""
+
+    spec: PartSpec
+    hidden: torch.Tensor
+    input_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # bool [T]
+    offsets: list[int]  # [N + 1]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def train_samples(self) -> int:
+        return self.num_samples - self.spec.holdout
+
+
+class PartReader:
+    """Reads parts from the store: a sha256-verified local copy, then `tasks.extract.load_part`
+    (bf16 whatever the storage dtype). Thread-safe; used by the loader thread."""
+
+    def __init__(self, artifacts: dict[str, Artifact], layer_ids: list[int], hidden_size: int):
+        self.artifacts = artifacts
+        self.layer_ids = list(layer_ids)
+        self.hidden_size = hidden_size
+        self.verified: set[tuple[str, str]] = set()  # sha256 checked once per process, sizes every read
+
+    def __call__(self, spec: PartSpec) -> PartData:
+        from tasks.parts import load_part
+
+        art = self.artifacts[spec.digest]
+        key = (spec.digest, spec.name)
+        try:
+            with art.local_copy(spec.name, verify=key not in self.verified) as path:
+                raw = load_part(path)
+            self.verified.add(key)
+        except ArtifactCorrupt as exc:
+            raise TrainError(f"{exc}: rerun the run (`draftline retry`) to extract that shard again") from None
+        where = f"{art.uri}/{spec.name}"
+        hs = raw["hidden_states"]
+        offsets = [int(x) for x in raw["offsets"].tolist()]
+        if raw.get("layer_ids") and list(raw["layer_ids"]) != self.layer_ids:
+            raise TrainError(f"{where}: part metadata says layer ids {raw['layer_ids']}, the shard manifest says "
+                             f"{self.layer_ids}; the shard is inconsistent: rerun its extraction")
+        n_t = int(raw["input_ids"].shape[0])
+        if (hs.ndim != 3 or hs.shape[0] != n_t or hs.shape[1] != len(self.layer_ids)
+                or hs.shape[2] != self.hidden_size):
+            raise TrainError(f"{where}: hidden_states has shape {list(hs.shape)}, expected [{n_t}, "
+                             f"{len(self.layer_ids)}, {self.hidden_size}]")
+        if not offsets or offsets[0] != 0 or offsets[-1] != n_t or any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise TrainError(f"{where}: offsets do not split its {n_t} tokens into samples; the part is corrupt")
+        if spec.holdout > len(offsets) - 1:
+            raise TrainError(f"{where}: {spec.holdout} held-out samples but the part has only {len(offsets) - 1}")
+        return PartData(spec=spec, hidden=hs, input_ids=raw["input_ids"].to(torch.int64),
+                        loss_mask=raw["loss_mask"].to(torch.bool), offsets=offsets)
+
+
+@dataclass
+class Batch:
+    """`batch_tokens` packed positions in speculators' layout (after its `shift_batch`):
+    position p pairs hidden state t with token t+1 of its sample."""
+
+    hidden_states: torch.Tensor  # [1, T, (L-1)*H], aux layers concatenated
+    verifier_last_hidden_states: torch.Tensor  # [1, T, H]
+    input_ids: torch.Tensor  # [1, T]
+    loss_mask: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    document_ids: torch.Tensor  # [1, T], -1 = padding
+    tokens: int  # non-padding positions
+    position: dict[str, int] | None = None  # stream position after this batch
+
+    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        nb = device.type == "cuda"
+        hs_dtype = self.hidden_states.dtype if device.type == "cuda" else torch.float32  # CPU: fp32 math
+        return {
+            "hidden_states": self.hidden_states.to(device, hs_dtype, non_blocking=nb),
+            "verifier_last_hidden_states": self.verifier_last_hidden_states.to(device, hs_dtype, non_blocking=nb),
+            "input_ids": self.input_ids.to(device, non_blocking=nb),
+            "loss_mask": self.loss_mask.to(device, non_blocking=nb),
+            "position_ids": self.position_ids.to(device, non_blocking=nb),
+            "document_ids": self.document_ids.to(device, non_blocking=nb),
+        }
+
+
+Piece = tuple[PartData, int, int, int]  # (part, sample start token, offset in the shifted sample, length)
+
+
+def assemble(pieces: Sequence[Piece], length: int, position: dict[str, int] | None = None,
+             pin_memory: bool = False) -> Batch:
+    """Copy pieces of samples into one batch of `length` positions (padding at the end).
+
+    A sample of n tokens gives n-1 positions (speculators' shift): position j pairs
+    the aux hidden states of token j with token j+1, its loss mask, the verifier's
+    last hidden state of token j+1 (the target) and position id j+1.
+    """
+    first = pieces[0][0]
+    n_l, h = int(first.hidden.shape[1]), int(first.hidden.shape[2])
+    # pinned (page-locked) on a GPU run, so the copy to the device can overlap compute
+    hs = torch.zeros(length, n_l - 1, h, dtype=first.hidden.dtype, pin_memory=pin_memory)
+    last = torch.zeros(length, h, dtype=first.hidden.dtype, pin_memory=pin_memory)
+    ids = torch.zeros(length, dtype=torch.int64)
+    mask = torch.zeros(length, dtype=torch.bool)
+    pos = torch.ones(length, dtype=torch.int64)
+    doc = torch.full((length,), -1, dtype=torch.int64)
+    o = 0
+    for d, (data, start, j, n) in enumerate(pieces):
+        a = start + j
+        hs[o:o + n].copy_(data.hidden[a:a + n, :-1])
+        last[o:o + n].copy_(data.hidden[a + 1:a + 1 + n, -1])
+        ids[o:o + n] = data.input_ids[a + 1:a + 1 + n]
+        mask[o:o + n] = data.loss_mask[a + 1:a + 1 + n]
+        pos[o:o + n] = torch.arange(j + 1, j + 1 + n)
+        doc[o:o + n] = d
+        o += n
+    return Batch(hidden_states=hs.view(1, length, -1), verifier_last_hidden_states=last.unsqueeze(0),
+                 input_ids=ids.unsqueeze(0), loss_mask=mask.unsqueeze(0), position_ids=pos.unsqueeze(0),
+                 document_ids=doc.unsqueeze(0), tokens=o, position=position)
+
+
+def _rng(*keys: int) -> np.random.Generator:
+    return np.random.default_rng([int(k) % (2**32) for k in keys])
+
+
+_DONE = object()
+
+
+class BatchStream:
+    """Training batches of exactly `batch_tokens` positions, epoch after epoch, forever.
+
+    Order: epoch e visits the parts in the permutation `rng(seed, e)`; inside a part
+    the samples go in the permutation `rng(seed, e, part index + 1)`. Samples are
+    packed back to back; one that does not fit is split, its rest opening the next
+    batch (its positions continue, so no token is dropped or padded). With several
+    ranks each rank takes every world-th part of the epoch's order (or, with fewer
+    parts than ranks, every world-th sample of every part).
+
+    The position {epoch, cursor, sample, offset} after each batch rides on the batch;
+    a stream started from it continues exactly where the other stopped.
+
+    prefetch > 0: `prefetch` loader threads read the next parts in parallel and a
+    packer thread assembles batches (2 ahead), so the training loop only waits when
+    the store is slower than training. Memory: about prefetch + 2 parts.
+    prefetch = 0: everything in the caller's thread.
+    """
+
+    def __init__(self, parts: Sequence[PartSpec], load: Callable[[PartSpec], PartData], *, batch_tokens: int,
+                 seed: int, rank: int = 0, world: int = 1, prefetch: int = 2,
+                 position: dict[str, int] | None = None, pin_memory: bool = False):
+        if not parts:
+            raise TrainError("no extraction parts to train on")
+        self.parts = list(parts)
+        self.load = load
+        self.batch_tokens = batch_tokens
+        self.seed = seed
+        self.rank, self.world = rank, world
+        self.by_part = len(self.parts) >= world
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory
+        self.start = dict(position or {"epoch": 0, "cursor": 0, "sample": 0, "offset": 0})
+        self.position = dict(self.start)
+        self.wait_s = 0.0  # time the consumer spent blocked, cumulative
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._batches: Iterator[Batch] | None = None
+        self._batch_q: queue.Queue | None = None
+
+    # ---------------------------------------------------------------- order
+    def part_order(self, epoch: int) -> list[PartSpec]:
+        perm = _rng(self.seed, epoch).permutation(len(self.parts))
+        if self.by_part:
+            perm = perm[self.rank::self.world]
+        return [self.parts[i] for i in perm]
+
+    def sample_order(self, epoch: int, data: PartData) -> np.ndarray:
+        order = _rng(self.seed, epoch, data.spec.index + 1).permutation(data.train_samples)
+        return order if self.by_part else order[self.rank::self.world]
+
+    def _specs(self) -> Iterator[tuple[int, int, PartSpec]]:
+        epoch, cursor = self.start["epoch"], self.start["cursor"]
+        while True:
+            order = self.part_order(epoch)
+            for c in range(cursor, len(order)):
+                yield epoch, c, order[c]
+            epoch, cursor = epoch + 1, 0
+
+    # ---------------------------------------------------------------- packing
+    def _pack(self, loaded: Iterator[tuple[int, int, PartData]]) -> Iterator[Batch]:
+        size = self.batch_tokens
+        pieces: list[Piece] = []
+        room = size
+        k, j = self.start["sample"], self.start["offset"]  # only the first part resumes mid-way
+        idle = 0
+        for epoch, cursor, data in loaded:
+            order = self.sample_order(epoch, data)
+            produced = False
+            while k < len(order):
+                i = int(order[k])
+                start, n = data.offsets[i], data.offsets[i + 1] - data.offsets[i] - 1
+                if j >= n:  # a 0/1-token sample has no position to train on
+                    k, j = k + 1, 0
+                    continue
+                take = min(n - j, room)
+                pieces.append((data, start, j, take))
+                produced = True
+                j += take
+                room -= take
+                if j >= n:
+                    k, j = k + 1, 0
+                if room == 0:
+                    yield assemble(pieces, size, {"epoch": epoch, "cursor": cursor, "sample": k, "offset": j},
+                                   self.pin_memory)
+                    pieces, room = [], size
+            k, j = 0, 0
+            idle = 0 if produced else idle + 1
+            if idle > 2 * len(self.parts) + 2:
+                raise TrainError("the extraction parts hold no sample of 2 or more tokens; nothing to train on")
+
+    def _loaded_sync(self) -> Iterator[tuple[int, int, PartData]]:
+        for epoch, cursor, spec in self._specs():
+            yield epoch, cursor, self.load(spec)
+
+    # ---------------------------------------------------------------- threads
+    def _put(self, q: queue.Queue, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _get(self, q: queue.Queue) -> Any:
+        while True:
+            try:
+                item = q.get(timeout=0.1)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return _DONE
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def _loader(self, part_q: queue.Queue) -> None:
+        """Loads the next `prefetch` parts in parallel (reading, sha256 and safetensors parsing
+        release the GIL) and hands them on in order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=self.prefetch, thread_name_prefix="draftline-part-load")
+        pending: collections.deque = collections.deque()
+        specs = self._specs()
+        try:
+            while not self._stop.is_set():
+                while len(pending) < self.prefetch:
+                    epoch, cursor, spec = next(specs)
+                    pending.append((epoch, cursor, pool.submit(self.load, spec)))
+                epoch, cursor, fut = pending.popleft()
+                if not self._put(part_q, (epoch, cursor, fut.result())):
+                    return
+        except BaseException as exc:  # handed to the consumer, which raises it
+            self._put(part_q, exc)
+        finally:
+            for *_, fut in pending:
+                fut.cancel()
+            pool.shutdown(wait=False)
+
+    def _packer(self, part_q: queue.Queue, batch_q: queue.Queue) -> None:
+        def parts() -> Iterator[tuple[int, int, PartData]]:
+            while True:
+                item = self._get(part_q)
+                if item is _DONE:
+                    return
+                yield item
+
+        try:
+            for batch in self._pack(parts()):
+                if not self._put(batch_q, batch):
+                    return
+        except BaseException as exc:
+            self._put(batch_q, exc)
+
+    def _start(self) -> None:
+        if self.prefetch <= 0:
+            self._batches = self._pack(self._loaded_sync())
+            return
+        part_q: queue.Queue = queue.Queue(maxsize=1)  # + `prefetch` loading + 1 being packed
+        self._batch_q = queue.Queue(maxsize=2)
+        self._threads = [
+            threading.Thread(target=self._loader, args=(part_q,), name="draftline-part-loader", daemon=True),
+            threading.Thread(target=self._packer, args=(part_q, self._batch_q), name="draftline-packer",
+                             daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def next(self) -> Batch:
+        if self._batches is None and self._batch_q is None:
+            self._start()
+        t0 = time.perf_counter()
+        if self._batches is not None:
+            batch = next(self._batches)
+        else:
+            assert self._batch_q is not None
+            batch = self._get(self._batch_q)
+            if batch is _DONE:
+                raise RuntimeError("the batch stream was closed")
+        self.wait_s += time.perf_counter() - t0
+        self.position = dict(batch.position or self.position)
+        return batch
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=10)
+        self._threads = []
+
+
+def holdout_plan(parts: list[PartSpec], last_part: PartData, total_samples: int, train: TrainConfig) -> int:
+    """How many samples at the end of the last part are held out for evaluation.
+
+    Enough for `eval_batches` batches, but at most 10% of all samples (at least
+    one), and never the whole dataset. 0 when eval_batches is 0.
+    """
+    n = last_part.num_samples
+    if train.eval_batches == 0 or (len(parts) == 1 and n < 2):
+        return 0
+    cap = max(1, int(max(total_samples, n) * HOLDOUT_MAX_FRACTION))
+    if len(parts) == 1:
+        cap = min(cap, n - 1)
+    want = train.eval_batches * train.batch_tokens
+    held, tokens = 0, 0
+    while held < min(cap, n) and tokens < want:
+        i = n - 1 - held
+        tokens += last_part.offsets[i + 1] - last_part.offsets[i] - 1
+        held += 1
+    return held
+
+
+def eval_batches(data: PartData, first: int, batch_tokens: int, max_batches: int) -> list[Batch]:
+    """Held-out samples first.. of `data`, in order, packed like training (last batch padded)."""
+    out: list[Batch] = []
+    pieces: list[Piece] = []
+    room = batch_tokens
+    for i in range(first, data.num_samples):
+        start, n = data.offsets[i], data.offsets[i + 1] - data.offsets[i] - 1
+        j = 0
+        while j < n and len(out) < max_batches:
+            take = min(n - j, room)
+            pieces.append((data, start, j, take))
+            j += take
+            room -= take
+            if room == 0:
+                out.append(assemble(pieces, batch_tokens))
+                pieces, room = [], batch_tokens
+    if pieces and len(out) < max_batches:
+        out.append(assemble(pieces, batch_tokens))
+    return out
+
+
+def tail_copy(data: PartData, first: int) -> PartData:
+    """Samples first.. of a part as a standalone copy (so the full part can be freed)."""
+    a = data.offsets[first]
+    return PartData(spec=data.spec, hidden=data.hidden[a:].clone(), input_ids=data.input_ids[a:].clone(),
+                    loss_mask=data.loss_mask[a:].clone(), offsets=[o - a for o in data.offsets[first:]])
