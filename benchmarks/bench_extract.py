@@ -1,4 +1,4 @@
-"""Extraction on CPU: write-out overlap (issue 9) and draftline vs `speculators generate-offline-data` (issue 4).
+"""Extraction on CPU: write-out overlap and draftline vs `speculators generate-offline-data`.
 
     .venv/bin/python benchmarks/bench_extract.py [--parts write,speculators] [--samples 4] [--rounds 2]
         [--stores shm,s3] [--target smollm2|tiny] [--engine-threads N] [--part-tokens N] [--json out.json]
@@ -10,7 +10,7 @@ Both parts use the offline SmolLM2-135M-Instruct preset (float32 on a CPU withou
 first `--samples` chitchat conversations through draftline's own `run_prepare` (one shard,
 `--max-length` tokens at most).
 
-Part "write" (issue 9: does the write-out slow extraction down?). One engine (`--backend`,
+Part "write" (does the write-out slow extraction down?). One engine (`--backend`,
 default transformers: the backend of GPUs without vLLM), started once; each round runs, in an
 order rotated from round to round:
 - bare: the shard's batches through `EngineProcess.extract`, one call ahead as in `extract_shard`,
@@ -27,7 +27,7 @@ as in the H200 measurement; `--part-tokens` makes parts span several calls (the 
 on random token ids, whose forward is cheap enough for the write-out to matter on a CPU;
 `--engine-threads 1` leaves the second core to the writer, as a GPU's forward would.
 
-Part "speculators" (issue 4). speculators 0.9.0's path is a vLLM OpenAI server configured for
+Part "speculators". speculators 0.9.0's path is a vLLM OpenAI server configured for
 hidden-state extraction plus `speculators generate-offline-data` sending each sample's token ids
 to it (`/v1/completions`, `max_tokens=1`) and moving each per-request safetensors file into its
 output folder. The server runs the same engine settings as draftline's vLLM extraction engine

@@ -1,4 +1,4 @@
-"""GPU validation and benchmarks (issue 9): matmul roofline, extraction, training, on one GPU.
+"""GPU validation and benchmarks: matmul roofline, extraction, training, on one GPU.
 
 On the lent H200 (one device call, ~6-8 minutes):
 

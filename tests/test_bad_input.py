@@ -1,4 +1,4 @@
-"""Bad input (issue #8): each case exits non-zero (the real CLI) or raises draftline's own error (a
+"""Bad input: each case exits non-zero (the real CLI) or raises draftline's own error (a
 stage function), with a message that names the problem and the fix, and commits nothing.
 
 CLI cases run `draftline run CONFIG --set ...` in-process (typer's CliRunner): config errors stop

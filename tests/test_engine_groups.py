@@ -1,4 +1,4 @@
-"""Extraction over several engine groups for real (issue 18): the pool a GPU node uses, on CPU cores.
+"""Extraction over several engine groups for real: the pool a GPU node uses, on CPU cores.
 
 `extract.cpu_groups: 2` runs two engine processes side by side, each pinned to its own core, through
 the same `EnginePool` and `engine_for_group` path that runs one engine per GPU group on a GPU node

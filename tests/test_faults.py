@@ -1,4 +1,4 @@
-"""Faults tried for real (issue #8): what survives, what is lost, what a retry does.
+"""Faults tried for real: what survives, what is lost, what a retry does.
 
 - the extraction engine SIGKILLed at 10 seeded random points across shards;
 - the S3 server SIGKILLed in the middle of a multipart upload (back soon / gone for long);

@@ -1,4 +1,4 @@
-"""A run killed at any point never wedges the next one (issue 16), tried the way it happens.
+"""A run killed at any point never wedges the next one, tried the way it happens.
 
 `draftline run` is killed for real at points across the DAG (tasks/faults.py names them): the whole
 process group gets SIGKILL, as from a preempted node or the OOM killer. Then the SAME command runs

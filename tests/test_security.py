@@ -1,4 +1,4 @@
-"""Security checks (issue #8): secrets stay in the environment; no code path runs untrusted code
+"""Security checks: secrets stay in the environment; no code path runs untrusted code
 or unpickles data by default.
 
 The secret test runs a real piece of the pipeline (`draftline run --until vocab`: prepare and vocab,

@@ -1,7 +1,7 @@
 """Locks that die with their holder (flows/locks.py), tried with real processes and real signals.
 
 Prefect's own file lock, left by a SIGKILLed run, made every later run of that config wait
-forever (issue 16). These tests hold a lock in a real child process, kill it, and check that the
+forever. These tests hold a lock in a real child process, kill it, and check that the
 next taker gets it at once; that a live holder is waited for with a log line and a bound that is
 named in the error; that a lease nobody renews runs out; that locks of older versions are
 cleared; and that a stop request (Ctrl-C) ends a wait at once.
