@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tasks.config import STAGES, ConfigError, dump_config, load_config
+from tasks.config import STAGES, ConfigError, check_until, dump_config, load_config
 
 app = typer.Typer(help="Train EAGLE-3 draft heads for vLLM targets, as a resumable Prefect pipeline.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -113,8 +113,10 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
         as_json: bool = typer.Option(False, "--json", help="Print the run summary as one JSON object.")):
     """Run the pipeline. Finished stages (and shards) are reused from the store."""
     cfg = _load(config, overrides)
-    if until is not None and until not in STAGES:
-        _fail(f"--until {until!r}: use one of {', '.join(STAGES)}")
+    try:
+        check_until(until)
+    except ConfigError as exc:
+        _fail(str(exc))
     _store(cfg)
     _check_inputs(cfg)
     from flows import interrupts

@@ -24,6 +24,13 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names each field and the fix."""
 
 
+def check_until(until: str | None) -> str | None:
+    """`--until STAGE` (run, submit, the flow's parameter): a stage name, or None for the whole pipeline."""
+    if until is not None and until not in STAGES:
+        raise ConfigError(f"--until {until!r}: use one of {', '.join(STAGES)}")
+    return until
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
