@@ -533,9 +533,14 @@ def _run_extract_nodes(cfg: RunConfig, store: Store, rec: RunRecord, data: Artif
     by_shard = {p.shard: p for p in plans}
     cached = [p.shard for p in plans if store.find("extract", p.digest) is not None]
     missing = [p.shard for p in plans if p.shard not in set(cached)]
-    slices = slice_shards(missing, cfg.extract.nodes)
+    # A retry whose earlier attempt's children still run (its own node died, theirs did not): wait for
+    # them instead of extracting their shards a second time.
+    children = [(run, shards) for run, shards in _running_children(flow_run.id) if set(shards) & set(missing)]
+    for run, shards in children:
+        logger.info(f"extract: child {run.name} of an earlier attempt still runs shards {shards}: waiting for it")
+    adopted = {s for _, shards in children for s in shards}
+    slices = slice_shards([s for s in missing if s not in adopted], max(1, cfg.extract.nodes - len(children)))
     own = slices[0] if slices else []
-    children: list[tuple[Any, list[int]]] = []
     if len(slices) > 1:
         target = child_deployment(cfg)
         if store.is_local:
@@ -579,6 +584,20 @@ def _run_extract_nodes(cfg: RunConfig, store: Store, rec: RunRecord, data: Artif
                            "`draftline retry` this run: it extracts only those, on any node")
     logger.info(f"extract: {r.executed} shards ran (on {1 + len(children)} nodes), {r.cached} cached, in {r.seconds}s")
     return refs
+
+
+def _running_children(parent_id: Any) -> list[tuple[Any, list[int]]]:
+    """Child runs of this flow run (any attempt) not yet in a final state, with their shards."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    if parent_id is None:
+        return []
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])), limit=200)
+    return [(run, list((run.parameters or {}).get("shards") or [])) for run in runs
+            if run.state is not None and not run.state.is_final()]
 
 
 def _wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard: dict[int, Any],

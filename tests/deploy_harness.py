@@ -139,9 +139,12 @@ class Worker:
     process group with its own Prefect home: killing the group is the node dying, with the flow-run
     processes it started (Prefect's process worker keeps them in its group)."""
 
-    def __init__(self, name: str, pool: str, tmp: Path, env: dict[str, str]):
-        self.name, self.pool = name, pool
-        self.home = tmp / name
+    def __init__(self, argv: list[str], tmp: Path, env: dict[str, str]):
+        """ARGV: `prefect worker start --pool POOL --limit 1 --name draftline@NODE` as the guide shows it."""
+        assert argv[1:3] == ["worker", "start"] and "--name" in argv, argv
+        self.argv = [str(BIN / "prefect"), *argv[1:]]
+        self.name = argv[argv.index("--name") + 1].rsplit("@", 1)[-1]
+        self.home = tmp / self.name
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_path = self.home / "worker.log"
         self.env = dict(env, PREFECT_HOME=str(self.home / "prefect-home"))
@@ -149,9 +152,8 @@ class Worker:
 
     def start(self) -> "Worker":
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", self.pool, "--limit", "1",
-                                      "--name", f"draftline@{self.name}"], cwd=ROOT, env=self.env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         return self
 
     def wait_started(self, timeout: float = 120) -> "Worker":

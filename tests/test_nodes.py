@@ -17,8 +17,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
+import shlex
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +29,18 @@ import deploy_harness as harness
 from tasks.config import StoreConfig
 from tasks.store import Store
 
-CRASH_AFTER = 60  # the automation's silence before Crashed (heartbeats every 30 s)
+CRASH_AFTER = 60  # the automation's silence before Crashed (heartbeats every 30 s; the default is 90)
+ROOT = Path(__file__).resolve().parents[1]
+SECTION = "## 10. Several nodes for one run"
+
+
+def guide_commands() -> list[list[str]]:
+    """The commands of docs/DEPLOY.md's section on several nodes, as a user copies them."""
+    text = (ROOT / "docs" / "DEPLOY.md").read_text()
+    assert SECTION in text, f"docs/DEPLOY.md has no section {SECTION!r}"
+    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    return [argv for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+            for argv in map(lambda line: shlex.split(line, comments=True), block.splitlines()) if argv]
 
 
 def summary_rows(server, run_id: str) -> dict[str, dict]:
@@ -55,18 +69,22 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
     cli = dict(env, PREFECT_HOME=str(tmp_path / "laptop-home"), COLUMNS="200")
     cli.pop("DRAFTLINE_STORE_URI")  # the nodes' environment names the store
 
-    out = harness.draftline("deploy", "--name", "local", "--crash-after", str(CRASH_AFTER), env=cli, timeout=600)
+    # the guide's commands, run as shown (plus: a shorter crash delay, JSON output, the small config)
+    deploy, worker_a, worker_b, submit, status_cmd, status_again, retry = guide_commands()
+    assert status_again == status_cmd == [".venv/bin/draftline", "status", "last"]
+    assert retry == [".venv/bin/draftline", "retry", "last", "--watch"]
+    out = harness.draftline(*deploy[1:], "--crash-after", str(CRASH_AFTER), env=cli, timeout=600)
     assert "draftline-extract/local" in out.stdout and "draftline-crash-silent-runs" in out.stdout, out.stdout
     t["deploy"] = time.time() - t0
-    node_a = harness.Worker("node-a", "draftline-local", tmp_path, env).start()
+    node_a = harness.Worker(worker_a, tmp_path, env).start()
     # node B is a node that dies at its second shard: after one shard committed, mid-way through the next
-    node_b = harness.Worker("node-b", "draftline-local", tmp_path,
-                            dict(env, DRAFTLINE_FAULT_KILL="extract.part-written:2"))
+    node_b = harness.Worker(worker_b, tmp_path, dict(env, DRAFTLINE_FAULT_KILL="extract.part-written:2"))
+    assert (node_a.name, node_b.name) == ("node-a", "node-b")
     try:
         node_a.wait_started()
-        sub = json.loads(harness.draftline(
-            "submit", harness.CONFIG, "--deployment", "local", "--until", "extract", "--set", "extract.nodes=2",
-            "--json", env=cli).stdout.strip().splitlines()[-1])
+        assert submit[2] == "configs/demo.yaml" and "extract.nodes=2" in submit, submit
+        sub = json.loads(harness.draftline(*submit[1:2], harness.CONFIG, *submit[3:], "--json",
+                                           env=cli).stdout.strip().splitlines()[-1])
         run_id = sub["id"]
         harness.wait_state(prefect_server, run_id, ("RUNNING",), timeout=300)
         node_b.start().wait_started()  # the parent holds node A (--limit 1): its child can only go to B
@@ -75,8 +93,8 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
         run = harness.wait_state(prefect_server, run_id, ("FAILED", "COMPLETED", "CRASHED"), timeout=600)
         t["attempt1"] = time.time() - t0
         assert node_b.proc.poll() is not None, "node B should have died at its kill point"
-        status = json.loads(harness.draftline("status", run_id, "--json", env=cli).stdout)
-        assert run.state.type.value == "FAILED", status
+        status = json.loads(harness.draftline(*status_cmd[1:], "--json", env=cli).stdout)
+        assert status["id"] == run_id and run.state.type.value == "FAILED", status
 
         # the shards were split over both nodes: 0 and 2 here, 1 and 3 in the child on node B
         assert status["worker"] == "draftline@node-a"
@@ -92,12 +110,13 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
         store = Store.from_config(StoreConfig(uri=store_uri))
         assert sorted(m.stats["shard"] for m in store.list("extract")) == sorted({0, 1, 2, 3} - set(lost))
         assert f"shards {lost}" in status["message"] and "draftline retry" in status["message"], status["message"]
-        text = harness.draftline("status", run_id, env=cli).stdout
+        text = harness.draftline(*status_cmd[1:], env=cli).stdout
         assert "child runs" in text and child["name"] in text and "draftline@node-b" in text, text
 
         # the retry: any node of the pool (only A is left) extracts exactly the lost shard
         t_retry = dt.datetime.now(dt.timezone.utc)
-        out = harness.draftline("retry", run_id, "--watch", "--timeout", "600", env=cli, timeout=700)
+        out = harness.draftline(*retry[1:], "--timeout", "600", env=cli, timeout=700)
+        assert f"retrying {status['name']}" in out.stdout, out.stdout
         t["retry"] = time.time() - t0
         rows = summary_rows(prefect_server, run_id)
         assert (rows["extract"]["status"], rows["extract"]["ran"], rows["extract"]["cached"],
