@@ -1,9 +1,11 @@
 """Operations: `draftline doctor | deploy | submit | status | retry | ui`, and the b300 pull step.
 
     draftline doctor [CONFIG]                          is this machine ready? (versions, GPUs, store, Prefect)
-    draftline deploy [--name b300]                     work pools + deployments from deployments/prefect.yaml
+    draftline deploy [--name b300]                     work pools + deployments from deployments/prefect.yaml,
+                                                       and the automation that crashes runs whose heartbeats stop
     draftline submit CONFIG --deployment b300          start a run on a work pool
-    draftline status RUN                               stages and shards of a run; flags a run whose node died
+    draftline status RUN                               stages and shards of a run, its child runs (extraction
+                                                       slices on other nodes); flags a run whose node died
     draftline retry RUN                                re-run what failed (finished shards are reused)
     draftline ui [RUN]                                 the run's page in the Prefect UI
 
@@ -243,7 +245,9 @@ def last_heartbeat(c: Any, run: Any) -> dt.datetime | None:
 
 def assess(run: Any, tasks: list[Any], *, heartbeat: dt.datetime | None, worker: Any | None,
            stale_after: float, now: dt.datetime | None = None, host: str | None = None) -> Liveness:
-    """Is a Running/Pending run really alive? Evidence, strongest first:
+    """Is a Running/Pending run really alive? The server's own answer comes first: with the automation
+    of `draftline deploy` it marks a run Crashed when its heartbeats stop, on any host. This is the
+    fallback for a server without it (and for runs without heartbeats). Evidence, strongest first:
 
     1. its process (infrastructure pid) was started by a worker on this host and is gone;
     2. the worker that started it is offline: its node stopped heartbeating (node died);
@@ -942,6 +946,21 @@ def config_parameters(config: Path, overrides: list[str], inline: bool | None) -
     return {"config_path": None, "overrides": sets + list(overrides)}, file_store
 
 
+def check_slice_deployment(c: Any, cfg: Any, dep: Any) -> str:
+    """The deployment that a run of DEP with extract.nodes > 1 sends its slices to, checked to exist."""
+    from prefect.exceptions import ObjectNotFound
+
+    name = cfg.extract.deployment or dep.name
+    full = name if "/" in name else f"{EXTRACT_FLOW}/{name}"
+    try:
+        c.read_deployment_by_name(full)
+    except ObjectNotFound:
+        raise OpsError(f"extract.nodes={cfg.extract.nodes} sends slices of the shards to {full}, which is not "
+                       f"registered on {api_url()}: `draftline deploy --name {full.split('/', 1)[1]}` registers it "
+                       "(or set extract.deployment to one that exists)") from None
+    return full
+
+
 def _env_pairs(items: list[str]) -> dict[str, str]:
     env = {}
     for it in items:
@@ -1016,6 +1035,8 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
             if pool is not None:
                 online = [w.name for w in c.read_workers_for_work_pool(pool.name)
                           if getattr(w.status, "value", str(w.status)) == "ONLINE"]
+            if cfg.extract.nodes > 1:
+                slices = check_slice_deployment(c, cfg, dep)
             run = run_deployment(full, parameters=params, job_variables=job_vars or None, timeout=0,
                                  flow_run_name=name, tags=[f"config:{config.name}"])
             store_note = job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri") or \
@@ -1026,6 +1047,13 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
                 console.print(f"submitted [bold]{run.name}[/] ({run.id}) to {full}")
                 console.print(f"  config {params['config_path'] or '(inlined) ' + config.name}, "
                               f"overrides {len(params['overrides'])}, store {info['store']}")
+                if cfg.extract.nodes > 1:
+                    console.print(f"  extraction over up to {cfg.extract.nodes} nodes: this run's node and child "
+                                  f"runs of {slices}")
+                    if pool is not None and len(online) < cfg.extract.nodes:
+                        err.print(f"[yellow]extract.nodes={cfg.extract.nodes} but pool {pool.name} has "
+                                  f"{len(online)} online worker(s)[/]: the run holds one node while its children "
+                                  "wait for free ones; start more workers or lower extract.nodes")
                 if pool is not None and not online:
                     err.print(f"[yellow]no worker is online in pool {pool.name}[/]: the run waits until one "
                               f"starts (prefect worker start --pool {pool.name}, or infra/node-bootstrap.sh)")

@@ -552,9 +552,9 @@ def _run_extract_nodes(cfg: RunConfig, store: Store, rec: RunRecord, data: Artif
                   "overrides": list(rec.overrides) + [f"store.uri={store.uri}"],
                   "data_stage": data.stage, "data_digest": data.digest}
         for i, part in enumerate(slices[1:], start=1):
-            child = run_deployment(target, parameters={**params, "shards": part}, timeout=0,
-                                   flow_run_name=f"{flow_run.name or 'draftline'}-extract-{i}of{len(slices)}-try{attempt}",
-                                   tags=["draftline", f"draftline-parent:{flow_run.id}"])
+            child = _start_child(target, run_deployment, parameters={**params, "shards": part}, timeout=0,
+                                 flow_run_name=f"{flow_run.name or 'draftline'}-extract-{i}of{len(slices)}-try{attempt}",
+                                 tags=["draftline", f"draftline-parent:{flow_run.id}"])
             children.append((child, part))
             logger.info(f"extract: shards {part} -> child flow run {child.name} ({child.id}) of {target}")
     logger.info(f"extract: {len(plans)} shards, {len(cached)} on the store; this node extracts {own}, "
@@ -584,6 +584,17 @@ def _run_extract_nodes(cfg: RunConfig, store: Store, rec: RunRecord, data: Artif
                            "`draftline retry` this run: it extracts only those, on any node")
     logger.info(f"extract: {r.executed} shards ran (on {1 + len(children)} nodes), {r.cached} cached, in {r.seconds}s")
     return refs
+
+
+def _start_child(target: str, run_deployment: Callable, **kwargs: Any) -> Any:
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        return run_deployment(target, **kwargs)
+    except ObjectNotFound:
+        raise RuntimeError(f"extract.nodes sends slices of the shards to the deployment {target}, which is not "
+                           f"registered: `draftline deploy --name {target.split('/', 1)[1]}` registers it (or set "
+                           "extract.deployment to one that exists)") from None
 
 
 def _running_children(parent_id: Any) -> list[tuple[Any, list[int]]]:

@@ -43,6 +43,12 @@ def guide_commands() -> list[list[str]]:
             for argv in map(lambda line: shlex.split(line, comments=True), block.splitlines()) if argv]
 
 
+def submit_args(submit: list[str]) -> list[str]:
+    """The guide's submit with the test's small config in place of configs/demo.yaml."""
+    assert submit[1:3] == ["submit", "configs/demo.yaml"] and "extract.nodes=2" in submit, submit
+    return [submit[1], harness.CONFIG, *submit[3:]]
+
+
 def summary_rows(server, run_id: str) -> dict[str, dict]:
     """The newest run-summary table artifact of the run, by stage (what the UI's Artifacts tab shows)."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
@@ -76,15 +82,18 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
     out = harness.draftline(*deploy[1:], "--crash-after", str(CRASH_AFTER), env=cli, timeout=600)
     assert "draftline-extract/local" in out.stdout and "draftline-crash-silent-runs" in out.stdout, out.stdout
     t["deploy"] = time.time() - t0
+    # a slice deployment that is not registered: refused here, before a node is taken
+    bad = harness.draftline(*submit_args(guide_commands()[3]), "--set", "extract.deployment=nowhere", env=cli,
+                            check=False)
+    assert bad.returncode == 2 and "draftline-extract/nowhere" in bad.stderr and "draftline deploy --name nowhere" \
+        in bad.stderr, bad.stderr
     node_a = harness.Worker(worker_a, tmp_path, env).start()
     # node B is a node that dies at its second shard: after one shard committed, mid-way through the next
     node_b = harness.Worker(worker_b, tmp_path, dict(env, DRAFTLINE_FAULT_KILL="extract.part-written:2"))
     assert (node_a.name, node_b.name) == ("node-a", "node-b")
     try:
         node_a.wait_started()
-        assert submit[2] == "configs/demo.yaml" and "extract.nodes=2" in submit, submit
-        sub = json.loads(harness.draftline(*submit[1:2], harness.CONFIG, *submit[3:], "--json",
-                                           env=cli).stdout.strip().splitlines()[-1])
+        sub = json.loads(harness.draftline(*submit_args(submit), "--json", env=cli).stdout.strip().splitlines()[-1])
         run_id = sub["id"]
         harness.wait_state(prefect_server, run_id, ("RUNNING",), timeout=300)
         node_b.start().wait_started()  # the parent holds node A (--limit 1): its child can only go to B
@@ -165,3 +174,9 @@ def test_a_local_run_with_several_nodes_says_which_deployment_to_name():
         child_deployment(load_config(harness.CONFIG, ["extract.nodes=2"]))
     assert child_deployment(load_config(harness.CONFIG, ["extract.nodes=2", "extract.deployment=b300"])) == \
         "draftline-extract/b300"
+
+
+def test_deploy_refuses_a_crash_delay_shorter_than_two_heartbeats():
+    env = dict(os.environ, PREFECT_API_URL="http://127.0.0.1:9/api")
+    out = harness.draftline("deploy", "--name", "local", "--crash-after", "30", env=env, check=False)
+    assert out.returncode == 2 and "--crash-after 30" in out.stderr and "at least 60" in out.stderr, out.stderr
