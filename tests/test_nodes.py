@@ -113,6 +113,12 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
         # found dead by Prefect's heartbeats (the automation), not by anything on this host
         assert child["state"] == "CRASHED" and "no heartbeat" in child["message"], child
         assert "draftline-crash-silent-runs" in child["message"]
+        with harness.client(prefect_server) as c:
+            child_run = c.read_flow_run(uuid.UUID(child["id"]))
+            parent_states = [x.type.value for x in c.read_flow_run_states(uuid.UUID(run_id))]
+        # its flow-run process died with the node
+        harness.gone(int(str(child_run.infrastructure_pid).rsplit(":", 1)[-1]), timeout=5)
+        assert "CRASHED" not in parent_states, parent_states  # the living parent kept its heartbeats
         done_b = [int(s) for s, st in child["shard_states"].items() if st == "Completed"]
         lost = sorted({1, 3} - set(done_b))
         assert len(done_b) == 1 and len(lost) == 1, child["shard_states"]
