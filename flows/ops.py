@@ -414,9 +414,14 @@ def print_report(rep: dict[str, Any], show_tasks: bool) -> None:
             t3.add_column(col, overflow="fold")
         for ch in rep["children"]:
             shards = ", ".join(f"{s} {ch['shard_states'].get(str(s)) or 'not started'}" for s in ch["shards"])
-            state = ch["state_name"] + (" (looks dead: " + "; ".join(ch["stale_reasons"]) + ")" if ch["stale"] else "")
+            state = ch["state_name"] or ch["state"]
+            if ch["stale"]:
+                state += " (looks dead: " + "; ".join(ch["stale_reasons"]) + ")"
             t3.add_row(f"{ch['name']} ({ch['id'][:8]})", state, ch["worker"] or "-", shards)
         console.print(t3)
+        for ch in rep["children"]:
+            if ch["state"] in ("FAILED", "CRASHED", "CANCELLED") and ch.get("message"):
+                console.print(f"  [dim]{ch['name']}: {ch['message'][:300]}[/]")
     if show_tasks:
         t2 = Table(title="task runs")
         for col in ("task run", "state", "started", "seconds", "attempts"):

@@ -127,6 +127,7 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
         assert f"shards {lost}" in status["message"] and "draftline retry" in status["message"], status["message"]
         text = harness.draftline(*status_cmd[1:], env=cli).stdout
         assert "child runs" in text and child["name"] in text and "draftline@node-b" in text, text
+        assert f"{child['name']}: no heartbeat for {CRASH_AFTER} s" in text, text
 
         # the retry: any node of the pool (only A is left) extracts exactly the lost shard
         t_retry = dt.datetime.now(dt.timezone.utc)
