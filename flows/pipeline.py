@@ -547,10 +547,10 @@ def _run_extract_nodes(cfg: RunConfig, store: Store, rec: RunRecord, data: Artif
             logger.warning(f"extract: {store.uri} is a local folder: slices on other machines cannot write to it; "
                            "use a shared s3:// store with extract.nodes > 1")
         attempt = flow_run.run_count or 1
-        params = {"config_path": rec.config_path,
-                  # the children write where this run writes, whatever their node's DRAFTLINE_STORE_URI says
-                  "overrides": list(rec.overrides) + [f"store.uri={store.uri}"],
-                  "data_stage": data.stage, "data_digest": data.digest}
+        params = _child_config(rec)
+        # the children write where this run writes, whatever their node's DRAFTLINE_STORE_URI says
+        params["overrides"].append(f"store.uri={store.uri}")
+        params.update(data_stage=data.stage, data_digest=data.digest)
         for i, part in enumerate(slices[1:], start=1):
             child = _start_child(target, run_deployment, parameters={**params, "shards": part}, timeout=0,
                                  flow_run_name=f"{flow_run.name or 'draftline'}-extract-{i}of{len(slices)}-try{attempt}",
@@ -584,6 +584,19 @@ def _run_extract_nodes(cfg: RunConfig, store: Store, rec: RunRecord, data: Artif
                            "`draftline retry` this run: it extracts only those, on any node")
     logger.info(f"extract: {r.executed} shards ran (on {1 + len(children)} nodes), {r.cached} cached, in {r.seconds}s")
     return refs
+
+
+def _child_config(rec: RunRecord) -> dict[str, Any]:
+    """This run's config for its children, as `draftline submit` sends one: a file inside the code folder
+    travels as its path (every node has it), any other file as its content (overrides)."""
+    from pathlib import Path
+
+    from flows.ops import config_parameters
+
+    if not rec.config_path:
+        return {"config_path": None, "overrides": list(rec.overrides)}
+    params, _ = config_parameters(Path(rec.config_path), list(rec.overrides), None)
+    return params
 
 
 def _start_child(target: str, run_deployment: Callable, **kwargs: Any) -> Any:

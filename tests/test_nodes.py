@@ -187,3 +187,19 @@ def test_deploy_refuses_a_crash_delay_shorter_than_two_heartbeats():
     env = dict(os.environ, PREFECT_API_URL="http://127.0.0.1:9/api")
     out = harness.draftline("deploy", "--name", "local", "--crash-after", "30", env=env, check=False)
     assert out.returncode == 2 and "--crash-after 30" in out.stderr and "at least 60" in out.stderr, out.stderr
+
+
+def test_children_get_the_runs_config_even_from_a_file_only_the_parent_has(tmp_path):
+    """A config outside the code folder (a laptop's file, `draftline run` sending slices to a pool) reaches
+    the children as its content; one inside travels as its path, which every node's code folder has."""
+    from flows.pipeline import RunRecord, _child_config
+    from tasks.config import load_config
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text((ROOT / harness.CONFIG).read_text().replace("heldout: 4", "heldout: 3"))
+    sets = ["extract.nodes=2", "extract.deployment=local"]
+    sent = _child_config(RunRecord(config_path=str(mine), overrides=sets))
+    assert sent["config_path"] is None
+    assert load_config(None, sent["overrides"]).model_dump() == load_config(mine, sets).model_dump()
+    assert _child_config(RunRecord(config_path=harness.CONFIG, overrides=sets)) == \
+        {"config_path": harness.CONFIG, "overrides": sets}
