@@ -32,7 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 def first_differences(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
-    from tasks.benchmark import identical
+    from tasks.benchmark_identity import identical
 
     return identical(a, b)[1]
 

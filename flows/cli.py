@@ -143,7 +143,8 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
     else:
         print_summary(summary)
         if summary.get("benchmark"):
-            from tasks.benchmark import find_report, render_terminal
+            from tasks.benchmark import find_report
+            from tasks.benchmark_report import render_terminal
 
             rep = None
             art = (summary.get("stages", {}).get("benchmark") or {}).get("artifact")
@@ -257,7 +258,8 @@ def report(target: str = typer.Argument(..., help="A benchmark artifact digest, 
            overrides: list[str] = SetOpt,
            as_json: bool = typer.Option(False, "--json")):
     """Re-render a benchmark report from the store."""
-    from tasks.benchmark import find_report, render_terminal
+    from tasks.benchmark import find_report
+    from tasks.benchmark_report import render_terminal
 
     cfg = _load(config, overrides)
     store = _store(cfg)

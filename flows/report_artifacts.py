@@ -10,7 +10,7 @@ from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from tasks.benchmark import plot_data_uri, report_markdown, report_table_rows
+from tasks.benchmark_report import plot_data_uri, report_markdown, report_table_rows
 
 TABLE_KEY = "benchmark"
 MARKDOWN_KEY = "benchmark-report"

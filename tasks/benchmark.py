@@ -32,15 +32,12 @@ beyond `benchmark.mismatch_threshold` becomes a warning with the usual causes.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
-import io
 import json
 import math
 import os
 import platform
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -48,10 +45,23 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from tasks import digest as digests
-from tasks.acceptance import accepted_up_to, simulated_acceptance_length
+from tasks.acceptance import simulated_acceptance_length
+from tasks.benchmark_identity import (
+    BEYOND_NOISE,
+    IDENTICAL,
+    WITHIN_NOISE,
+    baseline_floor,
+    control_batch_sizes,
+    describe_floor,
+    identical,
+    identity_sentence,
+    judge_identity,
+)
+from tasks.benchmark_replay import offline_replay
+from tasks.benchmark_report import MISMATCH_CAUSES, plot_report, report_markdown
 from tasks.engine_settings import engine_env, vllm_kwargs
-from tasks.faults import kill_point
 from tasks.config import EvalConfig, RunConfig
+from tasks.faults import kill_point
 from tasks.store import Artifact, ArtifactRef, Store
 
 STAGE = "benchmark"
@@ -65,25 +75,6 @@ M_TTFT = "vllm:time_to_first_token_seconds"
 M_TPOT = "vllm:request_time_per_output_token_seconds"
 
 DRAFT_FILES = ("draft/config.json", "draft/model.safetensors")
-
-MISMATCH_CAUSES = [
-    "layer ids: the draft must be fed the auxiliary layers it was trained on (vLLM id k = output of "
-    "decoder layer k-1; the last slot is the final layer BEFORE the norm)",
-    "norms: the verifier norm applied to the last hidden state in training must be the one vLLM applies "
-    "(norm_before_residual / norm_before_fc / fc_norm / norm_output in the draft's config.json)",
-    "vocabulary map: d2t/t2d must come from the same vocab artifact; in training the target is the best "
-    "token INSIDE the draft vocabulary, while in vLLM a target token outside it can never be accepted "
-    "(see the vocab stage's coverage on eval-like text)",
-    "chat template: benchmark prompts and training data must be rendered with the same template "
-    "(system prompt, generation prompt, thinking flags)",
-    "distribution shift: validation tokens come from the training distribution (e.g. regenerated "
-    "chitchat, every assistant turn of long conversations); eval prompts (MT-Bench first turns) differ",
-    "teacher forcing and draft-start sampling: held-out accuracy is measured with the true previous tokens "
-    "at EVERY position and averaged (an arithmetic mean of the local acceptance length), while vLLM starts a "
-    "draft only after each accepted run plus its bonus token, so its figure (tokens / drafts) is a "
-    "token-weighted harmonic mean: lower whenever easy and hard stretches alternate, with no bug anywhere. "
-    "The offline replay table in report.md measures this part",
-]
 
 
 class BenchmarkError(ValueError):
@@ -301,20 +292,6 @@ def measure(engine: Any, prompts: list[list[int]], sampling: dict, batch_size: i
     return RunResult(batch_size, outputs, wall, _mean(ttfts), _mean(tpots), spec)
 
 
-def identical(a: list[list[int]], b: list[list[int]]) -> tuple[int, list[int | None]]:
-    """(requests whose tokens are equal, first differing position per request or None)."""
-    firsts: list[int | None] = []
-    same = 0
-    for x, y in zip(a, b):
-        if x == y:
-            same += 1
-            firsts.append(None)
-            continue
-        pos = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-        firsts.append(pos)
-    return same, firsts
-
-
 def spec_figures(run: RunResult, base: RunResult, k: int, temperature: float,
                  simulated: float | None) -> dict[str, Any]:
     """Everything the report says about one eval, k and batch size."""
@@ -339,109 +316,6 @@ def spec_figures(run: RunResult, base: RunResult, k: int, temperature: float,
 
 
 # =========================================================================== greedy identity, with a control
-
-IDENTICAL, WITHIN_NOISE, BEYOND_NOISE = "identical", "within_noise", "beyond_noise"
-
-
-def control_batch_sizes(batch_sizes: list[int], num_prompts: int) -> list[int]:
-    """The baseline decodes added to the measured ones to show the engine's own divergence: the largest
-    batch size again (run to run) and, when only one batch size is measured, one other batch shape
-    (batch 1, or all prompts at once when batch 1 is the one measured). A few seconds on a started engine."""
-    largest = max(batch_sizes)
-    extra = [largest]
-    if len(batch_sizes) == 1:
-        other = 1 if largest > 1 else max(2, num_prompts)
-        if other != largest:
-            extra.append(other)
-    return extra
-
-
-def _common_prefix(x: list[int], y: list[int]) -> int:
-    return len(x) if x == y else next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-
-
-def baseline_floor(decodes: dict[str, list[list[int]]]) -> dict[str, Any]:
-    """The engine's own greedy divergence: every pair of baseline decodes of the same prompts (other batch
-    sizes, a repeat). Per request, `earliest` is the first token at which any two of them differ (None:
-    they all agree), the noise floor a speculative output is judged against. `pairs` lists each pair once,
-    a repeat ("batch 8 (repeat)") only against its original."""
-    labels = list(decodes)
-    n = min((len(v) for v in decodes.values()), default=0)
-    pairs = []
-    earliest: list[int | None] = [None] * n
-    for i, la in enumerate(labels):
-        for lb in labels[i + 1:]:
-            firsts = identical(decodes[la], decodes[lb])[1]
-            hits = [f for f in firsts if f is not None]
-            repeats = [x.removesuffix(" (repeat)") for x in (la, lb) if x.endswith(" (repeat)")]
-            if not repeats or repeats[0] in (la, lb):
-                pairs.append({"a": la, "b": lb, "requests": len(firsts), "differing": len(hits),
-                              "first_divergence": min(hits) if hits else None})
-            for r, f in enumerate(firsts[:n]):
-                if f is not None and (earliest[r] is None or f < earliest[r]):
-                    earliest[r] = f
-    return {"decodes": labels, "pairs": pairs, "earliest": earliest,
-            "unstable_requests": sum(1 for e in earliest if e is not None), "requests": n}
-
-
-def describe_floor(floor: dict[str, Any]) -> str:
-    """'batch 1 vs batch 8: 7 of 8 prompts differ (first at token 5); batch 8 vs batch 8 (repeat): identical'."""
-    parts = []
-    for p in floor["pairs"]:
-        what = ("identical" if not p["differing"] else
-                f"{p['differing']} of {p['requests']} prompts differ (first at token {p['first_divergence']})")
-        parts.append(f"baseline {p['a']} vs {p['b']}: {what}")
-    return "; ".join(parts) if parts else "no second baseline decode"
-
-
-def judge_identity(outputs: list[list[int]], reference: str, decodes: dict[str, list[list[int]]],
-                   floor: dict[str, Any]) -> dict[str, Any]:
-    """Speculative greedy outputs against the baseline at the same batch size (`reference`), with the
-    baseline's own divergence as the floor. Per request: identical; or equal to another baseline decode
-    (another batch shape gives this very output); or agreeing with some baseline decode at least up to the
-    token where the baseline's decodes part among themselves (noise at the same place); else beyond noise.
-    """
-    kinds = {"identical": 0, "equals_other_decode": 0, "within_floor": 0, "beyond": 0}
-    beyond_at: list[int] = []
-    firsts: list[int] = []
-    for r, out in enumerate(outputs):
-        ref = decodes[reference][r]
-        if out == ref:
-            kinds["identical"] += 1
-            continue
-        firsts.append(_common_prefix(out, ref))
-        if any(out == d[r] for d in decodes.values() if r < len(d)):
-            kinds["equals_other_decode"] += 1
-            continue
-        agree = max(_common_prefix(out, d[r]) for d in decodes.values() if r < len(d))
-        own = floor["earliest"][r] if r < len(floor["earliest"]) else None
-        if own is not None and agree >= own:
-            kinds["within_floor"] += 1
-        else:
-            kinds["beyond"] += 1
-            beyond_at.append(agree)
-    verdict = IDENTICAL if len(firsts) == 0 else (WITHIN_NOISE if not kinds["beyond"] else BEYOND_NOISE)
-    return {"verdict": verdict, "requests": len(outputs), "differing": len(firsts),
-            "first_divergence": min(firsts) if firsts else None, **kinds,
-            "beyond_first_divergence": min(beyond_at) if beyond_at else None}
-
-
-def identity_sentence(j: dict[str, Any], floor: dict[str, Any]) -> str:
-    """What the report says about one eval, k and batch size."""
-    if j["verdict"] == IDENTICAL:
-        return "identical"
-    differ = f"{j['differing']} of {j['requests']} outputs differ (first at token {j['first_divergence']})"
-    if j["verdict"] == WITHIN_NOISE:
-        how = []
-        if j["equals_other_decode"]:
-            how.append(f"{j['equals_other_decode']} equal the baseline's own output at another batch shape")
-        if j["within_floor"]:
-            how.append(f"{j['within_floor']} part where the baseline's own decodes part")
-        return (f"differs within the engine's own numeric noise (measured: {describe_floor(floor)}): {differ}; "
-                + ", ".join(how))
-    return (f"differs beyond it: likely a bug: {differ}, {j['beyond']} of them from every baseline decode "
-            f"(first at token {j['beyond_first_divergence']}) where the baseline's own decodes agree "
-            f"(measured: {describe_floor(floor)})")
 
 
 # =========================================================================== engines and the draft
@@ -521,156 +395,6 @@ def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
 
 
 # =========================================================================== offline replay
-
-def chain_lengths(preds: list[list[int]], seq: list[int], k: int) -> list[int]:
-    """Tokens a draft started at t would get accepted, for every t (greedy verification).
-
-    A draft started at t sees the hidden state of position t and token seq[t+1] (what vLLM gives
-    the draft right after the target produced seq[t+1]); step j proposes seq[t+2+j]. `preds[j][t]`
-    is step j's proposal in target ids; acceptance stops at the first wrong step.
-    """
-    out = []
-    n = len(seq)
-    for t in range(n - 2):
-        a = 0
-        while a < k and t + 2 + a < n and preds[a][t] == seq[t + 2 + a]:
-            a += 1
-        out.append(a)
-    return out
-
-
-def replay(chain: list[int], first: int) -> tuple[int, int]:
-    """(drafts, accepted tokens) when drafts start where vLLM starts them: at `first` (the first
-    output token), then after every accepted run plus its bonus token."""
-    drafts = accepted = 0
-    t = first
-    while t < len(chain):
-        a = chain[t]
-        drafts += 1
-        accepted += a
-        t += a + 1
-    return drafts, accepted
-
-
-def position_average(chains: list[tuple[list[int], int]], k: int) -> dict[str, Any]:
-    """Acceptance if a draft started at EVERY output position (what a validation average measures)."""
-    starts = [a for chain, first in chains for a in chain[first:]]
-    if not starts:
-        return {"mean_acceptance_length": None, "per_position_acceptance": [], "starts": 0}
-    return {"mean_acceptance_length": 1.0 + sum(starts) / len(starts),
-            "per_position_acceptance": [sum(1 for a in starts if a > j) / len(starts) for j in range(k)],
-            "starts": len(starts)}
-
-
-def replay_average(chains: list[tuple[list[int], int]]) -> dict[str, Any]:
-    drafts = accepted = 0
-    for chain, first in chains:
-        d, a = replay(chain, first)
-        drafts += d
-        accepted += a
-    return {"mean_acceptance_length": 1.0 + accepted / drafts if drafts else None, "drafts": drafts}
-
-
-def load_draft_for_replay(draft_dir: str, model_path: str, dtype: str) -> tuple[Any, Any]:
-    """(Eagle3DraftModel on CPU/GPU in eval mode, d2t offsets or None) from an exported draft folder."""
-    import torch
-    from safetensors.torch import load_file
-    from speculators.models.eagle3.config import Eagle3SpeculatorConfig
-    from speculators.models.eagle3.core import Eagle3DraftModel
-
-    conf = Eagle3SpeculatorConfig.from_pretrained(draft_dir)
-    conf.transformer_layer_config._attn_implementation = "sdpa"  # flex attention is GPU-oriented
-    model = Eagle3DraftModel(conf)
-    state = load_file(str(Path(draft_dir, "model.safetensors")))
-    missing, _ = model.load_state_dict(state, strict=False)
-    if "embed_tokens.weight" in missing:  # a draft that borrows the verifier's embeddings
-        from tasks.target import load_verifier_weights
-
-        tie = bool(getattr(conf.transformer_layer_config, "tie_word_embeddings", False))
-        model.embed_tokens.weight.data.copy_(load_verifier_weights(model_path, tie)["embed_tokens"])
-    needed = [m for m in missing if not m.startswith(("verifier_", "embed_tokens"))]
-    if needed:
-        raise BenchmarkError(f"{draft_dir}/model.safetensors lacks {needed[:5]}: not a complete EAGLE-3 draft")
-    # float16 matmuls are slow or missing on CPUs; bfloat16 mirrors what vLLM runs
-    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float32, "float32": torch.float32}[dtype]
-    model = model.to(torch_dtype).eval()
-    d2t = state.get("d2t")
-    return model, d2t
-
-
-def draft_predictions(model: Any, d2t: Any, hidden: Any, seq: list[int], k: int) -> list[list[int]]:
-    """Step j's proposal (target ids) for a draft started at every position, teacher-forced."""
-    import torch
-
-    n = len(seq)
-    dtype = next(model.parameters()).dtype
-    hs = hidden[:-1].reshape(1, n - 1, -1).to(dtype)
-    ids = torch.tensor(seq[1:], dtype=torch.long).unsqueeze(0)
-    with torch.inference_mode():
-        steps = model(hidden_states=hs, input_ids=ids, document_ids=torch.zeros_like(ids),
-                      position_ids=torch.arange(1, n, dtype=torch.long).unsqueeze(0), ttt_steps=k)
-    out = []
-    for d in steps:
-        d = d.reshape(-1).to(torch.long)
-        if d2t is not None:
-            d = d + d2t.to(torch.long)[d]
-        out.append(d.tolist())
-    return out
-
-
-def offline_replay(cfg: RunConfig, model_path: str, draft_dir: str, draft_info: dict[str, Any],
-                   evals: list["EvalPrompts"], outputs: dict[str, list[list[int]]],
-                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Replay the draft on the baseline's greedy outputs (hidden states from transformers).
-
-    Per eval and k: the position-averaged acceptance length (the quantity a validation accuracy
-    estimates, here on the eval's own text) and the replayed one (drafts started where vLLM starts
-    them), to set beside vLLM's measured figure.
-    """
-    from tasks.engine_settings import engine_for_group, gpu_groups
-    from tasks.target import resolve_layer_ids
-    from tasks.target import load_hf_config
-
-    t0 = time.time()
-    layer_ids = resolve_layer_ids(cfg, load_hf_config(cfg.target, model_path))
-    aux = len(layer_ids) - 1
-    seqs: dict[str, list[list[int]]] = {ev.name: [p + o for p, o in zip(ev.prompts, outputs[ev.name])]
-                                        for ev in evals}
-    hidden: dict[str, list[Any]] = {}
-    # The extract stage's engine (same layer semantics as the training data), on the chosen backend.
-    group = gpu_groups(cfg)[0]
-    backend = cfg.benchmark.replay_backend
-    if backend == "auto":
-        backend = cfg.extract.backend if group else "transformers"
-    ecfg = cfg
-    if backend != cfg.extract.backend:
-        ecfg = cfg.model_copy(deep=True)
-        ecfg.extract.backend = backend
-    _log(log, f"benchmark: offline replay, hidden states from {backend}")
-    with engine_for_group(ecfg, model_path, group) as eng:
-        for name, ss in seqs.items():
-            hidden[name] = [h[:, :aux] for h in eng.extract(ss, layer_ids)]
-    model, d2t = load_draft_for_replay(draft_dir, model_path, _engine_dtype(cfg.target.dtype))
-    kmax = max(cfg.benchmark.num_speculative_tokens)
-    out: dict[str, Any] = {}
-    for ev in evals:
-        chains_by_k: dict[int, list[tuple[list[int], int]]] = {k: [] for k in cfg.benchmark.num_speculative_tokens}
-        for prompt, seq, hs in zip(ev.prompts, seqs[ev.name], hidden[ev.name]):
-            if len(seq) - len(prompt) < 2:
-                continue
-            preds = draft_predictions(model, d2t, hs, seq, kmax)
-            for k in chains_by_k:
-                chains_by_k[k].append((chain_lengths(preds, seq, k), len(prompt) - 1))
-        out[ev.name] = {}
-        for k, chains in chains_by_k.items():
-            pos = position_average(chains, k)
-            rep = replay_average(chains)
-            out[ev.name][str(k)] = {"position_average": pos["mean_acceptance_length"],
-                                    "position_average_per_position": pos["per_position_acceptance"],
-                                    "replayed": rep["mean_acceptance_length"], "replayed_drafts": rep["drafts"],
-                                    "starts": pos["starts"]}
-    _log(log, f"benchmark: offline replay in {time.time() - t0:.1f}s")
-    return {"by_eval": out, "seconds": round(time.time() - t0, 1), "backend": backend}
 
 
 # =========================================================================== the stage
@@ -1054,335 +778,4 @@ def find_report(store: Store, target: str) -> dict[str, Any] | None:
 
 # =========================================================================== rendering
 
-def _f(x: Any, fmt: str = ".2f", none: str = "-") -> str:
-    if x is None:
-        return none
-    if isinstance(x, float) and math.isinf(x):
-        return "inf"
-    return format(x, fmt)
 
-
-def report_table_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """One flat row per eval, k and batch size (plus the baseline rows): for tables and CSV."""
-    rows = []
-    for ev, base in report.get("baseline", {}).items():
-        for bs, f in base["by_batch_size"].items():
-            rows.append({"eval": ev, "k": 0, "batch_size": int(bs), "acceptance_length": None,
-                         "simulated_acceptance_length": None, "per_position_acceptance": "",
-                         "draft_acceptance_rate": None,
-                         "output_tokens_per_s": round(f["output_tokens_per_s"], 1), "speedup": 1.0,
-                         "tpot_ms": _round(f["tpot_ms"], 2), "ttft_ms": _round(f["ttft_ms"], 1),
-                         "token_identical": None, "greedy_identity": None})
-    for ev, ks in report.get("benchmark", {}).items():
-        for k, fig in ks.items():
-            for bs, f in fig["by_batch_size"].items():
-                rows.append({
-                    "eval": ev, "k": int(k), "batch_size": int(bs),
-                    "acceptance_length": round(f["mean_acceptance_length"], 3),
-                    "simulated_acceptance_length": _round(f.get("simulated_acceptance_length"), 3),
-                    "per_position_acceptance": " ".join(f"{p:.2f}" for p in f["per_position_acceptance"]),
-                    "draft_acceptance_rate": round(f["draft_acceptance_rate"], 3),
-                    "output_tokens_per_s": round(f["output_tokens_per_s"], 1),
-                    "speedup": _round(f.get("speedup"), 3),
-                    "tpot_ms": _round(f["tpot_ms"], 2), "ttft_ms": _round(f["ttft_ms"], 1),
-                    "token_identical": f.get("token_identical"),
-                    "greedy_identity": f.get("greedy_identity"),
-                })
-    rows.sort(key=lambda r: (r["eval"], r["k"], r["batch_size"]))
-    return rows
-
-
-def _round(x: Any, n: int) -> Any:
-    return None if x is None else round(float(x), n)
-
-
-def report_markdown(report: dict[str, Any]) -> str:
-    """A self-contained markdown report (tables only; the PNG sits beside it as report.png)."""
-    mb = report.get("measured_by", {})
-    s = report.get("settings", {})
-    lines = ["# Draft benchmark", ""]
-    lines.append(f"Measured {mb.get('date', '?')} on {mb.get('machine', '?')}"
-                 + (f" (1-min load {mb['load_avg_1m']})" if mb.get("load_avg_1m") is not None else "")
-                 + (f", flow run `{mb['flow_run_id']}`" if mb.get("flow_run_id") else "") + ".")
-    tgt = report.get("target", {}).get("model")
-    dr = report.get("draft", {})
-    if tgt:
-        norms = [n for n in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if dr.get(n)]
-        lines.append(f"Target `{tgt}`; draft `{dr.get('uri', '?')}` (draft vocabulary {dr.get('draft_vocab_size')}, "
-                     f"layer ids {dr.get('layer_ids')}, norms: {', '.join(norms) or 'none'}).")
-    lines.append(f"Temperature {s.get('temperature')}, max {s.get('max_tokens')} new tokens, batch sizes "
-                 f"{s.get('batch_sizes')}, speculative tokens {s.get('num_speculative_tokens')}.")
-    lines.append("")
-    for name, ev in report.get("evals", {}).items():
-        lines.append(f"- **{name}**: {ev['prompts']} prompts from {ev['source']} "
-                     f"(mean {ev['prompt_tokens_mean']} prompt tokens)")
-    lines.append("")
-    sim = report.get("simulated_acceptance_length")
-    acc = (report.get("simulated") or {}).get("val_acc_per_pos")
-    if sim is not None:
-        lines.append(f"Offline estimate from training validation: acceptance length **{sim:.2f}** "
-                     f"(val accuracy per position {', '.join(f'{a:.3f}' for a in acc or [])}; "
-                     f"formula {report['simulated']['formula']}).")
-        lines.append("")
-    lines += ["## Results", "",
-              "| eval | k | batch | accept len | simulated | per-position acceptance | draft accept rate "
-              "| tok/s | baseline tok/s | speedup | TPOT ms | TTFT ms | identical |",
-              "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
-    extrap = set((report.get("simulated") or {}).get("extrapolated_k") or [])
-    for ev, ks in report.get("benchmark", {}).items():
-        for k, fig in ks.items():
-            for bs, f in fig["by_batch_size"].items():
-                simv = _f(f.get("simulated_acceptance_length")) + ("*" if int(k) in extrap else "")
-                ident = identity_cell(f)
-                lines.append(
-                    f"| {ev} | {k} | {bs} | {f['mean_acceptance_length']:.2f} | {simv} | "
-                    f"{' '.join(f'{p:.2f}' for p in f['per_position_acceptance'])} | "
-                    f"{f['draft_acceptance_rate']:.2f} | {f['output_tokens_per_s']:.1f} | "
-                    f"{f['baseline_output_tokens_per_s']:.1f} | {_f(f.get('speedup'))}x | {_f(f['tpot_ms'], '.1f')} | "
-                    f"{_f(f['ttft_ms'], '.1f')} | {ident} |")
-    if extrap:
-        lines += ["", "\\* k beyond the trained positions: the last position's accuracy is repeated (extrapolated)."]
-    lines += ["", "## Baseline (no draft)", "", "| eval | batch | tok/s | TPOT ms | TTFT ms | output tokens |",
-              "|---|---:|---:|---:|---:|---:|"]
-    for ev, base in report.get("baseline", {}).items():
-        for bs, f in base["by_batch_size"].items():
-            lines.append(f"| {ev} | {bs} | {f['output_tokens_per_s']:.1f} | {_f(f['tpot_ms'], '.1f')} | "
-                         f"{_f(f['ttft_ms'], '.1f')} | {f['output_tokens']} |")
-    lines += identity_markdown(report)
-    lines += replay_markdown(report)
-    if report.get("notes"):
-        lines += ["", "## Speed", ""] + [f"- {n}" for n in report["notes"]]
-    if report.get("warnings"):
-        lines += ["", "## Warnings", ""] + [f"- {w}" for w in report["warnings"]]
-    if any(r.get("mismatch") for r in report.get("comparison", [])):
-        lines += ["", "## Why measured and simulated acceptance differ", "",
-                  "The offline estimate multiplies per-position validation accuracies; vLLM measures chained "
-                  "acceptance on the eval prompts. Check, in this order:", ""]
-        lines += [f"{i}. {c}" for i, c in enumerate(MISMATCH_CAUSES, 1)]
-    t = report.get("timing") or {}
-    if t:
-        starts = ", ".join(f"{k} {v}s" for k, v in (t.get("engine_start_s") or {}).items())
-        lines += ["", f"Benchmark wall time {t.get('total_s')}s (engine starts: {starts}"
-                  + (f"; greedy-identity control decodes {t['control_s']}s" if t.get("control_s") is not None else "")
-                  + (f"; offline replay {t['replay_s']}s" if t.get("replay_s") is not None else "") + ")."]
-    lines += ["", "## How these figures are measured", "", METHOD, ""]
-    return "\n".join(lines)
-
-
-def identity_cell(f: dict[str, Any]) -> str:
-    """The 'identical' column: yes / noise (n/N same) / NO (n/N same), or n/a when sampling."""
-    v = f.get("greedy_identity")
-    same = f"{f.get('identical_requests')}/{f['requests']} same"
-    if v == IDENTICAL or (v is None and f.get("token_identical") is True):
-        return "yes"
-    if v == WITHIN_NOISE:
-        return f"noise ({same})"
-    if v == BEYOND_NOISE or f.get("token_identical") is False:
-        return f"NO ({same})"
-    return "n/a"
-
-
-def identity_brief(gi: dict[str, Any]) -> list[str]:
-    """Terminal lines: per eval, the verdicts that are not 'identical' and the control they rest on."""
-    out = []
-    for ev, ks in (gi.get("verdicts") or {}).items():
-        odd = [(k, bs, j) for k, by_bs in ks.items() for bs, j in by_bs.items() if j["verdict"] != IDENTICAL]
-        if not odd:
-            out.append(f"greedy identity, {ev}: identical to the baseline everywhere")
-            continue
-        parts = []
-        for k, bs, j in odd:
-            what = "within the engine's own noise" if j["verdict"] == WITHIN_NOISE else "[red]BEYOND it: likely a bug[/]"
-            parts.append(f"k={k} batch {bs}: {j['differing']} of {j['requests']} differ, {what}")
-        out.append(f"greedy identity, {ev}: " + "; ".join(parts) + f" (control: {gi['control'][ev]['summary']})")
-    return out
-
-
-IDENTITY_EXPLAINED = (
-    "At temperature 0 speculative decoding must reproduce the target's greedy outputs. The engine itself is not "
-    "bit-stable across batch shapes (a different kernel path, different bf16 rounding, a different argmax at a "
-    "near-tie), so the baseline decodes the same prompts at every measured batch size and again as a control; "
-    "every pair of those decodes is compared below. A speculative output that differs from the baseline at its "
-    "batch size is *within the engine's own numeric noise* when it equals the baseline's output at another batch "
-    "shape, or parts from every baseline decode only at or after the token where the baseline's own decodes part; "
-    "otherwise it *differs beyond it*, which is likely a bug."
-)
-
-
-def identity_markdown(report: dict[str, Any]) -> list[str]:
-    gi = report.get("greedy_identity")
-    if not gi:
-        return []
-    lines = ["", "## Greedy identity (temperature 0), against the baseline's own divergence", "", IDENTITY_EXPLAINED,
-             "", "The control: the baseline against itself.", "",
-             "| eval | baseline decode | against | differing prompts | first divergence (token) |",
-             "|---|---|---|---:|---:|"]
-    for ev, floor in gi["control"].items():
-        for p in floor["pairs"]:
-            lines.append(f"| {ev} | {p['a']} | {p['b']} | {p['differing']} of {p['requests']} | "
-                         f"{_f(p['first_divergence'], 'd')} |")
-    lines += ["", "The verdicts:", ""] + [f"- {line}" for line in gi["lines"]]
-    return lines
-
-
-METHOD = (
-    "One engine per configuration (no draft; the draft with k speculative tokens), each serving every eval "
-    "and batch size after a warm-up request. Acceptance length = 1 + accepted / drafts from vLLM's "
-    "spec-decode counters over the measured requests; per-position acceptance = drafts whose first i tokens "
-    "were all accepted / drafts; draft acceptance rate = accepted / drafted tokens. Tokens/s = output tokens "
-    "/ wall time of the generate calls (batch 1: one stream; larger batches: throughput). TTFT and TPOT are "
-    "vLLM's per-request means. Speedup = tokens/s with the draft / without, same eval, batch size and "
-    "session. Timings are only as quiet as the machine: see the load average above."
-)
-
-REPLAY_EXPLAINED = (
-    "The draft was replayed offline on the baseline's own greedy outputs, with the extract stage's hidden "
-    "states. *Every position* starts a draft at each output token: the quantity a validation accuracy "
-    "averages. *vLLM's starts* starts one only where vLLM does: at the first output token, then after each "
-    "accepted run and its bonus token. Reading the columns left to right: validation -> every position is the "
-    "distribution shift between training text and eval text; every position -> vLLM's starts is draft-start "
-    "sampling (acceptance per draft is a token-weighted HARMONIC mean of the local acceptance length, the "
-    "position average an ARITHMETIC one, so it is lower whenever easy and hard stretches alternate); "
-    "vLLM's starts -> measured is the engine (numerics, integration)."
-)
-
-
-def replay_markdown(report: dict[str, Any]) -> list[str]:
-    rep = report.get("replay")
-    if not rep:
-        return []
-    if rep.get("error"):
-        return ["", "## Offline replay", "", f"The offline replay failed: {rep['error']}"]
-    sim = (report.get("simulated") or {}).get("by_k") or {}
-    bs = str(rep.get("batch_size"))
-    lines = ["", "## Where the acceptance goes (offline replay)", "", REPLAY_EXPLAINED, "",
-             f"| eval | k | validation estimate | eval text, every position | eval text, vLLM's starts "
-             f"| vLLM measured (batch {bs}) |", "|---|---:|---:|---:|---:|---:|"]
-    for ev, ks in rep.get("by_eval", {}).items():
-        for k, r in ks.items():
-            meas = report["benchmark"].get(ev, {}).get(k, {}).get("by_batch_size", {}).get(bs, {})
-            lines.append(f"| {ev} | {k} | {_f(sim.get(k))} | {_f(r.get('position_average'))} | "
-                         f"{_f(r.get('replayed'))} | {_f(meas.get('mean_acceptance_length'))} |")
-    return lines
-
-
-def plot_report(report: dict[str, Any], dpi: int = 80) -> bytes:
-    """PNG: acceptance per position per k (left), speedup per k per batch size (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    bench = report.get("benchmark", {})
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=dpi)
-    styles = ["-", "--", ":", "-."]
-    for i, (ev, ks) in enumerate(bench.items()):
-        for k, f in ks.items():
-            pp = f["per_position_acceptance"]
-            ax1.plot(range(1, len(pp) + 1), pp, styles[i % len(styles)], marker="o",
-                     label=f"{ev} k={k} (AL {f['mean_acceptance_length']:.2f})")
-    acc = (report.get("simulated") or {}).get("val_acc_per_pos")
-    if acc:
-        cum = accepted_up_to(acc)
-        ax1.plot(range(1, len(cum) + 1), cum, "k:", marker="x", label="simulated (validation)")
-    kmax = max([len(f["per_position_acceptance"]) for ks in bench.values() for f in ks.values()] + [len(acc or [])])
-    ax1.set_xticks(range(1, kmax + 1))
-    ax1.set_xlabel("draft position")
-    ax1.set_ylabel("share of drafts accepted up to here")
-    ax1.set_ylim(0, 1)
-    ax1.set_title("Acceptance per position (largest batch)")
-    ax1.legend(fontsize=7)
-    ax1.grid(alpha=0.3)
-    batch_sizes = [str(b) for b in report.get("settings", {}).get("batch_sizes", [])]
-    groups = [(ev, k) for ev, ks in bench.items() for k in ks]
-    width = 0.8 / max(1, len(batch_sizes))
-    for j, bs in enumerate(batch_sizes):
-        vals = [bench[ev][k]["by_batch_size"].get(bs, {}).get("speedup") or 0.0 for ev, k in groups]
-        ax2.bar([g + j * width for g in range(len(groups))], vals, width, label=f"batch {bs}")
-    ax2.axhline(1.0, color="k", lw=0.8)
-    ax2.set_xticks([g + width * (len(batch_sizes) - 1) / 2 for g in range(len(groups))])
-    ax2.set_xticklabels([f"{ev}\nk={k}" for ev, k in groups], fontsize=7)
-    ax2.set_ylabel("tokens/s vs no draft")
-    ax2.set_title("Speedup (1.0 = no draft)")
-    ax2.legend(fontsize=7)
-    ax2.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def plot_data_uri(report: dict[str, Any]) -> str:
-    return "data:image/png;base64," + base64.b64encode(plot_report(report, dpi=64)).decode()
-
-
-def headline(benchmark: dict[str, Any]) -> list[str]:
-    """One line per eval: its measured mean acceptance length at each k, at batch size 1 (and batched)."""
-    out = []
-    for ev, ks in benchmark.items():
-        parts = []
-        for k, fig in ks.items():
-            by_bs = fig.get("by_batch_size") or {str(fig.get("batch_size", "?")): fig}
-            als = "/".join(f"{f['mean_acceptance_length']:.2f}" for f in by_bs.values())
-            parts.append(f"k={k}: {als}")
-        sizes = "/".join(next(iter(ks.values()), {}).get("by_batch_size", {}) or ["?"])
-        out.append(f"{ev}: mean acceptance length {', '.join(parts)} (batch size {sizes}, measured in vLLM)"
-                   if parts else f"{ev}: no figures")
-    return out
-
-
-def render_terminal(benchmark: dict[str, Any], console: Any, report: dict[str, Any] | None = None) -> None:
-    """A rich table of the figures (`benchmark` = report['benchmark']), warnings underneath."""
-    from rich.table import Table
-
-    title = "draft benchmark"
-    if report and report.get("measured_by"):
-        mb = report["measured_by"]
-        title += f" (measured {mb.get('date', '?')}" + (f", run {mb['flow_run_id']}" if mb.get("flow_run_id") else "") + ")"
-    # A narrow terminal (make, CI, an 80-column ssh) gets the columns that matter, not ellipses.
-    wide = (getattr(console, "width", 200) or 200) >= 132
-    cols = ["eval", "k", "batch", "AL", "sim", "per position", "tok/s", "base", "speedup", "TPOT ms", "TTFT ms",
-            "same"] if wide else ["eval", "k", "batch", "AL", "sim", "tok/s", "base", "speedup", "same"]
-    caption = ("AL = mean acceptance length measured in vLLM (sim = offline estimate from training); "
-               + ("per position = share of drafts accepted up to each position; " if wide else "")
-               + "tok/s vs base(line) = speedup; same = greedy outputs identical to the baseline's (noise = "
-               "they differ only as much as the baseline differs from itself across batch shapes)")
-    table = Table(title=title, caption=caption)
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("eval", "per position") else "right",
-                         no_wrap=col in ("eval", "per position", "speedup"))
-    for ev, ks in benchmark.items():
-        for k, fig in ks.items():
-            by_bs = fig.get("by_batch_size") or {str(fig.get("batch_size", "?")): fig}
-            for bs, f in by_bs.items():
-                sp = f.get("speedup")
-                color = "green" if sp and sp >= 1 else "red"
-                ident = identity_cell(f).split(" ")[0]
-                ident = {"yes": "[green]yes[/]", "noise": "[yellow]noise[/]", "NO": "[red]NO[/]"}.get(ident, ident)
-                cells = {"eval": ev, "k": str(k), "batch": str(bs), "AL": f"{f['mean_acceptance_length']:.2f}",
-                         "sim": _f(f.get("simulated_acceptance_length")),
-                         "per position": "/".join(f"{p:.2f}" for p in f.get("per_position_acceptance", [])),
-                         "tok/s": f"{f['output_tokens_per_s']:.1f}", "base": f"{f['baseline_output_tokens_per_s']:.1f}",
-                         "speedup": f"[{color}]{_f(sp)}x[/]", "TPOT ms": _f(f.get("tpot_ms"), ".1f"),
-                         "TTFT ms": _f(f.get("ttft_ms"), ".0f"), "same": ident}
-                table.add_row(*(cells[c] for c in cols))
-    console.print(table)
-    for line in headline(benchmark):
-        console.print(line)
-    if report:
-        for line in identity_brief(report.get("greedy_identity") or {}):
-            console.print(line)
-        for w in report.get("warnings", []):
-            console.print(f"[yellow]warning[/]: {w}")
-        for n in report.get("notes", []):
-            console.print(f"[dim]{n}[/]")
-
-
-def _engine_dtype(requested: str) -> str:
-    """float32 on a CPU without native bf16 (many times faster there); as requested elsewhere."""
-    import torch
-
-    from tasks.engine import engine_dtype
-
-    return engine_dtype(requested, on_gpu=torch.cuda.is_available())

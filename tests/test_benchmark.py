@@ -14,10 +14,6 @@ import pytest
 from tasks import digest as digests
 from tasks.benchmark import (
     BenchmarkError,
-    chain_lengths,
-    position_average,
-    replay,
-    replay_average,
     RunResult,
     SpecCounters,
     acceptance_figures,
@@ -29,15 +25,13 @@ from tasks.benchmark import (
     load_eval_prompts,
     load_report,
     measure,
-    plot_report,
-    render_terminal,
-    report_markdown,
     report_stats,
-    report_table_rows,
     run_benchmark,
     select_evenly,
     simulated_acceptance_length,
 )
+from tasks.benchmark_replay import chain_lengths, position_average, replay, replay_average
+from tasks.benchmark_report import plot_report, render_terminal, report_markdown, report_table_rows
 from tasks.config import BenchmarkConfig, EvalConfig, RunConfig, SourceConfig
 from tasks.store import Store
 
@@ -285,7 +279,7 @@ def test_greedy_identity_parting_where_the_baseline_parts_is_noise_elsewhere_a_b
 
 
 def test_control_decodes_stay_few():
-    from tasks.benchmark import control_batch_sizes
+    from tasks.benchmark_identity import control_batch_sizes
 
     assert control_batch_sizes([1, 8], 8) == [8]          # the measured sizes already differ: one repeat
     assert control_batch_sizes([4], 4) == [4, 1]          # one measured size: a repeat and batch 1
