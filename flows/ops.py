@@ -1057,8 +1057,8 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
                                   f"runs of {slices}")
                     if pool is not None and len(online) < cfg.extract.nodes:
                         err.print(f"[yellow]extract.nodes={cfg.extract.nodes} but pool {pool.name} has "
-                                  f"{len(online)} online worker(s)[/]: the run holds one node while its children "
-                                  "wait for free ones; start more workers or lower extract.nodes")
+                                  f"{len(online)} online worker(s)[/]: the run holds one node; a child that no node takes "
+                                  "within 30 s goes back to it (slower): start more workers or lower extract.nodes")
                 if pool is not None and not online:
                     err.print(f"[yellow]no worker is online in pool {pool.name}[/]: the run waits until one "
                               f"starts (prefect worker start --pool {pool.name}, or infra/node-bootstrap.sh)")

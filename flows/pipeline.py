@@ -563,7 +563,13 @@ def _run_extract_nodes(cfg: RunConfig, store: Store, rec: RunRecord, data: Artif
     # The cached shards go through Prefect too (Cached task runs), so the run's page lists every shard.
     mine = [by_shard[s] for s in sorted(cached + own)]
     refs, errors = _extract_here(cfg, store, model, mine, logger, progress)
-    errors += _wait_children(children, store, by_shard, logger)
+
+    def take_back(shards: list[int]) -> None:
+        more, errs = _extract_here(cfg, store, model, [by_shard[s] for s in shards], logger, progress)
+        refs.extend(more)
+        errors.extend(errs)
+
+    errors += _wait_children(children, store, by_shard, logger, take_back)
     found = {s: store.find("extract", by_shard[s].digest) for s in missing}
     have = {int(x.stats.get("shard", 0)) for x in refs}
     refs += [a.ref() for s, a in found.items() if a is not None and s not in have]
@@ -624,20 +630,38 @@ def _running_children(parent_id: Any) -> list[tuple[Any, list[int]]]:
             if run.state is not None and not run.state.is_final()]
 
 
+# A child that no node has taken this long after the parent ran out of work of its own (every node
+# busy, or fewer nodes than extract.nodes): the parent cancels it and extracts its shards itself.
+TAKE_BACK_AFTER = 30.0
+
+
 def _wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard: dict[int, Any],
-                   logger, poll: float = 5.0) -> list[str]:
+                   logger, take_back: Callable[[list[int]], None] | None = None, poll: float = 5.0) -> list[str]:
     """Wait for the child runs to end (Completed, Failed, Crashed, Cancelled); the errors of those whose
-    shards are not all on the store."""
+    shards are not all on the store. A child still Scheduled TAKE_BACK_AFTER seconds after this node
+    went idle is cancelled, and `take_back` extracts its shards here (a pool short of nodes never hangs)."""
     from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled
 
     errors: list[str] = []
     pending = {c.id: (c, shards) for c, shards in children}
-    last_note = time.time()
+    last_note = idle_since = time.time()
     with get_client(sync_client=True) as client:
         while pending:
             for cid in list(pending):
                 child, shards = pending[cid]
                 run = client.read_flow_run(cid)
+                if (take_back is not None and run.state is not None and run.state.type.value == "SCHEDULED"
+                        and time.time() - idle_since > TAKE_BACK_AFTER):
+                    res = client.set_flow_run_state(cid, Cancelled(
+                        message=f"no node took it within {TAKE_BACK_AFTER:.0f} s; its parent extracted its shards"))
+                    if getattr(res.status, "value", str(res.status)) == "ACCEPT":
+                        del pending[cid]
+                        logger.info(f"extract: no node took child {run.name} within {TAKE_BACK_AFTER:.0f} s: "
+                                    f"cancelled it, extracting its shards {shards} here")
+                        take_back(shards)
+                        idle_since = time.time()
+                        continue
                 if run.state is None or not run.state.is_final():
                     continue
                 del pending[cid]

@@ -1,15 +1,15 @@
 """Several nodes for one run (issue 18, item 3), with real parts: a Prefect server, SeaweedFS S3 and
 two process workers (`prefect worker start --limit 1`) as the nodes of pool draftline-local.
 
-A run submitted with `extract.nodes=2` extracts one slice of its shards on its own node (node A) and
-sends the other slice to node B as a child flow run of `draftline-extract/local` (Prefect's
+A run submitted with `extract.nodes=2` extracts one slice of its six shards on its own node (node A)
+and sends the other slice to node B as a child flow run of `draftline-extract/local` (Prefect's
 run_deployment). Node B dies mid-extraction (a drill kill point SIGKILLs its worker's process group,
-with the child's flow-run process: the whole node), after one of its shards is committed. Nobody on
-this host tells the server: the heartbeat automation `draftline deploy` created marks the child
-Crashed (the workers are named after other hosts, so the same-host pid check cannot help), the
-parent sees it and fails naming the lost shard, `draftline status` shows the child and its shards,
-and `draftline retry` extracts exactly the lost shard on the node that is left (summary: 1 ran,
-3 cached), with no second child.
+with the child's flow-run process: the whole node), after one of its three shards is committed.
+Nobody on this host tells the server: the heartbeat automation `draftline deploy` created marks the
+child Crashed (the workers are named after other hosts, so the same-host pid check cannot help), the
+parent sees it and fails naming the two lost shards, `draftline status` shows the child and its
+shards, and `draftline retry` extracts exactly the lost shards on the node that is left (summary:
+2 ran, 4 cached): the new child for one of them finds no free node, so the parent takes it back.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tasks.config import StoreConfig
 from tasks.store import Store
 
 CRASH_AFTER = 60  # the automation's silence before Crashed (heartbeats every 30 s; the default is 90)
+SHARDS = 6  # node A extracts 0, 2, 4; node B 1, 3, 5 and dies after the first of them
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## 10. Several nodes for one run"
 
@@ -46,7 +47,7 @@ def guide_commands() -> list[list[str]]:
 def submit_args(submit: list[str]) -> list[str]:
     """The guide's submit with the test's small config in place of configs/demo.yaml."""
     assert submit[1:3] == ["submit", "configs/demo.yaml"] and "extract.nodes=2" in submit, submit
-    return [submit[1], harness.CONFIG, *submit[3:]]
+    return [submit[1], harness.CONFIG, *submit[3:], "--set", f"data.num_shards={SHARDS}"]
 
 
 def summary_rows(server, run_id: str) -> dict[str, dict]:
@@ -105,11 +106,11 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
         status = json.loads(harness.draftline(*status_cmd[1:], "--json", env=cli).stdout)
         assert status["id"] == run_id and run.state.type.value == "FAILED", status
 
-        # the shards were split over both nodes: 0 and 2 here, 1 and 3 in the child on node B
+        # the shards were split over both nodes: 0, 2 and 4 here, 1, 3 and 5 in the child on node B
         assert status["worker"] == "draftline@node-a"
-        assert status["stages"]["extract"]["states"] == {"Completed": 2}, status["stages"]
+        assert status["stages"]["extract"]["states"] == {"Completed": 3}, status["stages"]
         (child,) = status["children"]
-        assert child["worker"] == "draftline@node-b" and child["shards"] == [1, 3], child
+        assert child["worker"] == "draftline@node-b" and child["shards"] == [1, 3, 5], child
         # found dead by Prefect's heartbeats (the automation), not by anything on this host
         assert child["state"] == "CRASHED" and "no heartbeat" in child["message"], child
         assert "draftline-crash-silent-runs" in child["message"]
@@ -120,31 +121,36 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
         harness.gone(int(str(child_run.infrastructure_pid).rsplit(":", 1)[-1]), timeout=5)
         assert "CRASHED" not in parent_states, parent_states  # the living parent kept its heartbeats
         done_b = [int(s) for s, st in child["shard_states"].items() if st == "Completed"]
-        lost = sorted({1, 3} - set(done_b))
-        assert len(done_b) == 1 and len(lost) == 1, child["shard_states"]
+        lost = sorted({1, 3, 5} - set(done_b))
+        assert len(done_b) == 1 and len(lost) == 2, child["shard_states"]
         store = Store.from_config(StoreConfig(uri=store_uri))
-        assert sorted(m.stats["shard"] for m in store.list("extract")) == sorted({0, 1, 2, 3} - set(lost))
+        assert sorted(m.stats["shard"] for m in store.list("extract")) == sorted(set(range(SHARDS)) - set(lost))
         assert f"shards {lost}" in status["message"] and "draftline retry" in status["message"], status["message"]
         text = harness.draftline(*status_cmd[1:], env=cli).stdout
         assert "child runs" in text and child["name"] in text and "draftline@node-b" in text, text
         assert f"{child['name']}: no heartbeat for {CRASH_AFTER} s" in text, text
 
-        # the retry: any node of the pool (only A is left) extracts exactly the lost shard
+        # the retry: any node of the pool extracts exactly the two lost shards. They are dealt into two
+        # slices, but the pool has no free node for the child (B is dead, A runs the parent): no node takes
+        # it, so the parent cancels it and extracts its shard itself instead of waiting forever.
         t_retry = dt.datetime.now(dt.timezone.utc)
         out = harness.draftline(*retry[1:], "--timeout", "600", env=cli, timeout=700)
         assert f"retrying {status['name']}" in out.stdout, out.stdout
         t["retry"] = time.time() - t0
         rows = summary_rows(prefect_server, run_id)
         assert (rows["extract"]["status"], rows["extract"]["ran"], rows["extract"]["cached"],
-                rows["extract"]["failed"]) == ("ran", 1, 3, 0), rows
+                rows["extract"]["failed"]) == ("ran", 2, SHARDS - 2, 0), rows
         assert (rows["prepare"]["status"], rows["vocab"]["status"]) == ("cached", "cached"), rows
         done = json.loads(harness.draftline("status", run_id, "--json", env=cli).stdout)
         assert done["state"] == "COMPLETED" and done["run_count"] == 2 and done["worker"] == "draftline@node-a"
-        assert len(done["children"]) == 1, "the retry needed no other node for one shard"
+        crashed, taken_back = done["children"]
+        assert crashed["id"] == child["id"] and taken_back["shards"] == lost[1:], done["children"]
+        assert taken_back["state"] == "CANCELLED" and "no node took it" in taken_back["message"], taken_back
+        assert taken_back["shard_states"] == {} and taken_back["worker"] is None, taken_back  # it never ran
         ran = {t_["name"] for t_ in done["tasks"] if t_["state"] == "Completed"}
-        assert ran == {f"extract-shard-{lost[0]}"}, done["tasks"]
+        assert ran == {f"extract-shard-{s}" for s in lost}, done["tasks"]
         shards = {m.stats["shard"]: m for m in store.list("extract")}
-        assert sorted(shards) == [0, 1, 2, 3]
+        assert sorted(shards) == list(range(SHARDS))
         for s, m in shards.items():
             store.open("extract", m.digest).verify(checksums=True)
             assert (m.created >= t_retry.isoformat()[:19]) == (s in lost), (s, m.created)
