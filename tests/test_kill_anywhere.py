@@ -11,7 +11,7 @@ shutdown would.
 
 The runs are chained along the DAG on one store, so each pays only for its own stage: the kill
 points come in DAG order, and each resumed run finishes the stage the kill interrupted. The
-pass at which an extraction point fires is drawn from a seeded RNG (seed 16).
+pass at which an extraction point fires is drawn from a seeded RNG (SEED), the same on both stores.
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ from warm import finish, start_draftline
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "tests/configs/deploy-small.yaml"
+# Engine calls of at most 128 tokens and parts of 256: every shard (~420 tokens) is written in 2-3 parts,
+# so a run passes the part points 8-12 times.
 TRAIN = ["train.max_steps=6", "train.checkpoint_every=2", "train.batch_tokens=256", "train.max_minutes=null",
-         "train.warmup_steps=1", "train.eval_batches=1", "extract.part_tokens=256"]
+         "train.warmup_steps=1", "train.eval_batches=1", "extract.part_tokens=256", "extract.batch_tokens=128"]
 BENCH = ["benchmark.num_speculative_tokens=[1]", "benchmark.batch_sizes=[2]", "benchmark.max_tokens=8",
          "benchmark.offline_replay=false", "benchmark.evals=[{name: heldout, source: heldout, num_prompts: 2}]"]
-RNG = random.Random(16)
+SEED = 16
 
 
 def args_for(uri: str, until: str | None, *sets: str) -> list[str]:
@@ -108,6 +110,7 @@ def verify_and_collect(store: Store, dead_pids: set[int]) -> None:
 def kill_and_resume(tmp_path: Path, uri: str) -> None:
     store = Store(uri)
     dead: set[int] = set()
+    rng = random.Random(SEED)  # the same kill points on every store
 
     # 1. Killed before the first commit: prepare's files are written, its manifest is not.
     dead.add(killed_run(args_for(uri, "vocab"), "commit.prepare.before-manifest", tmp_path, "k1"))
@@ -116,7 +119,7 @@ def kill_and_resume(tmp_path: Path, uri: str) -> None:
     assert counts(s) == {"prepare": ("ran", 1, 0), "vocab": ("ran", 1, 0)}, counts(s)
 
     # 2. Killed mid-shard during extraction: a part of some shard is on the store.
-    point = f"extract.part-written:{RNG.randint(2, 5)}"
+    point = f"extract.part-written:{rng.randint(2, 5)}"
     dead.add(killed_run(args_for(uri, "extract"), point, tmp_path, "k2"))
     done = len(committed(store, "extract"))
     assert done < 4, f"{point}: every shard committed before the kill"
@@ -126,7 +129,7 @@ def kill_and_resume(tmp_path: Path, uri: str) -> None:
 
     # 3. Killed while a part is being written (4 KiB of it on the store); fp8 parts: other shards.
     fp8 = "extract.storage_dtype=fp8"
-    dead.add(killed_run(args_for(uri, "extract", fp8), f"store.extract.mid-file:{RNG.randint(1, 4)}", tmp_path, "k3"))
+    dead.add(killed_run(args_for(uri, "extract", fp8), f"store.extract.mid-file:{rng.randint(1, 4)}", tmp_path, "k3"))
     done = len(committed(store, "extract")) - 4
     s = completed_run(args_for(uri, "extract", fp8), tmp_path, "r3")
     assert counts(s)["extract"] == ("ran", 4 - done, done), (done, counts(s))
