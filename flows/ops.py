@@ -38,7 +38,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from tasks.config import STAGES, STORE_URI_ENV, ConfigError, load_config
+from tasks.config import STAGES, STORE_URI_ENV, ConfigError, check_until, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
@@ -605,8 +605,9 @@ def check_store(cfg: Any, timeout: float = 30.0) -> Check:
     uri = cfg.store.uri
     where = uri
     if uri.startswith("s3://"):
-        endpoint = cfg.store.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        where = f"{uri} at {endpoint or 'AWS'}; keys: {_credentials_source(cfg)}"
+        from tasks.store import s3_endpoint
+
+        where = f"{uri} at {s3_endpoint(cfg.store) or 'AWS'}; keys: {_credentials_source(cfg)}"
     result: dict[str, Any] = {}
 
     def probe() -> None:
@@ -909,7 +910,9 @@ def save_credentials_block(name: str) -> None:
     from prefect_aws import AwsCredentials
     from prefect_aws.client_parameters import AwsClientParameters
 
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    from tasks.store import s3_endpoint
+
+    endpoint = s3_endpoint()
     block = AwsCredentials(aws_access_key_id=key, aws_secret_access_key=secret,
                            region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
                            aws_client_parameters=AwsClientParameters(endpoint_url=endpoint) if endpoint else
@@ -999,8 +1002,10 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
 
     try:
         require_server("draftline submit")
-        if until is not None and until not in STAGES:
-            raise OpsError(f"--until {until!r}: use one of {', '.join(STAGES)}")
+        try:
+            check_until(until)
+        except ConfigError as exc:
+            raise OpsError(str(exc)) from None
         try:
             cfg = load_config(config, overrides)  # fail here, not on the node
         except ConfigError as exc:

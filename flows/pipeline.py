@@ -8,23 +8,20 @@ database, decides what runs.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.futures import wait
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.caching import stage_options
 from tasks import stopping
-from tasks.config import STAGES, RunConfig, load_config
+from tasks.config import STAGES, RunConfig, check_until, load_config
 from tasks.store import ArtifactRef, Store
 
 
@@ -331,8 +328,7 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     chain_into_flow()  # SIGTERM (a worker cancelling, a node shutting down) stops engines and waits first
     overrides = list(overrides or [])
     cfg = load_config(config_path, overrides)
-    if until is not None and until not in STAGES:
-        raise ValueError(f"--until {until!r}: use one of {', '.join(STAGES)}")
+    check_until(until)
     store = Store.from_config(cfg.store)
     store.check()
     rec = LAST_RUN = RunRecord(config_path=config_path, overrides=overrides, flow_run_id=str(flow_run.id or ""),

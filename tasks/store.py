@@ -162,10 +162,16 @@ class ArtifactRef(BaseModel):
 COMMITTED_HERE: set[str] = set()
 
 
+def s3_endpoint(cfg: StoreConfig | None = None) -> str | None:
+    """The S3 endpoint: `store.endpoint_url`, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL; None means AWS."""
+    return ((cfg.endpoint_url if cfg is not None else None) or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL"))
+
+
 def resolve_credentials(cfg: StoreConfig) -> dict[str, Any]:
     """storage_options for s3fs. Keys only from the environment or a Prefect block."""
     opts: dict[str, Any] = {}
-    endpoint = cfg.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = s3_endpoint(cfg)
     client_kwargs: dict[str, Any] = {}
     if endpoint:
         client_kwargs["endpoint_url"] = endpoint

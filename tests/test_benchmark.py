@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import sys
 from pathlib import Path
 
