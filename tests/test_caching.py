@@ -82,3 +82,19 @@ def test_digest_ignores_scheduling_keys_and_tracks_meaningful_ones():
     # 3 and 3.0 in YAML are the same config
     assert stage_digest("vocab", {"k": 3}) == stage_digest("vocab", {"k": 3.0})
     assert stage_digest("vocab", {"k": 3}, version="vocab-v2") != stage_digest("vocab", {"k": 3})
+
+
+def test_stored_artifacts_keep_their_addresses():
+    """An address that changes silently recomputes finished work (a day of extraction, a trained draft).
+    These are the demo's addresses as stored by earlier versions (with stand-in input digests); a change
+    here must come with a VERSIONS bump and a note, never by accident (new scheduling keys, refactors)."""
+    from tasks.config import load_config
+
+    class Ref:
+        def __init__(self, d, shard=0):
+            self.digest, self.stats = d, {"shard": shard}
+
+    cfg = load_config("configs/demo.yaml", [])
+    assert digests.prepare(cfg) == "d01e4891541bc92bcc76ee8ae26ffa17"
+    assert digests.train(cfg, Ref("v"), [Ref("s0", 0), Ref("s1", 1)]) == "42f9970dbdfd1da80f3c78ebf0369d62"
+    assert digests.benchmark(cfg, Ref("t"), Ref("d")) == "c42c11aa7cba798732d96fd73bf08fd7"
