@@ -81,7 +81,8 @@ def find(store: Store, min_age_s: float) -> list[Leftover]:
                 age = now - p.stat().st_mtime
                 owner = owners.read(p)
                 live = owners.alive(owner)
-                kind = "temp-dir" if p.name.startswith(("draftline-ckpt-", "draftline-draft-", "draftline-cfg-")) \
+                kind = "temp-dir" if p.name.startswith(("draftline-ckpt-", "draftline-draft-", "draftline-cfg-",
+                                                        "draftline-ranks-")) \
                     else "engine-dir"
                 if live is False:
                     found.append(Leftover(kind, str(p), age, owners.describe(owner), "its owner is gone"))
