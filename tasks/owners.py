@@ -41,6 +41,12 @@ def _stat(pid: int) -> tuple[str, int] | None:
         return None
 
 
+def pid_running(pid: int) -> bool:
+    """Whether `pid` is a live process on this machine (a zombie, killed and not yet reaped, is not)."""
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
 def me() -> dict[str, Any]:
     """This process as an owner record (JSON-ready)."""
     st = _stat(os.getpid())

@@ -323,14 +323,9 @@ def attempt_writer(attempt: str) -> dict[str, Any]:
     if not m:
         return {}
     host, pid = m.group(1), int(m.group(2))
-    alive: bool | None = None
-    if host == _WRITER:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-            alive = state not in ("Z", "X")
-        except OSError:
-            alive = False
-    return {"host": host, "pid": pid, "alive": alive}
+    from tasks.owners import pid_running
+
+    return {"host": host, "pid": pid, "alive": pid_running(pid) if host == _WRITER else None}
 
 
 class ArtifactWriter:
