@@ -94,7 +94,7 @@ def test_stored_artifacts_keep_their_addresses():
         def __init__(self, d, shard=0):
             self.digest, self.stats = d, {"shard": shard}
 
-    cfg = load_config("configs/demo.yaml", [])
+    cfg = load_config("tests/configs/demo-as-stored.yaml", [])
     assert digests.prepare(cfg) == "d01e4891541bc92bcc76ee8ae26ffa17"
     assert digests.train(cfg, Ref("v"), [Ref("s0", 0), Ref("s1", 1)]) == "42f9970dbdfd1da80f3c78ebf0369d62"
     assert digests.benchmark(cfg, Ref("t"), Ref("d")) == "c42c11aa7cba798732d96fd73bf08fd7"
