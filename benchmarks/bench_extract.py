@@ -31,7 +31,7 @@ Part "speculators". speculators 0.9.0's path is a vLLM OpenAI server configured 
 hidden-state extraction plus `speculators generate-offline-data` sending each sample's token ids
 to it (`/v1/completions`, `max_tokens=1`) and moving each per-request safetensors file into its
 output folder. The server runs the same engine settings as draftline's vLLM extraction engine
-(`tasks.extract.engine_for_group`: float32, enforce_eager, seed 0, `extract_hidden_states` with
+(`tasks.engine_settings.engine_for_group`: float32, enforce_eager, seed 0, `extract_hidden_states` with
 the same layer ids). vLLM's stock `ExampleHiddenStatesConnector` crashes on a CPU build (docs/STACK.md:
 `pin_memory=True requires a CUDA ...`), so the server loads draftline's CPU-safe subclass
 (`tasks.vllm_connector.SyncHiddenStatesConnector`, the same file format); it is started with
@@ -82,10 +82,10 @@ from tasks.extract import (  # noqa: E402
     STAGE,
     _batches,
     _read_shard,
-    engine_for_group,
     extract_shard,
     plan_extract,
 )
+from tasks.engine_settings import engine_for_group  # noqa: E402
 from tasks.prepare import run_prepare  # noqa: E402
 from tasks.store import Store  # noqa: E402
 from tasks.target import load_hf_config, resolve_model  # noqa: E402

@@ -28,7 +28,6 @@ Every section runs under try/except: a failure is recorded and the next section 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import io
 import json
@@ -264,7 +263,8 @@ def write_ceiling(store, part_bytes: int, parts: int, workers: int) -> dict:
 def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stage_prompts: int,
                layers: int | None, part_tokens: int, write_workers: list[int] | None = None):
     from tasks.config import ExtractConfig, RunConfig, TargetConfig
-    from tasks.extract import engine_for_group, extract_shard, plan_extract
+    from tasks.engine_settings import engine_for_group
+    from tasks.extract import extract_shard, plan_extract
     from tasks.store import Store
     from tasks.target import load_hf_config
 
@@ -417,7 +417,7 @@ def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], 
     speculators' bare Eagle3DraftModel step on one packed batch of ours, and speculators' Trainer."""
     import bench_train
     from tasks.config import RunConfig
-    from tasks.extract import load_part
+    from tasks.parts import load_part
     from tasks.train import PartReader, resolve_inputs
     from train_data import write_vocab
 

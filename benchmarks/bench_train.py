@@ -222,7 +222,7 @@ def speculators_dataset(folder: Path, store: Store, inputs, held_ids: set[str]) 
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    from tasks.extract import load_part
+    from tasks.parts import load_part
 
     rows: list[tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for spec in inputs.parts:
@@ -422,7 +422,7 @@ def main() -> None:
         last = preloaded[(held.digest, held.name)]
         meta_ids = reader.artifacts[held.digest]
         with meta_ids.local_copy(held.name) as path:
-            from tasks.extract import load_part
+            from tasks.parts import load_part
 
             sample_ids = load_part(path)["sample_ids"]
         held_ids = set(sample_ids[last.num_samples - held.holdout:])

@@ -9,8 +9,6 @@ database, decides what runs.
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -102,13 +100,14 @@ def prepare_task(cfg: RunConfig, digest: str) -> ArtifactRef:
 @task(name="regenerate", task_run_name="regenerate")
 def regenerate_task(cfg: RunConfig, digest: str, prepared: ArtifactRef) -> ArtifactRef:
     from tasks.engine import EngineProcess
+    from tasks.engine_settings import vllm_engine
     from tasks.regenerate import run_regenerate
     from tasks.target import resolve_model
 
     model = resolve_model(cfg.target)
 
     def engine_factory() -> EngineProcess:
-        return regenerate_engine(cfg, model)
+        return vllm_engine(cfg, model, "regenerate")
 
     logger = get_run_logger()
     progress = _Progress("regenerate-progress", "Regenerate: shards answered by the target")
@@ -139,7 +138,7 @@ def vocab_task(cfg: RunConfig, digest: str, data: ArtifactRef) -> ArtifactRef:
 
 
 @task(name="extract-shard", task_run_name="extract-shard-{shard}", retries=0)
-def extract_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: "EnginePool") -> ArtifactRef:
+def extract_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) -> ArtifactRef:
     from tasks.extract import extract_shard
 
     store = Store.from_config(cfg.store)
@@ -223,71 +222,6 @@ def benchmark_task(cfg: RunConfig, digest: str, trained: ArtifactRef, data: Arti
     # The report names the flow run that measured it (PREFECT__FLOW_RUN_ID is set only in deployed runs).
     ref = run_benchmark(cfg, Store.from_config(cfg.store), trained, data, flow_run_id=flow_run.id)
     return ref
-
-
-# --------------------------------------------------------------------------- engines
-
-def regenerate_engine(cfg: RunConfig, model: str):
-    """The engine that answers the prompts (tasks/engine_settings.py: the same rules as every engine)."""
-    from tasks.engine_settings import vllm_engine
-
-    return vllm_engine(cfg, model, "regenerate")
-
-
-class EnginePool:
-    """One extraction engine per GPU group, started on first use, shared by shard tasks.
-
-    A shard borrows a group's engine; if the engine died (killed, OOM), the shard
-    that was using it fails and the next borrower gets a fresh engine.
-    """
-
-    def __init__(self, factory: Callable[[list[int]], Any], groups: list[list[int]]):
-        self.factory = factory
-        self.groups = groups
-        self._free: queue.Queue[int] = queue.Queue()
-        for i in range(len(groups)):
-            self._free.put(i)
-        self._engines: dict[int, Any] = {}
-        self._lock = threading.Lock()
-
-    def engine(self):
-        pool = self
-
-        class _Borrow:
-            def __enter__(self_inner):
-                while True:  # every group busy: wait for one, but not past a stop request
-                    stopping.check("waiting for a free engine group")
-                    try:
-                        self_inner.idx = pool._free.get(timeout=0.5)
-                        break
-                    except queue.Empty:
-                        continue
-                try:
-                    eng = pool._engines.get(self_inner.idx)
-                    if eng is None or not eng.alive:
-                        if eng is not None:
-                            eng.close()
-                        eng = pool.factory(pool.groups[self_inner.idx])
-                        eng.start()
-                        pool._engines[self_inner.idx] = eng
-                    return eng
-                except BaseException:
-                    pool._free.put(self_inner.idx)
-                    raise
-
-            def __exit__(self_inner, *exc):
-                pool._free.put(self_inner.idx)
-                return False
-
-        return _Borrow()
-
-    def close(self) -> None:
-        for eng in self._engines.values():
-            try:
-                eng.close()
-            except Exception:
-                pass
-        self._engines.clear()
 
 
 class _Progress:
@@ -450,7 +384,7 @@ def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef
 def _extract_here(cfg: RunConfig, store: Store, model: str, plans: list, logger,
                   progress: "_Progress") -> tuple[list[ArtifactRef], list[str]]:
     """One task per shard of PLANS in this flow run, fanned out over this node's engine groups."""
-    from tasks.extract import engine_for_group, engine_groups
+    from tasks.engine_settings import EnginePool, engine_for_group, engine_groups
 
     t0 = time.time()
     groups = engine_groups(cfg)

@@ -12,10 +12,14 @@ The same module plans what the engines run on: one engine per GPU group on a GPU
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import queue
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
+
+from tasks import stopping
 
 from tasks.config import RunConfig
 from tasks.engine import EngineProcess, engine_dtype, vllm_extract_kwargs
@@ -174,3 +178,49 @@ def engine_for_group(cfg: RunConfig, model_path: str, group: list[int] | EngineG
         if on_gpu:
             kwargs["dtype"] = cfg.target.dtype  # CPU keeps float32 (bf16 matmuls are slow there)
     return EngineProcess(e.backend, model_path, kwargs, env=env, name=f"extract-{group.name}")
+
+
+class EnginePool:
+    """One extraction engine per group (GPU group or CPU core group), started on first use and
+    shared by the shard tasks running side by side.
+
+    A shard borrows a group's engine; if that engine died (killed, OOM), the shard that was using
+    it fails and the next borrower gets a fresh engine on the same group.
+    """
+
+    def __init__(self, factory: Callable[[Any], EngineProcess], groups: list[Any]):
+        self.factory = factory
+        self.groups = groups
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(len(groups)):
+            self._free.put(i)
+        self._engines: dict[int, EngineProcess] = {}
+
+    def _take(self) -> int:
+        while True:  # every group busy: wait for one, but not past a stop request
+            stopping.check("waiting for a free engine group")
+            try:
+                return self._free.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+    @contextlib.contextmanager
+    def engine(self) -> Iterator[EngineProcess]:
+        idx = self._take()
+        try:
+            eng = self._engines.get(idx)
+            if eng is None or not eng.alive:
+                if eng is not None:
+                    eng.close()
+                eng = self.factory(self.groups[idx])
+                eng.start()
+                self._engines[idx] = eng
+            yield eng
+        finally:
+            self._free.put(idx)
+
+    def close(self) -> None:
+        for eng in self._engines.values():
+            with contextlib.suppress(Exception):
+                eng.close()
+        self._engines.clear()

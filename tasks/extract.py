@@ -35,22 +35,9 @@ from pydantic import BaseModel, Field
 from tasks.config import RunConfig
 from tasks import digest as digests
 from tasks.digest import VERSIONS
-from tasks.engine import EngineError, EngineProcess
-from tasks.engine_settings import (  # noqa: F401  (re-exported: the extraction API callers know)
-    EngineGroup,
-    engine_for_group,
-    engine_groups,
-    gpu_groups,
-    visible_gpus,
-)
+from tasks.engine import EngineProcess
 from tasks.faults import kill_point
-from tasks.parts import (  # noqa: F401  (the part format, re-exported for readers of extraction)
-    PartBuffer,
-    dequantize_fp8,
-    load_part,
-    quantize_fp8,
-    write_safetensors_stream,
-)
+from tasks.parts import PartBuffer
 from tasks.stats import StatsError, data_stats
 from tasks.store import ArtifactRef, ArtifactWriter, Store
 from tasks.target import resolve_layer_ids, text_config, validate_for_vllm
@@ -412,10 +399,3 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
         }
         art = w.commit(stats)
     return art.ref()
-
-
-__all__ = [
-    "EngineError", "ExtractError", "ShardPlan", "SCHEDULING_KEYS", "plan_extract", "extract_shard", "load_part",
-    "gpu_groups", "engine_groups", "EngineGroup", "engine_for_group", "visible_gpus", "resolve_layer_ids", "quantize_fp8", "dequantize_fp8",
-    "write_safetensors_stream",
-]

@@ -52,7 +52,7 @@ class PartData:
 
 
 class PartReader:
-    """Reads parts from the store: a sha256-verified local copy, then `tasks.extract.load_part`
+    """Reads parts from the store: a sha256-verified local copy, then `tasks.parts.load_part`
     (bf16 whatever the storage dtype). Thread-safe; used by the loader thread."""
 
     def __init__(self, artifacts: dict[str, Artifact], layer_ids: list[int], hidden_size: int):

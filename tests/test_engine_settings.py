@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import regenerate_engine
 from tasks.benchmark import default_engine_factory, engine_kwargs
 from tasks.config import RunConfig
-from tasks.extract import engine_for_group
+from tasks.engine_settings import engine_for_group, vllm_engine
 from train_data import make_tiny_target
 
 
@@ -21,7 +20,7 @@ def engines(cfg: RunConfig, model: str) -> dict[str, tuple[dict, dict]]:
     """(llm kwargs, environment) of each vLLM engine a run of `cfg` would start, built as the run does."""
     bench = default_engine_factory(cfg, model)("baseline", engine_kwargs(cfg, None, model))
     ext = engine_for_group(cfg, model, [])
-    regen = regenerate_engine(cfg, model)
+    regen = vllm_engine(cfg, model, "regenerate")
     return {e.name: (e.llm_kwargs, e.env) for e in (regen, ext, bench)}
 
 

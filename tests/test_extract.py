@@ -25,14 +25,9 @@ from tasks.config import ExtractConfig, RunConfig, TargetConfig
 from tasks.digest import VERSIONS, stage_digest
 from tasks.engine import EngineError
 from tasks.engine_settings import EngineSettingsError
-from tasks.extract import (
-    ExtractError,
-    engine_for_group,
-    extract_shard,
-    gpu_groups,
-    load_part,
-    plan_extract,
-)
+from tasks.engine_settings import engine_for_group, gpu_groups
+from tasks.extract import ExtractError, extract_shard, plan_extract
+from tasks.parts import load_part
 from tasks.store import ArtifactRef, Store
 from tasks.target import TargetError, default_layer_ids, load_hf_config
 

@@ -32,7 +32,9 @@ import torch
 from tasks.config import RunConfig
 from tasks.digest import VERSIONS, stage_digest
 from tasks.engine import EngineError
-from tasks.extract import engine_for_group, extract_shard, load_part, plan_extract
+from tasks.engine_settings import engine_for_group
+from tasks.extract import extract_shard, plan_extract
+from tasks.parts import load_part
 from tasks.store import MANIFEST, ArtifactRef, Store
 from tasks.target import load_hf_config
 from tasks import digest as digests

@@ -27,7 +27,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save_file
 
 from tasks.config import RunConfig
-from tasks.extract import engine_for_group, extract_shard, plan_extract, resolve_layer_ids
+from tasks.engine_settings import engine_for_group
+from tasks.extract import extract_shard, plan_extract
+from tasks.target import resolve_layer_ids
 from tasks.store import Store
 from tasks.target import (
     TargetError,

@@ -322,7 +322,7 @@ def test_fp8_parts_train(tmp_path, tiny):
     """fp8 parts (float8_e4m3fn + per-token scales) are dequantized by tasks.parts.load_part."""
     from safetensors.torch import save as st_save
 
-    from tasks.extract import quantize_fp8
+    from tasks.parts import quantize_fp8
 
     store = Store(f"file://{tmp_path}/store")
     vref, refs = data_on(store, tiny)
