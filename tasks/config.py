@@ -180,7 +180,73 @@ class ExtractConfig(Section):
         return v
 
 
+HEAD_KINDS = ("eagle3", "eagle3.1", "dflash")
+DFLASH_ONLY = ("block_size", "max_anchors", "mask_token_id")
+DFLASH_BLOCK_SIZE = 8  # speculators' DFlashSpeculatorConfig default
+DFLASH_MAX_ANCHORS = 512  # speculators' training default
+
+
+class HeadConfig(Section):
+    """One draft head trained from the stored hidden states (train.heads). Keys left unset take the train
+    section's values; a head set to anything but the defaults gets its own train address."""
+
+    kind: Literal["eagle3", "eagle3.1", "dflash"] = Field(
+        "eagle3", description="eagle3: speculators' EAGLE-3 recipe (norm_before_fc: one RMSNorm over the "
+        "concatenated target layers, norm_output). eagle3.1: EAGLE-3.1's per-layer fc_norm with norm_output. "
+        "dflash: speculators' DFlash (a block of mask tokens drafted in one forward pass; vLLM method dflash).")
+    name: str | None = Field(None, description="Label in task names and the benchmark table; default the kind. "
+                                                "Not part of the address.")
+    layer_ids: list[int] | None = Field(
+        None, description="Auxiliary target layers this head reads (vLLM numbering), a subset of those the extract "
+        "stage stores; default all of them. A head that needs others: add them to extract.layer_ids.")
+    num_layers: int | None = Field(None, ge=1, description="Draft decoder layers; default train.num_layers.")
+    max_steps: int | None = Field(None, ge=1, description="Training steps; default train.max_steps.")
+    block_size: int | None = Field(
+        None, ge=2, description="dflash: tokens per drafted block, the anchor plus block_size - 1 drafted tokens "
+        "(vLLM's num_speculative_tokens at most block_size - 1). Default 8, speculators' default.")
+    max_anchors: int | None = Field(
+        None, ge=1, description="dflash: blocks trained per packed batch (sampled anchor positions). Default 512.")
+    mask_token_id: int | None = Field(
+        None, ge=0, description="dflash: the token fed at masked positions. Default: resolved from the target's "
+        "tokenizer as speculators does (its mask token, else a new <|MASK|> in a free embedding row, else pad/eos).")
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _aux_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or sorted(set(v)) != v or v[0] < 1):
+            raise ValueError(f"layer_ids must be distinct ascending auxiliary ids >= 1, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _kind_keys(self) -> "HeadConfig":
+        stray = [k for k in DFLASH_ONLY if getattr(self, k) is not None and self.kind != "dflash"]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} apply to dflash heads only; this head is {self.kind}")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.kind
+
+    def recipe(self) -> dict[str, Any]:
+        """What this head adds to the train address beyond the train section: nothing for the default
+        EAGLE-3 head (so drafts stored before heads existed keep their addresses)."""
+        out = self.model_dump(mode="json", exclude_defaults=True, exclude={"name", "num_layers", "max_steps"})
+        if self.kind == "dflash":  # unset and written-out defaults: one address
+            out.update({k: v for k, v in self.dflash_settings().items() if k != "mask_token_id"})
+        return out
+
+    def dflash_settings(self) -> dict[str, Any]:
+        """block_size, max_anchors, mask_token_id (None: resolve from the tokenizer) with defaults applied."""
+        return {"block_size": self.block_size or DFLASH_BLOCK_SIZE, "max_anchors": self.max_anchors or
+                DFLASH_MAX_ANCHORS, "mask_token_id": self.mask_token_id}
+
+
 class TrainConfig(Section):
+    heads: list[HeadConfig] = Field(
+        default_factory=lambda: [HeadConfig()],
+        description="Draft heads trained from the same stored hidden states, one cached train task each, all "
+        "measured in one benchmark table. Default: one EAGLE-3 head.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_steps: int = Field(200, ge=1)
     max_minutes: float | None = Field(None, gt=0, description="Stop at this wall-clock budget (still exports).")
@@ -212,6 +278,33 @@ class TrainConfig(Section):
     loss_impl: Literal["eager", "fused"] = Field(
         "eager", description="speculators' loss kernels: eager (any device) or fused (Triton, GPU only)."
     )
+
+    @field_validator("heads")
+    @classmethod
+    def _distinct_heads(cls, v: list[HeadConfig]) -> list[HeadConfig]:
+        if not v:
+            raise ValueError("train.heads needs at least one head, e.g. [{kind: eagle3}]")
+        labels = [h.label for h in v]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise ValueError(f"head labels must be unique, {twice} appear more than once; give them a name")
+        return v
+
+    def for_head(self, head: HeadConfig) -> "TrainConfig":
+        """This section as one head trains it: the head's overrides applied, `heads` = [head]."""
+        update: dict[str, Any] = {"heads": [head]}
+        if head.num_layers is not None:
+            update["num_layers"] = head.num_layers
+        if head.max_steps is not None:
+            update["max_steps"] = head.max_steps
+        return self.model_copy(update=update)
+
+    @property
+    def head(self) -> HeadConfig:
+        """The one head of a per-head section (`for_head`); a section with several has none."""
+        if len(self.heads) != 1:
+            raise ValueError(f"train has {len(self.heads)} heads; train each through train.for_head(head)")
+        return self.heads[0]
 
 
 class EvalConfig(Section):
@@ -251,6 +344,11 @@ class BenchmarkConfig(Section):
         if not v or min(v) < 1:
             raise ValueError(f"need a non-empty list of positive integers, got {v}")
         return sorted(set(v))
+
+
+def head_config(cfg: "RunConfig", head: HeadConfig) -> "RunConfig":
+    """The run's config as one head's train task (and its ranks) sees it."""
+    return cfg.model_copy(update={"train": cfg.train.for_head(head)})
 
 
 class StoreConfig(Section):

@@ -124,15 +124,27 @@ def train_inputs(cfg, vocab_ref, shard_refs) -> dict[str, str]:
             "target": t.model + (f"@{t.revision}" if t.revision else "")}
 
 
-def train(cfg, vocab_ref, shard_refs) -> str:
-    """The train artifact's address (run_train commits there; the Prefect key uses it too)."""
-    section = cfg.train.model_dump(mode="json", exclude=TRAIN_SCHEDULING_KEYS)
+def train(cfg, vocab_ref, shard_refs, head=None) -> str:
+    """The train artifact's address of one head (run_train commits there; the Prefect key uses it too):
+    `head` of cfg.train.heads, or the only one. The head's own keys (kind, layers, DFlash's block) enter
+    only when they differ from the default EAGLE-3 head, and its overrides (max_steps, num_layers) as the
+    train keys they replace; `heads` itself never does, so a one-head config keeps its address."""
+    t = cfg.train.for_head(head) if head is not None else cfg.train
+    section = t.model_dump(mode="json", exclude=TRAIN_SCHEDULING_KEYS | {"heads"})
     # attn_impl left the address (every kernel trains the same draft), but drafts stored before that were
     # addressed with the then-default "sdpa" in it: the constant keeps their addresses, so none retrains.
     section["attn_impl"] = "sdpa"
+    recipe = t.head.recipe()
+    if recipe:
+        section["head"] = recipe
     return stage_digest("train", section, train_inputs(cfg, vocab_ref, shard_refs))
 
 
 def benchmark(cfg, trained, data) -> str:
-    return stage_digest("benchmark", {"benchmark": cfg.benchmark, "target": _target_identity(cfg)},
-                        {"train": trained.digest, "data": data.digest})
+    """`trained`: the train artifact of the one head, or (label, artifact) per head in cfg.train.heads order.
+    One head: the address it always had; several: every head's label and artifact enter it."""
+    heads = [("", trained)] if not isinstance(trained, (list, tuple)) else list(trained)
+    inputs = {"train": heads[0][1].digest, "data": data.digest}
+    if len(heads) > 1:
+        inputs["heads"] = ",".join(f"{label}={ref.digest}" for label, ref in heads)
+    return stage_digest("benchmark", {"benchmark": cfg.benchmark, "target": _target_identity(cfg)}, inputs)

@@ -132,6 +132,7 @@ class TrainInputs:
     parts: list[PartSpec]
     artifacts: dict[str, Artifact]  # extract digest -> opened artifact
     total_samples: int
+    stored_layer_ids: list[int] | None = None  # what the parts hold, when the head reads a subset (layer_ids)
 
 
 def resolve_inputs(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef,
@@ -187,6 +188,7 @@ def resolve_inputs(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef,
         validate_layer_ids(layer_ids, n_layers)
     except ValueError as exc:
         raise TrainError(str(exc)) from None
+    stored, layer_ids = layer_ids, head_layer_ids(cfg, layer_ids)
     try:
         d2t, t2d = read_vocab(store, vocab_ref, vocab)
     except VocabFormatError as exc:
@@ -194,7 +196,34 @@ def resolve_inputs(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef,
     return TrainInputs(
         digest=digests.train(cfg, vocab_ref, extract_refs), inputs=digests.train_inputs(cfg, vocab_ref, extract_refs),
         target_path=target_path, hf_config=hf, layer_ids=layer_ids, hidden_size=hidden, vocab_size=vocab,
-        d2t=d2t, t2d=t2d, parts=parts, artifacts=arts, total_samples=total_samples)
+        d2t=d2t, t2d=t2d, parts=parts, artifacts=arts, total_samples=total_samples, stored_layer_ids=stored)
+
+
+def head_layer_ids(cfg: RunConfig, stored: list[int]) -> list[int]:
+    """The layers the run's head reads (its auxiliary ids, then the last layer) out of the `stored` ones:
+    all of them unless the head names a subset; a TrainError naming extract.layer_ids when it names
+    layers the extraction does not hold."""
+    head = train_head(cfg)
+    aux = list(head.layer_ids or stored[:-1])
+    if aux[-1] >= stored[-1]:
+        raise TrainError(f"train.heads: {head.label} reads target layers {aux}, but {stored[-1]} is this target's "
+                         f"last layer: auxiliary ids lie below it")
+    missing = [i for i in aux if i not in stored[:-1]]
+    if missing:
+        union = sorted(set(stored[:-1]) | set(aux)) + [stored[-1]]
+        raise TrainError(
+            f"train.heads: {head.label} reads target layers {aux}, but the stored hidden states hold {stored[:-1]} "
+            f"(and the last layer, {stored[-1]}): {missing} are not there. Set extract.layer_ids: {union}: the "
+            "extract stage extracts them (once, cached) and every head reads its own layers from them")
+    return aux + [stored[-1]]
+
+
+def train_head(cfg: RunConfig):
+    """The one head a train run makes (config.head_config picks it out of train.heads)."""
+    try:
+        return cfg.train.head
+    except ValueError as exc:
+        raise TrainError(f"{exc}: run_train trains one head at a time (tasks.config.head_config)") from None
 
 
 # ============================================================================ model
@@ -233,6 +262,32 @@ def _ratios(metrics: dict[str, float], ttt_steps: int) -> dict[str, Any]:
     losses = [metrics.get(f"loss_{k}_sum", 0.0) / max(metrics.get(f"loss_{k}_total", 1.0), 1e-12)
               for k in range(ttt_steps)]
     return {"acc_per_pos": cond, "chain_acc_per_pos": chain, "loss_per_pos": losses}
+
+
+def step_ratios(metrics: dict[str, float], head: Any, ttt_steps: int) -> dict[str, Any]:
+    """A training step's per-position numbers. EAGLE-3 heads: `_ratios`. DFlash: speculators' accuracy per
+    drafted slot of a block (slot 1 = the first token after the anchor, each slot on its own) and its
+    expected accepted length (per block: the leading run of right slots plus the bonus token)."""
+    if head.kind != "dflash":
+        return _ratios(metrics, ttt_steps)
+    slots = sorted(int(k.split("_")[1]) for k in metrics if k.startswith("position_") and k.endswith("_acc_sum"))
+    acc = [metrics[f"position_{i}_acc_sum"] / metrics[f"position_{i}_acc_total"]
+           if metrics.get(f"position_{i}_acc_total") else 0.0 for i in slots]
+    eal = metrics.get("eal_sum", 0.0) / metrics["eal_total"] if metrics.get("eal_total") else 0.0
+    return {"acc_per_pos": acc, "chain_acc_per_pos": [], "loss_per_pos": [], "expected_acceptance_length": eal}
+
+
+def forward_kwargs(t: TrainConfig) -> dict[str, Any]:
+    """The loss settings a head's forward pass takes: speculators' defaults for its kind (EAGLE-3: KL
+    divergence over `ttt_steps`; DFlash: cross-entropy, D-PACE position weights, `max_anchors` blocks)."""
+    from speculators.losses import resolve_loss_config
+
+    if t.head.kind != "dflash":
+        return {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": t.ttt_step_loss_decay,
+                "loss_config": resolve_loss_config("kl_div", t.loss_impl)}
+    return {"loss_config": resolve_loss_config("ce", t.loss_impl), "gamma": 4.0,
+            "max_anchors": t.head.dflash_settings()["max_anchors"], "per_position_loss_weight": "dpace",
+            "dpace_alpha": 0.5}
 
 
 def _r(x: float, nd: int = 6) -> float:
@@ -380,11 +435,14 @@ class Trainer:
                              "or auto)")
         if env.device.type == "cpu" and t.loss_impl == "fused":
             raise TrainError("train.loss_impl fused needs Triton on a GPU; use eager on CPU")
-        self.read_part = load_part or PartReader(inputs.artifacts, inputs.layer_ids, inputs.hidden_size)
+        self.head = train_head(cfg)
+        self.read_part = load_part or PartReader(inputs.artifacts, inputs.stored_layer_ids or inputs.layer_ids,
+                                                 inputs.hidden_size, keep=inputs.layer_ids)
         self.precision = resolve_precision(t.precision, env.device)
 
         # model (auto attention: flex_attention where it compiles for this shape, else sdpa)
-        shape = attention_shape(draft_layer_config(t, cfg.target, inputs.target_path, inputs.hf_config))
+        shape = attention_shape(draft_layer_config(t, cfg.target, inputs.target_path, inputs.hf_config,
+                                                   dflash=self.head.kind == "dflash"))
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.attn_impl, self.attn_fallback = resolve_attn_impl(
             t.attn_impl, env.device, lambda: flex_attention_compiles(env.device, *shape, dtype=dtype))
@@ -399,15 +457,12 @@ class Trainer:
 
             self.ddp = DistributedDataParallel(self.model, device_ids=[env.local_rank] if env.device.type == "cuda"
                                                else None)
-        self.flops_per_token = flops_per_token(self.model, t.ttt_steps)
+        self.flops_per_token = flops_per_token(self.model, self.passes_per_token())
         self.peak_flops = self._peak_flops()
 
         # optimizer (lr is set every step from lr_at)
         self.optimizer = torch.optim.AdamW(self.params, lr=lr_at(0, t), weight_decay=t.weight_decay)
-        from speculators.losses import resolve_loss_config
-
-        self.forward_kwargs = {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": t.ttt_step_loss_decay,
-                               "loss_config": resolve_loss_config("kl_div", t.loss_impl)}
+        self.forward_kwargs = forward_kwargs(t)
 
         # held-out data: the tail of the last part
         last_spec = inputs.parts[-1]
@@ -422,6 +477,14 @@ class Trainer:
         del last
 
     # ---------------------------------------------------------------- helpers
+    def passes_per_token(self) -> float:
+        """Draft decoder passes per trained token: the TTT steps (EAGLE-3), or a DFlash block per sampled
+        anchor (at most one anchor per token)."""
+        if self.head.kind != "dflash":
+            return float(self.t.ttt_steps)
+        s = self.head.dflash_settings()
+        return s["block_size"] * min(1.0, s["max_anchors"] / self.t.batch_tokens)
+
     def _peak_flops(self) -> float | None:
         if self.env.device.type != "cuda":
             return None
@@ -601,7 +664,7 @@ class Trainer:
                 tokens = int(sums["tokens"])
                 state.tokens_seen += tokens
                 state.train_seconds = seconds_before + time.perf_counter() - session_t0
-                r = _ratios(sums, t.ttt_steps)
+                r = step_ratios(sums, self.head, t.ttt_steps)
                 tps = tokens / step_s if step_s > 0 else 0.0
                 rec = {"kind": "train", "step": state.step, "max_steps": t.max_steps,
                        "loss": _r(sums["loss_sum"] / max(sums["loss_total"], 1.0)),
@@ -612,6 +675,8 @@ class Trainer:
                        "step_s": _r(step_s, 4), "data_wait_s": _r(wait, 4), "tflops": _r(tps * self.flops_per_token
                                                                                          / 1e12, 4),
                        "elapsed_s": _r(state.train_seconds, 2)}
+                if "expected_acceptance_length" in r:
+                    rec["expected_acceptance_length"] = _r(r["expected_acceptance_length"], 4)
                 if self.peak_flops:
                     rec["mfu"] = _r(tps * self.flops_per_token / env.world / self.peak_flops, 4)
                 state.history.append(rec)
@@ -649,6 +714,7 @@ class Trainer:
                 "val_tokens": val.get("val_tokens", 0), "heldout_samples": self.heldout_samples,
                 "final_loss": state.history[-1]["loss"] if state.history else None,
                 "layer_ids": self.inp.layer_ids, "draft_vocab_size": int(self.inp.d2t.shape[0]),
+                "head": self.head.label, "kind": self.head.kind,
                 "trainable_params": sum(p.numel() for p in self.params), "world_size": env.world,
                 "device": env.device.type, "precision": self.precision, "attn_impl": self.attn_impl,
                 "resumed_from_step": state.resumed_from,
@@ -678,20 +744,48 @@ def evaluate_model(model: Any, batches: Sequence[Batch], device: torch.device, f
     model.eval()
     sums: dict[str, float] = {}
     loss, tokens = 0.0, 0
+    dflash = "max_anchors" in forward_kwargs
     try:
-        for b in batches:
-            with autocast():
-                _, batch_loss, m = model(**b.model_inputs(device), **forward_kwargs)
-            loss += float(batch_loss)
-            tokens += b.tokens
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(0)  # DFlash samples its anchors: the same ones on every evaluation
+            for b in batches:
+                with autocast():
+                    if dflash:
+                        batch_loss, m = _dflash_eval_batch(model, b.model_inputs(device), forward_kwargs)
+                    else:
+                        _, batch_loss, m = model(**b.model_inputs(device), **forward_kwargs)
+                loss += float(batch_loss)
+                tokens += b.tokens
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
     finally:
         model.train(was_training)
-    r = _ratios(sums, int(forward_kwargs.get("ttt_steps", 3)))
+    r = _ratios(sums, int(model.block_size) - 1 if dflash else int(forward_kwargs.get("ttt_steps", 3)))
     return {"val_loss": _r(loss / len(batches)), "val_acc_per_pos": [_r(a) for a in r["acc_per_pos"]],
             "val_chain_acc_per_pos": [_r(a) for a in r["chain_acc_per_pos"]],
             "simulated_acceptance_length": _r(simulated_acceptance_length(r["acc_per_pos"]), 4), "val_tokens": tokens}
+
+
+def _dflash_eval_batch(model: Any, inputs: dict[str, torch.Tensor],
+                       kw: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """A DFlash head's loss on one batch, and per drafted slot i the share of blocks whose slots 1..i are
+    all right (`full_acc_{i-1}`, as EAGLE-3 counts its steps), so `_ratios` gives the same conditional
+    accuracies and the benchmark's simulated acceptance length means the same for both kinds."""
+    from speculators.models.dflash.metrics import compute_metrics
+
+    _, logits, targets, mask, _ = model._backbone_forward(**inputs, max_anchors=kw["max_anchors"])
+    loss, _ = compute_metrics(logits, targets, mask, model.block_size, gamma=kw["gamma"],
+                              loss_config=kw["loss_config"], per_position_loss_weight=kw["per_position_loss_weight"],
+                              dpace_alpha=kw["dpace_alpha"])
+    n = int(model.block_size)
+    right = (logits.argmax(-1) == targets.argmax(-1)).reshape(-1, n)[:, 1:]
+    valid = mask.to(torch.bool).reshape(-1, n)[:, 1:]
+    run = (right & valid).to(torch.int64).cumprod(dim=-1)
+    out: dict[str, float] = {}
+    for i in range(n - 1):
+        out[f"full_acc_{i}_sum"] = float(run[:, i].sum())
+        out[f"full_acc_{i}_total"] = float(valid[:, i].sum())
+    return loss, out
 
 
 def export_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
@@ -734,6 +828,7 @@ def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs
     it trains itself. Under torchrun every rank calls this; rank 0 writes, all ranks
     return the same ref.
     """
+    train_head(cfg)  # one head per call
     digest = digests.train(cfg, vocab_ref, extract_refs)
     found = store.find(STAGE, digest)
     if found is not None:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from tasks.config import TargetConfig, TrainConfig
+from tasks.config import HeadConfig, TargetConfig, TrainConfig
 from tasks.target import load_verifier_weights, text_config
 from tasks.train_common import TrainError, log
 
@@ -18,14 +18,17 @@ def _draft_arch(tc: Any) -> str:
     return "qwen3" if str(getattr(tc, "model_type", "")).startswith("qwen3") else "llama"
 
 
-def draft_layer_config(train: TrainConfig, target: TargetConfig, target_path: str, hf_config: Any) -> Any:
-    """The draft decoder layer's config: the target's layer type and attention shape."""
+def draft_layer_config(train: TrainConfig, target: TargetConfig, target_path: str, hf_config: Any,
+                       dflash: bool = False) -> Any:
+    """The draft decoder layer's config: the target's layer type (Qwen3 with silu for DFlash, the layer
+    vLLM's DFlash model has) and attention shape."""
     from speculators.train.cli import create_transformer_layer_config
 
     tc = text_config(hf_config)
     layer_cfg = create_transformer_layer_config(
-        verifier_name_or_path=target_path, num_layers=train.num_layers, draft_arch=_draft_arch(tc),
-        hidden_act=None, sliding_window=int(getattr(tc, "max_position_embeddings", 4096) or 4096),
+        verifier_name_or_path=target_path, num_layers=train.num_layers,
+        draft_arch="qwen3" if dflash else _draft_arch(tc), hidden_act="silu" if dflash else None,
+        sliding_window=int(getattr(tc, "max_position_embeddings", 4096) or 4096),
         full_attention_indices=list(range(train.num_layers)), trust_remote_code=target.trust_remote_code)
     if getattr(tc, "kv_lora_rank", None):
         # MLA targets (DeepSeek-V3, Kimi-K2.5): their `head_dim` is the rotary part only (64), which would give
@@ -88,33 +91,90 @@ def resolve_attn_impl(requested: str, device: torch.device, probe: Callable[[], 
     return "flex_attention", None
 
 
+def speculators_kind(kind: str) -> tuple[Any, Any]:
+    """(model class, config class) of a head kind in the installed speculators; a TrainError naming the
+    version when it has none (DFlash arrived in speculators 0.9)."""
+    import importlib
+
+    module, names = {"eagle3": ("speculators.models.eagle3", ("Eagle3DraftModel", "Eagle3SpeculatorConfig")),
+                     "eagle3.1": ("speculators.models.eagle3", ("Eagle3DraftModel", "Eagle3SpeculatorConfig")),
+                     "dflash": ("speculators.models.dflash", ("DFlashDraftModel", "DFlashSpeculatorConfig"))}[kind]
+    try:
+        mod = importlib.import_module(module)
+        return getattr(mod, names[0]), getattr(mod, names[1])
+    except (ImportError, AttributeError) as exc:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            have = version("speculators")
+        except PackageNotFoundError:
+            have = "(none)"
+        raise TrainError(f"train.heads asks for a {kind} head, but the installed speculators {have} has no "
+                         f"{module}.{names[0]} ({exc}); install the "
+                         "version requirements/cpu.lock pins (speculators 0.9) or drop that head") from None
+
+
+def dflash_mask_token(head: HeadConfig, target_path: str, vocab_size: int, trust_remote_code: bool) -> int:
+    """The token DFlash feeds at masked positions: `head.mask_token_id`, else speculators' own rule
+    (the tokenizer's mask token, a new <|MASK|> in a free embedding row, else pad/eos/unk)."""
+    if head.mask_token_id is not None:
+        if head.mask_token_id >= vocab_size:
+            raise TrainError(f"train.heads: {head.label} mask_token_id {head.mask_token_id} is outside the target's "
+                             f"vocabulary of {vocab_size}")
+        return head.mask_token_id
+    from speculators.train.utils import resolve_mask_token_id
+
+    return int(resolve_mask_token_id(target_path, vocab_size, None, trust_remote_code=trust_remote_code))
+
+
 def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str, hf_config: Any,
                       layer_ids: list[int], d2t: torch.Tensor, t2d: torch.Tensor, attn_impl: str | None = None):
-    """speculators' Eagle3DraftModel for this target, seeded, verifier weights loaded.
+    """The head of `train` (one of train.heads, see TrainConfig.for_head) for this target, seeded, verifier
+    weights loaded: speculators' Eagle3DraftModel or DFlashDraftModel. `layer_ids`: the auxiliary layers
+    it reads, then the last one.
 
-    The decoder follows speculators' EAGLE-3 recipe (`speculators train` defaults:
-    norm before residual, norm before fc, normed output fed back across TTT steps),
-    with full attention in every draft layer and the target's layer type. `attn_impl`
-    (sdpa, flex_attention, eager) is the resolved `train.attn_impl` (auto means sdpa here).
+    eagle3 follows speculators' EAGLE-3 recipe (`speculators train` defaults: norm before residual, one
+    norm before the fc, normed output fed back across TTT steps); eagle3.1 swaps the one norm for
+    EAGLE-3.1's per-layer fc_norm. Both take the target's layer type. dflash takes Qwen3 layers (the only
+    DFlash layer vLLM has) shaped like the target, a block of `block_size`. Every draft layer has full
+    attention. `attn_impl` (sdpa, flex_attention, eager) is the resolved `train.attn_impl` (auto means sdpa
+    here).
     """
     from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
+    head = train.head
+    model_cls, config_cls = speculators_kind(head.kind)
     tc = text_config(hf_config)
-    layer_cfg = draft_layer_config(train, target, target_path, hf_config)
+    layer_cfg = draft_layer_config(train, target, target_path, hf_config, dflash=head.kind == "dflash")
     impl = attn_impl or (train.attn_impl if train.attn_impl != "auto" else "sdpa")
     layer_cfg._attn_implementation = "simple_flex_attention" if impl == "flex_attention" else impl
     k = int(d2t.shape[0])
-    config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer_cfg, draft_vocab_size=k, norm_before_residual=True, norm_before_fc=True,
-        norm_output=True, eagle_aux_hidden_state_layer_ids=list(layer_ids[:-1]),
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", default_proposal_method="greedy",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=train.ttt_steps)],
-            verifier=VerifierConfig(name_or_path=target_path, architectures=list(hf_config.architectures or []))))
+    verifier = VerifierConfig(name_or_path=target_path, architectures=list(hf_config.architectures or []))
+    if head.kind == "dflash":
+        s = head.dflash_settings()
+        config = config_cls(
+            transformer_layer_config=layer_cfg, draft_vocab_size=k, block_size=s["block_size"],
+            aux_hidden_state_layer_ids=list(layer_ids[:-1]),
+            mask_token_id=dflash_mask_token(head, target_path, int(tc.vocab_size), target.trust_remote_code),
+            # speculators trains full-attention layers bidirectionally inside a block whatever this says; vLLM
+            # reads it as the block's causality (causal = not it), so true makes vLLM decode what was trained
+            sliding_window_non_causal=True, sample_from_anchor=False,
+            speculators_config=SpeculatorsConfig(
+                algorithm="dflash", default_proposal_method="greedy",
+                proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=s["block_size"] - 1)],
+                verifier=verifier))
+    else:
+        norms = {"fc_norm": True} if head.kind == "eagle3.1" else {"norm_before_fc": True}
+        config = config_cls(
+            transformer_layer_config=layer_cfg, draft_vocab_size=k, norm_before_residual=True, norm_output=True,
+            eagle_aux_hidden_state_layer_ids=list(layer_ids[:-1]), **norms,
+            speculators_config=SpeculatorsConfig(
+                algorithm="eagle3", default_proposal_method="greedy",
+                proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=train.ttt_steps)],
+                verifier=verifier))
     torch.manual_seed(train.seed)
-    model = Eagle3DraftModel(config)
+    model = model_cls(config)
     if k != int(t2d.shape[0]):
         model.load_vocab_mappings(t2d, d2t)
 
@@ -158,7 +218,7 @@ def flops_per_token(model: Any, ttt_steps: int) -> float:
     """Training FLOPs per token (estimate; matmuls only, attention scores left out):
     fc once (fwd+bwd: 6 per weight), the decoder layers per TTT step (6 per weight),
     the frozen draft lm_head per step (fwd + input-grad: 4*H*K), the verifier head once (2*H*K)."""
-    hk = model.hidden_size * model.draft_vocab_size
+    hk = int(model.lm_head.weight.numel())  # hidden x draft vocabulary
     fc = sum(p.numel() for p in model.fc.parameters())
     layers = sum(p.numel() for p in model.layers.parameters())
     return 6.0 * fc + ttt_steps * (6.0 * layers + 4.0 * hk) + 2.0 * hk

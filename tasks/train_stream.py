@@ -55,10 +55,14 @@ class PartReader:
     """Reads parts from the store: a sha256-verified local copy, then `tasks.parts.load_part`
     (bf16 whatever the storage dtype). Thread-safe; used by the loader thread."""
 
-    def __init__(self, artifacts: dict[str, Artifact], layer_ids: list[int], hidden_size: int):
+    def __init__(self, artifacts: dict[str, Artifact], layer_ids: list[int], hidden_size: int,
+                 keep: list[int] | None = None):
+        """`layer_ids`: what the parts hold; `keep`: the ids a head reads (its auxiliary layers, then the
+        last one), a subset in order; default all of them."""
         self.artifacts = artifacts
         self.layer_ids = list(layer_ids)
         self.hidden_size = hidden_size
+        self.slots = None if keep is None or list(keep) == self.layer_ids else [self.layer_ids.index(i) for i in keep]
         self.verified: set[tuple[str, str]] = set()  # sha256 checked once per process, sizes every read
 
     def __call__(self, spec: PartSpec) -> PartData:
@@ -87,6 +91,8 @@ class PartReader:
             raise TrainError(f"{where}: offsets do not split its {n_t} tokens into samples; the part is corrupt")
         if spec.holdout > len(offsets) - 1:
             raise TrainError(f"{where}: {spec.holdout} held-out samples but the part has only {len(offsets) - 1}")
+        if self.slots is not None:
+            hs = hs[:, self.slots].contiguous()
         return PartData(spec=spec, hidden=hs, input_ids=raw["input_ids"].to(torch.int64),
                         loss_mask=raw["loss_mask"].to(torch.bool), offsets=offsets)
 

@@ -1,0 +1,169 @@
+"""Draft heads beyond EAGLE-3 (train.heads): their addresses, and EAGLE-3.1 and DFlash trained from the
+same stored hidden states and exported in the format vLLM loads.
+
+The whole chain (one `draftline run`, every head measured in vLLM's CPU build, one table) is in
+tests/test_e2e.py; these are the fast parts, on the 4-layer random target of tests/test_train.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from tasks import digest as digests
+from tasks.config import ConfigError, HeadConfig, RunConfig, head_config, load_config
+from tasks.store import Store
+from tasks.train import TrainError, head_layer_ids, run_train
+from tasks.train_model import speculators_kind
+from train_data import generate_samples, make_tiny_target, write_extract, write_vocab
+
+LAYER_IDS = [1, 2, 3, 4]
+
+
+class Ref:
+    def __init__(self, d, shard=0):
+        self.digest, self.stats = d, {"shard": shard}
+
+
+V, SHARDS = Ref("v"), [Ref("s0", 0), Ref("s1", 1)]
+
+
+def heads(*items: str) -> RunConfig:
+    return load_config(None, [f"train.heads=[{', '.join(items)}]"])
+
+
+# ============================================================================ addresses
+
+
+def test_the_default_head_keeps_the_address_drafts_were_stored_at():
+    """A config without train.heads, one naming the default head, and one giving it a label train the
+    same draft at the same address (tests/test_caching.py pins that address against stored artifacts)."""
+    plain = digests.train(RunConfig(), V, SHARDS)
+    assert digests.train(heads("{kind: eagle3}"), V, SHARDS) == plain
+    assert digests.train(heads("{kind: eagle3, name: main}"), V, SHARDS) == plain
+    cfg = heads("{kind: eagle3}", "{kind: eagle3.1}", "{kind: dflash}")
+    assert digests.train(cfg, V, SHARDS, cfg.train.heads[0]) == plain
+    # benchmark: one head as before; several heads give it another address
+    assert digests.benchmark(RunConfig(), Ref("t"), Ref("d")) == digests.benchmark(
+        RunConfig(), [("eagle3", Ref("t"))], Ref("d"))
+    assert digests.benchmark(cfg, [("eagle3", Ref("t")), ("dflash", Ref("x"))], Ref("d")) != digests.benchmark(
+        cfg, Ref("t"), Ref("d"))
+
+
+def test_each_head_gets_its_own_address_and_equal_recipes_share_one():
+    cfg = heads("{kind: eagle3}", "{kind: eagle3.1}", "{kind: dflash}", "{kind: dflash, name: d4, block_size: 4}",
+                "{kind: eagle3, name: short, max_steps: 20}")
+    addr = [digests.train(cfg, V, SHARDS, h) for h in cfg.train.heads]
+    assert len(set(addr)) == len(addr), addr
+    # a per-head override is the train key it replaces; DFlash's defaults written out are the defaults
+    assert addr[4] == digests.train(load_config(None, ["train.max_steps=20"]), V, SHARDS)
+    assert addr[2] == digests.train(heads("{kind: dflash, block_size: 8, max_anchors: 512}"), V, SHARDS)
+    # the per-head config a train task (and its ranks) gets has that one head
+    one = head_config(cfg, cfg.train.heads[3])
+    assert one.train.heads == [cfg.train.heads[3]] and digests.train(one, V, SHARDS) == addr[3]
+    with pytest.raises(ValueError, match="3 heads"):
+        digests.train(heads("{kind: eagle3}", "{kind: eagle3.1}", "{kind: dflash}"), V, SHARDS)
+
+
+def test_bad_heads_are_config_errors_that_say_what_to_do():
+    with pytest.raises(ConfigError, match=r"train.heads.0.kind: Input should be 'eagle3', 'eagle3.1' or 'dflash'"):
+        heads("{kind: medusa}")
+    with pytest.raises(ConfigError, match="head labels must be unique"):
+        heads("{kind: dflash}", "{kind: dflash}")
+    with pytest.raises(ConfigError, match="block_size apply to dflash heads only"):
+        heads("{kind: eagle3.1, block_size: 4}")
+    with pytest.raises(ConfigError, match="at least one head"):
+        load_config(None, ["train.heads=[]"])
+    with pytest.raises(ConfigError, match="distinct ascending"):
+        heads("{kind: dflash, layer_ids: [9, 3]}")
+
+
+def test_a_speculators_without_the_kind_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "speculators.models.dflash", None)  # import fails as if it were not there
+    with pytest.raises(TrainError, match=r"asks for a dflash head, but the installed speculators .* has no "
+                                         r"speculators.models.dflash.DFlashDraftModel"):
+        speculators_kind("dflash")
+
+
+# ============================================================================ training and export
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("tiny-heads")
+    path = make_tiny_target(root / "target")
+    store = Store(f"file://{root}/store")
+    samples = generate_samples(path, 12, prompt_len=6, new_tokens=26)
+    refs = write_extract(store, path, samples, LAYER_IDS)
+    yield SimpleNamespace(path=path, store=store, samples=samples, vref=write_vocab(store, samples, 256, 128),
+                          refs=refs)
+    torch.set_num_threads(before)
+
+
+def head_cfg(tiny, head: dict, **train) -> RunConfig:
+    section = {"max_steps": 3, "batch_tokens": 128, "warmup_steps": 1, "lr": 3e-3, "eval_batches": 1,
+               "heads": [head], **train}
+    return RunConfig.model_validate({"target": {"model": tiny.path}, "extract": {"layer_ids": LAYER_IDS},
+                                     "train": section})
+
+
+def exported(tiny, ref) -> tuple[dict, dict]:
+    art = tiny.store.open("train", ref.digest)
+    return json.loads(art.read_bytes("draft/config.json")), st_load(art.read_bytes("draft/model.safetensors"))
+
+
+def test_eagle31_head_trains_with_per_layer_fc_norms(tiny):
+    ref = run_train(head_cfg(tiny, {"kind": "eagle3.1"}), tiny.store, tiny.vref, tiny.refs)
+    conf, weights = exported(tiny, ref)
+    assert conf["speculators_model_type"] == "eagle3"
+    assert (conf["fc_norm"], conf["norm_before_fc"], conf["norm_output"]) == (True, False, True)
+    assert any(k.startswith("fc_norm") for k in weights), sorted(weights)
+    assert ref.stats["kind"] == "eagle3.1" and ref.stats["head"] == "eagle3.1"
+    default = run_train(head_cfg(tiny, {"kind": "eagle3"}), tiny.store, tiny.vref, tiny.refs)
+    assert default.digest != ref.digest
+    conf3, _ = exported(tiny, default)
+    assert (conf3["fc_norm"], conf3["norm_before_fc"], conf3["norm_output"]) == (False, True, True)
+
+
+def test_dflash_head_trains_from_the_same_hidden_states_and_exports_what_vllm_reads(tiny):
+    events: list[dict] = []
+    ref = run_train(head_cfg(tiny, {"kind": "dflash", "block_size": 4, "max_anchors": 16, "mask_token_id": 0}),
+                    tiny.store, tiny.vref, tiny.refs, on_metrics=events.append)
+    conf, weights = exported(tiny, ref)
+    # what vLLM's speculators loader (update_dflash) reads: the layers, the mask token, the block's causality
+    assert conf["speculators_model_type"] == "dflash" and conf["architectures"] == ["DFlashDraftModel"]
+    assert conf["aux_hidden_state_layer_ids"] == LAYER_IDS[:-1]
+    assert (conf["block_size"], conf["mask_token_id"], conf["sample_from_anchor"]) == (4, 0, False)
+    assert conf["sliding_window_non_causal"] is True  # vLLM decodes the block bidirectionally, as trained
+    assert conf["transformer_layer_config"]["model_type"] == "qwen3"
+    assert conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert weights["fc.weight"].shape == (64, 3 * 64) and "embed_tokens.weight" not in weights
+    steps = [e for e in events if e["kind"] == "train"]
+    assert len(steps) == 3 and all(len(e["acc_per_pos"]) == 3 and "expected_acceptance_length" in e for e in steps)
+    st = ref.stats
+    assert st["kind"] == "dflash" and len(st["val_acc_per_pos"]) == 3 and st["simulated_acceptance_length"] >= 1
+
+
+def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_for_the_rest(tiny):
+    ref = run_train(head_cfg(tiny, {"kind": "dflash", "name": "two", "block_size": 3, "max_anchors": 8,
+                                    "mask_token_id": 0, "layer_ids": [1, 3]}, max_steps=1, eval_batches=0),
+                    tiny.store, tiny.vref, tiny.refs)
+    conf, weights = exported(tiny, ref)
+    assert conf["aux_hidden_state_layer_ids"] == [1, 3] and weights["fc.weight"].shape == (64, 2 * 64)
+    # a head reading layers the extraction does not hold is told which extract.layer_ids to set
+    cfg = head_cfg(tiny, {"kind": "eagle3.1", "layer_ids": [2, 3]})
+    with pytest.raises(TrainError, match=r"eagle3.1 reads target layers \[2, 3\], but the stored hidden states hold "
+                                         r"\[1, 3, 20\] .*\[2\] are not there. Set extract.layer_ids: "
+                                         r"\[1, 2, 3, 20, 30\]"):
+        head_layer_ids(cfg, [1, 3, 20, 30])
+    assert head_layer_ids(cfg, [2, 3, 20, 30]) == [2, 3, 30]
+    cfg.train.heads = [HeadConfig(kind="eagle3.1", layer_ids=[1, 4])]
+    with pytest.raises(TrainError, match="4 is this target's last layer"):
+        head_layer_ids(cfg, LAYER_IDS)
