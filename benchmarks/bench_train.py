@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -245,9 +246,15 @@ def speculators_dataset(folder: Path, store: Store, inputs, held_ids: set[str]) 
 
 
 def run_speculators(cfg: RunConfig, store: Store, inputs, held_ids: set[str], eval_batches, workers: int,
-                    device: str, attn: str | None = None) -> dict:
+                    device: str, attn: str | None = None, *, bf16_cpu: bool = False,
+                    after_step: Callable[[Any, Any], bool] | None = None, keep_model: bool = False) -> dict:
     """speculators' Trainer on our data and config; `attn` (sdpa / flex_attention) overrides
-    `train.attn_impl`, whose auto means flex_attention on a GPU and sdpa on a CPU here."""
+    `train.attn_impl`, whose auto means flex_attention on a GPU and sdpa on a CPU here.
+
+    bf16_cpu: on a CPU, their Trainer's own autocast (`hidden_states_dtype`, on `device_type`) in bf16,
+    as ours trains with `train.precision: auto` on a bf16 CPU (a third patch: `device_type` "cpu").
+    after_step(trainer, model) runs after every step; True stops training there (a budget).
+    keep_model: the trained model is returned as out["_model"] (for export)."""
     import speculators.train.trainer as sp_trainer
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel
@@ -266,7 +273,7 @@ def run_speculators(cfg: RunConfig, store: Store, inputs, held_ids: set[str], ev
                                                     full_attention_indices=[])
         attn = attn or (t.attn_impl if t.attn_impl != "auto" else "flex_attention" if device == "cuda" else "sdpa")
         attn = "simple_flex_attention" if attn == "flex_attention" else attn
-        hs_dtype = torch.bfloat16 if device == "cuda" else torch.float32  # CPU: fp32 math, as ours
+        hs_dtype = torch.bfloat16 if device == "cuda" or bf16_cpu else torch.float32  # CPU: fp32 math, as ours
         torch.manual_seed(t.seed)
         model = Eagle3DraftModel.from_training_args(
             verifier_config=layer_cfg, t2d=inputs.t2d, d2t=inputs.d2t, verifier_name_or_path=target,
@@ -290,6 +297,8 @@ def run_speculators(cfg: RunConfig, store: Store, inputs, held_ids: set[str], ev
             sp_trainer.get_local_rank = lambda: "cpu"
             torch.accelerator.synchronize = lambda *a, **k: None
         trainer = sp_trainer.Trainer(model, config, train_loader, val_loader)
+        if device == "cpu" and bf16_cpu:
+            trainer.device_type = "cpu"  # their autocast(device_type, hidden_states_dtype) on a CPU
 
         tokens: list[int] = []
         stamps: list[float] = []
@@ -298,19 +307,36 @@ def run_speculators(cfg: RunConfig, store: Store, inputs, held_ids: set[str], ev
         epoch = 0
         t0 = time.perf_counter()
         stamps.append(t0)
-        while trainer.global_step < t.max_steps:
-            trainer.train_epoch(epoch, step_callback=lambda: stamps.append(time.perf_counter()))
-            epoch += 1
+        stopped = []
+
+        def step_done() -> None:
+            stamps.append(time.perf_counter())
+            if after_step is not None and after_step(trainer, model):
+                stopped.append(trainer.global_step)
+                raise _Stop
+
+        with contextlib.suppress(_Stop):
+            while trainer.global_step < t.max_steps:
+                trainer.train_epoch(epoch, step_callback=step_done)
+                epoch += 1
         wall = time.perf_counter() - t0
     step_s = [b - a for a, b in zip(stamps, stamps[1:])]
     per_step = [n / s for n, s in zip(tokens, step_s)]
     timed = slice(2, None) if len(per_step) > 2 else slice(None)
     out = {"attn_impl": attn, "tokens_per_s": statistics.median(per_step[timed]),
            "mean_tokens_per_s": sum(tokens[timed]) / sum(step_s[timed]), "steps": trainer.global_step,
-           "wall_s": round(wall, 1), "tokens_per_step": statistics.mean(tokens), "epochs": epoch}
+           "wall_s": round(wall, 1), "tokens_per_step": statistics.mean(tokens), "epochs": epoch,
+           "stopped_by_hook": bool(stopped)}
     dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-    out.update(evaluate_model(model, eval_batches, dev, kwargs, autocast(device)))
+    cast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if device == "cpu" and bf16_cpu else autocast(device)
+    out.update(evaluate_model(model, eval_batches, dev, kwargs, cast))
+    if keep_model:
+        out["_model"] = model
     return out
+
+
+class _Stop(Exception):
+    """Raised from the step callback to end speculators' epoch loop (run_speculators' after_step)."""
 
 
 def autocast(device: str):

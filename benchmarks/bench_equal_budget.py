@@ -1,0 +1,385 @@
+"""Acceptance at an equal training budget: our train stage vs speculators' Trainer, measured in vLLM.
+
+    .venv/bin/python benchmarks/bench_equal_budget.py                       # ours vs theirs, 10 CPU-min each, k 1-3
+    .venv/bin/python benchmarks/bench_equal_budget.py --name curve --sides ours --budget-cpu-min 24 \\
+        --exports 3,6,10,16,24 --ks 3                                      # MT-Bench acceptance against training time
+    .venv/bin/python benchmarks/bench_equal_budget.py --name lr3e-3 --sides ours --set train.lr=3e-3 --ks 3
+    .venv/bin/python benchmarks/bench_equal_budget.py --name X --measure-only   # measure drafts/ of an earlier run
+
+Data: `draftline run configs/demo.yaml --until extract` (plus any --set) on a store of its own,
+`--work`/store (default out/equal-budget/store, git-ignored), so prepare, regenerate, vocab and
+extract are computed once and shared by every run here, and the user's .draftline is untouched.
+Both trainers read the same stored hidden states (theirs after bench_train.speculators_dataset
+rewrites our parts in their layout, held-out rows kept out of their training split).
+
+The budget is process CPU time, not wall time: the machine this was written on (2 cores) was shared
+with other jobs, and CPU seconds are what a job gets of a core whatever the load. Wall time is
+recorded beside it. Both sides run in this one process, one after the other, with torch's default
+threads (2 on 2 cores) and the same precision (bf16 autocast on a bf16 CPU: ours via
+`train.precision: auto`, theirs via their own autocast, see bench_train.run_speculators' bf16_cpu).
+
+- ours: tasks.train.Trainer, unchanged, with `train.max_minutes` = the budget and its clock
+  (tasks.train's `time.perf_counter`) replaced by this process's CPU clock, so the budget stop and the
+  lr annealing by the clock both follow CPU time. `--exports M,...` also writes a snapshot draft when the
+  clock passes M minutes (the lr is annealed to the full budget, so a snapshot is a lower bound on a run
+  annealed to M minutes); the snapshot's export and held-out eval are not counted in the clock.
+- theirs: speculators' Trainer (bench_train.run_speculators: their data format, dataset, collate,
+  multipack sampler, AdamW, warm-up + cosine schedule by steps). Their schedule needs a step count, so a
+  6-step calibration run measures their CPU seconds per step and the real run gets
+  floor(budget / that) steps, stopping early if the budget runs out first.
+
+Every draft is exported with tasks.train.export_draft (speculators' format, what vLLM loads) into
+`--work`/NAME/drafts/, then measured with the benchmark stage's own code (tasks.benchmark:
+load_eval_prompts, engine_kwargs, measure, acceptance_figures) in vLLM: one engine per draft and k, plus
+a baseline engine for tokens/s, on `--mtbench` MT-Bench first turns and `--heldout` held-out prompts of
+the training data, at batch `--batch`, `--max-tokens` new tokens, temperature 0. Engines run per k,
+ours then theirs, so both meet the same load. Results: `--work`/NAME/results.json and a markdown table
+printed and written to `--work`/NAME/table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
+
+import torch  # noqa: E402
+
+import tasks.train as train_mod  # noqa: E402
+from bench_train import clear_checkpoints, free_memory, run_speculators  # noqa: E402
+from tasks import digest as digests  # noqa: E402
+from tasks.config import EvalConfig, RunConfig, load_config  # noqa: E402
+from tasks.store import Store  # noqa: E402
+from tasks.train import DistEnv, Trainer, export_draft, resolve_inputs  # noqa: E402
+
+
+class CpuClock:
+    """This process's CPU seconds, minus the spans `paused()` leaves out (snapshot exports)."""
+
+    def __init__(self) -> None:
+        self.excluded = 0.0
+
+    def __call__(self) -> float:
+        return time.process_time() - self.excluded
+
+    def paused(self):
+        clock = self
+
+        class _Pause:
+            def __enter__(self):
+                self.t0 = time.process_time()
+
+            def __exit__(self, *exc):
+                clock.excluded += time.process_time() - self.t0
+
+        return _Pause()
+
+
+def stage_digest(summary: dict, stage: str) -> str:
+    return summary["stages"][stage]["artifact"].rstrip("/").rsplit("/", 1)[-1]
+
+
+def prepare(config: str, sets: list[str], work: Path) -> tuple[RunConfig, Store, object, object, list]:
+    """The data stages through the pipeline (cached on `work`/store), then their refs."""
+    sets = [f"store.uri=file://{work / 'store'}", *sets]
+    cmd = [sys.executable, "-m", "flows.cli", "run", config, "--until", "extract", "--json"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PYTHONPATH": str(REPO)}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"draftline run --until extract failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    status = ", ".join(f"{k} {v['status']}" for k, v in summary["stages"].items())
+    print(f"data stages: {status} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    cfg = load_config(config, sets)
+    store = Store.from_config(cfg.store)
+    data_stage = "regenerate" if cfg.regenerate.enabled else "prepare"
+    data = store.open(data_stage, stage_digest(summary, data_stage)).ref()
+    vocab = store.open("vocab", stage_digest(summary, "vocab")).ref()
+    layer_ids = store.open("extract", next(m.digest for m in store.list("extract")
+                                           if m.inputs.get("data") == data.digest)).ref().stats["layer_ids"]
+    shards = [store.open("extract", digests.extract_shard(cfg, layer_ids, data.digest, i)).ref()
+              for i in range(cfg.data.num_shards)]
+    return cfg, store, data, vocab, shards
+
+
+def with_train(cfg: RunConfig, **update) -> RunConfig:
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update=update)})
+
+
+def heldout(trainer: Trainer) -> set[str]:
+    """Sample ids of our held-out rows (the tail of the last part), which theirs must not train on."""
+    from tasks.parts import load_part
+
+    spec = trainer.parts[-1]
+    with trainer.inp.artifacts[spec.digest].local_copy(spec.name) as path:
+        ids = load_part(path)["sample_ids"]
+    return set(ids[len(ids) - spec.holdout:])
+
+
+def train_ours(cfg: RunConfig, store: Store, vocab, shards, budget_min: float, exports: list[float],
+               drafts: Path, name: str) -> tuple[list[dict], Trainer]:
+    """Our Trainer on a CPU-time budget; a draft per export point (the budget itself included)."""
+    cfg = with_train(cfg, max_minutes=budget_min, checkpoint_every=10**6)
+    inputs = resolve_inputs(cfg, store, vocab, shards)
+    clear_checkpoints(store, inputs.digest, cfg.train.max_steps)  # a stale checkpoint would be resumed
+    free_memory()
+    clock = CpuClock()
+    train_mod.time = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    train_mod.time.perf_counter = clock
+    points = sorted(set([m for m in exports if m < budget_min]))
+    out: list[dict] = []
+    holder: dict = {}
+    def snapshot(minutes: float, rec: dict) -> None:
+        w0 = time.perf_counter()
+        with clock.paused():
+            trainer = holder["trainer"]
+            folder = drafts / f"{name}-{minutes:g}min"
+            folder.mkdir(parents=True, exist_ok=True)
+            export_draft(trainer.model, str(folder), cfg.target.dtype)
+            ev = trainer.evaluate()
+            out.append({"draft": folder.name, "side": "ours", "budget_cpu_min": minutes, "steps": rec["step"],
+                        "cpu_s": round(rec["elapsed_s"], 1), "wall_s": round(rec["wall_s"], 1),
+                        "tokens": sum(h["tokens"] for h in steps), "lr_at_snapshot": rec["lr"], **ev})
+            print(f"ours snapshot {folder.name}: step {rec['step']}, {rec['elapsed_s']:.0f} CPU-s, "
+                  f"{rec['wall_s']:.0f} wall-s, sim AL {ev.get('simulated_acceptance_length')}", flush=True)
+        paused_wall[0] += time.perf_counter() - w0
+
+    steps: list[dict] = []
+    paused_wall = [0.0]
+
+    def on_metrics(rec: dict) -> None:
+        if rec.get("kind") == "start":
+            wall0 = time.perf_counter()
+            holder["wall0"] = wall0
+        if rec.get("kind") != "train":
+            return
+        rec["wall_s"] = time.perf_counter() - holder["wall0"] - paused_wall[0]  # training only
+        steps.append(rec)
+        while points and rec["elapsed_s"] >= points[0] * 60:
+            snapshot(points.pop(0), rec)
+
+    try:
+        trainer = Trainer(cfg, store, inputs, DistEnv.from_env(cfg.train), on_metrics)
+        holder["trainer"] = trainer
+        state = trainer.fit()
+    finally:
+        train_mod.time = time
+    snapshot(budget_min, {**steps[-1], "elapsed_s": state.train_seconds})
+    cpu_frac = state.train_seconds / steps[-1]["wall_s"]
+    out[-1].update({"stopped_reason": state.stopped_reason, "precision": trainer.precision,
+                    "attn_impl": trainer.attn_impl,
+                    "cpu_s_per_step_median": statistics.median(r["step_s"] for r in steps[2:] or steps),
+                    "cpu_tokens_per_s": round(state.tokens_seen / state.train_seconds, 1),
+                    "wall_tokens_per_s": round(state.tokens_seen / steps[-1]["wall_s"], 1),
+                    "cores_busy": round(cpu_frac, 2)})
+    return out, trainer
+
+
+def train_theirs(cfg: RunConfig, store: Store, vocab, shards, budget_min: float, trainer: Trainer,
+                 drafts: Path, name: str, bf16_cpu: bool) -> list[dict]:
+    """speculators' Trainer: a 6-step calibration of CPU s/step, then floor(budget / that) steps."""
+    inputs = resolve_inputs(cfg, store, vocab, shards)
+    held, eval_set = heldout(trainer), trainer.eval
+    cpu: list[float] = []
+    last = [0.0]
+
+    def per_step(_trainer, _model) -> bool:
+        now = time.process_time()
+        cpu.append(now - last[0])
+        last[0] = now
+        return False
+
+    free_memory()
+    last[0] = time.process_time()
+    cal = with_train(cfg, max_steps=6)
+    run_speculators(cal, store, inputs, held, eval_set, 0, "cpu", bf16_cpu=bf16_cpu, after_step=per_step)
+    # the first step also timed building their dataset (speculators_dataset), the second warms up
+    s_per_step = statistics.median(cpu[2:])
+    n = max(1, int(budget_min * 60 / s_per_step))
+    print(f"speculators calibration: {s_per_step:.2f} CPU-s/step -> {n} steps in {budget_min:g} CPU-min",
+          flush=True)
+    free_memory()
+    run_cfg = with_train(cfg, max_steps=n)
+    first: list[float] = []
+
+    def budget(_trainer, _model) -> bool:
+        # counted from the first step on (their data conversion before it is not), the first step
+        # credited with the calibrated cost
+        if not first:
+            first.append(time.process_time() - s_per_step)
+        return time.process_time() - first[0] >= budget_min * 60
+
+    res = run_speculators(run_cfg, store, inputs, held, eval_set, 0, "cpu", bf16_cpu=bf16_cpu,
+                          after_step=budget, keep_model=True)
+    cpu_s, wall = time.process_time() - first[0], res["wall_s"]  # their loop only (bench_train's wall_s)
+    model = res.pop("_model")
+    folder = drafts / f"{name}-theirs"
+    folder.mkdir(parents=True, exist_ok=True)
+    export_draft(model, str(folder), cfg.target.dtype)
+    del model
+    free_memory()
+    out = {"draft": folder.name, "side": "theirs", "budget_cpu_min": budget_min, "planned_steps": n,
+           "calibration_cpu_s_per_step": round(s_per_step, 3), "cpu_s": round(cpu_s, 1),
+           "wall_s": round(wall, 1), "cores_busy": round(cpu_s / wall, 2), "bf16_autocast": bf16_cpu, **res}
+    print(f"theirs: {res['steps']} steps, {cpu_s:.0f} CPU-s, sim AL "
+          f"{res.get('simulated_acceptance_length')}", flush=True)
+    return [out]
+
+
+def measure(cfg: RunConfig, store: Store, data, drafts: list[str], folder: Path, ks: list[int], n_mtbench: int,
+            n_heldout: int, batch: int, max_tokens: int, baseline: bool) -> dict:
+    """Each draft at each k in vLLM (the benchmark stage's code), plus the baseline for tokens/s."""
+    from tasks.benchmark import (acceptance_figures, default_engine_factory, engine_kwargs, load_eval_prompts,
+                                 measure as measure_run)
+    from tasks.chat import make_masker
+    from tasks.target import resolve_model
+
+    evals = [EvalConfig(name="mtbench", source={"preset": "mtbench"}, num_prompts=n_mtbench),
+             EvalConfig(name="heldout", source="heldout", num_prompts=n_heldout)]
+    masker = make_masker(cfg, template_kwargs={"enable_thinking": bool(cfg.regenerate.thinking)}
+                         if cfg.regenerate.enabled else None)
+    prompts = {ev.name: load_eval_prompts(cfg, store, data, ev, masker.prompt_ids).prompts for ev in evals}
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "seed": cfg.data.seed}
+    model = resolve_model(cfg.target)
+    factory = default_engine_factory(cfg, model)
+    results: dict = {"prompts": {k: len(v) for k, v in prompts.items()}, "batch": batch, "max_tokens": max_tokens,
+                     "runs": []}
+
+    def serve(name: str, kwargs: dict, k: int | None, draft: str | None) -> None:
+        engine = factory(name, kwargs)
+        t0 = time.perf_counter()
+        try:
+            engine.start()
+            start_s = time.perf_counter() - t0
+            engine.generate([prompts["mtbench"][0]], {"max_tokens": 8, "temperature": 0.0})
+            for ev, ps in prompts.items():
+                run = measure_run(engine, ps, sampling, batch)
+                row = {"draft": draft, "k": k, "eval": ev, **run.throughput(), "engine_start_s": round(start_s, 1),
+                       "load_avg_1m": round(os.getloadavg()[0], 2), "outputs": run.outputs}
+                if k is not None:
+                    row.update(acceptance_figures(run.spec, k))
+                    print(f"  {draft} k={k} {ev}: AL {row['mean_acceptance_length']:.3f} "
+                          f"({row['accepted_tokens']}/{row['drafts']}), {row['output_tokens_per_s']:.1f} tok/s",
+                          flush=True)
+                else:
+                    print(f"  baseline {ev}: {row['output_tokens_per_s']:.1f} tok/s", flush=True)
+                results["runs"].append(row)
+        finally:
+            engine.close()
+
+    if baseline:
+        serve("baseline", engine_kwargs(cfg, None, model), None, None)
+    for k in ks:
+        for d in drafts:
+            spec = {"method": "eagle3", "model": str(folder / d), "num_speculative_tokens": k}
+            serve(f"eagle3-{d}-k{k}", engine_kwargs(cfg, spec, model), k, d)
+    return results
+
+
+def table(trained: list[dict], measured: dict) -> str:
+    runs = measured["runs"]
+    base = {r["eval"]: r["output_tokens_per_s"] for r in runs if r["k"] is None}
+    n = measured["prompts"]
+    lines = [f"| draft | steps | CPU s | wall s | sim. AL (k=3) | k | MT-Bench AL ({n['mtbench']} prompts) | "
+             f"held-out AL ({n['heldout']}) | MT-Bench tok/s b{measured['batch']} | held-out tok/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    info = {t["draft"]: t for t in trained}
+    for r in runs:
+        if r["k"] is None or r["eval"] != "mtbench":
+            continue
+        h = next(x for x in runs if x["draft"] == r["draft"] and x["k"] == r["k"] and x["eval"] == "heldout")
+        t = info.get(r["draft"], {})
+        lines.append(f"| {r['draft']} | {t.get('steps', '')} | {t.get('cpu_s', '')} | {t.get('wall_s', '')} | "
+                     f"{t.get('simulated_acceptance_length', '')} | {r['k']} | {r['mean_acceptance_length']:.3f} | "
+                     f"{h['mean_acceptance_length']:.3f} | {r['output_tokens_per_s']:.1f} | "
+                     f"{h['output_tokens_per_s']:.1f} |")
+    if base:
+        lines.append(f"\nbaseline tok/s at batch {measured['batch']}: MT-Bench {base.get('mtbench', 0):.1f}, "
+                     f"held-out {base.get('heldout', 0):.1f}")
+    sides = {t["side"]: t["draft"] for t in trained if t.get("side") == "theirs"}
+    if "theirs" in sides:
+        theirs = sides["theirs"]
+        ours = [t["draft"] for t in trained if t["side"] == "ours"][-1]
+        lines.append("\n| k | eval | ours AL | theirs AL | ours / theirs |\n|---:|---|---:|---:|---:|")
+        for r in runs:
+            if r["draft"] == ours:
+                o = next(x for x in runs if x["draft"] == theirs and x["k"] == r["k"] and x["eval"] == r["eval"])
+                lines.append(f"| {r['k']} | {r['eval']} | {r['mean_acceptance_length']:.3f} | "
+                             f"{o['mean_acceptance_length']:.3f} | "
+                             f"{r['mean_acceptance_length'] / o['mean_acceptance_length']:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/demo.yaml")
+    ap.add_argument("--set", action="append", default=[], dest="sets", help="config override (repeatable)")
+    ap.add_argument("--name", default="equal")
+    ap.add_argument("--work", default=str(REPO / "out" / "equal-budget"))
+    ap.add_argument("--sides", default="ours,theirs")
+    ap.add_argument("--budget-cpu-min", type=float, default=10.0, help="training budget, process CPU minutes")
+    ap.add_argument("--exports", default="", help="ours: also export drafts at these CPU minutes")
+    ap.add_argument("--their-precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--ks", default="1,2,3")
+    ap.add_argument("--mtbench", type=int, default=80)
+    ap.add_argument("--heldout", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--measure-only", action="store_true", help="measure the drafts of an earlier run of --name")
+    args = ap.parse_args()
+    work = Path(args.work).resolve()
+    run_dir = work / args.name
+    drafts = run_dir / "drafts"
+    drafts.mkdir(parents=True, exist_ok=True)
+    cfg, store, data, vocab, shards = prepare(args.config, args.sets, work)
+    sides = args.sides.split(",")
+    result_path = run_dir / "results.json"
+    results = json.loads(result_path.read_text()) if args.measure_only else {
+        "argv": sys.argv, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "train_digest_inputs": {"vocab": vocab.digest,
+                                                                           "data": data.digest},
+        "trained": []}
+    if not args.measure_only:
+        exports = [float(x) for x in args.exports.split(",") if x]
+        trainer = None
+        if "ours" in sides:
+            rows, trainer = train_ours(cfg, store, vocab, shards, args.budget_cpu_min, exports, drafts,
+                                       f"{args.name}-ours")
+            results["trained"] += rows
+            result_path.write_text(json.dumps(results, indent=2, default=str))
+        if "theirs" in sides:
+            if trainer is None:
+                trainer = Trainer(cfg, store, resolve_inputs(cfg, store, vocab, shards), DistEnv.from_env(cfg.train))
+            results["trained"] += train_theirs(cfg, store, vocab, shards, args.budget_cpu_min, trainer, drafts,
+                                               args.name, args.their_precision == "bf16")
+            result_path.write_text(json.dumps(results, indent=2, default=str))
+        del trainer
+        free_memory()
+    names = [t["draft"] for t in results["trained"]]
+    t0 = time.perf_counter()
+    results["measured"] = measure(cfg, store, data, names, drafts, [int(k) for k in args.ks.split(",")],
+                                  args.mtbench, args.heldout, args.batch, args.max_tokens, not args.no_baseline)
+    results["measure_wall_s"] = round(time.perf_counter() - t0, 1)
+    result_path.write_text(json.dumps(results, indent=2, default=str))
+    md = table(results["trained"], results["measured"])
+    (run_dir / "table.md").write_text(md + "\n")
+    print("\n" + md)
+
+
+if __name__ == "__main__":
+    main()
