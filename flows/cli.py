@@ -19,29 +19,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftline")
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from flows import deploy, doctor, plan, runs
+from flows.console import SetOpt, console, err, fail
 from tasks.config import STAGES, ConfigError, check_until, dump_config, load_config
 
 app = typer.Typer(help="Train EAGLE-3 draft heads for vLLM targets, as a resumable Prefect pipeline.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
-console = Console()
-err = Console(stderr=True)
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {msg}")
-    raise typer.Exit(code)
 
 
 def _load(config: Optional[Path], overrides: list[str]):
     try:
         return load_config(config, overrides)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 def _store(cfg):
@@ -52,7 +46,7 @@ def _store(cfg):
         store.check()
         return store
     except StoreError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 def _check_inputs(cfg) -> None:
@@ -88,10 +82,9 @@ def _check_inputs(cfg) -> None:
         except VocabError as exc:
             problems.append(str(exc))
     if problems:
-        _fail("\n".join(problems))
+        fail("\n".join(problems))
 
 
-SetOpt = typer.Option([], "--set", "-s", help="Override a config value: --set train.max_steps=50 (repeatable).")
 
 
 @config_app.command("show")
@@ -116,24 +109,26 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
     try:
         check_until(until)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     _store(cfg)
     _check_inputs(cfg)
     from flows import interrupts
     from flows import pipeline as pl
 
+    from flows.run_record import recording
+
     t0 = time.monotonic()
     state = None
-    with interrupts.stop_on_signals(lambda m: err.print(f"[yellow]{m}[/]")):
+    with interrupts.stop_on_signals(lambda m: err.print(f"[yellow]{m}[/]")), recording() as runs:
         try:
             state = pl.pipeline(config_path=str(config), overrides=list(overrides), until=until, return_state=True)
         except BaseException as exc:  # Ctrl-C / SIGTERM (our handler or Prefect's bridge), or a crash
             if interrupts.stop_signal() is None and not isinstance(exc, KeyboardInterrupt):
                 raise
+    rec = runs[-1] if runs else None
     signum = interrupts.stop_signal()
     if signum is not None or state is None:
-        _stopped(pl.LAST_RUN, signum, time.monotonic() - t0, as_json)
-    rec = pl.LAST_RUN
+        _stopped(rec, signum, time.monotonic() - t0, as_json)
     summary = rec.to_json() if rec is not None else {"state": "FAILED", "stages": {}}
     summary["state"] = "COMPLETED" if state.is_completed() else "FAILED"
     if not summary.get("flow_run_id"):
@@ -265,15 +260,15 @@ def report(target: str = typer.Argument(..., help="A benchmark artifact digest, 
     store = _store(cfg)
     rep = find_report(store, target)
     if rep is None:
-        _fail(f"no benchmark report for {target!r} in {store.uri}; `draftline ls --stage benchmark` lists them")
+        fail(f"no benchmark report for {target!r} in {store.uri}; `draftline ls --stage benchmark` lists them")
     if as_json:
         print(json.dumps(rep, indent=2))
     else:
         render_terminal(rep.get("benchmark", {}), console, rep)
 
 
-from flows.ops import register; register(app)  # noqa: E402,E702  (doctor, deploy, submit, status, retry, ui)
-from flows.plan import register as register_plan; register_plan(app)  # noqa: E402,E702  (plan)
+for _command in (doctor.doctor, deploy.deploy, deploy.submit, runs.status, runs.retry, runs.ui, plan.plan):
+    app.command(_command.__name__)(_command)
 
 
 def main() -> None:  # pragma: no cover

@@ -10,82 +10,29 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.futures import wait
 
 from flows.caching import stage_options
+from flows.prefect_api import EXTRACT_FLOW, config_parameters, slice_deployment
+from flows.run_record import RunRecord, announce, finish_stage
 from tasks import stopping
 from tasks.config import STAGES, RunConfig, check_until, load_config
 from tasks.store import ArtifactRef, Store
 
 
-# --------------------------------------------------------------------------- run record
-
-@dataclass
-class StageRecord:
-    status: str = "pending"          # pending | ran | cached | partial | failed | skipped
-    artifact: str | None = None
-    executed: int = 0
-    cached: int = 0
-    failed: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class RunRecord:
-    config_path: str | None
-    overrides: list[str]
-    flow_run_id: str | None = None
-    state: str = "RUNNING"
-    stages: dict[str, StageRecord] = field(default_factory=lambda: {s: StageRecord() for s in STAGES})
-    benchmark: dict[str, Any] | None = None
-    store: str = ""
-    started: float = field(default_factory=time.time)
-
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "flow_run_id": self.flow_run_id,
-            "state": self.state,
-            "store": self.store,
-            "seconds": round(time.time() - self.started, 1),
-            "stages": {
-                name: {k: v for k, v in vars(r).items() if k != "stats" or v}
-                for name, r in self.stages.items()
-            },
-        }
-        if self.benchmark is not None:
-            out["benchmark"] = self.benchmark
-        return out
-
-
-# The CLI reads the record of the run it just started (same process).
-LAST_RUN: RunRecord | None = None
-
-
 def as_ref(value: Any) -> ArtifactRef:
     """Task results are stored as JSON (never pickle); cached ones come back as dicts."""
     return value if isinstance(value, ArtifactRef) else ArtifactRef.model_validate(value)
-
-
-def _count(record: StageRecord, refs: list[ArtifactRef]) -> None:
-    record.executed = sum(1 for r in refs if r.executed_here)
-    record.cached = len(refs) - record.executed
-
-
-def _finish(record: StageRecord, t0: float, refs: list[ArtifactRef], failed: int = 0) -> None:
-    _count(record, refs)
-    record.failed = failed
-    record.seconds = round(time.time() - t0, 1)
-    if failed:
-        record.status = "failed" if not refs else "partial"
-    else:
-        record.status = "ran" if record.executed else "cached"
 
 
 # --------------------------------------------------------------------------- tasks
@@ -188,8 +135,19 @@ def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[Art
     if acc:
         create_table_artifact(
             [{"position": i + 1, "accuracy": round(a, 4)} for i, a in enumerate(acc)],
-            key="train-heldout-accuracy", description="Draft accuracy per TTT position on held-out data")
+            key=f"train{_head_key(cfg)}-heldout-accuracy",
+            description=f"Draft accuracy per TTT position on held-out data ({cfg.train.head.label})")
     return ref
+
+
+def _head_key(cfg: RunConfig) -> str:
+    """'' for the default EAGLE-3 head, else '-' + its label as a Prefect artifact key allows."""
+    import re
+
+    from tasks.config import HeadConfig
+
+    head = cfg.train.head
+    return "" if head == HeadConfig() else "-" + re.sub(r"[^a-z0-9-]+", "-", head.label.lower())
 
 
 def _train_log_line(m: dict[str, Any]) -> str | None:
@@ -210,11 +168,14 @@ def _train_log_line(m: dict[str, Any]) -> str | None:
     if kind == "eval":
         return (f"train: held-out accuracy per position {m.get('val_acc_per_pos')}, simulated acceptance length "
                 f"{m.get('simulated_acceptance_length')}")
+    if kind == "done" and m.get("head"):
+        return f"train: the {m['head']} head ({m.get('head_kind')}) exported after {m.get('steps')} steps"
     return None
 
 
 @task(name="benchmark", task_run_name="benchmark")
-def benchmark_task(cfg: RunConfig, digest: str, trained: ArtifactRef, data: ArtifactRef) -> ArtifactRef:
+def benchmark_task(cfg: RunConfig, digest: str, trained: ArtifactRef | list[tuple[str, ArtifactRef]],
+                   data: ArtifactRef) -> ArtifactRef:
     from prefect.runtime import flow_run
 
     from tasks.benchmark import run_benchmark
@@ -254,7 +215,6 @@ def _stop_after(until: str | None, stage: str) -> bool:
 @flow(name="draftline", log_prints=True, persist_result=False)
 def pipeline(config_path: str | None = None, overrides: list[str] | None = None, until: str | None = None) -> dict:
     """Train an EAGLE-3 draft: parameters are a config file path plus `a.b=c` overrides."""
-    global LAST_RUN
     from prefect.runtime import flow_run
 
     from flows.interrupts import chain_into_flow
@@ -265,8 +225,8 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     check_until(until)
     store = Store.from_config(cfg.store)
     store.check()
-    rec = LAST_RUN = RunRecord(config_path=config_path, overrides=overrides, flow_run_id=str(flow_run.id or ""),
-                               store=store.uri)
+    rec = announce(RunRecord(config_path=config_path, overrides=overrides, flow_run_id=str(flow_run.id or ""),
+                             store=store.uri))
     logger = get_run_logger()
     if cfg.target.trust_remote_code:
         logger.warning("target.trust_remote_code is ON: the target repository's own Python code will run")
@@ -298,7 +258,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
             r.status, r.failed, r.error = "failed", 1, f"{type(exc).__name__}: {exc}"
             r.seconds = round(time.time() - t0, 1)
             raise
-        _finish(r, t0, [ref])
+        finish_stage(r, t0, [ref])
         r.artifact, r.stats = ref.uri, _brief(ref.stats)
         logger.info(f"{name}: {r.status} in {r.seconds}s -> {ref.uri}")
         return ref
@@ -336,8 +296,25 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
     if _stop_after(until, "extract"):
         return skip_rest("extract")
 
-    d = digests.train(cfg, vocab, shards)
-    trained = run_single("train", lambda: train_task.with_options(**opts("train"))(cfg, d, vocab, shards))
+    # train: one cached task per head of train.heads, each at its own address, from the same shards
+    from tasks.config import head_config
+
+    heads: list[tuple[str, ArtifactRef]] = []
+    t0 = time.time()
+    for head in cfg.train.heads:
+        hcfg = head_config(cfg, head)
+        d = digests.train(hcfg, vocab, shards)
+        task_name = "train" if len(cfg.train.heads) == 1 else f"train-{head.label}"
+        heads.append((head.label, run_single("train", lambda: train_task.with_options(
+            **opts("train"), name=task_name, task_run_name=task_name)(hcfg, d, vocab, shards))))
+    if len(heads) > 1:
+        r = rec.stages["train"]
+        r.executed = sum(1 for _, ref in heads if ref.executed_here)
+        r.cached = len(heads) - r.executed
+        r.status, r.seconds = ("ran" if r.executed else "cached"), round(time.time() - t0, 1)
+        r.stats = {"heads": ", ".join(f"{label} {ref.digest[:8]} ({ref.stats.get('steps')} steps)"
+                                      for label, ref in heads)}
+    trained = heads[0][1] if len(heads) == 1 else heads
     if _stop_after(until, "train"):
         return skip_rest("train")
 
@@ -351,6 +328,8 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
 
     report = load_report(store, bench)
     rec.benchmark = report.get("benchmark")
+    if len(report.get("heads") or {}) > 1:  # every head's rows, for --json and the terminal
+        rec.stages["benchmark"].stats["heads"] = report.get("head_table")
     try:
         publish_summary(report)
     except Exception as exc:  # the figures are in the store either way
@@ -370,7 +349,7 @@ def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef
         return _run_extract_nodes(cfg, store, rec, data, model, plans, logger, t0)
     progress = _Progress("extract-progress", f"Extraction: 0/{len(plans)} shards")
     refs, errors = _extract_here(cfg, store, model, plans, logger, progress)
-    _finish(r, t0, refs, failed=len(errors))
+    finish_stage(r, t0, refs, failed=len(errors))
     r.artifact = f"{store.uri}/extract/"
     r.stats = {"shards": len(plans), "tokens": sum(int(x.stats.get("tokens", 0)) for x in refs)}
     if errors:
@@ -424,22 +403,18 @@ def _extract_here(cfg: RunConfig, store: Store, model: str, plans: list, logger,
 
 # --------------------------------------------------------------------------- several nodes
 
-EXTRACT_FLOW = "draftline-extract"
-
-
 def child_deployment(cfg: RunConfig) -> str:
-    """The deployment that extraction slices go to: extract.deployment, else draftline-extract/ plus the
-    name of this run's own deployment (a run of draftline/b300 sends its slices to draftline-extract/b300)."""
+    """The deployment that this run's extraction slices go to (flows/prefect_api.py slice_deployment)."""
     from prefect.runtime import deployment
 
-    name = cfg.extract.deployment or deployment.name
+    name = slice_deployment(cfg, deployment.name)
     if not name:
         raise RuntimeError(
             f"extract.nodes={cfg.extract.nodes} sends slices of the shards to other nodes through a deployment, "
             "and this run is not a deployment run: set extract.deployment (e.g. --set "
             f"extract.deployment={EXTRACT_FLOW}/local, registered by `draftline deploy --name local`), "
             "submit the run to a pool (`draftline submit ... --deployment b300`), or set extract.nodes=1")
-    return name if "/" in name else f"{EXTRACT_FLOW}/{name}"
+    return name
 
 
 def slice_shards(missing: list[int], nodes: int) -> list[list[int]]:
@@ -525,10 +500,6 @@ def _run_extract_nodes(cfg: RunConfig, store: Store, rec: RunRecord, data: Artif
 def _child_config(rec: RunRecord) -> dict[str, Any]:
     """This run's config for its children, as `draftline submit` sends one: a file inside the code folder
     travels as its path (every node has it), any other file as its content (overrides)."""
-    from pathlib import Path
-
-    from flows.ops import config_parameters
-
     if not rec.config_path:
         return {"config_path": None, "overrides": list(rec.overrides)}
     params, _ = config_parameters(Path(rec.config_path), list(rec.overrides), None)
@@ -549,7 +520,10 @@ def _start_child(target: str, run_deployment: Callable, **kwargs: Any) -> Any:
 def _running_children(parent_id: Any) -> list[tuple[Any, list[int]]]:
     """Child runs of this flow run (any attempt) not yet in a final state, with their shards."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
 
     if parent_id is None:
         return []

@@ -21,9 +21,9 @@ from typing import Any, Optional
 import typer
 import yaml
 
+from flows.console import ROOT, SetOpt, fail
 from tasks.config import ConfigError, RunConfig, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
 RATES_FILE = ROOT / "configs" / "rates.yaml"
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train.py save_checkpoint)
 
@@ -344,14 +344,11 @@ def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi
          nodes: int = typer.Option(1, "--nodes", "-n", help="Nodes the sharded stages are spread over."),
          gpu_hour_price: Optional[float] = typer.Option(None, "--gpu-hour-price",
                                                         help="USD per GPU-hour (default: configs/rates.yaml)."),
-         overrides: list[str] = typer.Option([], "--set", "-s", help="Override a config value (repeatable)."),
+         overrides: list[str] = SetOpt,
          rate: list[str] = typer.Option([], "--rate", help="Override a rate: --rate node.matmul_tflops=2000 "
                                                            "(repeatable; target.decode_tok_s=... for the target)."),
          as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object.")):
     """Time, store bytes and cost of a run, per stage, from the config and configs/rates.yaml."""
-    from rich.console import Console
-
-    err = Console(stderr=True)
     try:
         cfg = load_config(config, overrides)
         rates = load_rates(RATES_FILE, list(rate))
@@ -362,13 +359,8 @@ def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi
                                                          "command line", f"--gpu-hour-price {gpu_hour_price:g}")
         result = make_plan(cfg, rates, nodes=nodes, config_name=str(config))
     except (ConfigError, PlanError) as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2)
+        fail(str(exc))
     if as_json:
         print(json.dumps(asdict(result), indent=2))
     else:
         print(render(result), end="")
-
-
-def register(app: typer.Typer) -> None:
-    app.command("plan")(plan)

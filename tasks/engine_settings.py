@@ -1,10 +1,9 @@
 """One place that turns a config into vLLM engine settings, for every purpose: regeneration,
 extraction and the benchmark's decoding engines.
 
-Three copies of these rules had drifted apart: regeneration ignored `target.revision` (a pinned
-hub revision answered with another revision of the model than the one extracted and benchmarked),
-only extraction chose vLLM's reference MLA backend for a float32 MLA target on a CPU, and the
-KV-cache size was rounded down in two places and up in the third.
+Every purpose must see the same model the same way: the pinned `target.revision` (answers,
+hidden states and the benchmark come from one revision), one attention backend for an MLA target
+on a CPU, one KV-cache size rule. tests/test_engine_settings.py holds each purpose to these rules.
 
 The same module plans what the engines run on: one engine per GPU group on a GPU node (a group is
 `extract.tensor_parallel_size` GPUs), or `extract.cpu_groups` engines over disjoint cores on a CPU.

@@ -182,10 +182,10 @@ def kill_pid(pid: int) -> None:
 
 def gone(pid: int, timeout: float) -> None:
     """Wait until PID has exited (as `draftline status` judges it: no process, or a zombie)."""
-    from flows.ops import _pid_alive
+    from tasks.owners import pid_running
 
     deadline = time.time() + timeout
-    while _pid_alive(pid):
+    while pid_running(pid):
         if time.time() > deadline:
             raise AssertionError(f"pid {pid} still running {timeout}s after SIGKILL")
         time.sleep(0.1)

