@@ -38,6 +38,7 @@ import json
 import math
 import os
 import platform
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ M_TTFT = "vllm:time_to_first_token_seconds"
 M_TPOT = "vllm:request_time_per_output_token_seconds"
 
 DRAFT_FILES = ("draft/config.json", "draft/model.safetensors")
+# speculators_model_type of a draft -> the `method` of vLLM's speculative_config that decodes it
+VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}
 
 
 class BenchmarkError(ValueError):
@@ -368,9 +371,10 @@ def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
     from tasks.target import text_config
 
     conf = json.loads(Path(draft_dir, "config.json").read_text())
-    if conf.get("speculators_model_type") != "eagle3":
-        raise BenchmarkError(f"{draft_dir}/config.json is not an EAGLE-3 draft "
-                             f"(speculators_model_type={conf.get('speculators_model_type')!r})")
+    algo = conf.get("speculators_model_type")
+    if algo not in VLLM_METHODS:
+        raise BenchmarkError(f"{draft_dir}/config.json is not an EAGLE-3 or DFlash draft "
+                             f"(speculators_model_type={algo!r})")
     text = text_config(target_hf_config)
     layer = conf.get("transformer_layer_config") or {}
     if layer.get("hidden_size") not in (None, text.hidden_size):
@@ -381,8 +385,12 @@ def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
                              f"{text.vocab_size}: it belongs to another target (check target.model)")
     proposals = (conf.get("speculators_config") or {}).get("proposal_methods") or [{}]
     return {
+        "kind": "dflash" if algo == "dflash" else "eagle3.1" if conf.get("fc_norm") else "eagle3",
+        "vllm_method": VLLM_METHODS[algo],
         "draft_vocab_size": conf.get("draft_vocab_size"),
-        "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids"),
+        "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids") or conf.get("aux_hidden_state_layer_ids"),
+        "block_size": conf.get("block_size"),
+        "mask_token_id": conf.get("mask_token_id"),
         "num_layers": layer.get("num_hidden_layers"),
         "trained_speculative_tokens": proposals[0].get("speculative_tokens"),
         "norm_before_residual": conf.get("norm_before_residual"),
@@ -433,15 +441,34 @@ def _log(log: Callable[[str], None] | None, msg: str) -> None:
         log(msg)
 
 
-def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef, data: ArtifactRef, *,
-                  engine_factory: EngineFactory | None = None, flow_run_id: str | None = None,
+def engine_error_text(exc: BaseException) -> str:
+    """An engine failure as the report shows it: the message, and the root cause from the engine's log
+    (the last exception line of vLLM's traceback), verbatim."""
+    text = str(exc)
+    head = text.split("\n--- engine log", 1)[0].strip()
+    tail = getattr(exc, "log_tail", "") or ""
+    causes = [ln.strip() for ln in tail.splitlines()
+              if re.match(r"^(\(\w+ pid=\d+\) )?[\w.]*(Error|Exception)\b", ln.strip())]
+    cause = causes[-1] if causes else ""
+    return f"{type(exc).__name__}: {head}" + (f" | root cause: {cause}" if cause and cause not in head else "")
+
+
+def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tuple[str, ArtifactRef]],
+                  data: ArtifactRef, *, engine_factory: EngineFactory | None = None, flow_run_id: str | None = None,
                   log: Callable[[str], None] | None = None) -> ArtifactRef:
-    """Measure the draft against the baseline in vLLM and commit report.json/.md/.png.
+    """Measure the draft(s) against the baseline in vLLM and commit report.json/.md/.png.
+
+    `trained`: the train artifact of the one head, or (label, artifact) per head of train.heads. The first
+    head is the report's main draft (`benchmark`, the replay, the warnings); every head gets its rows in
+    `heads` and the heads table, measured in the same session against the same baseline. A head whose
+    engine vLLM cannot start or run keeps its offline figures, marked offline-only, with the exact error.
 
     Returns at once when the benchmark for these inputs is already committed. `flow_run_id`
     (default: env PREFECT__FLOW_RUN_ID / DRAFTLINE_FLOW_RUN_ID) is recorded as the run that measured.
     """
     digest = digests.benchmark(cfg, trained, data)
+    heads = list(trained) if isinstance(trained, (list, tuple)) else [(cfg.train.heads[0].label, trained)]
+    label, trained = heads[0]
     hit = store.find(STAGE, digest)
     if hit is not None:
         return hit.ref()
@@ -508,12 +535,13 @@ def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef, data: Arti
         baseline = serve("baseline", engine_kwargs(cfg, None, model), control=b.temperature == 0)
         kill_point("benchmark.baseline-measured")
         spec: dict[int, dict[str, dict[int, RunResult]]] = {}
+        method = draft_info["vllm_method"]
         for k in b.num_speculative_tokens:
-            _log(log, f"benchmark: eagle3 engine, k={k}")
-            spec[k] = serve(f"eagle3-k{k}", engine_kwargs(
-                cfg, {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}, model))
+            _log(log, f"benchmark: {label} engine ({method}), k={k}")
+            spec[k] = serve(f"{label}-k{k}", engine_kwargs(
+                cfg, {"method": method, "model": draft_dir, "num_speculative_tokens": k}, model))
         replayed: dict[str, Any] | None = None
-        if b.offline_replay and b.temperature == 0:
+        if b.offline_replay and b.temperature == 0 and method == "eagle3":
             smallest = min(b.batch_sizes)
             t1 = time.time()
             try:
@@ -523,12 +551,36 @@ def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef, data: Arti
             except Exception as exc:  # a diagnosis must not cost the measured figures
                 replayed = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             timing["replay_s"] = round(time.time() - t1, 1)
+    others: list[dict[str, Any]] = []
+    for other_label, ref in heads[1:]:
+        art = store.open("train", ref.digest)
+        entry: dict[str, Any] = {"label": other_label, "ref": ref, "train_stats": art.stats, "spec": {},
+                                 "errors": {}, "draft": {}}
+        others.append(entry)
+        with draft_folder(art) as other_dir:
+            entry["draft"] = info = check_draft(other_dir, hf_config)
+            for k in b.num_speculative_tokens:
+                _log(log, f"benchmark: {other_label} engine ({info['vllm_method']}), k={k}")
+                try:
+                    entry["spec"][k] = serve(f"{other_label}-k{k}", engine_kwargs(
+                        cfg, {"method": info["vllm_method"], "model": other_dir, "num_speculative_tokens": k}, model))
+                except Exception as exc:  # noqa: BLE001 - vLLM cannot decode this head: keep the error, go on
+                    entry["errors"][k] = engine_error_text(exc)
+                    _log(log, f"benchmark: {other_label} k={k} could not be measured in vLLM: {entry['errors'][k]}")
     timing["total_s"] = round(time.time() - started, 1)
     with contextlib.suppress(OSError, AttributeError):
         timing["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
 
     report = assemble_report(cfg, evals, baseline, spec, train_art.stats, draft_info, measured_by, timing,
                              replayed, controls)
+    report["heads"] = {label: head_entry(report, label, trained, train_art.stats, draft_info)}
+    for entry in others:
+        report["heads"][entry["label"]] = other_head(cfg, evals, baseline, controls, entry)
+    report["head_table"] = head_table(report)
+    for other, h in list(report["heads"].items())[1:]:
+        for k, e in h["errors"].items():
+            report["warnings"].append(f"{other} ({h['kind']}) k={k}: not measured in vLLM, its figures are offline-only: "
+                                      f"{e}")
     report.update({"digest": digest, "uri": store.uri_of(STAGE, digest),
                    "target": {"model": cfg.target.model, "path": model},
                    "draft": {"train_digest": trained.digest, "uri": trained.uri, **draft_info},
@@ -606,8 +658,10 @@ def greedy_identity(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str
                     spec: dict[int, dict[str, dict[int, RunResult]]],
                     controls: dict[str, dict[str, RunResult]]) -> dict[str, Any]:
     """Per eval: the baseline's own divergence (every measured batch size and the control decodes), and
-    the verdict on each speculative run against the baseline at its batch size with that floor."""
-    b = cfg.benchmark
+    the verdict on each speculative run (each k in `spec`) against the baseline at its batch size with
+    that floor."""
+    b = cfg.benchmark.model_copy(update={"num_speculative_tokens": [k for k in cfg.benchmark.num_speculative_tokens
+                                                                     if k in spec]})
     out: dict[str, Any] = {"control": {}, "verdicts": {}, "lines": []}
     for ev in evals:
         decodes = {f"batch {bs}": baseline[ev.name][bs].outputs for bs in b.batch_sizes}
@@ -625,11 +679,88 @@ def greedy_identity(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str
     return out
 
 
+# =========================================================================== several heads
+
+
+def head_entry(report: dict[str, Any], label: str, ref: ArtifactRef, train_stats: dict[str, Any],
+               info: dict[str, Any]) -> dict[str, Any]:
+    """report['heads'][label] of the main head: its figures are the report's own."""
+    return {"kind": info.get("kind"), "vllm_method": info.get("vllm_method"), "train_digest": ref.digest,
+            "uri": ref.uri, "measured": "vllm", "layer_ids": info.get("layer_ids"), "block_size": info.get("block_size"),
+            "steps": train_stats.get("steps"), "val_acc_per_pos": train_stats.get("val_acc_per_pos"),
+            "simulated_acceptance_length": report.get("simulated_acceptance_length"),
+            "simulated_by_k": (report.get("simulated") or {}).get("by_k") or {}, "errors": {},
+            "benchmark": report["benchmark"]}
+
+
+def other_head(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str, dict[int, RunResult]],
+               controls: dict[str, dict[str, RunResult]], entry: dict[str, Any]) -> dict[str, Any]:
+    """report['heads'][label] of a further head: the same figures against the same baseline for each k vLLM
+    ran; for a k it could not run, the error and the offline estimate only."""
+    b = cfg.benchmark
+    largest = max(b.batch_sizes)
+    st, info = entry["train_stats"], entry["draft"]
+    acc = st.get("val_acc_per_pos") or None
+    sim_by_k = {str(k): simulated_acceptance_length(acc, k) for k in b.num_speculative_tokens} if acc else {}
+    errors = {str(k): e for k, e in entry["errors"].items()}
+    bench: dict[str, Any] = {ev.name: {} for ev in evals}
+    for k, runs in entry["spec"].items():
+        try:
+            for ev in evals:
+                figs = {str(bs): spec_figures(runs[ev.name][bs], baseline[ev.name][bs], k, b.temperature,
+                                              sim_by_k.get(str(k))) for bs in b.batch_sizes}
+                bench[ev.name][str(k)] = {**figs[str(largest)], "by_batch_size": figs}
+        except BenchmarkError as exc:  # vLLM ran it but drafted nothing: as good as not decoding it
+            errors[str(k)] = f"BenchmarkError: {exc}"
+            for ev in evals:
+                bench[ev.name].pop(str(k), None)
+    measured = {k: runs for k, runs in entry["spec"].items() if str(k) not in errors}
+    if b.temperature == 0 and measured:
+        gi = greedy_identity(cfg, evals, baseline, measured, controls)
+        for ev, ks in gi["verdicts"].items():
+            for k, by_bs in ks.items():
+                fig = bench[ev][k]
+                for bs, j in by_bs.items():
+                    fig["by_batch_size"][bs]["greedy_identity"] = j["verdict"]
+                fig["greedy_identity"] = fig["by_batch_size"][str(largest)]["greedy_identity"]
+    ref = entry["ref"]
+    return {"kind": info.get("kind"), "vllm_method": info.get("vllm_method"), "train_digest": ref.digest,
+            "uri": ref.uri, "measured": "vllm" if measured and not errors else "partly" if measured else "offline only",
+            "layer_ids": info.get("layer_ids"), "block_size": info.get("block_size"), "steps": st.get("steps"),
+            "val_acc_per_pos": acc, "simulated_acceptance_length": st.get("simulated_acceptance_length"),
+            "simulated_by_k": sim_by_k, "errors": errors, "benchmark": bench}
+
+
+def head_table(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per head, eval, k and batch size, every head against the same baseline: what a user picks a
+    head from. A k vLLM could not decode with a head gives one row per eval, measured_in 'offline only',
+    with the offline estimate and the error."""
+    rows = []
+    for label, h in (report.get("heads") or {}).items():
+        for ev in report.get("evals", {}):
+            for k in report["settings"]["num_speculative_tokens"]:
+                fig = h["benchmark"].get(ev, {}).get(str(k))
+                base = {"head": label, "kind": h["kind"], "eval": ev, "k": int(k),
+                        "simulated": h["simulated_by_k"].get(str(k))}
+                if fig is None:
+                    rows.append({**base, "batch_size": None, "measured_in": "offline only", "acceptance_length": None,
+                                 "output_tokens_per_s": None, "speedup": None, "greedy_identity": None,
+                                 "error": h["errors"].get(str(k), "not measured")})
+                    continue
+                for bs, f in fig["by_batch_size"].items():
+                    rows.append({**base, "batch_size": int(bs), "measured_in": "vllm",
+                                 "acceptance_length": f["mean_acceptance_length"],
+                                 "per_position_acceptance": f["per_position_acceptance"],
+                                 "output_tokens_per_s": f["output_tokens_per_s"], "speedup": f.get("speedup"),
+                                 "greedy_identity": f.get("greedy_identity"), "error": None})
+    return rows
+
+
 def draft_checks(cfg: RunConfig, info: dict[str, Any]) -> list[str]:
     """Problems visible in the draft's config alone."""
     out = []
     ids, want = info.get("layer_ids"), info.get("extract_layer_ids")
-    if ids and want and list(ids) != list(want[:-1]):
+    if ids and want and not set(ids) <= set(want[:-1]):
         out.append(f"the draft reads target layers {ids} but the extract stage is configured for {want[:-1]} "
                    f"(+ {want[-1]}): vLLM feeds the draft the layers in ITS config, so a draft trained on other "
                    "layers sees the wrong hidden states; re-export the draft with the extract stage's layer ids")
@@ -731,6 +862,12 @@ def report_stats(report: dict[str, Any]) -> dict[str, Any]:
             out[f"{ev}_k{k}_tokens_per_s"] = round(f["output_tokens_per_s"], 2)
             if f.get("speedup") is not None:
                 out[f"{ev}_k{k}_speedup"] = round(f["speedup"], 4)
+    for label, h in list((report.get("heads") or {}).items())[1:]:
+        for ev, ks in h["benchmark"].items():
+            for k, f in ks.items():
+                out[f"{label}_{ev}_k{k}_acceptance_length"] = round(f["mean_acceptance_length"], 4)
+        if h["errors"]:
+            out[f"{label}_measured"] = h["measured"]
     verdicts = [j["verdict"] for ks in ((report.get("greedy_identity") or {}).get("verdicts") or {}).values()
                 for by_bs in ks.values() for j in by_bs.values()]
     if verdicts:  # the worst verdict of the run

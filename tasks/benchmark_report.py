@@ -121,6 +121,7 @@ def report_markdown(report: dict[str, Any]) -> str:
                     f"{_f(f['ttft_ms'], '.1f')} | {ident} |")
     if extrap:
         lines += ["", "\\* k beyond the trained positions: the last position's accuracy is repeated (extrapolated)."]
+    lines += heads_markdown(report)
     lines += ["", "## Baseline (no draft)", "", "| eval | batch | tok/s | TPOT ms | TTFT ms | output tokens |",
               "|---|---:|---:|---:|---:|---:|"]
     for ev, base in report.get("baseline", {}).items():
@@ -146,6 +147,54 @@ def report_markdown(report: dict[str, Any]) -> str:
                   + (f"; offline replay {t['replay_s']}s" if t.get("replay_s") is not None else "") + ")."]
     lines += ["", "## How these figures are measured", "", METHOD, ""]
     return "\n".join(lines)
+
+
+def heads_markdown(report: dict[str, Any]) -> list[str]:
+    """'## Draft heads': every head of train.heads side by side (with one head, nothing: Results is it)."""
+    heads = report.get("heads") or {}
+    if len(heads) < 2:
+        return []
+    lines = ["", "## Draft heads", "",
+             "Every head trained from the same stored hidden states, measured in this session against the same "
+             "baseline. `offline only`: vLLM could not decode with that head; the error is quoted.", "",
+             "| head | kind | vLLM method | trained steps | layer ids | simulated AL (train) |",
+             "|---|---|---|---:|---|---:|"]
+    for label, h in heads.items():
+        lines.append(f"| {label} | {h['kind']} | {h.get('vllm_method')} | {h.get('steps')} | {h.get('layer_ids')} | "
+                     f"{_f(h.get('simulated_acceptance_length'))} |")
+    lines += ["", "| head | kind | eval | k | batch | measured in | accept len | simulated | tok/s | speedup | "
+              "identical |", "|---|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    for r in report.get("head_table") or []:
+        same = {IDENTICAL: "yes", WITHIN_NOISE: "noise", BEYOND_NOISE: "NO"}.get(r.get("greedy_identity"), "-")
+        lines.append(f"| {r['head']} | {r['kind']} | {r['eval']} | {r['k']} | {r['batch_size'] or '-'} | "
+                     f"{r['measured_in']} | {_f(r['acceptance_length'])} | {_f(r['simulated'])} | "
+                     f"{_f(r['output_tokens_per_s'], '.1f')} | {_f(r['speedup'])}x | {same} |")
+    errors = [(r["head"], r["k"], r["error"]) for r in report.get("head_table") or [] if r.get("error")]
+    for head, k, e in dict.fromkeys(errors):
+        lines.append(f"\n- {head} k={k}, vLLM's error: `{e}`")
+    return lines
+
+
+def render_heads(report: dict[str, Any], console: Any) -> None:
+    """The heads table in the terminal (with several heads)."""
+    from rich.table import Table
+
+    if len(report.get("heads") or {}) < 2:
+        return
+    table = Table(title="draft heads, one benchmark (same baseline, same session)",
+                  caption="AL = mean acceptance length measured in vLLM; sim = offline estimate from training; "
+                          "offline only = vLLM could not decode with the head (error below)")
+    for col in ("head", "kind", "eval", "k", "batch", "measured in", "AL", "sim", "tok/s", "speedup"):
+        table.add_column(col, justify="left" if col in ("head", "kind", "eval", "measured in") else "right")
+    for r in report.get("head_table") or []:
+        where = "[green]vllm[/]" if r["measured_in"] == "vllm" else "[red]offline only[/]"
+        table.add_row(r["head"], r["kind"], r["eval"], str(r["k"]), str(r["batch_size"] or "-"), where,
+                      _f(r["acceptance_length"]), _f(r["simulated"]), _f(r["output_tokens_per_s"], ".1f"),
+                      f"{_f(r['speedup'])}x")
+    console.print(table)
+    errors = [(r["head"], r["k"], r["error"]) for r in report.get("head_table") or [] if r.get("error")]
+    for head, k, e in dict.fromkeys(errors):
+        console.print(f"[red]{head}[/] k={k}: vLLM could not decode it: {e}")
 
 
 def identity_cell(f: dict[str, Any]) -> str:
@@ -351,6 +400,7 @@ def render_terminal(benchmark: dict[str, Any], console: Any, report: dict[str, A
     for line in headline(benchmark):
         console.print(line)
     if report:
+        render_heads(report, console)
         for line in identity_brief(report.get("greedy_identity") or {}):
             console.print(line)
         for w in report.get("warnings", []):

@@ -714,7 +714,7 @@ class Trainer:
                 "val_tokens": val.get("val_tokens", 0), "heldout_samples": self.heldout_samples,
                 "final_loss": state.history[-1]["loss"] if state.history else None,
                 "layer_ids": self.inp.layer_ids, "draft_vocab_size": int(self.inp.d2t.shape[0]),
-                "head": self.head.label, "kind": self.head.kind,
+                "head": self.head.label, "head_kind": self.head.kind,
                 "trainable_params": sum(p.numel() for p in self.params), "world_size": env.world,
                 "device": env.device.type, "precision": self.precision, "attn_impl": self.attn_impl,
                 "resumed_from_step": state.resumed_from,

@@ -125,7 +125,7 @@ def test_eagle31_head_trains_with_per_layer_fc_norms(tiny):
     assert conf["speculators_model_type"] == "eagle3"
     assert (conf["fc_norm"], conf["norm_before_fc"], conf["norm_output"]) == (True, False, True)
     assert any(k.startswith("fc_norm") for k in weights), sorted(weights)
-    assert ref.stats["kind"] == "eagle3.1" and ref.stats["head"] == "eagle3.1"
+    assert ref.stats["head_kind"] == "eagle3.1" and ref.stats["head"] == "eagle3.1"
     default = run_train(head_cfg(tiny, {"kind": "eagle3"}), tiny.store, tiny.vref, tiny.refs)
     assert default.digest != ref.digest
     conf3, _ = exported(tiny, default)
@@ -148,7 +148,7 @@ def test_dflash_head_trains_from_the_same_hidden_states_and_exports_what_vllm_re
     steps = [e for e in events if e["kind"] == "train"]
     assert len(steps) == 3 and all(len(e["acc_per_pos"]) == 3 and "expected_acceptance_length" in e for e in steps)
     st = ref.stats
-    assert st["kind"] == "dflash" and len(st["val_acc_per_pos"]) == 3 and st["simulated_acceptance_length"] >= 1
+    assert st["head_kind"] == "dflash" and len(st["val_acc_per_pos"]) == 3 and st["simulated_acceptance_length"] >= 1
 
 
 def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_for_the_rest(tiny):
