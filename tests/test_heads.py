@@ -167,3 +167,68 @@ def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_
     cfg.train.heads = [HeadConfig(kind="eagle3.1", layer_ids=[1, 4])]
     with pytest.raises(TrainError, match="4 is this target's last layer"):
         head_layer_ids(cfg, LAYER_IDS)
+
+
+# ============================================================================ one benchmark, every head
+
+
+def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_decode_keeps_its_error(tmp_path):
+    """Three heads through run_benchmark with engines that count like vLLM; the DFlash engine fails to start
+    the way vLLM fails: its row is offline-only with vLLM's own error, the others are measured."""
+    from test_benchmark import FakeEngine, bench_cfg, commit, heldout_parquet
+
+    from tasks.benchmark import load_report, run_benchmark
+    from tasks.benchmark_report import report_markdown
+    from tasks.engine import EngineError
+
+    class Engine(FakeEngine):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def start(self):
+            if self.name.startswith("dflash"):
+                raise EngineError(f"{self.name} died while starting (exit 1)",
+                                  "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                                  "(EngineCore pid=7) NotImplementedError: DFlash needs non-causal attention\n")
+
+        def close(self):
+            pass
+
+    started: list[str] = []
+
+    def factory(name, kwargs):
+        started.append(f"{name}:{(kwargs.get('speculative_config') or {}).get('method')}")
+        return Engine(name)
+
+    store = Store(f"file://{tmp_path}/store")
+    cfg = bench_cfg(evals=[{"name": "heldout", "source": "heldout", "num_prompts": 2}], num_speculative_tokens=[2],
+                    batch_sizes=[2], max_tokens=4, offline_replay=False)
+    cfg.train.heads = [HeadConfig(kind="eagle3"), HeadConfig(kind="eagle3.1"), HeadConfig(kind="dflash")]
+    drafts = {"eagle3": {"speculators_model_type": "eagle3", "norm_before_fc": True, "norm_output": True},
+              "eagle3.1": {"speculators_model_type": "eagle3", "fc_norm": True, "norm_output": True},
+              "dflash": {"speculators_model_type": "dflash", "block_size": 3, "aux_hidden_state_layer_ids": [2, 15, 27]}}
+    trained = [(label, commit(store, "train", f"{i}" * 32, {"draft/config.json": json.dumps(conf).encode(),
+                                                             "draft/model.safetensors": b"x"},
+                              stats={"val_acc_per_pos": [0.5, 0.25], "steps": 10}))
+               for i, (label, conf) in enumerate(drafts.items())]
+    data = commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet(
+        [[{"role": "user", "content": q}] for q in ("Hi there", "How are you?")])})
+    rep = load_report(store, run_benchmark(cfg, store, trained, data, engine_factory=factory))
+
+    assert started == ["baseline:None", "eagle3-k2:eagle3", "eagle3.1-k2:eagle3", "dflash-k2:dflash"]
+    assert list(rep["heads"]) == ["eagle3", "eagle3.1", "dflash"]
+    assert [(h["kind"], h["measured"]) for h in rep["heads"].values()] == [
+        ("eagle3", "vllm"), ("eagle3.1", "vllm"), ("dflash", "offline only")]
+    rows = {r["head"]: r for r in rep["head_table"]}
+    assert rows["eagle3.1"]["measured_in"] == "vllm" and rows["eagle3.1"]["acceptance_length"] == pytest.approx(2.0)
+    assert rows["eagle3"]["acceptance_length"] == rep["benchmark"]["heldout"]["2"]["mean_acceptance_length"]
+    off = rows["dflash"]
+    assert off["measured_in"] == "offline only" and off["acceptance_length"] is None
+    assert off["simulated"] == pytest.approx(1 + 0.5 + 0.5 * 0.25)
+    assert off["error"] == ("EngineError: dflash-k2 died while starting (exit 1) | root cause: (EngineCore pid=7) "
+                            "NotImplementedError: DFlash needs non-causal attention")
+    assert any(w.startswith("dflash (dflash) k=2: not measured in vLLM") for w in rep["warnings"])
+    md = report_markdown(rep)
+    assert "## Draft heads" in md and "| dflash | dflash | heldout | 2 | - | offline only |" in md
+    assert "NotImplementedError: DFlash needs non-causal attention" in md
