@@ -232,3 +232,12 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
     md = report_markdown(rep)
     assert "## Draft heads" in md and "| dflash | dflash | heldout | 2 | - | offline only |" in md
     assert "NotImplementedError: DFlash needs non-causal attention" in md
+    from rich.console import Console
+
+    from tasks.benchmark_report import render_terminal
+
+    console = Console(record=True, width=160)
+    render_terminal(rep["benchmark"], console, rep)
+    out = console.export_text()
+    assert "draft heads, one benchmark" in out and "offline only" in out and "eagle3.1" in out
+    assert "dflash k=2: vLLM could not decode it: EngineError: dflash-k2 died while starting" in out
