@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 # Before Prefect is imported: a fresh Prefect home migrates its database slowly on
 # small machines, and nothing here should phone home.
@@ -22,7 +21,7 @@ import typer
 from rich.table import Table
 
 from flows import deploy, doctor, plan, runs
-from flows.console import SetOpt, console, err, fail
+from flows.console import SetOpt, console, fail
 from tasks.config import STAGES, ConfigError, check_until, dump_config, load_config
 
 app = typer.Typer(help="Train EAGLE-3 draft heads for vLLM targets, as a resumable Prefect pipeline.",
@@ -112,93 +111,9 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
         fail(str(exc))
     _store(cfg)
     _check_inputs(cfg)
-    from flows import interrupts
-    from flows import pipeline as pl
+    from flows.local_run import run_here
 
-    from flows.run_record import recording
-
-    t0 = time.monotonic()
-    state = None
-    with interrupts.stop_on_signals(lambda m: err.print(f"[yellow]{m}[/]")), recording() as runs:
-        try:
-            state = pl.pipeline(config_path=str(config), overrides=list(overrides), until=until, return_state=True)
-        except BaseException as exc:  # Ctrl-C / SIGTERM (our handler or Prefect's bridge), or a crash
-            if interrupts.stop_signal() is None and not isinstance(exc, KeyboardInterrupt):
-                raise
-    rec = runs[-1] if runs else None
-    signum = interrupts.stop_signal()
-    if signum is not None or state is None:
-        _stopped(rec, signum, time.monotonic() - t0, as_json)
-    summary = rec.to_json() if rec is not None else {"state": "FAILED", "stages": {}}
-    summary["state"] = "COMPLETED" if state.is_completed() else "FAILED"
-    if not summary.get("flow_run_id"):
-        summary["flow_run_id"] = str(state.state_details.flow_run_id or "")
-    if as_json:
-        print(json.dumps(summary, indent=2, default=str))
-    else:
-        print_summary(summary)
-        if summary.get("benchmark"):
-            from tasks.benchmark import find_report
-            from tasks.benchmark_report import render_terminal
-
-            rep = None
-            art = (summary.get("stages", {}).get("benchmark") or {}).get("artifact")
-            if art:  # the report names the run that measured it (a cached stage's figures are older)
-                try:
-                    from tasks.store import Store
-
-                    rep = find_report(Store.from_config(load_config(config, list(overrides)).store), art)
-                except Exception:  # noqa: BLE001 - the figures above are printed either way
-                    rep = None
-            render_terminal(summary["benchmark"], console, rep)
-    if summary["state"] != "COMPLETED":
-        if not as_json:
-            msg = state.message or ""
-            err.print(f"[bold red]run failed[/]: {msg}")
-        raise typer.Exit(1)
-
-
-def _stopped(rec, signum: int | None, seconds: float, as_json: bool) -> None:
-    """The end of a run stopped by a signal: what was kept, and a clean exit (no process left)."""
-    import signal as sig
-
-    from flows.interrupts import exit_code, kill_descendants
-
-    name = sig.Signals(signum).name if signum else "SIGINT"
-    left = kill_descendants(spare_prefect_server=True)
-    summary = rec.to_json() if rec is not None else {"stages": {}}
-    summary["state"] = "STOPPED"
-    for r in summary["stages"].values():
-        if r.get("status") == "running":
-            r["status"] = "stopped"
-    summary["stopped_by"] = name
-    if as_json:
-        print(json.dumps(summary, indent=2, default=str))
-    else:
-        print_summary(summary)
-    err.print(f"[bold yellow]stopped[/] by {name} after {seconds:.1f} s"
-              + (f" ({left} leftover process(es) killed)" if left else "")
-              + ": committed stages and shards are kept and will be reused; run the same command again to resume")
-    raise typer.Exit(exit_code(signum or sig.SIGINT))
-
-
-def print_summary(summary: dict[str, Any]) -> None:
-    store = summary.get("store", "")
-    table = Table(title=f"draftline run {summary.get('flow_run_id', '')} - {summary.get('state')}",
-                  caption=f"artifacts under {store}" if store else None)
-    for col in ("stage", "status", "ran", "cached", "failed", "time", "artifact"):
-        table.add_column(col, justify="right" if col in ("ran", "cached", "failed", "time") else "left")
-    colors = {"ran": "green", "cached": "cyan", "failed": "red", "partial": "yellow", "skipped": "dim",
-              "stopped": "yellow"}
-    for name, r in summary.get("stages", {}).items():
-        st = r.get("status", "")
-        table.add_row(name, f"[{colors.get(st, 'white')}]{st}[/]", str(r.get("executed", 0)), str(r.get("cached", 0)),
-                      str(r.get("failed", 0)), f"{r.get('seconds', 0):.1f}s",
-                      (r.get("artifact") or "").removeprefix(store).lstrip("/"))
-    console.print(table)
-    for name, r in summary.get("stages", {}).items():
-        if r.get("error"):
-            err.print(f"[red]{name}[/]: {r['error']}")
+    run_here(str(config), list(overrides), until, as_json=as_json)
 
 
 @app.command("ls")

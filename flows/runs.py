@@ -369,29 +369,15 @@ def retry(run: str = typer.Argument(..., help="Flow run id (or 8+ first characte
 
 
 def _retry_locally(fr: Any, params: dict[str, Any], as_json: bool = False) -> None:
-    from flows import pipeline as pl
-    from flows.run_record import recording
+    from flows.local_run import run_here
 
     cfg_path = params.get("config_path")
     if cfg_path and not Path(cfg_path).is_file():
         fail(f"run {fr.name} read its config from {cfg_path}, which is not here; run the retry from the "
-              "folder the run started in")
+             "folder the run started in")
     (err if as_json else console).print(
         f"{fr.name} was a local run (no deployment): running it again here with the same parameters")
-    with recording() as runs:
-        state = pl.pipeline(config_path=cfg_path, overrides=list(params.get("overrides") or []),
-                            until=params.get("until"), return_state=True)
-    from flows.cli import print_summary
-
-    rec = runs[-1] if runs else None
-    summary = rec.to_json() if rec is not None else {"state": "FAILED", "stages": {}}
-    summary["state"] = "COMPLETED" if state.is_completed() else "FAILED"
-    if as_json:
-        print(json.dumps(summary, indent=2, default=str))
-    else:
-        print_summary(summary)
-    if summary["state"] != "COMPLETED":
-        raise typer.Exit(1)
+    run_here(cfg_path, list(params.get("overrides") or []), params.get("until"), as_json=as_json)
 
 
 def ui(run: str = typer.Argument("last", help="Flow run id (or 8+ first characters), name, or `last`."),
