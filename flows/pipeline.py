@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import (
     create_markdown_artifact,
-    create_progress_artifact,
     create_table_artifact,
-    update_progress_artifact,
 )
 from prefect.futures import wait
 
 from flows.caching import stage_options
-from flows.prefect_api import EXTRACT_FLOW, config_parameters, slice_deployment
+from flows.prefect_api import EXTRACT_FLOW
+from flows.report_artifacts import Progress
 from flows.run_record import RunRecord, announce, finish_stage
-from tasks import stopping
 from tasks.config import STAGES, RunConfig, check_until, load_config
 from tasks.store import ArtifactRef, Store
 
@@ -57,7 +54,7 @@ def regenerate_task(cfg: RunConfig, digest: str, prepared: ArtifactRef) -> Artif
         return vllm_engine(cfg, model, "regenerate")
 
     logger = get_run_logger()
-    progress = _Progress("regenerate-progress", "Regenerate: shards answered by the target")
+    progress = Progress("regenerate-progress", "Regenerate: shards answered by the target")
 
     def on_shard(done: int, total: int, stats: dict[str, Any], reused: bool) -> None:
         progress.update(100.0 * done / max(1, total), description=f"{done}/{total} shards")
@@ -116,7 +113,7 @@ def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[Art
     from tasks.train import run_train
 
     logger = get_run_logger()
-    progress = _Progress("train-progress", "Training steps")
+    progress = Progress("train-progress", "Training steps")
 
     def on_metrics(m: dict[str, Any]) -> None:
         """Rank 0's records, from this process or (several ranks) from the launched ranks as they train."""
@@ -183,27 +180,6 @@ def benchmark_task(cfg: RunConfig, digest: str, trained: ArtifactRef | list[tupl
     # The report names the flow run that measured it (PREFECT__FLOW_RUN_ID is set only in deployed runs).
     ref = run_benchmark(cfg, Store.from_config(cfg.store), trained, data, flow_run_id=flow_run.id)
     return ref
-
-
-class _Progress:
-    """A Prefect progress artifact that tolerates running outside a flow."""
-
-    def __init__(self, key: str, description: str):
-        self.id = None
-        self.last = -1.0
-        try:
-            self.id = create_progress_artifact(0.0, key=key, description=description)
-        except Exception:
-            pass
-
-    def update(self, pct: float, description: str | None = None) -> None:
-        if self.id is None or (pct - self.last < 1.0 and pct < 100.0):
-            return
-        self.last = pct
-        try:
-            update_progress_artifact(self.id, min(100.0, pct), description=description)
-        except Exception:
-            pass
 
 
 # --------------------------------------------------------------------------- the flow
@@ -346,8 +322,11 @@ def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef
     model = resolve_model(cfg.target)
     plans = plan_extract(cfg, data, load_hf_config(cfg.target, model))
     if cfg.extract.nodes > 1:
-        return _run_extract_nodes(cfg, store, rec, data, model, plans, logger, t0)
-    progress = _Progress("extract-progress", f"Extraction: 0/{len(plans)} shards")
+        from flows.nodes import run_extract_nodes
+
+        return run_extract_nodes(cfg, store, rec, data, plans, logger, t0,
+                                 lambda mine, progress: _extract_here(cfg, store, model, mine, logger, progress))
+    progress = Progress("extract-progress", f"Extraction: 0/{len(plans)} shards")
     refs, errors = _extract_here(cfg, store, model, plans, logger, progress)
     finish_stage(r, t0, refs, failed=len(errors))
     r.artifact = f"{store.uri}/extract/"
@@ -361,7 +340,7 @@ def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef
 
 
 def _extract_here(cfg: RunConfig, store: Store, model: str, plans: list, logger,
-                  progress: "_Progress") -> tuple[list[ArtifactRef], list[str]]:
+                  progress: Progress) -> tuple[list[ArtifactRef], list[str]]:
     """One task per shard of PLANS in this flow run, fanned out over this node's engine groups."""
     from tasks.engine_settings import EnginePool, engine_for_group, engine_groups
 
@@ -401,198 +380,6 @@ def _extract_here(cfg: RunConfig, store: Store, model: str, plans: list, logger,
     return refs, errors
 
 
-# --------------------------------------------------------------------------- several nodes
-
-def child_deployment(cfg: RunConfig) -> str:
-    """The deployment that this run's extraction slices go to (flows/prefect_api.py slice_deployment)."""
-    from prefect.runtime import deployment
-
-    name = slice_deployment(cfg, deployment.name)
-    if not name:
-        raise RuntimeError(
-            f"extract.nodes={cfg.extract.nodes} sends slices of the shards to other nodes through a deployment, "
-            "and this run is not a deployment run: set extract.deployment (e.g. --set "
-            f"extract.deployment={EXTRACT_FLOW}/local, registered by `draftline deploy --name local`), "
-            "submit the run to a pool (`draftline submit ... --deployment b300`), or set extract.nodes=1")
-    return name
-
-
-def slice_shards(missing: list[int], nodes: int) -> list[list[int]]:
-    """Missing shards dealt round-robin into at most NODES slices (none empty)."""
-    k = min(nodes, len(missing))
-    return [missing[i::k] for i in range(k)]
-
-
-def _run_extract_nodes(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, model: str, plans: list,
-                       logger, t0: float) -> list[ArtifactRef]:
-    """extract.nodes > 1: the shards not yet on the store are dealt into slices; this node extracts the
-    first slice, a child flow run of `child_deployment` each other one (Prefect's run_deployment: a
-    worker of that deployment's pool picks it up, on any node). The store, not Prefect, says what is
-    done: the children's shards are read back from it, and a child that crashed (its node lost: the
-    heartbeat automation of `draftline deploy` marks it Crashed) leaves exactly its unfinished shards
-    missing, which `draftline retry` extracts again on any node."""
-    from prefect.deployments import run_deployment
-    from prefect.runtime import flow_run
-
-    r = rec.stages["extract"]
-    by_shard = {p.shard: p for p in plans}
-    cached = [p.shard for p in plans if store.find("extract", p.digest) is not None]
-    missing = [p.shard for p in plans if p.shard not in set(cached)]
-    # A retry whose earlier attempt's children still run (its own node died, theirs did not): wait for
-    # them instead of extracting their shards a second time.
-    children = [(run, shards) for run, shards in _running_children(flow_run.id) if set(shards) & set(missing)]
-    for run, shards in children:
-        logger.info(f"extract: child {run.name} of an earlier attempt still runs shards {shards}: waiting for it")
-    adopted = {s for _, shards in children for s in shards}
-    slices = slice_shards([s for s in missing if s not in adopted], max(1, cfg.extract.nodes - len(children)))
-    own = slices[0] if slices else []
-    if len(slices) > 1:
-        target = child_deployment(cfg)
-        if store.is_local:
-            logger.warning(f"extract: {store.uri} is a local folder: slices on other machines cannot write to it; "
-                           "use a shared s3:// store with extract.nodes > 1")
-        attempt = flow_run.run_count or 1
-        params = _child_config(rec)
-        # the children write where this run writes, whatever their node's DRAFTLINE_STORE_URI says
-        params["overrides"].append(f"store.uri={store.uri}")
-        params.update(data_stage=data.stage, data_digest=data.digest)
-        for i, part in enumerate(slices[1:], start=1):
-            child = _start_child(target, run_deployment, parameters={**params, "shards": part}, timeout=0,
-                                 flow_run_name=f"{flow_run.name or 'draftline'}-extract-{i}of{len(slices)}-try{attempt}",
-                                 tags=["draftline", f"draftline-parent:{flow_run.id}"])
-            children.append((child, part))
-            logger.info(f"extract: shards {part} -> child flow run {child.name} ({child.id}) of {target}")
-    logger.info(f"extract: {len(plans)} shards, {len(cached)} on the store; this node extracts {own}, "
-                f"{len(children)} child run(s) the rest")
-    progress = _Progress("extract-progress", f"Extraction: 0/{len(plans)} shards")
-    # The cached shards go through Prefect too (Cached task runs), so the run's page lists every shard.
-    mine = [by_shard[s] for s in sorted(cached + own)]
-    refs, errors = _extract_here(cfg, store, model, mine, logger, progress)
-
-    def take_back(shards: list[int]) -> None:
-        more, errs = _extract_here(cfg, store, model, [by_shard[s] for s in shards], logger, progress)
-        refs.extend(more)
-        errors.extend(errs)
-
-    errors += _wait_children(children, store, by_shard, logger, take_back)
-    found = {s: store.find("extract", by_shard[s].digest) for s in missing}
-    have = {int(x.stats.get("shard", 0)) for x in refs}
-    refs += [a.ref() for s, a in found.items() if a is not None and s not in have]
-    refs.sort(key=lambda x: int(x.stats.get("shard", 0)))
-    r.executed = sum(1 for a in found.values() if a is not None)
-    r.cached = len(cached)
-    r.failed = len(plans) - len(refs)
-    r.seconds = round(time.time() - t0, 1)
-    r.status = ("failed" if not refs else "partial") if r.failed else ("ran" if r.executed else "cached")
-    r.artifact = f"{store.uri}/extract/"
-    r.stats = {"shards": len(plans), "tokens": sum(int(x.stats.get("tokens", 0)) for x in refs),
-               "nodes": 1 + len(children)}
-    if r.failed:
-        lost = sorted(s for s, a in found.items() if a is None)
-        r.error = errors[0] if errors else f"shards {lost} are not on {store.uri}"
-        logger.error(f"extract: {r.failed} of {len(plans)} shards not finished ({lost}); " + "; ".join(errors))
-        raise RuntimeError(f"{r.failed} of {len(plans)} extraction shards not finished ({lost}): {r.error}; "
-                           "`draftline retry` this run: it extracts only those, on any node")
-    logger.info(f"extract: {r.executed} shards ran (on {1 + len(children)} nodes), {r.cached} cached, in {r.seconds}s")
-    return refs
-
-
-def _child_config(rec: RunRecord) -> dict[str, Any]:
-    """This run's config for its children, as `draftline submit` sends one: a file inside the code folder
-    travels as its path (every node has it), any other file as its content (overrides)."""
-    if not rec.config_path:
-        return {"config_path": None, "overrides": list(rec.overrides)}
-    params, _ = config_parameters(Path(rec.config_path), list(rec.overrides), None)
-    return params
-
-
-def _start_child(target: str, run_deployment: Callable, **kwargs: Any) -> Any:
-    from prefect.exceptions import ObjectNotFound
-
-    try:
-        return run_deployment(target, **kwargs)
-    except ObjectNotFound:
-        raise RuntimeError(f"extract.nodes sends slices of the shards to the deployment {target}, which is not "
-                           f"registered: `draftline deploy --name {target.split('/', 1)[1]}` registers it (or set "
-                           "extract.deployment to one that exists)") from None
-
-
-def _running_children(parent_id: Any) -> list[tuple[Any, list[int]]]:
-    """Child runs of this flow run (any attempt) not yet in a final state, with their shards."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterParentFlowRunId,
-    )
-
-    if parent_id is None:
-        return []
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])), limit=200)
-    return [(run, list((run.parameters or {}).get("shards") or [])) for run in runs
-            if run.state is not None and not run.state.is_final()]
-
-
-# A child that no node has taken this long after the parent ran out of work of its own (every node
-# busy, or fewer nodes than extract.nodes): the parent cancels it and extracts its shards itself.
-TAKE_BACK_AFTER = 30.0
-
-
-def _wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard: dict[int, Any],
-                   logger, take_back: Callable[[list[int]], None] | None = None, poll: float = 5.0) -> list[str]:
-    """Wait for the child runs to end (Completed, Failed, Crashed, Cancelled); the errors of those whose
-    shards are not all on the store. A child still Scheduled TAKE_BACK_AFTER seconds after this node
-    went idle is cancelled, and `take_back` extracts its shards here (a pool short of nodes never hangs)."""
-    from prefect.client.orchestration import get_client
-    from prefect.states import Cancelled
-
-    errors: list[str] = []
-    pending = {c.id: (c, shards) for c, shards in children}
-    last_note = idle_since = time.time()
-    with get_client(sync_client=True) as client:
-        while pending:
-            for cid in list(pending):
-                child, shards = pending[cid]
-                run = client.read_flow_run(cid)
-                if (take_back is not None and run.state is not None and run.state.type.value == "SCHEDULED"
-                        and time.time() - idle_since > TAKE_BACK_AFTER):
-                    res = client.set_flow_run_state(cid, Cancelled(
-                        message=f"no node took it within {TAKE_BACK_AFTER:.0f} s; its parent extracted its shards"))
-                    if getattr(res.status, "value", str(res.status)) == "ACCEPT":
-                        del pending[cid]
-                        logger.info(f"extract: no node took child {run.name} within {TAKE_BACK_AFTER:.0f} s: "
-                                    f"cancelled it, extracting its shards {shards} here")
-                        take_back(shards)
-                        idle_since = time.time()
-                        continue
-                if run.state is None or not run.state.is_final():
-                    continue
-                del pending[cid]
-                lost = [s for s in shards if store.find("extract", by_shard[s].digest) is None]
-                state = run.state.name
-                if lost and run.state.is_completed():
-                    errors.append(f"child {run.name} completed but shards {lost} are not on {store.uri}: its node "
-                                  "writes to another store; give every node the same s3:// store")
-                elif lost:
-                    why = (run.state.message or "").strip()[:300]
-                    errors.append(f"child {run.name} ({run.id}) ended {state}" + (f" ({why})" if why else "")
-                                  + f" with shards {lost} unfinished")
-                logger.info(f"extract: child {run.name} {state}; shards {shards}: "
-                            f"{len(shards) - len(lost)} on the store, {len(lost)} missing")
-            if not pending:
-                break
-            if time.time() - last_note > 300:
-                last_note = time.time()
-                logger.info("extract: waiting for child runs " + ", ".join(
-                    f"{c.name} ({client.read_flow_run(c.id).state.name})" for c, _ in pending.values()))
-            deadline = time.time() + poll
-            while time.time() < deadline:
-                stopping.check("waiting for the extraction child runs")
-                time.sleep(0.5)
-    return errors
-
-
 @flow(name=EXTRACT_FLOW, log_prints=True, persist_result=False)
 def extract_slice(config_path: str | None = None, overrides: list[str] | None = None, data_stage: str = "prepare",
                   data_digest: str = "", shards: list[int] | None = None) -> dict:
@@ -615,7 +402,7 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     plans = [p for p in plan_extract(cfg, hit.ref(), load_hf_config(cfg.target, model)) if p.shard in want]
     if len(plans) != len(want):
         raise RuntimeError(f"shards {sorted(want - {p.shard for p in plans})} do not exist in {data_stage}/{data_digest}")
-    progress = _Progress("extract-progress", f"Extraction slice: 0/{len(plans)} shards")
+    progress = Progress("extract-progress", f"Extraction slice: 0/{len(plans)} shards")
     refs, errors = _extract_here(cfg, store, model, plans, logger, progress)
     summary = {"shards": sorted(want), "executed": sum(1 for x in refs if x.executed_here),
                "cached": sum(1 for x in refs if not x.executed_here), "failed": len(errors)}

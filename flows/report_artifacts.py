@@ -1,4 +1,5 @@
-"""The benchmark report in the Prefect UI: a table artifact and a markdown artifact with the plot.
+"""What a run shows in the Prefect UI besides its task runs: each stage's progress bar, and the
+benchmark report as a table artifact and a markdown artifact with the plot.
 
 `publish_summary(report)` takes report.json (as `tasks.benchmark.load_report` returns it),
 so a cached benchmark publishes the same figures, with the run that measured them.
@@ -8,7 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 from tasks.benchmark_report import plot_data_uri, report_markdown, report_table_rows
 
@@ -40,3 +46,24 @@ def publish_summary(report: dict[str, Any]) -> dict[str, Any]:
         summary_markdown(report), key=MARKDOWN_KEY,
         description=f"Draft benchmark report ({when})")
     return {"table": table_id, "markdown": md_id}
+
+
+class Progress:
+    """A Prefect progress artifact that tolerates running outside a flow."""
+
+    def __init__(self, key: str, description: str):
+        self.id = None
+        self.last = -1.0
+        try:
+            self.id = create_progress_artifact(0.0, key=key, description=description)
+        except Exception:
+            pass
+
+    def update(self, pct: float, description: str | None = None) -> None:
+        if self.id is None or (pct - self.last < 1.0 and pct < 100.0):
+            return
+        self.last = pct
+        try:
+            update_progress_artifact(self.id, min(100.0, pct), description=description)
+        except Exception:
+            pass

@@ -171,7 +171,7 @@ def test_nodes_and_deployment_are_scheduling_keys_that_change_no_address():
 
 
 def test_missing_shards_are_dealt_round_robin_into_at_most_one_slice_per_node():
-    from flows.pipeline import slice_shards
+    from flows.nodes import slice_shards
 
     assert slice_shards([0, 1, 2, 3], 2) == [[0, 2], [1, 3]]
     assert slice_shards([3], 2) == [[3]]  # one shard left: no child run, the run's own node takes it
@@ -180,7 +180,7 @@ def test_missing_shards_are_dealt_round_robin_into_at_most_one_slice_per_node():
 
 
 def test_a_local_run_with_several_nodes_says_which_deployment_to_name():
-    from flows.pipeline import child_deployment
+    from flows.nodes import child_deployment
     from tasks.config import load_config
 
     with pytest.raises(RuntimeError, match=r"not a deployment run: set extract.deployment.*draftline deploy"):
@@ -198,15 +198,15 @@ def test_deploy_refuses_a_crash_delay_shorter_than_two_heartbeats():
 def test_children_get_the_runs_config_even_from_a_file_only_the_parent_has(tmp_path):
     """A config outside the code folder (a laptop's file, `draftline run` sending slices to a pool) reaches
     the children as its content; one inside travels as its path, which every node's code folder has."""
-    from flows.pipeline import _child_config
+    from flows.nodes import child_config
     from flows.run_record import RunRecord
     from tasks.config import load_config
 
     mine = tmp_path / "mine.yaml"
     mine.write_text((ROOT / harness.CONFIG).read_text().replace("heldout: 4", "heldout: 3"))
     sets = ["extract.nodes=2", "extract.deployment=local"]
-    sent = _child_config(RunRecord(config_path=str(mine), overrides=sets))
+    sent = child_config(RunRecord(config_path=str(mine), overrides=sets))
     assert sent["config_path"] is None
     assert load_config(None, sent["overrides"]).model_dump() == load_config(mine, sets).model_dump()
-    assert _child_config(RunRecord(config_path=harness.CONFIG, overrides=sets)) == \
+    assert child_config(RunRecord(config_path=harness.CONFIG, overrides=sets)) == \
         {"config_path": harness.CONFIG, "overrides": sets}
