@@ -190,8 +190,9 @@ def train_ours(cfg: RunConfig, store: Store, vocab, shards, budget_min: float, e
 
 
 def train_theirs(cfg: RunConfig, store: Store, vocab, shards, budget_min: float, trainer: Trainer,
-                 drafts: Path, name: str, bf16_cpu: bool) -> list[dict]:
-    """speculators' Trainer: a 6-step calibration of CPU s/step, then floor(budget / that) steps."""
+                 drafts: Path, name: str, bf16_cpu: bool, steps: int | None = None) -> list[dict]:
+    """speculators' Trainer: a 6-step calibration of CPU s/step, then floor(budget / that) steps
+    (or `steps` given: no calibration; the budget still stops it)."""
     inputs = resolve_inputs(cfg, store, vocab, shards)
     held, eval_set = heldout(trainer), trainer.eval
     cpu: list[float] = []
@@ -204,14 +205,17 @@ def train_theirs(cfg: RunConfig, store: Store, vocab, shards, budget_min: float,
         return False
 
     free_memory()
-    last[0] = time.process_time()
-    cal = with_train(cfg, max_steps=6)
-    run_speculators(cal, store, inputs, held, eval_set, 0, "cpu", bf16_cpu=bf16_cpu, after_step=per_step)
-    # the first step also timed building their dataset (speculators_dataset), the second warms up
-    s_per_step = statistics.median(cpu[2:])
-    n = max(1, int(budget_min * 60 / s_per_step))
-    print(f"speculators calibration: {s_per_step:.2f} CPU-s/step -> {n} steps in {budget_min:g} CPU-min",
-          flush=True)
+    if steps:
+        n, s_per_step = steps, budget_min * 60 / steps
+    else:
+        last[0] = time.process_time()
+        cal = with_train(cfg, max_steps=6)
+        run_speculators(cal, store, inputs, held, eval_set, 0, "cpu", bf16_cpu=bf16_cpu, after_step=per_step)
+        # the first step also timed building their dataset (speculators_dataset), the second warms up
+        s_per_step = statistics.median(cpu[2:])
+        n = max(1, int(budget_min * 60 / s_per_step))
+        print(f"speculators calibration: {s_per_step:.2f} CPU-s/step -> {n} steps in {budget_min:g} CPU-min",
+              flush=True)
     free_memory()
     run_cfg = with_train(cfg, max_steps=n)
     first: list[float] = []
@@ -227,7 +231,7 @@ def train_theirs(cfg: RunConfig, store: Store, vocab, shards, budget_min: float,
                           after_step=budget, keep_model=True)
     cpu_s, wall = time.process_time() - first[0], res["wall_s"]  # their loop only (bench_train's wall_s)
     model = res.pop("_model")
-    folder = drafts / f"{name}-theirs"
+    folder = drafts / f"{name}-theirs{f'-{steps}steps' if steps else ''}"
     folder.mkdir(parents=True, exist_ok=True)
     export_draft(model, str(folder), cfg.target.dtype)
     del model
@@ -290,13 +294,29 @@ def measure(cfg: RunConfig, store: Store, data, drafts: list[str], folder: Path,
     return results
 
 
+def vocab_coverage(measured: dict, drafts: Path) -> None:
+    """Per run: the share of the generated tokens (the target's greedy output) inside the draft's vocabulary
+    (its t2d), i.e. the tokens the draft could propose at all."""
+    from safetensors.torch import load_file
+
+    t2d: dict[str, torch.Tensor] = {}
+    for r in measured["runs"]:
+        if r["draft"] is None:
+            continue
+        if r["draft"] not in t2d:
+            t2d[r["draft"]] = load_file(str(drafts / r["draft"] / "model.safetensors"))["t2d"].bool()
+        ids = torch.tensor([t for o in r["outputs"] for t in o], dtype=torch.long)
+        r["in_draft_vocab"] = round(float(t2d[r["draft"]][ids].float().mean()), 4) if len(ids) else None
+
+
 def table(trained: list[dict], measured: dict) -> str:
     runs = measured["runs"]
     base = {r["eval"]: r["output_tokens_per_s"] for r in runs if r["k"] is None}
     n = measured["prompts"]
     lines = [f"| draft | steps | CPU s | wall s | sim. AL (k=3) | k | MT-Bench AL ({n['mtbench']} prompts) | "
-             f"held-out AL ({n['heldout']}) | MT-Bench tok/s b{measured['batch']} | held-out tok/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"held-out AL ({n['heldout']}) | MT-Bench tok/s b{measured['batch']} | held-out tok/s | "
+             "MT-Bench / held-out output tokens in the draft vocab |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     info = {t["draft"]: t for t in trained}
     for r in runs:
         if r["k"] is None or r["eval"] != "mtbench":
@@ -306,7 +326,7 @@ def table(trained: list[dict], measured: dict) -> str:
         lines.append(f"| {r['draft']} | {t.get('steps', '')} | {t.get('cpu_s', '')} | {t.get('wall_s', '')} | "
                      f"{t.get('simulated_acceptance_length', '')} | {r['k']} | {r['mean_acceptance_length']:.3f} | "
                      f"{h['mean_acceptance_length']:.3f} | {r['output_tokens_per_s']:.1f} | "
-                     f"{h['output_tokens_per_s']:.1f} |")
+                     f"{h['output_tokens_per_s']:.1f} | {r.get('in_draft_vocab')} / {h.get('in_draft_vocab')} |")
     if base:
         lines.append(f"\nbaseline tok/s at batch {measured['batch']}: MT-Bench {base.get('mtbench', 0):.1f}, "
                      f"held-out {base.get('heldout', 0):.1f}")
@@ -334,6 +354,8 @@ def main() -> None:
     ap.add_argument("--budget-cpu-min", type=float, default=10.0, help="training budget, process CPU minutes")
     ap.add_argument("--exports", default="", help="ours: also export drafts at these CPU minutes")
     ap.add_argument("--their-precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--their-steps", type=int, default=None,
+                    help="theirs: this many steps (cosine over them) instead of the calibrated count")
     ap.add_argument("--ks", default="1,2,3")
     ap.add_argument("--mtbench", type=int, default=80)
     ap.add_argument("--heldout", type=int, default=32)
@@ -341,11 +363,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--measure-only", action="store_true", help="measure the drafts of an earlier run of --name")
+    ap.add_argument("--table-only", action="store_true", help="print the table of an earlier run of --name")
     args = ap.parse_args()
     work = Path(args.work).resolve()
     run_dir = work / args.name
     drafts = run_dir / "drafts"
     drafts.mkdir(parents=True, exist_ok=True)
+    if args.table_only:
+        results = json.loads((run_dir / "results.json").read_text())
+        vocab_coverage(results["measured"], drafts)
+        print(table(results["trained"], results["measured"]))
+        return
     cfg, store, data, vocab, shards = prepare(args.config, args.sets, work)
     sides = args.sides.split(",")
     result_path = run_dir / "results.json"
@@ -366,7 +394,7 @@ def main() -> None:
             if trainer is None:
                 trainer = Trainer(cfg, store, resolve_inputs(cfg, store, vocab, shards), DistEnv.from_env(cfg.train))
             results["trained"] += train_theirs(cfg, store, vocab, shards, args.budget_cpu_min, trainer, drafts,
-                                               args.name, args.their_precision == "bf16")
+                                               args.name, args.their_precision == "bf16", args.their_steps)
             result_path.write_text(json.dumps(results, indent=2, default=str))
         del trainer
         free_memory()
@@ -375,6 +403,7 @@ def main() -> None:
     results["measured"] = measure(cfg, store, data, names, drafts, [int(k) for k in args.ks.split(",")],
                                   args.mtbench, args.heldout, args.batch, args.max_tokens, not args.no_baseline)
     results["measure_wall_s"] = round(time.perf_counter() - t0, 1)
+    vocab_coverage(results["measured"], drafts)
     result_path.write_text(json.dumps(results, indent=2, default=str))
     md = table(results["trained"], results["measured"])
     (run_dir / "table.md").write_text(md + "\n")
