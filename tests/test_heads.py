@@ -172,11 +172,13 @@ def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_
 # ============================================================================ one benchmark, every head
 
 
-def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_decode_keeps_its_error(tmp_path):
+def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_decode_keeps_its_error(tmp_path,
+                                                                                                 monkeypatch):
     """Three heads through run_benchmark with engines that count like vLLM; the DFlash engine fails to start
     the way vLLM fails: its row is offline-only with vLLM's own error, the others are measured."""
     from test_benchmark import FakeEngine, bench_cfg, commit, heldout_parquet
 
+    import tasks.benchmark
     from tasks.benchmark import load_report, run_benchmark
     from tasks.benchmark_report import report_markdown
     from tasks.engine import EngineError
@@ -196,6 +198,8 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
             pass
 
     started: list[str] = []
+    # the machine's description imports vLLM for its version (~10 s); these engines are not vLLM's
+    monkeypatch.setattr(tasks.benchmark, "_machine", lambda: {"machine": "test", "load_avg_1m": None})
 
     def factory(name, kwargs):
         started.append(f"{name}:{(kwargs.get('speculative_config') or {}).get('method')}")
