@@ -211,10 +211,16 @@ def head_layer_ids(cfg: RunConfig, stored: list[int]) -> list[int]:
     missing = [i for i in aux if i not in stored[:-1]]
     if missing:
         union = sorted(set(stored[:-1]) | set(aux)) + [stored[-1]]
+        fix = (f"Set extract.layer_ids: {union}: the extract stage extracts them (once, cached) and every head "
+               "reads its own layers from them")
+        try:
+            validate_layer_ids(union, stored[-1])
+        except ValueError as exc:  # the extract stage's own rule refuses that set
+            fix = (f"The extract stage cannot store them beside the others ({exc}): give the heads layer_ids "
+                   "from one set that extract.layer_ids can hold, and set extract.layer_ids to it")
         raise TrainError(
             f"train.heads: {head.label} reads target layers {aux}, but the stored hidden states hold {stored[:-1]} "
-            f"(and the last layer, {stored[-1]}): {missing} are not there. Set extract.layer_ids: {union}: the "
-            "extract stage extracts them (once, cached) and every head reads its own layers from them")
+            f"(and the last layer, {stored[-1]}): {missing} are not there. {fix}")
     return aux + [stored[-1]]
 
 

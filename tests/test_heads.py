@@ -151,17 +151,21 @@ def test_dflash_head_trains_from_the_same_hidden_states_and_exports_what_vllm_re
     assert st["head_kind"] == "dflash" and len(st["val_acc_per_pos"]) == 3 and st["simulated_acceptance_length"] >= 1
 
 
-def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_for_the_rest(tiny):
+def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_for_the_rest(tiny, monkeypatch):
     ref = run_train(head_cfg(tiny, {"kind": "dflash", "name": "two", "block_size": 3, "max_anchors": 8,
                                     "mask_token_id": 0, "layer_ids": [1, 3]}, max_steps=1, eval_batches=0),
                     tiny.store, tiny.vref, tiny.refs)
     conf, weights = exported(tiny, ref)
     assert conf["aux_hidden_state_layer_ids"] == [1, 3] and weights["fc.weight"].shape == (64, 2 * 64)
-    # a head reading layers the extraction does not hold is told which extract.layer_ids to set
+    # a head reading layers the extraction does not hold is told which extract.layer_ids to set: today the
+    # extract stage takes three auxiliary ids (tasks/target.py), so the heads must share one set of three
     cfg = head_cfg(tiny, {"kind": "eagle3.1", "layer_ids": [2, 3]})
     with pytest.raises(TrainError, match=r"eagle3.1 reads target layers \[2, 3\], but the stored hidden states hold "
-                                         r"\[1, 3, 20\] .*\[2\] are not there. Set extract.layer_ids: "
-                                         r"\[1, 2, 3, 20, 30\]"):
+                                         r"\[1, 3, 20\] .*\[2\] are not there. The extract stage cannot store them "
+                                         r"beside the others"):
+        head_layer_ids(cfg, [1, 3, 20, 30])
+    monkeypatch.setattr("tasks.train.validate_layer_ids", lambda ids, n: ids)  # an extract stage taking more
+    with pytest.raises(TrainError, match=r"\[2\] are not there. Set extract.layer_ids: \[1, 2, 3, 20, 30\]"):
         head_layer_ids(cfg, [1, 3, 20, 30])
     assert head_layer_ids(cfg, [2, 3, 20, 30]) == [2, 3, 30]
     cfg.train.heads = [HeadConfig(kind="eagle3.1", layer_ids=[1, 4])]
