@@ -219,8 +219,8 @@ def head_layer_ids(cfg: RunConfig, stored: list[int]) -> list[int]:
             fix = (f"The extract stage cannot store them beside the others ({exc}): give the heads layer_ids "
                    "from one set that extract.layer_ids can hold, and set extract.layer_ids to it")
         raise TrainError(
-            f"train.heads: {head.label} reads target layers {aux}, but the stored hidden states hold {stored[:-1]} "
-            f"(and the last layer, {stored[-1]}): {missing} are not there. {fix}")
+            f"train.heads: {head.label} reads target layers {aux}, but the extract stage's hidden states hold "
+            f"{stored[:-1]} (and the last layer, {stored[-1]}): {missing} are not there. {fix}")
     return aux + [stored[-1]]
 
 

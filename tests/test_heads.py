@@ -160,8 +160,8 @@ def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_
     # a head reading layers the extraction does not hold is told which extract.layer_ids to set: today the
     # extract stage takes three auxiliary ids (tasks/target.py), so the heads must share one set of three
     cfg = head_cfg(tiny, {"kind": "eagle3.1", "layer_ids": [2, 3]})
-    with pytest.raises(TrainError, match=r"eagle3.1 reads target layers \[2, 3\], but the stored hidden states hold "
-                                         r"\[1, 3, 20\] .*\[2\] are not there. The extract stage cannot store them "
+    with pytest.raises(TrainError, match=r"eagle3.1 reads target layers \[2, 3\], but the extract stage's hidden "
+                                         r"states hold \[1, 3, 20\] .*\[2\] are not there. The extract stage cannot store them "
                                          r"beside the others"):
         head_layer_ids(cfg, [1, 3, 20, 30])
     monkeypatch.setattr("tasks.train.validate_layer_ids", lambda ids, n: ids)  # an extract stage taking more
@@ -215,7 +215,8 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
     cfg.train.heads = [HeadConfig(kind="eagle3"), HeadConfig(kind="eagle3.1"), HeadConfig(kind="dflash")]
     drafts = {"eagle3": {"speculators_model_type": "eagle3", "norm_before_fc": True, "norm_output": True},
               "eagle3.1": {"speculators_model_type": "eagle3", "fc_norm": True, "norm_output": True},
-              "dflash": {"speculators_model_type": "dflash", "block_size": 3, "aux_hidden_state_layer_ids": [2, 15, 27]}}
+              "dflash": {"speculators_model_type": "dflash", "block_size": 3,
+                         "aux_hidden_state_layer_ids": [2, 15, 27]}}
     trained = [(label, commit(store, "train", f"{i}" * 32, {"draft/config.json": json.dumps(conf).encode(),
                                                              "draft/model.safetensors": b"x"},
                               stats={"val_acc_per_pos": [0.5, 0.25], "steps": 10}))
