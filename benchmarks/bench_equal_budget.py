@@ -18,7 +18,7 @@ recorded beside it. Both sides run in this one process, one after the other, wit
 threads (2 on 2 cores) and the same precision (bf16 autocast on a bf16 CPU: ours via
 `train.precision: auto`, theirs via their own autocast, see bench_train.run_speculators' bf16_cpu).
 
-- ours: tasks.train.Trainer, unchanged, with `train.max_minutes` = the budget and its clock
+- ours: tasks.train_loop.Trainer, unchanged, with `train.max_minutes` = the budget and its clock
   (tasks.train's `time.perf_counter`) replaced by this process's CPU clock, so the budget stop and the
   lr annealing by the clock both follow CPU time. `--exports M,...` also writes a snapshot draft when the
   clock passes M minutes (the lr is annealed to the full budget, so a snapshot is a lower bound on a run
@@ -28,7 +28,7 @@ threads (2 on 2 cores) and the same precision (bf16 autocast on a bf16 CPU: ours
   6-step calibration run measures their CPU seconds per step and the real run gets
   floor(budget / that) steps, stopping early if the budget runs out first.
 
-Every draft is exported with tasks.train.export_draft (speculators' format, what vLLM loads) into
+Every draft is exported with tasks.train_loop.export_draft (speculators' format, what vLLM loads) into
 `--work`/NAME/drafts/, then measured with the benchmark stage's own code (tasks.benchmark:
 load_eval_prompts, engine_kwargs, measure, acceptance_figures) in vLLM: one engine per draft and k, plus
 a baseline engine for tokens/s, on `--mtbench` MT-Bench first turns and `--heldout` held-out prompts of
@@ -56,12 +56,13 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
 
-import tasks.train as train_mod  # noqa: E402
+import tasks.train_loop as train_mod  # noqa: E402
 from bench_train import clear_checkpoints, free_memory, run_speculators  # noqa: E402
 from tasks import digest as digests  # noqa: E402
 from tasks.config import EvalConfig, RunConfig, load_config  # noqa: E402
 from tasks.store import Store  # noqa: E402
-from tasks.train import DistEnv, Trainer, export_draft, resolve_inputs  # noqa: E402
+from tasks.train_inputs import resolve_inputs  # noqa: E402
+from tasks.train_loop import DistEnv, export_draft, Trainer  # noqa: E402
 
 
 class CpuClock:
@@ -247,8 +248,9 @@ def train_theirs(cfg: RunConfig, store: Store, vocab, shards, budget_min: float,
 def measure(cfg: RunConfig, store: Store, data, drafts: list[str], folder: Path, ks: list[int], n_mtbench: int,
             n_heldout: int, batch: int, max_tokens: int, baseline: bool) -> dict:
     """Each draft at each k in vLLM (the benchmark stage's code), plus the baseline for tokens/s."""
-    from tasks.benchmark import (acceptance_figures, default_engine_factory, engine_kwargs, load_eval_prompts,
-                                 measure as measure_run)
+    from tasks.benchmark import default_engine_factory, engine_kwargs
+    from tasks.benchmark_measure import acceptance_figures, measure as measure_run
+    from tasks.benchmark_prompts import load_eval_prompts
     from tasks.chat import make_masker
     from tasks.target import resolve_model
 

@@ -418,7 +418,8 @@ def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], 
     import bench_train
     from tasks.config import RunConfig
     from tasks.parts import load_part
-    from tasks.train import PartReader, resolve_inputs
+    from tasks.train_inputs import resolve_inputs
+    from tasks.train_stream import PartReader
     from train_data import write_vocab
 
     res: dict = {"draft_vocab": draft_vocab, "batch_tokens": batch_tokens, "steps": steps, "ttt_steps": 3}
@@ -439,7 +440,7 @@ def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], 
     res["parts"] = len(inputs.parts)
     res["tokens"] = sum(p.hidden.shape[0] for p in preloaded.values())
     rate = roofline()
-    import tasks.train as tt
+    import tasks.train_loop as tt
 
     FPT: dict = {}
     orig_fpt = getattr(tt.flops_per_token, "__wrapped__", tt.flops_per_token)

@@ -38,7 +38,7 @@ def first_differences(a: list[list[int]], b: list[list[int]]) -> list[int | None
 
 
 def prompt_sets(cfg, n: int) -> dict[str, list[list[int]]]:
-    from tasks.benchmark import first_turn, load_eval_prompts
+    from tasks.benchmark_prompts import first_turn, load_eval_prompts
     from tasks.config import EvalConfig, SourceConfig
     from tasks.data_sources import load_source
     from tasks.prepare import make_masker

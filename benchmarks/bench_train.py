@@ -13,7 +13,7 @@ vocabulary, draft architecture (speculators' EAGLE-3 recipe, 1 layer, sdpa,
 eager KL loss), optimizer (AdamW, no weight decay), warm-up + cosine schedule,
 --batch-tokens packed tokens per step and --steps steps; both are evaluated on
 the same held-out samples with the same function (per-position accuracy and the
-simulated acceptance length, see tasks.train.simulated_acceptance_length).
+simulated acceptance length, see tasks.acceptance.simulated_acceptance_length).
 
 Measured:
 1. ours vs speculators' Trainer, tokens/s (median over steps after the first 2).
@@ -53,18 +53,10 @@ import torch  # noqa: E402
 from tasks.config import RunConfig, TargetConfig  # noqa: E402
 from tasks.store import Store  # noqa: E402
 from tasks.target import load_tokenizer, resolve_model  # noqa: E402
-from tasks.train import (  # noqa: E402
-    BatchStream,
-    DistEnv,
-    PartReader,
-    Trainer,
-    build_draft_model,
-    checkpoint_digest,
-    evaluate_model,
-    flops_per_token,
-    resolve_inputs,
-    resolve_precision,
-)
+from tasks.train_inputs import resolve_inputs  # noqa: E402
+from tasks.train_loop import checkpoint_digest, DistEnv, evaluate_model, Trainer  # noqa: E402
+from tasks.train_model import build_draft_model, flops_per_token, resolve_precision  # noqa: E402
+from tasks.train_stream import BatchStream, PartReader  # noqa: E402
 from train_data import generate_samples, write_extract, write_vocab  # noqa: E402
 
 LAYER_IDS = [2, 15, 27, 30]

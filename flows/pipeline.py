@@ -271,7 +271,8 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
     if until != "extract" and any(h.layer_ids for h in cfg.train.heads):
         from tasks.config import head_config
         from tasks.target import load_hf_config, resolve_layer_ids, resolve_model
-        from tasks.train import TrainError, head_layer_ids
+        from tasks.train_common import TrainError
+        from tasks.train_inputs import head_layer_ids
 
         stored = resolve_layer_ids(cfg, load_hf_config(cfg.target, resolve_model(cfg.target)))
         for head in cfg.train.heads:

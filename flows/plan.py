@@ -2,7 +2,7 @@
 
 Everything comes from two places: the config (samples, lengths, layer ids, regeneration tokens, steps, batch
 sizes) and the rates in configs/rates.yaml, each of which names its source (a run in benchmarks/RESULTS.md,
-or an assumption). Training FLOPs per token are `tasks.train.flops_per_token` of the draft this config
+or an assumption). Training FLOPs per token are `tasks.train_model.flops_per_token` of the draft this config
 would train (speculators' Eagle3DraftModel, built on the meta device: no memory, no weights); extraction
 FLOPs are 2 x the target's active parameters per token, the MFU convention of benchmarks/RESULTS.md.
 
@@ -25,7 +25,7 @@ from flows.console import ROOT, SetOpt, fail
 from tasks.config import ConfigError, RunConfig, load_config
 
 RATES_FILE = ROOT / "configs" / "rates.yaml"
-CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train.py save_checkpoint)
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train_loop.py Trainer.save_checkpoint)
 
 
 class PlanError(ValueError):
@@ -147,14 +147,14 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
 
 def draft_model(cfg: RunConfig, target: Target, layer_ids: list[int]):
     """The Eagle3DraftModel this config trains, on the meta device (shapes only), built from the same
-    layer config as tasks.train.build_draft_model."""
+    layer config as tasks.train_model.build_draft_model."""
     import torch
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     from tasks.target import text_config
-    from tasks.train import draft_layer_config
+    from tasks.train_model import draft_layer_config
 
     layer_cfg = draft_layer_config(cfg.train, cfg.target.model_copy(update={"trust_remote_code": False}),
                                    target.folder, target.hf_config)
@@ -190,7 +190,7 @@ def hidden_bytes_per_token(layers: int, hidden: int, dtype: str) -> int:
 
 def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_name: str = "") -> Plan:
     from tasks.target import configured_layer_ids, text_config
-    from tasks.train import flops_per_token
+    from tasks.train_model import flops_per_token
 
     if nodes < 1:
         raise PlanError(f"--nodes must be 1 or more, got {nodes}")
@@ -249,7 +249,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
 
     ranks = cfg.train.gpus or gpus
     train_tokens = cfg.train.max_steps * cfg.train.batch_tokens * ranks
-    # auto is flex_attention on a GPU where it compiles (tasks.train.resolve_attn_impl)
+    # auto is flex_attention on a GPU where it compiles (tasks.train_model.resolve_attn_impl)
     train_rate_name = ("train.mfu_flex_attention" if cfg.train.attn_impl in ("auto", "flex_attention")
                        else "train.mfu_sdpa")
     mfu_t = r[train_rate_name]
@@ -285,7 +285,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         f"{bound}-bound. With {other}: {_count(rate[other])} tok/s, "
         f"{tokens / rate[other] / 3600:,.1f} node-hours.",
         f"Training: the draft has {_count(trainable)} trainable parameters, {train_flops / 1e9:.2f} GFLOP per token "
-        f"(tasks.train.flops_per_token, {cfg.train.ttt_steps} TTT steps): {_count(per_gpu)} tok/s per GPU at MFU "
+        f"(tasks.train_model.flops_per_token, {cfg.train.ttt_steps} TTT steps): {_count(per_gpu)} tok/s per GPU at MFU "
         f"{mfu_t:g}, {_count(node_rate)} tok/s per node; one node (torchrun over its GPUs).",
         f"Wall-clock spreads regenerate and extract over {nodes} node(s), each starting its own engine; draftline "
         "does not fan one run out over nodes by itself yet (docs/kimi-k2.5.md, Known gaps).",

@@ -122,8 +122,7 @@ def offline_replay(cfg: RunConfig, model_path: str, draft_dir: str, draft_info: 
     them), to set beside vLLM's measured figure.
     """
     from tasks.engine_settings import engine_for_group, gpu_groups
-    from tasks.target import resolve_layer_ids
-    from tasks.target import load_hf_config
+    from tasks.target import load_hf_config, resolve_layer_ids
 
     t0 = time.time()
     layer_ids = resolve_layer_ids(cfg, load_hf_config(cfg.target, model_path))

@@ -266,11 +266,11 @@ def _rank_main() -> None:
         if sink is not None:
             sink.write(json.dumps(rec, default=str) + "\n")  # line-buffered: one whole line per record
 
-    from tasks import train as train_stage  # this rank is one process of the train stage
+    from tasks.train_loop import train_here  # this rank is one process of the train stage
 
     try:
-        ref = train_stage.run_train(cfg, store, ArtifactRef.model_validate(args["vocab"]),
-                                    [ArtifactRef.model_validate(r) for r in args["extract"]], on_metrics)
+        ref = train_here(cfg, store, ArtifactRef.model_validate(args["vocab"]),
+                         [ArtifactRef.model_validate(r) for r in args["extract"]], on_metrics)
     finally:
         if sink is not None:
             sink.close()

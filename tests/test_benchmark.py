@@ -10,24 +10,12 @@ import numpy as np
 import pytest
 
 from tasks import digest as digests
-from tasks.benchmark import (
-    BenchmarkError,
-    RunResult,
-    SpecCounters,
-    acceptance_figures,
-    assemble_report,
-    check_draft,
-    draft_folder,
-    find_report,
-    histogram_delta,
-    load_eval_prompts,
-    load_report,
-    measure,
-    report_stats,
-    run_benchmark,
-    select_evenly,
-    simulated_acceptance_length,
-)
+from tasks.acceptance import simulated_acceptance_length
+from tasks.benchmark import check_draft, draft_folder, find_report, load_report, run_benchmark
+from tasks.benchmark_common import BenchmarkError
+from tasks.benchmark_measure import acceptance_figures, histogram_delta, measure, RunResult, SpecCounters
+from tasks.benchmark_prompts import load_eval_prompts, select_evenly
+from tasks.benchmark_results import assemble_report, report_stats
 from tasks.benchmark_replay import chain_lengths, position_average, replay, replay_average
 from tasks.benchmark_report import plot_report, render_terminal, report_markdown, report_table_rows
 from tasks.config import BenchmarkConfig, EvalConfig, RunConfig, SourceConfig
@@ -62,7 +50,7 @@ def fabricated_report(cfg: RunConfig, acc=(0.5, 0.4, 0.3), k3_diverges: bool = T
 
     base_outs / k3_outs: greedy outputs per batch size of the baseline / the k=3 engine (default OUTS, and
     OUTS with a token changed when k3_diverges); controls: extra baseline decodes (label -> outputs)."""
-    from tasks.benchmark import EvalPrompts
+    from tasks.benchmark_prompts import EvalPrompts
 
     evals = [EvalPrompts(e.name, e.name, [[1, 2]] * 2, ["a", "b"], 2, requested=2) for e in cfg.benchmark.evals]
     bo = base_outs or {1: OUTS, 4: OUTS}

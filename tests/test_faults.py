@@ -38,7 +38,9 @@ from tasks.parts import load_part
 from tasks.store import MANIFEST, ArtifactRef, Store
 from tasks.target import load_hf_config
 from tasks import digest as digests
-from tasks.train import TrainError, checkpoint_digest, run_train
+from tasks.train import run_train
+from tasks.train_common import TrainError
+from tasks.train_loop import checkpoint_digest
 from train_data import make_tiny_target, write_vocab
 from warm import WarmEngine, finish, fork_call, start_draftline
 

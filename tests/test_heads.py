@@ -18,7 +18,9 @@ from safetensors.torch import load as st_load
 from tasks import digest as digests
 from tasks.config import ConfigError, HeadConfig, RunConfig, head_config, load_config
 from tasks.store import Store
-from tasks.train import TrainError, head_layer_ids, run_train
+from tasks.train import run_train
+from tasks.train_common import TrainError
+from tasks.train_inputs import head_layer_ids
 from tasks.train_model import speculators_kind
 from train_data import generate_samples, make_tiny_target, write_extract, write_vocab
 
@@ -164,7 +166,7 @@ def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_
                                          r"states hold \[1, 3, 20\] .*\[2\] are not there. The extract stage cannot store them "
                                          r"beside the others"):
         head_layer_ids(cfg, [1, 3, 20, 30])
-    monkeypatch.setattr("tasks.train.validate_layer_ids", lambda ids, n: ids)  # an extract stage taking more
+    monkeypatch.setattr("tasks.train_inputs.validate_layer_ids", lambda ids, n: ids)  # an extract stage taking more
     with pytest.raises(TrainError, match=r"\[2\] are not there. Set extract.layer_ids: \[1, 2, 3, 20, 30\]"):
         head_layer_ids(cfg, [1, 3, 20, 30])
     assert head_layer_ids(cfg, [2, 3, 20, 30]) == [2, 3, 30]

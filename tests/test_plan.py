@@ -83,7 +83,7 @@ def test_the_formulas_give_back_the_measured_figures(tmp_path):
     # bytes per token of an extract part: RESULTS measured 4,613 (bf16) and 2,325 (fp8) on SmolLM2's 4 x 576
     assert planner.hidden_bytes_per_token(4, 576, "bf16") == 4613
     assert planner.hidden_bytes_per_token(4, 576, "fp8") == 2325
-    # the 8B-shaped draft of RESULTS' H200 training runs: 6.52 GFLOP per token (tasks.train.flops_per_token)
+    # the 8B-shaped draft of RESULTS' H200 training runs: 6.52 GFLOP per token (tasks.train_model.flops_per_token)
     rates = planner.load_rates()
     rates["targets"]["llama-3.1-8b-shape"] = {"config": {
         "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -93,7 +93,7 @@ def test_the_formulas_give_back_the_measured_figures(tmp_path):
     rates["targets"]["llama-3.1-8b-shape"].update({k: {"value": 8e9, "unit": "-", "kind": "assumption",
                                                        "source": "test"} for k in
                                                    ("active_params", "engine_start_minutes", "decode_tok_s")})
-    from tasks.train import flops_per_token
+    from tasks.train_model import flops_per_token
 
     target = planner.load_target(cfg, rates, tmp_path)
     draft = planner.draft_model(cfg, target, [2, 16, 29, 32])

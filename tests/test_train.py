@@ -25,19 +25,13 @@ from safetensors.torch import load_file
 from tasks.config import RunConfig
 from tasks.digest import train as digest_of_train
 from tasks.store import ArtifactRef, Store
-from tasks.train import (
-    BatchStream,
-    PartData,
-    PartSpec,
-    TrainError,
-    checkpoint_digest,
-    flex_attention_compiles,
-    lr_at,
-    resolve_attn_impl,
-    run_train,
-    simulated_acceptance_length,
-    train_ranks,
-)
+from tasks.acceptance import simulated_acceptance_length
+from tasks.train import run_train
+from tasks.train_common import TrainError
+from tasks.train_loop import checkpoint_digest, lr_at
+from tasks.train_model import flex_attention_compiles, resolve_attn_impl
+from tasks.train_ranks import train_ranks
+from tasks.train_stream import BatchStream, PartData, PartSpec
 from train_data import generate_samples, make_tiny_target, write_extract, write_vocab
 
 REPO = Path(__file__).resolve().parents[1]
@@ -294,7 +288,7 @@ def test_precision_bf16_autocasts_on_cpu_and_fp32_does_not(tmp_path, tiny, monke
     """train.precision: bf16 autocast changes the arithmetic (not only a label), both learn, and auto
     follows the CPU's native bf16 support."""
     from tasks import engine
-    from tasks.train import resolve_precision
+    from tasks.train_model import resolve_precision
 
     store = Store(f"file://{tmp_path}/store")
     vref, refs = data_on(store, tiny)
