@@ -19,7 +19,7 @@ threads (2 on 2 cores) and the same precision (bf16 autocast on a bf16 CPU: ours
 `train.precision: auto`, theirs via their own autocast, see bench_train.run_speculators' bf16_cpu).
 
 - ours: tasks.train_loop.Trainer, unchanged, with `train.max_minutes` = the budget and its clock
-  (tasks.train's `time.perf_counter`) replaced by this process's CPU clock, so the budget stop and the
+  (tasks.train_loop's `time.perf_counter`) replaced by this process's CPU clock, so the budget stop and the
   lr annealing by the clock both follow CPU time. `--exports M,...` also writes a snapshot draft when the
   clock passes M minutes (the lr is annealed to the full budget, so a snapshot is a lower bound on a run
   annealed to M minutes); the snapshot's export and held-out eval are not counted in the clock.
