@@ -231,9 +231,8 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         prep_tokens * pq, prep_h, prep_h)
     if cfg.regenerate.enabled:
         gen = samples * answer
-        hours = nodes * start_h + gen / t["decode_tok_s"] / 3600
-        add("regenerate", gen, "generated", tokens * pq, tokens * pq, hours,
-            start_h + gen / t["decode_tok_s"] / 3600 / nodes)
+        hours = start_h + gen / t["decode_tok_s"] / 3600  # one node: regeneration is not dealt out (yet)
+        add("regenerate", gen, "generated", tokens * pq, tokens * pq, hours, hours)
     add("vocab", tokens, "counted", 0.0, 0.0, 0.0, 0.0)
 
     bpt = {d: hidden_bytes_per_token(n_layers, hidden, d) for d in ("bf16", "fp8")}
@@ -287,8 +286,8 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         f"Training: the draft has {_count(trainable)} trainable parameters, {train_flops / 1e9:.2f} GFLOP per token "
         f"(tasks.train_model.flops_per_token, {cfg.train.ttt_steps} TTT steps): {_count(per_gpu)} tok/s per GPU at MFU "
         f"{mfu_t:g}, {_count(node_rate)} tok/s per node; one node (torchrun over its GPUs).",
-        f"Wall-clock spreads regenerate and extract over {nodes} node(s), each starting its own engine; draftline "
-        "does not fan one run out over nodes by itself yet (docs/kimi-k2.5.md, Known gaps).",
+        f"Nodes: extraction is dealt over {nodes} node(s) (extract.nodes: {nodes}; each node starts its own engine); "
+        "regeneration, training and the benchmark run on one node.",
     ]
     used = ["node.gpus", "node.matmul_tflops", "node.gpu_hour_price", "node.store_write_gb_s",
             extract_rate_name, "regenerate.answer_fill", "regenerate.prompt_tokens", "prepare.samples_per_s",
@@ -341,7 +340,8 @@ def render(plan: Plan) -> str:
 # --------------------------------------------------------------------------- the command
 
 def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi-k2.5-b300.yaml."),
-         nodes: int = typer.Option(1, "--nodes", "-n", help="Nodes the sharded stages are spread over."),
+         nodes: Optional[int] = typer.Option(None, "--nodes", "-n", help="Nodes the extraction is dealt over "
+                                             "(default: the config's extract.nodes); as --set extract.nodes=N."),
          gpu_hour_price: Optional[float] = typer.Option(None, "--gpu-hour-price",
                                                         help="USD per GPU-hour (default: configs/rates.yaml)."),
          overrides: list[str] = SetOpt,
@@ -357,7 +357,8 @@ def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi
                 raise PlanError(f"--gpu-hour-price must be positive, got {gpu_hour_price:g}")
             rates["rates"]["node.gpu_hour_price"] = Rate("node.gpu_hour_price", gpu_hour_price, "USD per GPU-hour",
                                                          "command line", f"--gpu-hour-price {gpu_hour_price:g}")
-        result = make_plan(cfg, rates, nodes=nodes, config_name=str(config))
+        result = make_plan(cfg, rates, nodes=cfg.extract.nodes if nodes is None else nodes,
+                           config_name=str(config))
     except (ConfigError, PlanError) as exc:
         fail(str(exc))
     if as_json:
