@@ -17,8 +17,10 @@ from prefect.artifacts import (
 )
 
 from tasks.benchmark_report import plot_data_uri, report_markdown, report_table_rows
+from tasks.benchmark_results import head_table
 
 TABLE_KEY = "benchmark"
+HEADS_KEY = "benchmark-heads"
 MARKDOWN_KEY = "benchmark-report"
 
 
@@ -45,7 +47,14 @@ def publish_summary(report: dict[str, Any]) -> dict[str, Any]:
     md_id = create_markdown_artifact(
         summary_markdown(report), key=MARKDOWN_KEY,
         description=f"Draft benchmark report ({when})")
-    return {"table": table_id, "markdown": md_id}
+    out = {"table": table_id, "markdown": md_id}
+    heads = report.get("heads") or {}
+    if len(heads) > 1:  # train.heads: every head against the same baseline, one row per head, eval, k, batch
+        rows = [{k: (", ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else v) for k, v in r.items()}
+                for r in head_table(report)]
+        out["heads"] = create_table_artifact(
+            rows, key=HEADS_KEY, description=f"Draft heads ({', '.join(heads)}) against one baseline; {when}")
+    return out
 
 
 class Progress:

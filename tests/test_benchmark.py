@@ -360,6 +360,32 @@ def test_publish_summary_builds_prefect_artifacts(monkeypatch):
     assert key == "benchmark-report" and "file:///store/benchmark/abc" in md
     b64 = md.split("data:image/png;base64,", 1)[1].split(")", 1)[0]
     assert base64.b64decode(b64).startswith(PNG_MAGIC)
+    assert "heads" not in ra.publish_summary(rep)  # one head: its figures are the table above
+
+
+def test_several_heads_get_their_own_table_in_the_ui(monkeypatch):
+    """train.heads: the UI shows every head against the one baseline, an offline-only head with vLLM's error."""
+    import flows.report_artifacts as ra
+
+    tables = {}
+    monkeypatch.setattr(ra, "create_table_artifact", lambda rows, key, description: tables.update({key: rows}))
+    monkeypatch.setattr(ra, "create_markdown_artifact", lambda md, key, description: None)
+    rep = fabricated_report(bench_cfg())
+    ks = [str(k) for k in rep["settings"]["num_speculative_tokens"]]
+    rep["heads"] = {
+        "eagle3": {"kind": "eagle3", "benchmark": rep["benchmark"], "simulated_by_k": dict.fromkeys(ks, 1.5),
+                   "errors": {}},
+        "dflash": {"kind": "dflash", "benchmark": {}, "simulated_by_k": dict.fromkeys(ks, 1.3),
+                   "errors": dict.fromkeys(ks, "RuntimeError: no dflash here")}}
+    ra.publish_summary(rep)
+    rows = tables["benchmark-heads"]
+    evals, batches = len(rep["evals"]), len(rep["settings"]["batch_sizes"])
+    assert len([r for r in rows if r["head"] == "eagle3"]) == evals * len(ks) * batches
+    offline = [r for r in rows if r["head"] == "dflash"]
+    assert len(offline) == evals * len(ks)
+    assert all(r["measured_in"] == "offline only" and "no dflash" in r["error"] for r in offline)
+    measured = next(r for r in rows if r["head"] == "eagle3")
+    assert isinstance(measured["per_position_acceptance"], str)  # a list shown as text in Prefect's table
 
 
 # --------------------------------------------------------------------------- store, prompts, caching
