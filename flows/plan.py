@@ -247,14 +247,16 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         start_h + ext_h / nodes)
 
     ranks = cfg.train.gpus or gpus
-    train_tokens = cfg.train.max_steps * cfg.train.batch_tokens * ranks
+    heads = cfg.train.heads
+    steps = sum(h.max_steps or cfg.train.max_steps for h in heads)  # one train task per head, one after another
+    train_tokens = steps * cfg.train.batch_tokens * ranks
     # auto is flex_attention on a GPU where it compiles (tasks.train_model.resolve_attn_impl)
     train_rate_name = ("train.mfu_flex_attention" if cfg.train.attn_impl in ("auto", "flex_attention")
                        else "train.mfu_sdpa")
     mfu_t = r[train_rate_name]
     per_gpu = peak * mfu_t / train_flops
     node_rate = per_gpu * ranks * (r["train.multi_gpu_efficiency"] if ranks > 1 else 1.0)
-    ckpt = (cfg.train.max_steps // cfg.train.checkpoint_every) * trainable * CHECKPOINT_BYTES_PER_PARAM
+    ckpt = (steps // cfg.train.checkpoint_every) * trainable * CHECKPOINT_BYTES_PER_PARAM
     train_h = train_tokens / node_rate / 3600
     add("train", train_tokens, "trained", ckpt, ckpt, train_h, train_h)
 
@@ -276,8 +278,9 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     notes = [
         f"Workload: {samples:,} samples x {per_sample:,.0f} tokens ({prompt:,.0f} prompt + {answer:,.0f} answer"
         f"{'' if cfg.regenerate.enabled else ' from the data'}) = {_count(tokens)} tokens; training reads "
-        f"{_count(train_tokens)} tokens = {train_tokens / tokens:.2f} epochs ({cfg.train.max_steps:,} steps x "
-        f"{cfg.train.batch_tokens:,} tokens x {ranks} ranks).",
+        f"{_count(train_tokens)} tokens = {train_tokens / tokens:.2f} epochs ({steps:,} steps x "
+        f"{cfg.train.batch_tokens:,} tokens x {ranks} ranks"
+        + (f"; {len(heads)} heads, each priced as the EAGLE-3 draft below" if len(heads) > 1 else "") + ").",
         f"Extraction: {n_layers} layers x hidden {hidden:,} = {bpt['bf16']:,} bytes/token bf16, {bpt['fp8']:,} fp8; "
         f"compute {_count(compute_rate)} tok/s per node (2 x {_count(t['active_params'])} active params, MFU "
         f"{mfu:g}), store {_count(store_rate[dtype])} tok/s ({dtype}): {_count(rate[dtype])} tok/s, "

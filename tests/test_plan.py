@@ -114,8 +114,11 @@ def test_the_plan_follows_the_config_and_the_price():
     assert by1["extract"].tokens == pytest.approx(600_000 * (600 + 0.6 * 4096))
     assert by1["extract"].bytes_bf16 == by1["extract"].tokens * 57_349
     assert by1["extract"].bytes_fp8 / by1["extract"].bytes_bf16 == pytest.approx(0.5, abs=0.001)
-    # training tokens are steps x tokens per rank x 8 ranks
+    # training tokens are steps x tokens per rank x 8 ranks, for every head of train.heads
     assert by1["train"].tokens == 60_000 * 16_384 * 8
+    two = planner.make_plan(load_config(ROOT / "configs" / "kimi-k2.5-b300.yaml",
+                                        ["train.heads=[{kind: eagle3}, {kind: eagle3.1, max_steps: 1000}]"]), rates)
+    assert {s.stage: s for s in two.stages}["train"].tokens == (60_000 + 1_000) * 16_384 * 8
     # more nodes: the sharded stages finish sooner, cost a little more (one engine start per node)
     assert by4["extract"].wall_hours < by1["extract"].wall_hours / 3
     assert by4["extract"].node_hours > by1["extract"].node_hours
