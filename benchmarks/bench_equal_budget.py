@@ -333,7 +333,7 @@ def table(trained: list[dict], measured: dict) -> str:
         lines.append(f"\nbaseline tok/s at batch {measured['batch']}: MT-Bench {base.get('mtbench', 0):.1f}, "
                      f"held-out {base.get('heldout', 0):.1f}")
     sides = {t["side"]: t["draft"] for t in trained if t.get("side") == "theirs"}
-    if "theirs" in sides:
+    if "theirs" in sides and any(t["side"] == "ours" for t in trained):
         theirs = sides["theirs"]
         ours = [t["draft"] for t in trained if t["side"] == "ours"][-1]
         lines.append("\n| k | eval | ours AL | theirs AL | ours / theirs |\n|---:|---|---:|---:|---:|")
@@ -392,7 +392,7 @@ def main() -> None:
                                        f"{args.name}-ours")
             results["trained"] += rows
             result_path.write_text(json.dumps(results, indent=2, default=str))
-        if "theirs" in sides:
+        if "theirs" in sides and any(t["side"] == "ours" for t in trained):
             if trainer is None:
                 trainer = Trainer(cfg, store, resolve_inputs(cfg, store, vocab, shards), DistEnv.from_env(cfg.train))
             results["trained"] += train_theirs(cfg, store, vocab, shards, args.budget_cpu_min, trainer, drafts,
