@@ -5,6 +5,16 @@
         --exports 3,6,10,16,24 --ks 3                                      # MT-Bench acceptance against training time
     .venv/bin/python benchmarks/bench_equal_budget.py --name lr3e-3 --sides ours --set train.lr=3e-3 --ks 3
     .venv/bin/python benchmarks/bench_equal_budget.py --name X --measure-only   # measure drafts/ of an earlier run
+    python3 benchmarks/bench_equal_budget.py --device cuda --name h200 --work /tmp/eq --steps 400 \\
+        --set extract.backend=transformers                                 # a GPU without vLLM/Prefect: same steps
+    .venv/bin/python benchmarks/bench_equal_budget.py --name h200 --measure-only  # then here, on the drafts brought back
+
+--device cuda (the H200 run of benchmarks/RESULTS.md, "Equal steps on the H200"): no Prefect and no vLLM there, so
+the data artifacts (prepare/regenerate, vocab) are copied onto `--work`/store beforehand and extraction runs in this
+process with the extract stage's own code (prepare_direct); both trainers then run --steps steps each (lr annealed by
+steps on both sides, train_steps), and each draft is also written without the target's frozen embedding
+(model.slim.safetensors, 20 of its 76 MB, slim_draft) for a size-capped trip back; --measure-only puts the
+embedding back from the target (unslim_draft) before measuring.
 
 Data: `draftline run configs/demo.yaml --until extract` (plus any --set) on a store of its own,
 `--work`/store (default out/equal-budget/store, git-ignored), so prepare, regenerate, vocab and
@@ -115,6 +125,110 @@ def prepare(config: str, sets: list[str], work: Path) -> tuple[RunConfig, Store,
     shards = [store.open("extract", digests.extract_shard(cfg, layer_ids, data.digest, i)).ref()
               for i in range(cfg.data.num_shards)]
     return cfg, store, data, vocab, shards
+
+
+def prepare_direct(config: str, sets: list[str], work: Path) -> tuple[RunConfig, Store, object, object, list]:
+    """`--device cuda` (a GPU machine without vLLM or Prefect): the data artifacts copied beforehand onto
+    `work`/store (one prepare or regenerate artifact, one vocab artifact), extraction here through the
+    extract stage's own code (plan_extract, extract_shard) with the config's extract.backend
+    (`--set extract.backend=transformers` there)."""
+    from tasks.engine_settings import EnginePool, engine_for_group, engine_groups
+    from tasks.extract import extract_shard, plan_extract
+    from tasks.target import load_hf_config, resolve_model
+
+    cfg = load_config(config, [f"store.uri=file://{work / 'store'}", *sets])
+    store = Store.from_config(cfg.store)
+    data_stage = "regenerate" if cfg.regenerate.enabled else "prepare"
+    (data_m,), (vocab_m,) = store.list(data_stage), store.list("vocab")
+    data, vocab = store.open(data_stage, data_m.digest).ref(), store.open("vocab", vocab_m.digest).ref()
+    model = resolve_model(cfg.target)
+    plans = plan_extract(cfg, data, load_hf_config(cfg.target, model))
+    t0 = time.perf_counter()
+    pool = EnginePool(lambda group: engine_for_group(cfg, model, group), engine_groups(cfg))
+    try:
+        shards = []
+        for plan in plans:
+            with pool.engine() as engine:
+                shards.append(extract_shard(cfg, store, plan, engine))
+    finally:
+        pool.close()
+    print(f"extract ({cfg.extract.backend}): {len(shards)} shards, "
+          f"{sum(int(s.stats.get('tokens', 0)) for s in shards)} tokens in {time.perf_counter() - t0:.0f}s", flush=True)
+    return cfg, store, data, vocab, shards
+
+
+def train_steps(cfg: RunConfig, store: Store, vocab, shards, steps: int, drafts: Path, name: str,
+                device: str) -> list[dict]:
+    """`--device cuda`: both trainers for the same `steps` steps (no time budget: the lr anneals by steps
+    on both sides), ours then theirs, each draft exported; wall time and tokens/s per side."""
+    cfg = with_train(cfg, max_steps=steps, max_minutes=None, checkpoint_every=10**6)
+    inputs = resolve_inputs(cfg, store, vocab, shards)
+    clear_checkpoints(store, inputs.digest, steps)
+    free_memory()
+    recs: list[dict] = []
+    trainer = Trainer(cfg, store, inputs, DistEnv.from_env(cfg.train), recs.append)
+    t0 = time.perf_counter()
+    state = trainer.fit()
+    wall = time.perf_counter() - t0
+    folder = drafts / f"{name}-ours-{steps}steps"
+    folder.mkdir(parents=True, exist_ok=True)
+    export_draft(trainer.model, str(folder), cfg.target.dtype)
+    timed = [r for r in recs if r.get("kind") == "train"][2:]
+    ours = {"draft": folder.name, "side": "ours", "steps": state.step, "wall_s": round(wall, 1),
+            "tokens": state.tokens_seen, "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in timed), 1),
+            "mean_tokens_per_s": round(sum(r["tokens"] for r in timed) / sum(r["step_s"] for r in timed), 1),
+            "precision": trainer.precision, "attn_impl": trainer.attn_impl, "stopped_reason": state.stopped_reason,
+            **trainer.evaluate()}
+    print(f"ours: {ours['steps']} steps in {wall:.1f}s, {ours['tokens_per_s']} tok/s, "
+          f"sim AL {ours.get('simulated_acceptance_length')}", flush=True)
+    held, eval_set = heldout(trainer), trainer.eval
+    del trainer
+    free_memory()
+    res = run_speculators(cfg, store, inputs, held, eval_set, 0, device, keep_model=True)
+    folder = drafts / f"{name}-theirs-{steps}steps"
+    export_theirs(res, folder, cfg)
+    theirs = {"draft": folder.name, "side": "theirs", **res}
+    print(f"theirs: {res['steps']} steps in {res['wall_s']}s, {res['tokens_per_s']:.1f} tok/s, "
+          f"sim AL {res.get('simulated_acceptance_length')}", flush=True)
+    return [ours, theirs]
+
+
+EMBED = "embed_tokens.weight"
+
+
+def slim_draft(folder: Path, target: str) -> bool:
+    """The draft's embed_tokens is the target's, frozen on both sides (57 of its 76 MB here): write
+    model.slim.safetensors without it, so a draft comes back from a device whose files are size-capped;
+    `unslim_draft` puts the target's back. False (nothing written) if the draft's embedding differs."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(folder / "model.safetensors"))
+    with safe_open(str(Path(target) / "model.safetensors"), "pt") as f:
+        if not torch.equal(w[EMBED], f.get_tensor("model.embed_tokens.weight").to(w[EMBED].dtype)):
+            return False
+    del w[EMBED]
+    save_file(w, str(folder / "model.slim.safetensors"), metadata={"format": "pt"})
+    return True
+
+
+def unslim_draft(folder: Path, target: str) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(folder / "model.slim.safetensors"))
+    with safe_open(str(Path(target) / "model.safetensors"), "pt") as f:
+        w[EMBED] = f.get_tensor("model.embed_tokens.weight").to(w["lm_head.weight"].dtype)
+    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def export_theirs(res: dict, folder: Path, cfg: RunConfig) -> None:
+    """run_speculators' kept model (popped from `res`) exported in speculators' format, then freed."""
+    model = res.pop("_model")
+    folder.mkdir(parents=True, exist_ok=True)
+    export_draft(model, str(folder), cfg.target.dtype)
+    del model
+    free_memory()
 
 
 def with_train(cfg: RunConfig, **update) -> RunConfig:
@@ -231,12 +345,8 @@ def train_theirs(cfg: RunConfig, store: Store, vocab, shards, budget_min: float,
     res = run_speculators(run_cfg, store, inputs, held, eval_set, 0, "cpu", bf16_cpu=bf16_cpu,
                           after_step=budget, keep_model=True)
     cpu_s, wall = time.process_time() - first[0], res["wall_s"]  # their loop only (bench_train's wall_s)
-    model = res.pop("_model")
     folder = drafts / f"{name}-theirs{f'-{steps}steps' if steps else ''}"
-    folder.mkdir(parents=True, exist_ok=True)
-    export_draft(model, str(folder), cfg.target.dtype)
-    del model
-    free_memory()
+    export_theirs(res, folder, cfg)
     out = {"draft": folder.name, "side": "theirs", "budget_cpu_min": budget_min, "planned_steps": n,
            "calibration_cpu_s_per_step": round(s_per_step, 3), "cpu_s": round(cpu_s, 1),
            "wall_s": round(wall, 1), "cores_busy": round(cpu_s / wall, 2), "bf16_autocast": bf16_cpu, **res}
@@ -358,6 +468,10 @@ def main() -> None:
     ap.add_argument("--their-precision", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--their-steps", type=int, default=None,
                     help="theirs: this many steps (cosine over them) instead of the calibrated count")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: no Prefect/vLLM; extract here (prepare_direct), train both sides --steps steps "
+                         "(train_steps), export, no measuring (measure the drafts with --measure-only on vLLM)")
+    ap.add_argument("--steps", type=int, default=400, help="--device cuda: training steps, both sides")
     ap.add_argument("--ks", default="1,2,3")
     ap.add_argument("--mtbench", type=int, default=80)
     ap.add_argument("--heldout", type=int, default=32)
@@ -376,6 +490,18 @@ def main() -> None:
         vocab_coverage(results["measured"], drafts)
         print(table(results["trained"], results["measured"]))
         return
+    if args.device == "cuda":
+        cfg, store, data, vocab, shards = prepare_direct(args.config, args.sets, work)
+        results = {"argv": sys.argv, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "train_digest_inputs": {"vocab": vocab.digest, "data": data.digest},
+                   "trained": train_steps(cfg, store, vocab, shards, args.steps, drafts, args.name, "cuda")}
+        from tasks.target import resolve_model
+
+        for t in results["trained"]:
+            t["slim"] = slim_draft(drafts / t["draft"], resolve_model(cfg.target))
+        (run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        return
     cfg, store, data, vocab, shards = prepare(args.config, args.sets, work)
     sides = args.sides.split(",")
     result_path = run_dir / "results.json"
@@ -392,7 +518,7 @@ def main() -> None:
                                        f"{args.name}-ours")
             results["trained"] += rows
             result_path.write_text(json.dumps(results, indent=2, default=str))
-        if "theirs" in sides and any(t["side"] == "ours" for t in trained):
+        if "theirs" in sides:
             if trainer is None:
                 trainer = Trainer(cfg, store, resolve_inputs(cfg, store, vocab, shards), DistEnv.from_env(cfg.train))
             results["trained"] += train_theirs(cfg, store, vocab, shards, args.budget_cpu_min, trainer, drafts,
@@ -401,6 +527,11 @@ def main() -> None:
         del trainer
         free_memory()
     names = [t["draft"] for t in results["trained"]]
+    for n in names:  # drafts brought back slim from a device (slim_draft)
+        if not (drafts / n / "model.safetensors").is_file() and (drafts / n / "model.slim.safetensors").is_file():
+            from tasks.target import resolve_model
+
+            unslim_draft(drafts / n, resolve_model(cfg.target))
     t0 = time.perf_counter()
     results["measured"] = measure(cfg, store, data, names, drafts, [int(k) for k in args.ks.split(",")],
                                   args.mtbench, args.heldout, args.batch, args.max_tokens, not args.no_baseline)
