@@ -313,12 +313,15 @@ def retry(run: str = typer.Argument(..., help="Flow run id (or 8+ first characte
     on the same node or another one sharing the store). A local run (no deployment) is run again
     here with the same parameters. A run stuck in Running after its node died is marked Crashed first.
     """
-    from prefect.states import Crashed, Scheduled
+    from prefect.states import Crashed
 
     try:
         with client() as c:
             fr = find_run(c, run)
             st = state_of(fr)
+            # its process may still be exiting (see reschedule); a run retry marks Crashed has none left
+            just_ended = st in ("FAILED", "CRASHED") and fr.state is not None and \
+                (utcnow() - fr.state.timestamp).total_seconds() < RECENT_END_S
             if st in ALIVE:
                 live = assess(fr, task_runs(c, fr.id), heartbeat=last_heartbeat(c, fr), worker=submitting_worker(c, fr),
                               stale_after=stale_after * 60)
@@ -347,9 +350,7 @@ def retry(run: str = typer.Argument(..., help="Flow run id (or 8+ first characte
                                "everything would be reused)")
             if fr.deployment_id:
                 t0 = utcnow()
-                res = c.set_flow_run_state(fr.id, Scheduled(message="Retried via draftline retry"), force=True)
-                if getattr(res.status, "value", str(res.status)) == "ABORT":
-                    raise OpsError(f"the server refused to reschedule {fr.name}: {res.details.reason}")
+                reschedule(c, fr, watch=just_ended)
                 pool = getattr(fr, "work_pool_name", None)
                 console.print(f"retrying {fr.name} ({fr.id}) in place: scheduled for a worker of pool {pool}; "
                               "finished shards are reused from the store")
@@ -366,6 +367,41 @@ def retry(run: str = typer.Argument(..., help="Flow run id (or 8+ first characte
     except httpx.HTTPError as exc:
         fail(api_problem(exc))
     _retry_locally(fr, params, as_json)
+
+
+# A run that ended moments ago may still have its process exiting; when it exits with an error, Prefect's
+# runner reports the run Crashed, and that report lands on top of a retry's Scheduled (the run then never
+# starts again). A retry of a run that ended less than RECENT_END_S ago (`watch`) looks for that override
+# for up to OVERRIDE_WATCH_S, until a worker takes the run, and schedules it again.
+RECENT_END_S = 120.0
+OVERRIDE_WATCH_S = 30.0
+
+
+def reschedule(c: Any, fr: Any, *, watch: bool, watch_s: float = OVERRIDE_WATCH_S, poll_s: float = 1.0) -> None:
+    """Set the run Scheduled for a worker of its pool, surviving a late crash report of its last process."""
+    from prefect.states import Scheduled
+
+    for _ in range(3):
+        res = c.set_flow_run_state(fr.id, Scheduled(message="Retried via draftline retry"), force=True)
+        if getattr(res.status, "value", str(res.status)) == "ABORT":
+            raise OpsError(f"the server refused to reschedule {fr.name}: {res.details.reason}")
+        if not watch:
+            return
+        ours = getattr(res.state, "id", None)
+        deadline = time.time() + watch_s
+        while time.time() < deadline:
+            cur = c.read_flow_run(fr.id)
+            st = state_of(cur)
+            if st in ("PENDING", "RUNNING", "COMPLETED"):
+                return  # a worker took it
+            if st in ("CRASHED", "FAILED") and cur.state.id != ours:
+                console.print(f"{fr.name}'s last process reported {st.lower()} after the retry scheduled it "
+                              f"({(cur.state.message or '').strip()[:120]}): scheduling it again")
+                break
+            time.sleep(poll_s)
+        else:
+            return  # still Scheduled: waiting for a free worker of the pool
+    raise OpsError(f"{fr.name} kept being marked crashed after each reschedule; check its worker's log")
 
 
 def _retry_locally(fr: Any, params: dict[str, Any], as_json: bool = False) -> None:

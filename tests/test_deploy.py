@@ -203,6 +203,49 @@ def _worker(name: str, status: str = "ONLINE"):
                                  last_heartbeat_time=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc))
 
 
+class _ServerWithALateCrashReport:
+    """The race a retry meets when it follows a failure within seconds: the run's process is still exiting,
+    and Prefect's runner reports the run Crashed on top of the retry's Scheduled. (The timing of a real
+    runner cannot be forced; the deploy story meets it under load.)"""
+
+    def __init__(self, late_reports: int):
+        self.late = late_reports
+        self.sets = 0
+        self.state = None
+
+    def _st(self, value: str, sid: str):
+        return types.SimpleNamespace(type=types.SimpleNamespace(value=value), id=sid, message="process exited 1",
+                                     timestamp=dt.datetime.now(dt.timezone.utc))
+
+    def set_flow_run_state(self, run_id, state, force=False):
+        self.sets += 1
+        self.state = self._st("SCHEDULED", f"ours-{self.sets}")
+        return types.SimpleNamespace(status=types.SimpleNamespace(value="ACCEPT"), state=self.state)
+
+    def read_flow_run(self, run_id):
+        if self.state.type.value == "SCHEDULED" and self.late:
+            self.late -= 1
+            self.state = self._st("CRASHED", "runner")  # the old process's report lands
+        elif self.state.type.value == "SCHEDULED":
+            self.state = self._st("PENDING", "worker")  # a worker took it
+        return types.SimpleNamespace(id=run_id, name="r", state=self.state)
+
+
+def test_a_retry_right_after_a_failure_survives_the_late_crash_report():
+    just_failed = types.SimpleNamespace(id="x", name="r", state=_run("FAILED", dt.datetime.now(dt.timezone.utc)).state)
+    server = _ServerWithALateCrashReport(late_reports=1)
+    runs.reschedule(server, just_failed, watch=True, poll_s=0)
+    assert server.sets == 2 and server.state.type.value == "PENDING"
+    # a run that ended long ago (or that retry marked Crashed: its node is gone) has no process left to report
+    # anything: scheduled once, no wait
+    server = _ServerWithALateCrashReport(late_reports=5)
+    runs.reschedule(server, just_failed, watch=False, poll_s=0)
+    assert server.sets == 1
+    # a run that keeps being marked crashed is reported, not rescheduled forever
+    with pytest.raises(prefect_api.OpsError, match="kept being marked crashed"):
+        runs.reschedule(_ServerWithALateCrashReport(late_reports=5), just_failed, watch=True, poll_s=0)
+
+
 def test_status_calls_a_running_run_dead_only_on_evidence():
     import socket
 
