@@ -411,19 +411,6 @@ class EnginesConfig(Section):
     extract: ExtractEngineConfig = Field(default_factory=ExtractEngineConfig)
     benchmark: DecodeEngineConfig = Field(default_factory=DecodeEngineConfig)
 
-    @model_validator(mode="after")
-    def _known_args(self) -> "EnginesConfig":
-        from tasks.engine_args import engine_args_problems
-
-        problems = [p for where, args in (("engines.engine_args", self.engine_args),
-                                          ("engines.regenerate.engine_args", self.regenerate.engine_args),
-                                          ("engines.extract.engine_args", self.extract.engine_args),
-                                          ("engines.benchmark.engine_args", self.benchmark.engine_args))
-                    for p in engine_args_problems(args, where)]
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
 
 class RunConfig(Section):
     name: str = "draftline"
@@ -546,8 +533,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 def fit_problems(cfg: RunConfig) -> list[str]:
     """Settings that pass each section's checks but would fail a stage hours in: one line each, with the fix."""
+    from tasks.engine_args import engine_args_problems
+
     out = []
-    t, d = cfg.target, cfg.data
+    t, d, e = cfg.target, cfg.data, cfg.engines
+    for where, args in (("engines.engine_args", e.engine_args), ("engines.regenerate.engine_args",
+                        e.regenerate.engine_args), ("engines.extract.engine_args", e.extract.engine_args),
+                        ("engines.benchmark.engine_args", e.benchmark.engine_args)):
+        out += [f"  - {p}" for p in engine_args_problems(args, where)]
     if d.max_length >= t.max_model_len:
         # Extraction sends a sample as a prompt of max_length tokens and asks for one new token: vLLM needs
         # max_length + 1 <= max_model_len, else every shard holding a sample of max_length tokens fails.

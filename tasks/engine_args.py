@@ -73,9 +73,9 @@ def engine_args_problems(args: dict[str, Any], where: str) -> list[str]:
     out = []
     for key in args:
         if key in OWNED:
-            out.append(f"{where}.{key} is set by draftline; use {OWNED[key]}")
+            out.append(f"{where}.{key}: set by draftline; fix: use {OWNED[key]}")
         elif names is not None and key not in names:
             close = difflib.get_close_matches(key, sorted(names), n=3, cutoff=0.6)
             hint = f"did you mean {', '.join(close)}?" if close else "see `vllm serve --help` for the names"
-            out.append(f"{where}.{key} is not a vLLM engine argument (vllm.EngineArgs); {hint}")
+            out.append(f"{where}.{key}: not an engine argument of the installed vLLM (vllm.EngineArgs); fix: {hint}")
     return out
