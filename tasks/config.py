@@ -147,7 +147,11 @@ class ExtractConfig(Section):
     )
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
     batch_tokens: int = Field(16384, ge=64, description="Tokens per engine call.")
-    part_tokens: int = Field(262144, ge=64, description="Tokens per safetensors part.")
+    part_tokens: int = Field(
+        262144, ge=64,
+        description="Tokens per safetensors part (whole samples). batch_tokens > part_tokens: at most part_tokens "
+                    "(a single longer sample alone); else a part closes after the engine batch that brings it to "
+                    "part_tokens: at most part_tokens - 1 + batch_tokens (tasks.extract.part_rule).")
     kv_cache_gib: float = Field(
         2.0, gt=0,
         description="KV cache of every vLLM engine on a CPU (VLLM_CPU_KVCACHE_SPACE, whole GiB rounded up). vLLM on a "
