@@ -77,7 +77,7 @@ def engine_kwargs(cfg: RunConfig, speculative: dict | None, model_path: str | No
     extra: dict[str, Any] = {"disable_log_stats": False}  # the spec-decode counters and latency histograms
     if speculative is not None:
         extra["speculative_config"] = speculative
-    return vllm_kwargs(cfg, model_path or resolve_model(cfg.target), **extra)
+    return vllm_kwargs(cfg, model_path or resolve_model(cfg.target), purpose="benchmark", **extra)
 
 
 EngineFactory = Callable[[str, dict], Any]  # (name, llm_kwargs) -> an unstarted EngineProcess

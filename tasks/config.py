@@ -147,9 +147,19 @@ class ExtractConfig(Section):
     )
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
     batch_tokens: int = Field(16384, ge=64, description="Tokens per engine call.")
-    part_tokens: int = Field(262144, ge=64, description="Tokens per safetensors part.")
-    kv_cache_gib: float = Field(2.0, gt=0, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE).")
-    enforce_eager: bool = True
+    part_tokens: int = Field(
+        262144, ge=64,
+        description="Tokens per safetensors part (whole samples). batch_tokens > part_tokens: at most part_tokens "
+                    "(a single longer sample alone); else a part closes after the engine batch that brings it to "
+                    "part_tokens: at most part_tokens - 1 + batch_tokens (tasks.extract.part_rule).")
+    kv_cache_gib: float = Field(
+        2.0, gt=0,
+        description="KV cache of every vLLM engine on a CPU (VLLM_CPU_KVCACHE_SPACE, whole GiB rounded up). vLLM on a "
+                    "GPU ignores it: there the KV cache is what gpu_memory_utilization leaves (or kv_cache_memory_bytes); "
+                    "set those in engines.engine_args.")
+    enforce_eager: bool = Field(
+        True, description="Extraction engines without CUDA graphs / torch.compile (starts faster; on a CPU compiling "
+                          "gains nothing). The decoding engines have their own: engines.regenerate/benchmark.")
     write_overlap: bool = Field(
         True,
         description="Write parts (serialize, sha256, upload) on a background thread while the engine computes "
@@ -377,6 +387,35 @@ class StoreConfig(Section):
         return v
 
 
+class DecodeEngineConfig(Section):
+    """One decoding purpose's vLLM engines (regeneration, the benchmark's)."""
+
+    enforce_eager: bool | None = Field(
+        None, description="null: CUDA graphs on a GPU (as engines are served), eager on a CPU (compiling there costs "
+                          "minutes and gains nothing); true/false forces it.")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="vllm.EngineArgs for this purpose's engines, over engines.engine_args.")
+
+
+class ExtractEngineConfig(Section):
+    """The extraction engines' vLLM settings (their CUDA-graph switch is extract.enforce_eager)."""
+
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="vllm.EngineArgs for the extraction engines, over engines.engine_args.")
+
+
+class EnginesConfig(Section):
+    """vLLM engine arguments passed through as given (names of vllm.EngineArgs; checked against the installed
+    vLLM). They change where and how fast engines run, never what is stored: no artifact address holds them."""
+
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="vllm.EngineArgs for every vLLM engine of the run, e.g. "
+        "{gpu_memory_utilization: 0.9, max_num_seqs: 256}. Keys draftline sets itself are refused with the key to use.")
+    regenerate: DecodeEngineConfig = Field(default_factory=DecodeEngineConfig)
+    extract: ExtractEngineConfig = Field(default_factory=ExtractEngineConfig)
+    benchmark: DecodeEngineConfig = Field(default_factory=DecodeEngineConfig)
+
+
 class RunConfig(Section):
     name: str = "draftline"
     target: TargetConfig = Field(default_factory=TargetConfig)
@@ -387,6 +426,7 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    engines: EnginesConfig = Field(default_factory=EnginesConfig)
 
     @model_validator(mode="after")
     def _prompts_need_answers(self) -> "RunConfig":
@@ -486,9 +526,33 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             origin += f" (store.uri from ${STORE_URI_ENV})"
     data = apply_overrides(data, overrides or [])
     try:
-        return RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, origin)) from None
+    problems = fit_problems(cfg)
+    if problems:
+        raise ConfigError("\n".join([f"{origin}: {len(problems)} problem(s) in the config:", *problems]))
+    return cfg
+
+
+def fit_problems(cfg: RunConfig) -> list[str]:
+    """Settings that pass each section's checks but would fail a stage hours in: one line each, with the fix."""
+    from tasks.engine_args import engine_args_problems
+
+    out = []
+    t, d, e = cfg.target, cfg.data, cfg.engines
+    for where, args in (("engines.engine_args", e.engine_args), ("engines.regenerate.engine_args",
+                        e.regenerate.engine_args), ("engines.extract.engine_args", e.extract.engine_args),
+                        ("engines.benchmark.engine_args", e.benchmark.engine_args)):
+        out += [f"  - {p}" for p in engine_args_problems(args, where)]
+    if d.max_length >= t.max_model_len:
+        # Extraction sends a sample as a prompt of max_length tokens and asks for one new token: vLLM needs
+        # max_length + 1 <= max_model_len, else every shard holding a sample of max_length tokens fails.
+        out.append(f"  - data.max_length: {d.max_length} leaves no room in target.max_model_len ({t.max_model_len}): "
+                   f"extraction feeds a sample of up to max_length tokens plus one generated token; fix: lower "
+                   f"data.max_length to at most {t.max_model_len - 1}, or raise target.max_model_len to at least "
+                   f"{d.max_length + 1} (regeneration also wants room for a prompt plus regenerate.max_tokens)")
+    return out
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -46,8 +46,11 @@ LOG_WAIT_EVERY_S = 30.0
 START_TIMEOUT_ENV = "DRAFTLINE_ENGINE_START_TIMEOUT_S"
 DEFAULT_START_TIMEOUT_S = 1800.0
 log = logging.getLogger("draftline.engine")
-HS_CONNECTOR = "SyncHiddenStatesConnector"
+HS_CONNECTOR = "SyncHiddenStatesConnector"  # ours, for engines without CUDA (tasks/vllm_connector.py)
 HS_CONNECTOR_MODULE = "tasks.vllm_connector"
+# vLLM's own, asynchronous on CUDA (copy stream, pinned memory, writer threads): the name its
+# KVConnectorFactory registers (vLLM 0.32 and 0.33), so no module path.
+HS_CONNECTOR_ASYNC = "ExampleHiddenStatesConnector"
 
 
 class EngineError(RuntimeError):
@@ -59,23 +62,25 @@ class EngineError(RuntimeError):
         super().__init__(message + (f"\n--- engine log (tail) ---\n{log_tail}" if log_tail else ""))
 
 
-def vllm_extract_kwargs(layer_ids: list[int]) -> dict[str, Any]:
+def vllm_extract_kwargs(layer_ids: list[int], asynchronous: bool = False) -> dict[str, Any]:
     """`vllm.LLM` kwargs that turn a target into a hidden-state extractor for `layer_ids`.
 
-    The connector's `shared_storage_path` is filled in by the engine (its work folder).
+    asynchronous=True (an engine on CUDA GPUs): vLLM's own `ExampleHiddenStatesConnector`, whose TP rank 0
+    copies on a side stream into pinned memory and writes from a thread pool, so the engine never waits
+    on a write. False (no CUDA): ours, `SyncHiddenStatesConnector`, the same class with that one step done
+    inline (the stock one needs CUDA). Both write the same files under the same lock protocol
+    (tests/test_vllm_connector.py). The connector's `shared_storage_path` is filled in by the engine (its
+    work folder).
     """
+    connector: dict[str, Any] = ({"kv_connector": HS_CONNECTOR_ASYNC} if asynchronous else
+                                 {"kv_connector": HS_CONNECTOR, "kv_connector_module_path": HS_CONNECTOR_MODULE})
     return {
         "speculative_config": {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
         },
-        "kv_transfer_config": {
-            "kv_connector": HS_CONNECTOR,
-            "kv_connector_module_path": HS_CONNECTOR_MODULE,
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {},
-        },
+        "kv_transfer_config": {**connector, "kv_role": "kv_producer", "kv_connector_extra_config": {}},
     }
 
 

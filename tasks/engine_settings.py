@@ -36,42 +36,86 @@ def on_gpu_here() -> bool:
 
 def engine_env(cfg: RunConfig) -> dict[str, str]:
     """The environment every vLLM engine gets: the CPU KV cache in whole GiB, rounded up (a
-    `kv_cache_gib: 1.5` gets 2 GiB, never less than asked)."""
+    `kv_cache_gib: 1.5` gets 2 GiB, never less than asked). vLLM on a GPU ignores this variable: its KV
+    cache is what `gpu_memory_utilization` leaves, or `kv_cache_memory_bytes` (engines.engine_args)."""
     return {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(cfg.extract.kv_cache_gib)))}
 
 
-def vllm_kwargs(cfg: RunConfig, model_path: str, *, on_gpu: bool | None = None, **extra: Any) -> dict[str, Any]:
-    """`vllm.LLM` keyword arguments for the target; `extra` adds the purpose's own (speculative_config,
-    kv_transfer_config, ...)."""
+PURPOSES = ("regenerate", "extract", "benchmark")
+
+
+def is_vision_language(hf_config: Any) -> bool:
+    """A target whose config also describes a vision tower (`vision_config`: Kimi-K2.5's
+    KimiK25ForConditionalGeneration, Qwen-VL, Llama-4, ...): the text-only engines here need none of it."""
+    return getattr(hf_config, "vision_config", None) is not None
+
+
+def purpose_kwargs(cfg: RunConfig, purpose: str, *, on_gpu: bool, hf_config: Any) -> dict[str, Any]:
+    """What differs by purpose among the `vllm.LLM` kwargs: CUDA graphs, the vision tower, the config's
+    `engines:` pass-through (shared, then the purpose's own). None of it changes the bytes a stage stores.
+
+    - enforce_eager: extraction follows extract.enforce_eager; the decoding engines (regeneration, the
+      benchmark) follow engines.PURPOSE.enforce_eager, by default CUDA graphs on a GPU (the mode engines
+      are served in: a draft benchmarked eager is measured in a mode nobody runs) and eager on a CPU.
+    - language_model_only: every engine here reads and writes text only, so a vision-language target is
+      loaded without its vision tower (not built, not profiled), where the installed vLLM has the argument.
+    """
+    from tasks.engine_args import engine_args_problems, vllm_knows
+
+    if purpose not in PURPOSES:
+        raise ValueError(f"engine purpose {purpose!r}: use one of {', '.join(PURPOSES)}")
+    e = cfg.engines
+    section = getattr(e, purpose)
+    if purpose == "extract":
+        eager = cfg.extract.enforce_eager
+    else:
+        eager = (not on_gpu) if section.enforce_eager is None else section.enforce_eager
+    kw: dict[str, Any] = {"enforce_eager": eager}
+    if is_vision_language(hf_config) and vllm_knows("language_model_only"):
+        kw["language_model_only"] = True
+    passed = {**e.engine_args, **section.engine_args}
+    problems = engine_args_problems(passed, f"engines ({purpose})")  # checked here too: vLLM is installed here
+    if problems:
+        raise EngineSettingsError("; ".join(problems))
+    kw.update(passed)
+    return kw
+
+
+def vllm_kwargs(cfg: RunConfig, model_path: str, *, on_gpu: bool | None = None, purpose: str = "extract",
+                **extra: Any) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments for the target as `purpose` (tasks.engine_settings.PURPOSES) runs it;
+    `extra` adds the purpose's own (speculative_config, kv_transfer_config, ...)."""
     from tasks.target import load_hf_config, text_config
 
     on_gpu = on_gpu_here() if on_gpu is None else on_gpu
     t = cfg.target
+    hf_config = load_hf_config(t, model_path)
     kw: dict[str, Any] = dict(
         max_model_len=t.max_model_len,
         # bf16 on a CPU without native bf16 is many times slower than float32 (tasks/engine.py).
         dtype=engine_dtype(t.dtype, on_gpu=on_gpu),
         trust_remote_code=t.trust_remote_code,
-        enforce_eager=cfg.extract.enforce_eager,
         tensor_parallel_size=cfg.extract.tensor_parallel_size,
         seed=cfg.data.seed,
     )
     if t.revision:
         kw["revision"] = t.revision
-    if not on_gpu and kw["dtype"] == "float32" and getattr(text_config(load_hf_config(t, model_path)),
-                                                           "kv_lora_rank", None):
+    if not on_gpu and kw["dtype"] == "float32" and getattr(text_config(hf_config), "kv_lora_rank", None):
         # An MLA target (DeepSeek-V3 / Kimi) on a CPU: vLLM picks its AMX MLA backend where the CPU has
         # AMX, and that one takes bf16/fp16/int8 weights only; the reference CPU MLA runs float32.
         kw["attention_backend"] = "CPU_MLA"
+    kw.update(purpose_kwargs(cfg, purpose, on_gpu=on_gpu, hf_config=hf_config))
     kw.update(extra)
     return kw
 
 
-def vllm_engine(cfg: RunConfig, model_path: str, name: str, **extra: Any):
-    """An unstarted vLLM EngineProcess for `model_path` with the settings above."""
+def vllm_engine(cfg: RunConfig, model_path: str, name: str, purpose: str | None = None, **extra: Any):
+    """An unstarted vLLM EngineProcess for `model_path` with the settings above (`purpose` defaults to
+    `name`, e.g. "regenerate")."""
     from tasks.engine import EngineProcess
 
-    return EngineProcess(kind="vllm", model=model_path, llm_kwargs=vllm_kwargs(cfg, model_path, **extra),
+    return EngineProcess(kind="vllm", model=model_path,
+                         llm_kwargs=vllm_kwargs(cfg, model_path, purpose=purpose or name, **extra),
                          env=engine_env(cfg), name=name)
 
 
@@ -168,7 +212,8 @@ def engine_for_group(cfg: RunConfig, model_path: str, group: list[int] | EngineG
                     "OMP_NUM_THREADS": str(len(group.cpus))})
     on_gpu = bool(group.gpus)
     if e.backend == "vllm":
-        kwargs = vllm_kwargs(cfg, model_path, on_gpu=on_gpu, **vllm_extract_kwargs(layer_ids))
+        kwargs = vllm_kwargs(cfg, model_path, on_gpu=on_gpu, purpose="extract",
+                             **vllm_extract_kwargs(layer_ids, asynchronous=on_gpu))
     else:
         kwargs = {"max_model_len": cfg.target.max_model_len, "trust_remote_code": cfg.target.trust_remote_code,
                   "max_batch_tokens": e.batch_tokens}

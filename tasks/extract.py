@@ -156,6 +156,31 @@ def _store_batch(plan: ShardPlan, buf: "PartBuffer", batch: list, hidden: list, 
     return done, masked
 
 
+def part_rule(batch: list, hidden: list, filled: int, part_tokens: int, deal: bool) -> Iterator[tuple[list, list, bool]]:
+    """How an engine batch goes into parts: (samples, their hidden states, close the current part first).
+
+    Engine batches no larger than a part (`deal` False: extract.batch_tokens <= part_tokens) go in whole,
+    and a part ends after the first batch that brings it to part_tokens, so it holds at most
+    part_tokens - 1 + batch_tokens tokens (the rule parts were always made by: their bytes, and so the
+    addresses of what was stored, do not change). A larger engine batch (`deal`: batch_tokens > part_tokens,
+    e.g. a GPU node computing 262,144 tokens per call into 65,536-token parts) is dealt out sample by
+    sample, a part closing before the sample that would take it past part_tokens: no part is larger than
+    part_tokens, except one holding a single sample longer than that.
+    """
+    if not deal:
+        yield batch, hidden, False
+        return
+    start, tokens, close = 0, filled, False
+    for i, s in enumerate(batch):
+        n = len(s[1])
+        if tokens and tokens + n > part_tokens:  # the part is full: what came before goes in, then it closes
+            if i > start:
+                yield batch[start:i], hidden[start:i], close
+            start, tokens, close = i, 0, True
+        tokens += n
+    yield batch[start:], hidden[start:], close
+
+
 class _Cancelled(Exception):
     """The shard failed elsewhere: the background writer stops mid-part."""
 
@@ -335,10 +360,13 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
     done = masked = 0
     engine_wait = write_wait = 0.0  # time this thread waited for the engine / for the part writer
     collect = 0.0  # time this thread spent collecting batches into parts
-    # A part ends at the first batch that reaches part_tokens: it holds at most part_tokens - 1 + one batch.
     batches = list(_batches(samples, e.batch_tokens))
-    longest_batch = max((sum(len(s[1]) for s in b) for b in batches), default=0)
-    capacity = min(total, e.part_tokens - 1 + longest_batch)
+    deal = e.batch_tokens > e.part_tokens  # part_rule: engine batches larger than a part are dealt out
+    if deal:
+        capacity = min(total, max(e.part_tokens, max((len(s[1]) for s in samples), default=0)))
+    else:  # a part ends at the first batch that reaches part_tokens: at most part_tokens - 1 + one batch
+        longest_batch = max((sum(len(s[1]) for s in b) for b in batches), default=0)
+        capacity = min(total, e.part_tokens - 1 + longest_batch)
     new_buffer = lambda: PartBuffer(plan.layer_ids, plan.hidden_size, e.storage_dtype, capacity)  # noqa: E731
     buf = new_buffer()
 
@@ -361,11 +389,19 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
                 engine_wait += time.monotonic() - t1
                 pending = (ahead.submit(call, [s[1] for s in batches[k + 1]], plan.layer_ids)
                            if k + 1 < len(batches) else None)
-                t1 = time.monotonic()
-                done, masked = _store_batch(plan, buf, batch, hidden, done, masked)
-                collect += time.monotonic() - t1
+                if len(hidden) != len(batch):
+                    raise ExtractError(f"the engine returned {len(hidden)} results for {len(batch)} samples")
+                for piece, piece_hidden, close_before in part_rule(batch, hidden, buf.tokens, e.part_tokens, deal):
+                    if close_before:
+                        t1 = time.monotonic()
+                        writer.put(buf)  # blocks while write_queue parts are still being written
+                        write_wait += time.monotonic() - t1
+                        buf = writer.take() or new_buffer()
+                    t1 = time.monotonic()
+                    done, masked = _store_batch(plan, buf, piece, piece_hidden, done, masked)
+                    collect += time.monotonic() - t1
                 del hidden
-                if buf.tokens >= e.part_tokens:
+                if not deal and buf.tokens >= e.part_tokens:
                     t1 = time.monotonic()
                     writer.put(buf)  # blocks while write_queue parts are still being written
                     write_wait += time.monotonic() - t1

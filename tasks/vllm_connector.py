@@ -1,12 +1,16 @@
-"""A hidden-states KV connector for vLLM that also works without CUDA.
+"""A hidden-states KV connector for vLLM engines without CUDA.
 
 vLLM's `ExampleHiddenStatesConnector` copies the captured hidden states into
 pinned host memory on a CUDA stream and writes them from a thread pool. On a
 CPU build that crashes at the first request (`pin_memory=True requires a CUDA
 or other accelerator backend`, `torch.cuda.Stream`). This subclass does the
 same work synchronously on the worker: gather the request's rows from the
-hidden-states cache, `save_file`, release the per-file lock. On a GPU the same
-code works too (the gather runs on the device, `.cpu()` syncs).
+hidden-states cache, `save_file`, release the per-file lock. It would work on
+a GPU too, but there TP rank 0 would write each file inside the engine step
+while the other ranks wait: engines on CUDA use the stock class
+(`tasks.engine.vllm_extract_kwargs(..., asynchronous=True)`, chosen per engine
+group in `tasks.engine_settings.engine_for_group`). Both write the same files
+(tests/test_vllm_connector.py).
 
 It is loaded by module path from the engine process:
 

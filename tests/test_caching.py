@@ -79,6 +79,16 @@ def test_digest_ignores_scheduling_keys_and_tracks_meaningful_ones():
     assert digests.train(a, v, shards) != digests.train(a, v, shards[:1])
     assert digests.train(a, v, shards) == digests.train(a, v, shards[::-1])  # shard order, not completion order
     assert digests.prepare(a) != digests.prepare(RunConfig.model_validate({"data": {"seed": 1}}))
+    # engine settings (where and how fast, not the bytes) enter no address
+    e = RunConfig.model_validate({"extract": {"enforce_eager": False, "kv_cache_gib": 64}, "engines": {
+        "engine_args": {"gpu_memory_utilization": 0.8}, "regenerate": {"enforce_eager": False},
+        "extract": {"engine_args": {"max_num_batched_tokens": 32768}}, "benchmark": {"enforce_eager": True}}})
+    prep = Ref("p")
+    prep.stage = "prepare"
+    for stage in (digests.prepare, lambda x: digests.regenerate(x, prep), lambda x: digests.vocab(x, prep),
+                  lambda x: digests.extract_shard(x, [2, 15, 27, 30], "d", 0), lambda x: digests.train(x, v, shards),
+                  lambda x: digests.benchmark(x, v, prep)):
+        assert stage(a) == stage(e)
     # 3 and 3.0 in YAML are the same config
     assert stage_digest("vocab", {"k": 3}) == stage_digest("vocab", {"k": 3.0})
     assert stage_digest("vocab", {"k": 3}, version="vocab-v2") != stage_digest("vocab", {"k": 3})

@@ -435,11 +435,13 @@ class FakeEngine:
         return out
 
 
-def fixed_data(store: Store, name: str, n: int = 24, length: int = 100) -> ArtifactRef:
+def fixed_data(store: Store, name: str, n: int = 24, length: int | list[int] = 100) -> ArtifactRef:
     rng = random.Random(name)
+    lengths = [length] * n if isinstance(length, int) else list(length)
+    n = len(lengths)
     rows = {"sample_id": [f"{name}-{j}" for j in range(n)], "source": ["test"] * n, "messages": ["[]"] * n,
-            "input_ids": [[rng.randrange(3, 512) for _ in range(length)] for _ in range(n)],
-            "loss_mask": [[0] * 10 + [1] * (length - 10) for _ in range(n)]}
+            "input_ids": [[rng.randrange(3, 512) for _ in range(k)] for k in lengths],
+            "loss_mask": [[0] * 10 + [1] * (k - 10) for k in lengths]}
     table = pa.table({"sample_id": pa.array(rows["sample_id"], pa.string()),
                       "source": pa.array(rows["source"], pa.string()),
                       "messages": pa.array(rows["messages"], pa.string()),
@@ -449,7 +451,7 @@ def fixed_data(store: Store, name: str, n: int = 24, length: int = 100) -> Artif
     pq.write_table(table, buf)
     with store.write("prepare", stage_digest("prepare", {"fixed": name}, {}), VERSIONS["prepare"]) as w:
         w.write_bytes("shard-00000.parquet", buf.getvalue())
-        return w.commit({"num_shards": 1, "samples": n, "tokens": n * length}).ref()
+        return w.commit({"num_shards": 1, "samples": n, "tokens": sum(lengths)}).ref()
 
 
 def writer_cfg(model_path: str, overlap: bool = True, queue: int = 1, workers: int = 1) -> RunConfig:
@@ -684,3 +686,50 @@ def test_kill_9_mid_shard_commits_nothing(store, model_path, tmp_path):
             proc.kill()
     assert store.find("extract", plan.digest) is None
     assert not any(f.endswith("manifest.json") for f in files_under(store, plan.digest))
+
+
+# ----------------------------------------------------------------------------- how big a part gets
+LENGTHS = [37, 120, 64, 90, 15, 110, 80, 45, 100, 33, 70, 120, 58, 99, 12, 64, 88, 101, 27, 76]  # 1,509 tokens
+
+
+def test_engine_batches_larger_than_a_part_are_dealt_into_parts_never_larger_than_part_tokens(store, model_path):
+    """batch_tokens 1,000 > part_tokens 250 (the Kimi preset's shape: 262,144-token calls, 65,536-token parts):
+    two engine calls, and every part holds at most 250 tokens, closed only where the next sample would not fit."""
+    cfg = make_cfg(model_path, batch_tokens=1000, part_tokens=250)
+    data = fixed_data(store, "deal", length=LENGTHS)
+    plan = plan_extract(cfg, data, load_hf_config(cfg.target))[0]
+    engine = FakeEngine()
+    ref = extract_shard(cfg, store, plan, engine)  # type: ignore[arg-type]
+    assert engine.calls == 2
+    parts = read_parts(store, ref)
+    sizes = [p["offsets"].diff().tolist() for p in parts]
+    assert [sum(s) for s in sizes] == [p["tokens"] for p in ref.stats["parts"]]
+    assert max(sum(s) for s in sizes) <= 250 and len(parts) == 7
+    flat = [n for s in sizes for n in s]
+    assert flat == LENGTHS  # every sample once, in order, none split
+    for this, after in zip(sizes, sizes[1:]):  # a part closed only because its next sample did not fit
+        assert sum(this) + after[0] > 250
+    rows = shard_rows(store, data, 0)
+    assert [sid for p in parts for sid in p["sample_ids"]] == rows["sample_id"]
+    want = FakeEngine().extract(rows["input_ids"], LAYER_IDS)
+    torch.testing.assert_close(torch.cat([p["hidden_states"] for p in parts]), torch.cat(want), atol=0, rtol=0)
+
+
+def test_engine_batches_no_larger_than_a_part_fill_parts_as_they_always_did(store, model_path):
+    """batch_tokens <= part_tokens keeps the rule stored parts were made by (same parts, same bytes): whole
+    engine batches, a part closing after the first batch that brings it to part_tokens."""
+    from tasks.extract import _batches
+
+    cfg = make_cfg(model_path, batch_tokens=200, part_tokens=250)
+    data = fixed_data(store, "keep", length=LENGTHS)
+    plan = plan_extract(cfg, data, load_hf_config(cfg.target))[0]
+    ref = extract_shard(cfg, store, plan, FakeEngine())  # type: ignore[arg-type]
+    want, part = [], []
+    for batch in _batches([(None, [0] * n) for n in LENGTHS], 200):
+        part += [len(s[1]) for s in batch]
+        if sum(part) >= 250:
+            want.append(part)
+            part = []
+    want += [part] if part else []
+    assert [p["offsets"].diff().tolist() for p in read_parts(store, ref)] == want
+    assert max(sum(p) for p in want) > 250  # (so this rule, unlike the one above, lets a part pass part_tokens)

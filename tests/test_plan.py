@@ -152,3 +152,29 @@ def test_bad_input_names_the_fix(args, message):
     out = draftline(*args)
     assert out.exit_code == 2, out.output
     assert message in " ".join(out.output.split()), out.output
+
+
+PRESETS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "rates.yaml")  # rates: not a run
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_every_preset_passes_config_show_and_plan(preset):
+    """A preset that `config show` or `plan` refuses (e.g. data.max_length >= target.max_model_len, a
+    misspelt engine argument) fails here, not hours into a run."""
+    shown = draftline("config", "show", str(preset))
+    assert shown.exit_code == 0, shown.output
+    cfg = load_config(preset)
+    assert f"name: {cfg.name}" in shown.output and "engines:" in shown.output
+    plan = draftline("plan", str(preset))
+    assert plan.exit_code == 0, plan.output
+    assert f"Plan for {preset}" in plan.output and "| **total** |" in plan.output
+
+
+def test_the_kimi_preset_leaves_room_and_its_parts_are_the_size_its_comment_says():
+    cfg = load_config(ROOT / "configs" / "kimi-k2.5-b300.yaml")
+    assert cfg.data.max_length + 1 <= cfg.target.max_model_len
+    assert cfg.data.max_length + cfg.regenerate.max_tokens <= cfg.target.max_model_len
+    e = cfg.extract
+    assert e.batch_tokens > e.part_tokens  # so engine batches are dealt into parts of at most part_tokens
+    part_bytes = e.part_tokens * len(e.layer_ids) * 7168 * 2  # Kimi-K2.5's hidden size, bf16
+    assert f"{part_bytes / 1e9:.2f} GB per part" in (ROOT / "configs" / "kimi-k2.5-b300.yaml").read_text()
