@@ -34,16 +34,17 @@ def test_the_runbook_shows_the_plan_commands_output_unchanged():
                                       f"`draftline plan {m.group(1)}` between the plan markers")
     # the prose around the table quotes figures of this output: they must be in it
     prose = doc[:m.start()] + doc[m.end():]
-    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693"):
+    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693", "$7,961", "$4,305",
+                   "451 TB", "$2,421 per month", "33.8", "12.42"):
         assert figure in out.output, figure
         assert figure.split()[0] in prose, f"docs/kimi-k2.5.md's text no longer quotes {figure}"
     # what the issue asks of it: every stage, both dtypes, totals, and a source for every rate
-    assert "| **total** |" in out.output and "store, fp8" in out.output
-    rates = [line for line in out.output.splitlines() if re.match(r"\| [a-z_]+\.[a-z_0-9]+ \|", line)]
-    assert len(rates) >= 10
-    for line in rates:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[3] in ("measured", "assumption") and len(cells[4]) > 20, line
+    assert "| **total** |" in out.output and "written, fp8" in out.output
+    rates = _rate_rows(out.output)
+    assert len(rates) >= 15
+    for cells in rates.values():
+        assert cells[3] in ("measured", "cited", "assumption") and len(cells[4]) > 20, cells
+    assert "| **total** |" in out.output and "cost, 4 node(s) held" in out.output
 
 
 def _section(heading: str) -> str:
