@@ -234,7 +234,8 @@ def test_regeneration_on_one_node_when_the_fan_out_assumption_is_flipped(kimi_sh
     assert no_cache.totals["train_read_hours"] > p.totals["train_read_hours"]
 
 
-def test_the_runs_own_stats_on_the_store_replace_the_assumed_lengths(tmp_path):
+def test_the_runs_own_stats_on_the_store_replace_the_assumed_lengths(tmp_path, monkeypatch):
+    monkeypatch.delenv("DRAFTLINE_STORE_URI", raising=False)  # it would sit above --set store.uri
     from tasks import digest as digests
     from tasks.store import Store
 
