@@ -175,6 +175,26 @@ class Target:
     folder: str  # a folder holding its config.json (for speculators' layer config)
     rates: dict[str, Rate]
     experts: bool
+    known_as: str = ""  # the rates file's target whose shape a local target.model has
+
+
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+def _same_shape(hf: Any, targets: dict[str, Any]) -> str:
+    """The rates file's target with the decoder shape of `hf` (the same weights under another path, e.g. a
+    workstation's /models/kimi-k2.5), or ""."""
+    from transformers import AutoConfig
+
+    from tasks.target import text_config
+
+    mine = [getattr(text_config(hf), k, None) for k in SHAPE_KEYS]
+    for model, entry in targets.items():
+        conf = dict(entry["config"])
+        known = text_config(AutoConfig.for_model(conf.pop("model_type"), **conf))
+        if [getattr(known, k, None) for k in SHAPE_KEYS] == mine:
+            return model
+    return ""
 
 
 def _target_rate(model: str, entry: dict, name: str, overrides: dict[str, float], where: str) -> Rate:
@@ -196,6 +216,7 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
 
     model = cfg.target.model
     entry = rates["targets"].get(model)
+    known_as = ""
     if entry is not None:
         conf = dict(entry["config"])
         hf = AutoConfig.for_model(conf.pop("model_type"), **conf)
@@ -206,16 +227,18 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
             raise PlanError(f"target.model {model!r}: cannot read its config ({str(exc).splitlines()[0][:160]}); "
                             f"add it under `targets:` in {RATES_FILE.relative_to(ROOT)} (its config.json fields, "
                             f"active_params, and per machine {', '.join(TARGET_RATES)})") from None
-        entry = {}
+        known_as = _same_shape(hf, rates["targets"])
+        entry = rates["targets"][known_as] if known_as else {}
     hf.save_pretrained(tmp)
     tc = text_config(hf)
     machine = rates.get("machine", DEFAULT_MACHINE)
     on_machine = (entry.get("machines") or {}).get(machine, {})
-    out = {"active_params": _target_rate(model, entry, "active_params", rates["overrides"], "")}
-    out.update({n: _target_rate(model, on_machine, n, rates["overrides"], f"machines: {machine}: ")
+    out = {"active_params": _target_rate(known_as or model, entry, "active_params", rates["overrides"], "")}
+    out.update({n: _target_rate(known_as or model, on_machine, n, rates["overrides"], f"machines: {machine}: ")
                 for n in TARGET_RATES})
     return Target(hf, str(tmp), out,
-                  experts=bool(getattr(tc, "n_routed_experts", None) or getattr(tc, "num_local_experts", None)))
+                  experts=bool(getattr(tc, "n_routed_experts", None) or getattr(tc, "num_local_experts", None)),
+                  known_as=known_as)
 
 
 # --------------------------------------------------------------------------- the draft's size
@@ -478,6 +501,9 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         f"{cfg.train.batch_tokens:,} tokens x {ranks} ranks"
         + (f"; {len(heads)} heads, each priced as the EAGLE-3 draft below" if len(heads) > 1 else "") + ").",
     ]
+    if target.known_as:
+        notes.append(f"Target: {cfg.target.model} has the shape of {target.known_as} ({', '.join(SHAPE_KEYS)}): "
+                     f"its rates in configs/rates.yaml are used.")
     if cfg.regenerate.enabled:
         notes.append(
             f"Regeneration: {_count(t['decode_tok_s'])} output tok/s per node ({target.rates['decode_tok_s'].kind}), "

@@ -323,3 +323,13 @@ def test_bad_input_names_the_fix(args, message):
     out = draftline(*args)
     assert out.exit_code == 2, out.output
     assert message in " ".join(out.output.split()), out.output
+
+
+def test_a_local_copy_of_a_known_target_plans_with_its_rates(tmp_path, kimi_shape):
+    # the workstation's /models/kimi-k2.5 (issue 26): the same config.json under a path, no weights needed
+    rates = planner.load_rates()
+    planner.make_shape(load_config(KIMI), rates).target.hf_config.save_pretrained(tmp_path / "kimi-k2.5")
+    out = draftline("plan", str(KIMI), "--set", f"target.model={tmp_path / 'kimi-k2.5'}", "--nodes", "4")
+    assert out.exit_code == 0, out.output
+    assert "has the shape of moonshotai/Kimi-K2.5" in " ".join(out.output.split())
+    assert "| target.decode_tok_s | 8,472 |" in out.output and "18.67 GFLOP per token" in out.output
