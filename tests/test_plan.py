@@ -292,6 +292,10 @@ def test_the_workstation_profile(kimi_shape):
                         ("extract.mfu_moe", "0.12"), ("node.store_read_gb_s", "1.25")):
         assert rows[name][1] == value and rows[name][3] == "assumption", rows[name]
     assert "PCIe" in rows["target.decode_tok_s"][4] and "8,472" in rows["target.decode_tok_s"][4]
+    # the runbook quotes the box's regeneration hours from this output
+    regen = next(line for line in out.output.splitlines() if line.startswith("| regenerate |"))
+    hours = float(regen.split("|")[8].replace(",", ""))
+    assert f"~{hours:.0f} h" in RUNBOOK.read_text()
     # slower than a B300 node at every GPU stage of the same config
     rates = planner.load_rates(machine="workstation-rtx-pro-6000")
     box = planner.make_plan(load_config(KIMI), rates, shape=planner.make_shape(load_config(KIMI), rates))
