@@ -528,8 +528,8 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
          f"{', '.join(s.stage for s in stages if s.nodes == 1 and s.wall_hours > 0)} on one node." if fanned
          else "Nodes: every stage on one node."),
         f"Cost: {nodes} node(s) held for the {wall:,.1f} h wall-clock: **${totals['cost_held']:,.0f}**."
-        + (f" Renting per stage instead ({nodes} nodes for {' and '.join(fanned)}, one node for the rest; the "
-           f"pool shrinks between stages): **${totals['cost_per_stage']:,.0f}**, "
+        + (f" Renting per stage instead ({nodes} nodes for {' and '.join(fanned)}, one node for the rest: "
+           f"hand the other nodes back after extraction, draftline does not): **${totals['cost_per_stage']:,.0f}**, "
            f"${totals['cost_held'] - totals['cost_per_stage']:,.0f} less."
            if totals["cost_per_stage"] < totals["cost_held"] - 0.5 else ""),
         f"Store: {_bytes(totals['bytes_bf16'] if dtype == 'bf16' else totals['bytes_fp8'])} written, "
