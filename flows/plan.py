@@ -1,10 +1,17 @@
-"""`draftline plan CONFIG`: the tokens, store bytes, node-hours and money a run will take, before it starts.
+"""`draftline plan CONFIG`: the tokens, store bytes, hours and money a run will take, before it starts.
 
 Everything comes from two places: the config (samples, lengths, layer ids, regeneration tokens, steps, batch
-sizes) and the rates in configs/rates.yaml, each of which names its source (a run in benchmarks/RESULTS.md,
-or an assumption). Training FLOPs per token are `tasks.train_model.flops_per_token` of the draft this config
+sizes) and the rates in configs/rates.yaml, each of which names its source and kind (a run in
+benchmarks/RESULTS.md, a cited published figure, or an assumption). The rates that depend on the hardware
+come from a machine profile (`--machine`: a rented B300 NVL8 node, or the user's own 8 x RTX PRO 6000
+workstation). Training FLOPs per token are `tasks.train_model.flops_per_token` of the draft this config
 would train (speculators' Eagle3DraftModel, built on the meta device: no memory, no weights); extraction
 FLOPs are 2 x the target's active parameters per token, the MFU convention of benchmarks/RESULTS.md.
+
+What runs where is the code's, with one named assumption (REGENERATE_FANS_OUT below) and the node-local part
+cache (NODE_PART_CACHE): extraction is dealt over the nodes (`extract.nodes`), regeneration likewise,
+training and the benchmark run on one node. Cost is counted three ways: the nodes held for the whole
+wall-clock, a schedule that rents the nodes per stage, and the busy node-hours alone.
 
 `make_plan` is a plain function (config and rates in, numbers out); `render` prints the markdown that
 docs/kimi-k2.5.md shows verbatim (tests/test_plan.py keeps them equal).
@@ -26,6 +33,18 @@ from tasks.config import ConfigError, RunConfig, load_config
 
 RATES_FILE = ROOT / "configs" / "rates.yaml"
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train_loop.py Trainer.save_checkpoint)
+DEFAULT_MACHINE = "b300-node"
+KINDS = ("measured", "cited", "assumption")
+TARGET_RATES = ("engine_start_minutes", "decode_tok_s", "decode_tok_s_batch1")  # per target and machine
+
+# ASSUMPTION, flip it if the work does not land: regeneration is dealt over the nodes like extraction when
+# --nodes > 1 (another branch extends tasks/regenerate.py to fan out over engine groups and nodes the way
+# `extract.nodes` does today). False: regeneration runs on the run's own node, as on 065ef2e.
+REGENERATE_FANS_OUT = True
+# ASSUMPTION, flip it if the work does not land: training reads its parts through a node-local part cache
+# (issue 28 item 2), so epochs after the first read from the node's NVMe what the cache holds. False: every
+# epoch downloads every part from the store again (tasks/store.py local_copy, as on 065ef2e).
+NODE_PART_CACHE = True
 
 
 class PlanError(ValueError):
@@ -37,24 +56,27 @@ class Rate:
     name: str
     value: float
     unit: str
-    kind: str  # measured | assumption | command line
+    kind: str  # measured | cited | assumption | command line | the run's stats
     source: str
 
 
 @dataclass
 class Stage:
     stage: str
+    nodes: int  # nodes it runs on (rented for it when renting per stage)
     tokens: float
     what: str  # what the tokens are
-    bytes_bf16: float
+    bytes_bf16: float  # written to the store
     bytes_fp8: float
-    node_hours: float
+    kept: float  # bytes that stay on the store after the run, at the config's storage dtype
+    node_hours: float  # busy
     wall_hours: float
 
 
 @dataclass
 class Plan:
     config: str
+    machine: str
     nodes: int
     gpus: int
     price: float
@@ -62,41 +84,88 @@ class Plan:
     notes: list[str]
     rates: list[Rate]
     totals: dict[str, float] = field(default_factory=dict)
+    dominant: str = ""
+    levers: list[dict[str, Any]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- rates
 
 def _rate(name: str, raw: Any) -> Rate:
     if not isinstance(raw, dict) or not {"value", "unit", "kind", "source"} <= set(raw):
-        raise PlanError(f"rate {name}: give value, unit, kind (measured or assumption) and source")
-    if raw["kind"] not in ("measured", "assumption"):
-        raise PlanError(f"rate {name}: kind must be measured or assumption, got {raw['kind']!r}")
+        raise PlanError(f"rate {name}: give value, unit, kind ({', '.join(KINDS)}) and source")
+    if raw["kind"] not in KINDS:
+        raise PlanError(f"rate {name}: kind must be one of {', '.join(KINDS)}, got {raw['kind']!r}")
     return Rate(name, float(raw["value"]), str(raw["unit"]), raw["kind"], " ".join(str(raw["source"]).split()))
 
 
-def load_rates(path: Path = RATES_FILE, overrides: list[str] | None = None) -> dict[str, Any]:
-    """The rates file as {"rates": {"node.gpus": Rate, ...}, "targets": {model: {...}}}; `overrides` are
-    `section.name=value` (target rates: `target.decode_tok_s=...`, applied to the config's target)."""
+def _section_rates(data: dict[str, Any], where: str) -> dict[str, Rate]:
+    return {f"{sec}.{name}": _rate(f"{where}{sec}.{name}", raw)
+            for sec, items in data.items() for name, raw in (items or {}).items()}
+
+
+def read_rates_file(path: Path = RATES_FILE) -> dict[str, Any]:
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise PlanError(f"cannot read the rates file {path}: {exc}") from None
+    if not data.get("machines"):
+        raise PlanError(f"{path}: add `machines:` (at least {DEFAULT_MACHINE}: with its node rates)")
+    return data
+
+
+def machine_for(config_name: str | None, path: Path = RATES_FILE) -> str:
+    """The machine a preset names in the rates file (`presets:`), else the B300 node."""
+    for name, entry in read_rates_file(path)["machines"].items():
+        if config_name and config_name in (entry.get("presets") or []):
+            return name
+    return DEFAULT_MACHINE
+
+
+def all_rates(path: Path = RATES_FILE) -> list[Rate]:
+    """Every rate the file holds, on every machine and for every target (for checking their sources)."""
+    data = read_rates_file(path)
+    out = list(_section_rates({k: v for k, v in data.items() if k not in ("machines", "targets")}, "").values())
+    for m, entry in data["machines"].items():
+        out += _section_rates({k: v for k, v in entry.items() if k not in ("description", "presets", "max_nodes")},
+                              f"{m}: ").values()
+    for model, entry in (data.get("targets") or {}).items():
+        out += [_rate(f"{model}.{k}", v) for k, v in entry.items() if k not in ("config", "machines")]
+        for m, items in (entry.get("machines") or {}).items():
+            out += [_rate(f"{model} on {m}: target.{k}", v) for k, v in items.items()]
+    return out
+
+
+def load_rates(path: Path = RATES_FILE, overrides: list[str] | None = None,
+               machine: str = DEFAULT_MACHINE) -> dict[str, Any]:
+    """The rates of one machine as {"rates": {"node.gpus": Rate, ...}, "targets": {model: {...}}, "machine":
+    name, "description": ..., "overrides": {...}}; `overrides` are `section.name=value` (target rates:
+    `target.decode_tok_s=...`, applied to the config's target on this machine)."""
+    data = read_rates_file(path)
+    machines = data.pop("machines")
     targets = data.pop("targets", {}) or {}
-    rates = {f"{sec}.{name}": _rate(f"{sec}.{name}", raw) for sec, items in data.items() for name, raw in items.items()}
-    out = {"rates": rates, "targets": targets, "overrides": {}}
+    if machine not in machines:
+        raise PlanError(f"--machine {machine!r} is not in {Path(path).name}; one of: {', '.join(machines)}")
+    entry = dict(machines[machine])
+    description = " ".join(str(entry.pop("description", machine)).split())
+    entry.pop("presets", None)
+    max_nodes = entry.pop("max_nodes", None)
+    rates = _section_rates(data, "")
+    rates.update(_section_rates(entry, ""))
+    out = {"rates": rates, "targets": targets, "overrides": {}, "machine": machine, "description": description,
+           "max_nodes": int(max_nodes) if max_nodes else None}
+    target_names = [f"target.{n}" for n in ("active_params", *TARGET_RATES)]
     for item in overrides or []:
         key, _, value = item.partition("=")
+        if key not in rates and key not in target_names:
+            raise PlanError(f"--rate {key!r} is not a rate; one of: {', '.join(sorted(rates) + target_names)}")
         try:
             number = float(value)
         except ValueError:
             raise PlanError(f"--rate {item!r}: expected NAME=NUMBER, e.g. --rate node.gpu_hour_price=4.5") from None
         if key in rates:
             rates[key] = Rate(key, number, rates[key].unit, "command line", f"--rate {item}")
-        elif key.startswith("target."):
-            out["overrides"][key.removeprefix("target.")] = number
         else:
-            raise PlanError(f"--rate {key!r} is not a rate; one of: {', '.join(sorted(rates))}, "
-                            "target.active_params, target.engine_start_minutes, target.decode_tok_s")
+            out["overrides"][key.removeprefix("target.")] = number
     return out
 
 
@@ -106,25 +175,48 @@ class Target:
     folder: str  # a folder holding its config.json (for speculators' layer config)
     rates: dict[str, Rate]
     experts: bool
+    known_as: str = ""  # the rates file's target whose shape a local target.model has
 
 
-def _target_rate(model: str, entry: dict, name: str, overrides: dict[str, float]) -> Rate:
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+def _same_shape(hf: Any, targets: dict[str, Any]) -> str:
+    """The rates file's target with the decoder shape of `hf` (the same weights under another path, e.g. a
+    workstation's /models/kimi-k2.5), or ""."""
+    from transformers import AutoConfig
+
+    from tasks.target import text_config
+
+    mine = [getattr(text_config(hf), k, None) for k in SHAPE_KEYS]
+    for model, entry in targets.items():
+        conf = dict(entry["config"])
+        known = text_config(AutoConfig.for_model(conf.pop("model_type"), **conf))
+        if [getattr(known, k, None) for k in SHAPE_KEYS] == mine:
+            return model
+    return ""
+
+
+def _target_rate(model: str, entry: dict, name: str, overrides: dict[str, float], where: str) -> Rate:
     if name in overrides:
         return Rate(f"target.{name}", overrides[name], entry.get(name, {}).get("unit", ""), "command line",
                     f"--rate target.{name}={overrides[name]:g}")
     if name not in entry:
-        raise PlanError(f"configs/rates.yaml: targets: {model}: add {name} (value, unit, kind, source)")
+        raise PlanError(f"configs/rates.yaml: targets: {model}: {where}add {name} (value, unit, kind, source), "
+                        f"or pass --rate target.{name}=...")
     return _rate(f"target.{name}", entry[name])
 
 
 def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
-    """The target's config from the rates file's `targets` entry (no weights needed), else from target.model."""
+    """The target's config from the rates file's `targets` entry (no weights needed), else from target.model;
+    its rates on the plan's machine from the entry's `machines:`."""
     from transformers import AutoConfig
 
     from tasks.target import TargetError, load_hf_config, text_config
 
     model = cfg.target.model
     entry = rates["targets"].get(model)
+    known_as = ""
     if entry is not None:
         conf = dict(entry["config"])
         hf = AutoConfig.for_model(conf.pop("model_type"), **conf)
@@ -133,14 +225,20 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
             hf = load_hf_config(cfg.target)
         except (TargetError, OSError, ValueError) as exc:
             raise PlanError(f"target.model {model!r}: cannot read its config ({str(exc).splitlines()[0][:160]}); "
-                            f"add it under `targets:` in {RATES_FILE.relative_to(ROOT)} (its config.json fields "
-                            "and active_params, engine_start_minutes, decode_tok_s)") from None
-        entry = {}
+                            f"add it under `targets:` in {RATES_FILE.relative_to(ROOT)} (its config.json fields, "
+                            f"active_params, and per machine {', '.join(TARGET_RATES)})") from None
+        known_as = _same_shape(hf, rates["targets"])
+        entry = rates["targets"][known_as] if known_as else {}
     hf.save_pretrained(tmp)
     tc = text_config(hf)
-    names = ("active_params", "engine_start_minutes", "decode_tok_s")
-    return Target(hf, str(tmp), {n: _target_rate(model, entry, n, rates["overrides"]) for n in names},
-                  experts=bool(getattr(tc, "n_routed_experts", None) or getattr(tc, "num_local_experts", None)))
+    machine = rates.get("machine", DEFAULT_MACHINE)
+    on_machine = (entry.get("machines") or {}).get(machine, {})
+    out = {"active_params": _target_rate(known_as or model, entry, "active_params", rates["overrides"], "")}
+    out.update({n: _target_rate(known_as or model, on_machine, n, rates["overrides"], f"machines: {machine}: ")
+                for n in TARGET_RATES})
+    return Target(hf, str(tmp), out,
+                  experts=bool(getattr(tc, "n_routed_experts", None) or getattr(tc, "num_local_experts", None)),
+                  known_as=known_as)
 
 
 # --------------------------------------------------------------------------- the draft's size
@@ -186,54 +284,139 @@ def hidden_bytes_per_token(layers: int, hidden: int, dtype: str) -> int:
     return states + 5
 
 
+# --------------------------------------------------------------------------- the run's own lengths
+
+@dataclass
+class Lengths:
+    """Mean prompt and answer tokens per sample (and the sample count) that a run's stages recorded."""
+    samples: Optional[int] = None
+    prompt: Optional[float] = None
+    answer: Optional[float] = None  # per sample, the target's (regenerate) or the data's
+    source: str = ""
+
+
+def run_lengths(cfg: RunConfig) -> Lengths:
+    """Read this config's prepare artifact and its regenerate artifact (or the regenerate shards committed so
+    far) on cfg.store; what is not there stays None, and `source` says what was found."""
+    from tasks import digest as digests
+    from tasks.store import Store, StoreError
+
+    try:
+        store = Store.from_config(cfg.store)
+        prep = store.find("prepare", digests.prepare(cfg))
+    except Exception as exc:  # noqa: BLE001 - any store or credential failure: say it and plan on assumptions
+        return Lengths(source=f"the store {cfg.store.uri} could not be read ({str(exc).splitlines()[0][:120]})")
+    if prep is None:
+        return Lengths(source=f"no prepare artifact of this config on {store.uri} yet")
+    s = prep.stats
+    samples = int(s.get("samples") or 0)
+    if not samples:
+        return Lengths(source=f"the prepare artifact {prep.digest[:12]} records no samples")
+    out = Lengths(samples=samples, source=f"prepare {prep.digest[:12]} ({samples:,} samples)")
+    if not cfg.regenerate.enabled:
+        out.prompt = (s["tokens"] - s["masked_tokens"]) / samples
+        out.answer = s["masked_tokens"] / samples
+        return out
+    out.prompt = (s["tokens"] - s["masked_tokens"]) / samples  # the data's answers are replaced
+    reg_digest = digests.regenerate(cfg, prep.ref())
+    try:
+        reg = store.find("regenerate", reg_digest)
+        arts = [reg] if reg is not None else [
+            a for a in (store.find(digests.REGENERATE_SHARD, digests.regenerate_shard(reg_digest, i))
+                        for i in range(int(s.get("num_shards") or cfg.data.num_shards))) if a is not None]
+    except StoreError as exc:
+        out.source += f"; regenerate shards unreadable ({str(exc).splitlines()[0][:120]})"
+        return out
+    regen = [a.stats for a in arts if a.stats.get("samples")]
+    if regen:
+        n = sum(int(r["samples"]) for r in regen)
+        tokens = sum(int(r["tokens"]) for r in regen)
+        gen = sum(int(r.get("generated_tokens", 0)) for r in regen)
+        out.answer = gen / n
+        out.prompt = (tokens - gen) / n
+        what = "regenerate" if reg is not None else f"{len(regen)} regenerate shard(s)"
+        out.source += f", {what} ({n:,} samples)"
+    else:
+        out.source += "; nothing regenerated yet"
+    return out
+
+
 # --------------------------------------------------------------------------- the plan
 
-def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_name: str = "") -> Plan:
+@dataclass
+class Shape:
+    """The target's and the draft's sizes, which no lever of the plan changes."""
+    target: Target
+    hidden: int
+    n_layers: int
+    train_flops: float
+    trainable: int
+
+
+def make_shape(cfg: RunConfig, rates: dict[str, Any]) -> Shape:
     from tasks.target import configured_layer_ids, text_config
     from tasks.train_model import flops_per_token
 
-    if nodes < 1:
-        raise PlanError(f"--nodes must be 1 or more, got {nodes}")
-    if not cfg.data.max_samples:
-        raise PlanError("data.max_samples is not set: a plan needs the number of samples (set it, or "
-                        "--set data.max_samples=N)")
-    r = {k: v.value for k, v in rates["rates"].items()}
     with tempfile.TemporaryDirectory() as tmp:
         target = load_target(cfg, rates, Path(tmp))
         tc = text_config(target.hf_config)
         layer_ids = configured_layer_ids(cfg, int(tc.num_hidden_layers))
         draft = draft_model(cfg, target, layer_ids)
-        train_flops = flops_per_token(draft, cfg.train.ttt_steps)
-        trainable = trainable_params(draft)
+        return Shape(target, int(tc.hidden_size), len(layer_ids), flops_per_token(draft, cfg.train.ttt_steps),
+                     trainable_params(draft))
+
+
+def _override(cfg: RunConfig, section: str, **values: Any) -> RunConfig:
+    return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=values)})
+
+
+def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_name: str = "",
+              lengths: Lengths | None = None, shape: Shape | None = None, levers: bool = True) -> Plan:
+    if nodes < 1:
+        raise PlanError(f"--nodes must be 1 or more, got {nodes}")
+    if rates.get("max_nodes") and nodes > rates["max_nodes"]:
+        raise PlanError(f"--nodes {nodes}: the machine {rates['machine']} is {rates['max_nodes']} node(s); plan the "
+                        f"rest of the run on the pool with --machine {DEFAULT_MACHINE}")
+    if not cfg.data.max_samples:
+        raise PlanError("data.max_samples is not set: a plan needs the number of samples (set it, or "
+                        "--set data.max_samples=N)")
+    shape = shape or make_shape(cfg, rates)
+    lengths = lengths or Lengths()
+    r = {k: v.value for k, v in rates["rates"].items()}
+    target = shape.target
     t = {k: v.value for k, v in target.rates.items()}
     gpus, price = int(r["node.gpus"]), r["node.gpu_hour_price"]
     peak = r["node.matmul_tflops"] * 1e12
-    hidden, n_layers = int(tc.hidden_size), len(layer_ids)
-    samples = cfg.data.max_samples
+    hidden, n_layers = shape.hidden, shape.n_layers
+    samples = min(cfg.data.max_samples, lengths.samples or cfg.data.max_samples)
 
     # tokens per sample: the prompt plus the answer (the target's, or the data's), within max_length
-    prompt = r["regenerate.prompt_tokens"]
+    prompt = lengths.prompt if lengths.prompt is not None else r["regenerate.prompt_tokens"]
     room = cfg.regenerate.max_tokens if cfg.regenerate.enabled else max(cfg.data.max_length - prompt, 0)
-    answer = r["regenerate.answer_fill"] * room
+    answer = (min(lengths.answer, room) if lengths.answer is not None else r["regenerate.answer_fill"] * room)
     per_sample = min(cfg.data.max_length, prompt + answer)
     answer = per_sample - prompt
     tokens = samples * per_sample
     start_h = t["engine_start_minutes"] / 60
     stages: list[Stage] = []
 
-    def add(stage: str, n_tokens: float, what: str, b16: float, b8: float, hours: float, wall: float) -> None:
-        stages.append(Stage(stage, n_tokens, what, b16, b8, hours, wall))
+    def add(stage: str, n: int, n_tokens: float, what: str, b16: float, b8: float, kept: float, hours: float,
+            wall: float) -> None:
+        stages.append(Stage(stage, n, n_tokens, what, b16, b8, kept, hours, wall))
 
     pq = r["prepare.bytes_per_token"]
     prep_h = samples / r["prepare.samples_per_s"] / 3600
     prep_tokens = samples * (prompt if cfg.regenerate.enabled else per_sample)
-    add("prepare", prep_tokens, "prompt" if cfg.regenerate.enabled else "sample", prep_tokens * pq,
-        prep_tokens * pq, prep_h, prep_h)
+    add("prepare", 1, prep_tokens, "prompt" if cfg.regenerate.enabled else "sample", prep_tokens * pq,
+        prep_tokens * pq, prep_tokens * pq, prep_h, prep_h)
+    regen_nodes = nodes if REGENERATE_FANS_OUT else 1
     if cfg.regenerate.enabled:
         gen = samples * answer
-        hours = start_h + gen / t["decode_tok_s"] / 3600  # one node: regeneration is not dealt out (yet)
-        add("regenerate", gen, "generated", tokens * pq, tokens * pq, hours, hours)
-    add("vocab", tokens, "counted", 0.0, 0.0, 0.0, 0.0)
+        busy = regen_nodes * start_h + gen / t["decode_tok_s"] / 3600
+        wall = start_h + gen / (regen_nodes * t["decode_tok_s"]) / 3600
+        stored = 2 * tokens * pq  # the shard artifacts, and the stage's artifact that copies them
+        add("regenerate", regen_nodes, gen, "generated", stored, stored, stored, busy, wall)
+    add("vocab", 1, tokens, "counted", 0.0, 0.0, 0.0, 0.0, 0.0)
 
     bpt = {d: hidden_bytes_per_token(n_layers, hidden, d) for d in ("bf16", "fp8")}
     extract_rate_name = "extract.mfu_moe" if target.experts else "extract.mfu_dense"
@@ -243,61 +426,158 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     rate = {d: min(compute_rate, store_rate[d]) for d in bpt}
     dtype = cfg.extract.storage_dtype
     ext_h = tokens / rate[dtype] / 3600
-    add("extract", tokens, "prefilled", tokens * bpt["bf16"], tokens * bpt["fp8"], nodes * start_h + ext_h,
-        start_h + ext_h / nodes)
+    add("extract", nodes, tokens, "prefilled", tokens * bpt["bf16"], tokens * bpt["fp8"], tokens * bpt[dtype],
+        nodes * start_h + ext_h, start_h + ext_h / nodes)
 
+    # training: one node (torchrun over its GPUs), as fast as the slower of its compute and its reads
     ranks = cfg.train.gpus or gpus
     heads = cfg.train.heads
-    steps = sum(h.max_steps or cfg.train.max_steps for h in heads)  # one train task per head, one after another
+    head_steps = [h.max_steps or cfg.train.max_steps for h in heads]  # one train task per head, one after another
+    steps = sum(head_steps)
     train_tokens = steps * cfg.train.batch_tokens * ranks
     # auto is flex_attention on a GPU where it compiles (tasks.train_model.resolve_attn_impl)
     train_rate_name = ("train.mfu_flex_attention" if cfg.train.attn_impl in ("auto", "flex_attention")
                        else "train.mfu_sdpa")
     mfu_t = r[train_rate_name]
-    per_gpu = peak * mfu_t / train_flops
+    per_gpu = peak * mfu_t / shape.train_flops
     node_rate = per_gpu * ranks * (r["train.multi_gpu_efficiency"] if ranks > 1 else 1.0)
-    ckpt = (steps // cfg.train.checkpoint_every) * trainable * CHECKPOINT_BYTES_PER_PARAM
-    train_h = train_tokens / node_rate / 3600
-    add("train", train_tokens, "trained", ckpt, ckpt, train_h, train_h)
+    compute_h = train_tokens / node_rate / 3600
+    data_bytes = tokens * bpt[dtype]
+    cache_bytes = r["node.cache_tb"] * 1e12
+    hit = min(1.0, cache_bytes / data_bytes) if NODE_PART_CACHE and data_bytes else 0.0
+    first = min(train_tokens, tokens)  # the first epoch comes from the store
+    from_cache = (train_tokens - first) * hit
+    from_store = train_tokens - from_cache
+    read_rate = {"store": r["node.store_read_gb_s"] * 1e9 / bpt[dtype],
+                 "node cache": r["node.cache_read_gb_s"] * 1e9 / bpt[dtype]}
+    read_h = {"store": from_store / read_rate["store"] / 3600,
+              "node cache": from_cache / read_rate["node cache"] / 3600}
+    train_h = max(compute_h, sum(read_h.values()))
+    binding = "compute" if compute_h >= sum(read_h.values()) else max(read_h, key=read_h.get) + " read"
+    ckpt_size = shape.trainable * CHECKPOINT_BYTES_PER_PARAM
+    keep = int(getattr(cfg.train, "keep_checkpoints", 0) or 0) or None  # read defensively: older configs lack it
+    written = sum(s // cfg.train.checkpoint_every for s in head_steps) * ckpt_size
+    kept = sum(min(s // cfg.train.checkpoint_every, keep or s) for s in head_steps) * ckpt_size
+    add("train", 1, train_tokens, "trained", written, written, kept, train_h, train_h)
 
     if cfg.benchmark.enabled:
         engines = len(cfg.benchmark.num_speculative_tokens) + 1
         per_bs = sum(e.num_prompts for e in cfg.benchmark.evals) * cfg.benchmark.max_tokens * engines
         single = per_bs if 1 in cfg.benchmark.batch_sizes else 0
         batched = per_bs * len([b for b in cfg.benchmark.batch_sizes if b > 1])
-        bench_h = engines * start_h + (single / r["benchmark.decode_tok_s_batch1"]
-                                       + batched / t["decode_tok_s"]) / 3600
-        add("benchmark", single + batched, "generated", 0.0, 0.0, bench_h, bench_h)
+        bench_h = engines * start_h + (single / t["decode_tok_s_batch1"] + batched / t["decode_tok_s"]) / 3600
+        add("benchmark", 1, single + batched, "generated", 0.0, 0.0, 0.0, bench_h, bench_h)
 
-    node_hours = sum(s.node_hours for s in stages)
+    node_price = gpus * price
+    wall = sum(s.wall_hours for s in stages)
+    gb_month = r["storage.gb_month_price"]
+    kept_bytes = sum(s.kept for s in stages)
     totals = {"bytes_bf16": sum(s.bytes_bf16 for s in stages), "bytes_fp8": sum(s.bytes_fp8 for s in stages),
-              "node_hours": node_hours, "wall_hours": sum(s.wall_hours for s in stages),
-              "cost": node_hours * gpus * price}
+              "kept": kept_bytes, "node_hours": sum(s.node_hours for s in stages), "wall_hours": wall,
+              "cost_held": nodes * wall * node_price,
+              "cost_per_stage": sum(s.nodes * s.wall_hours for s in stages) * node_price,
+              "cost_busy": sum(s.node_hours for s in stages) * node_price,
+              "storage_month": kept_bytes / 1e9 * gb_month,
+              "train_read_bytes": train_tokens * bpt[dtype], "train_compute_hours": compute_h,
+              "train_read_hours": sum(read_h.values())}
+    totals["cost"] = min(totals["cost_held"], totals["cost_per_stage"])
+    top = max(stages, key=lambda s: s.wall_hours)
+    dominant = top.stage
+
     other = "fp8" if dtype == "bf16" else "bf16"
     bound = "store" if store_rate[dtype] < compute_rate else "compute"
+    assumed = "assumed (configs/rates.yaml regenerate.prompt_tokens, regenerate.answer_fill)"
+    if lengths.prompt is None and lengths.answer is None:
+        len_src = assumed + (f"; {lengths.source}" if lengths.source else "")
+    elif lengths.answer is None:
+        len_src = f"prompt from the run's {lengths.source}; answer assumed (regenerate.answer_fill)"
+    else:
+        len_src = f"from the run's {lengths.source}"
+    fanned = [s.stage for s in stages if s.nodes > 1]
     notes = [
         f"Workload: {samples:,} samples x {per_sample:,.0f} tokens ({prompt:,.0f} prompt + {answer:,.0f} answer"
-        f"{'' if cfg.regenerate.enabled else ' from the data'}) = {_count(tokens)} tokens; training reads "
-        f"{_count(train_tokens)} tokens = {train_tokens / tokens:.2f} epochs ({steps:,} steps x "
+        f"{'' if cfg.regenerate.enabled else ' from the data'}) = {_count(tokens)} tokens; lengths: {len_src}. "
+        f"Training reads {_count(train_tokens)} tokens = {train_tokens / tokens:.2f} epochs ({steps:,} steps x "
         f"{cfg.train.batch_tokens:,} tokens x {ranks} ranks"
         + (f"; {len(heads)} heads, each priced as the EAGLE-3 draft below" if len(heads) > 1 else "") + ").",
+    ]
+    if target.known_as:
+        notes.append(f"Target: {cfg.target.model} has the shape of {target.known_as} ({', '.join(SHAPE_KEYS)}): "
+                     f"its rates in configs/rates.yaml are used.")
+    if cfg.regenerate.enabled:
+        notes.append(
+            f"Regeneration: {_count(t['decode_tok_s'])} output tok/s per node ({target.rates['decode_tok_s'].kind}), "
+            f"dealt over {regen_nodes} node(s)" + (" (REGENERATE_FANS_OUT in flows/plan.py: assumed to fan out like "
+                                                    "extraction)" if REGENERATE_FANS_OUT and nodes > 1 else "") + ".")
+    notes += [
         f"Extraction: {n_layers} layers x hidden {hidden:,} = {bpt['bf16']:,} bytes/token bf16, {bpt['fp8']:,} fp8; "
         f"compute {_count(compute_rate)} tok/s per node (2 x {_count(t['active_params'])} active params, MFU "
         f"{mfu:g}), store {_count(store_rate[dtype])} tok/s ({dtype}): {_count(rate[dtype])} tok/s, "
         f"{bound}-bound. With {other}: {_count(rate[other])} tok/s, "
         f"{tokens / rate[other] / 3600:,.1f} node-hours.",
-        f"Training: the draft has {_count(trainable)} trainable parameters, {train_flops / 1e9:.2f} GFLOP per token "
-        f"(tasks.train_model.flops_per_token, {cfg.train.ttt_steps} TTT steps): {_count(per_gpu)} tok/s per GPU at MFU "
-        f"{mfu_t:g}, {_count(node_rate)} tok/s per node; one node (torchrun over its GPUs).",
-        f"Nodes: extraction is dealt over {nodes} node(s) (extract.nodes: {nodes}; each node starts its own engine); "
-        "regeneration, training and the benchmark run on one node.",
+        f"Training: the draft has {_count(shape.trainable)} trainable parameters, {shape.train_flops / 1e9:.2f} GFLOP "
+        f"per token (tasks.train_model.flops_per_token, {cfg.train.ttt_steps} TTT steps): {_count(per_gpu)} tok/s "
+        f"per GPU at MFU {mfu_t:g}, {_count(node_rate)} tok/s per node = {compute_h:,.2f} h of compute. It reads "
+        f"{_bytes(totals['train_read_bytes'])} ({dtype}; {_bytes(data_bytes)} per epoch): "
+        f"{_bytes(from_store * bpt[dtype])} from the store at {_count(read_rate['store'])} tok/s "
+        f"({read_h['store']:,.2f} h), {_bytes(from_cache * bpt[dtype])} from the node cache at "
+        f"{_count(read_rate['node cache'])} tok/s ({read_h['node cache']:,.2f} h; "
+        + (f"it holds {hit:.0%} of an epoch, NODE_PART_CACHE in flows/plan.py" if NODE_PART_CACHE
+           else "no node cache: NODE_PART_CACHE is off") + f"): **{binding}-bound**, {train_h:,.2f} h.",
+        (f"Nodes: {', '.join(fanned)} dealt over {nodes} nodes (each node starts its own engine); "
+         f"{', '.join(s.stage for s in stages if s.nodes == 1 and s.wall_hours > 0)} on one node." if fanned
+         else "Nodes: every stage on one node."),
+        f"Cost: {nodes} node(s) held for the {wall:,.1f} h wall-clock: **${totals['cost_held']:,.0f}**."
+        + (f" Renting per stage instead ({nodes} nodes for {' and '.join(fanned)}, one node for the rest: "
+           f"hand the other nodes back after extraction, draftline does not): **${totals['cost_per_stage']:,.0f}**, "
+           f"${totals['cost_held'] - totals['cost_per_stage']:,.0f} less."
+           if totals["cost_per_stage"] < totals["cost_held"] - 0.5 else ""),
+        f"Store: {_bytes(totals['bytes_bf16'] if dtype == 'bf16' else totals['bytes_fp8'])} written, "
+        f"{_bytes(kept_bytes)} kept (train: {_bytes(written)} of checkpoints written, {_bytes(kept)} kept with "
+        f"keep_checkpoints {keep if keep else 'unset: all'}) = **${totals['storage_month']:,.0f} per month** at "
+        f"${gb_month:g} per GB-month.",
+        f"Dominant stage: **{dominant}**, {top.wall_hours:,.1f} of {wall:,.1f} wall-clock hours "
+        f"({top.wall_hours / wall:.0%}).",
     ]
     used = ["node.gpus", "node.matmul_tflops", "node.gpu_hour_price", "node.store_write_gb_s",
-            extract_rate_name, "regenerate.answer_fill", "regenerate.prompt_tokens", "prepare.samples_per_s",
-            "prepare.bytes_per_token", train_rate_name, "train.multi_gpu_efficiency",
-            "benchmark.decode_tok_s_batch1"]
+            "node.store_read_gb_s", "node.cache_read_gb_s", "node.cache_tb", extract_rate_name,
+            "regenerate.answer_fill", "regenerate.prompt_tokens", "prepare.samples_per_s",
+            "prepare.bytes_per_token", train_rate_name, "train.multi_gpu_efficiency", "storage.gb_month_price"]
     listed = [rates["rates"][k] for k in used] + list(target.rates.values())
-    return Plan(config_name, nodes, gpus, price, stages, notes, listed, totals)
+    if lengths.prompt is not None:
+        listed = [Rate(x.name, prompt, x.unit, "the run's stats", lengths.source)
+                  if x.name == "regenerate.prompt_tokens" else x for x in listed]
+    if lengths.answer is not None:
+        listed = [Rate("regenerate.answer_tokens", answer, "tokens per sample, mean answer", "the run's stats",
+                       lengths.source) if x.name == "regenerate.answer_fill" else x for x in listed]
+    plan = Plan(config_name, rates.get("machine", DEFAULT_MACHINE), nodes, gpus, price, stages, notes, listed,
+                totals, dominant)
+    if levers:
+        plan.levers = _levers(cfg, rates, plan, nodes=nodes, lengths=lengths, shape=shape)
+    return plan
+
+
+def _levers(cfg: RunConfig, rates: dict[str, Any], base: Plan, *, nodes: int, lengths: Lengths,
+            shape: Shape) -> list[dict[str, Any]]:
+    """The same plan with one thing changed at a time: what each lever is worth."""
+    options: list[tuple[str, RunConfig, int]] = []
+    if not rates.get("max_nodes") or nodes * 2 <= rates["max_nodes"]:
+        options.append((f"--nodes {nodes * 2}", cfg, nodes * 2))
+    if cfg.extract.storage_dtype == "bf16":
+        options.append(("--set extract.storage_dtype=fp8", _override(cfg, "extract", storage_dtype="fp8"), nodes))
+    half = cfg.data.max_samples // 2
+    options.append((f"--set data.max_samples={half}", _override(cfg, "data", max_samples=half), nodes))
+    if cfg.regenerate.enabled:
+        mt = cfg.regenerate.max_tokens // 2
+        options.append((f"--set regenerate.max_tokens={mt}", _override(cfg, "regenerate", max_tokens=mt), nodes))
+    out = []
+    for name, c, n in options:
+        p = make_plan(c, rates, nodes=n, lengths=lengths, shape=shape, levers=False)
+        d = {s.stage: s.wall_hours for s in p.stages}
+        out.append({"lever": name, "wall_hours": p.totals["wall_hours"], "cost_held": p.totals["cost_held"],
+                    "cost_per_stage": p.totals["cost_per_stage"], "kept": p.totals["kept"],
+                    "dominant_hours": d.get(base.dominant, 0.0)})
+    return out
 
 
 # --------------------------------------------------------------------------- output
@@ -318,21 +598,34 @@ def _bytes(x: float) -> str:
     return f"{x:.0f} B"
 
 
-def render(plan: Plan) -> str:
-    """Markdown: the stage table, what it rests on, and every rate with its source."""
-    n = plan.nodes
-    lines = [f"Plan for {plan.config}: {n} node(s) of {plan.gpus} GPUs at ${plan.price:.2f} per GPU-hour "
-             f"(${plan.price * plan.gpus:.2f} per node-hour).", "",
-             f"| stage | tokens | store, bf16 | store, fp8 | node-hours | wall-clock hours on {n} node(s) | cost |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+def render(plan: Plan, description: str = "") -> str:
+    """Markdown: the stage table, what it rests on, the levers, and every rate with its source."""
+    n, node_price = plan.nodes, plan.price * plan.gpus
+    lines = [f"Plan for {plan.config} on {plan.machine}"
+             + (f" ({description})" if description else "")
+             + f": {n} node(s) of {plan.gpus} GPUs at ${plan.price:.2f} per GPU-hour (${node_price:.2f} per "
+             "node-hour).", "",
+             "| stage | nodes | tokens | written, bf16 | written, fp8 | kept | busy node-hours | wall-clock hours | "
+             f"cost, {n} node(s) held | cost, rented per stage |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in plan.stages:
-        cost = s.node_hours * plan.gpus * plan.price
-        lines.append(f"| {s.stage} | {_count(s.tokens)} {s.what} | {_bytes(s.bytes_bf16)} | {_bytes(s.bytes_fp8)} | "
-                     f"{s.node_hours:,.2f} | {s.wall_hours:,.2f} | ${cost:,.0f} |")
+        lines.append(f"| {s.stage} | {s.nodes} | {_count(s.tokens)} {s.what} | {_bytes(s.bytes_bf16)} | "
+                     f"{_bytes(s.bytes_fp8)} | {_bytes(s.kept)} | {s.node_hours:,.2f} | {s.wall_hours:,.2f} | "
+                     f"${n * s.wall_hours * node_price:,.0f} | ${s.nodes * s.wall_hours * node_price:,.0f} |")
     tt = plan.totals
-    lines.append(f"| **total** | | {_bytes(tt['bytes_bf16'])} | {_bytes(tt['bytes_fp8'])} | {tt['node_hours']:,.2f} | "
-                 f"{tt['wall_hours']:,.2f} | **${tt['cost']:,.0f}** |")
+    lines.append(f"| **total** | | | {_bytes(tt['bytes_bf16'])} | {_bytes(tt['bytes_fp8'])} | {_bytes(tt['kept'])} | "
+                 f"{tt['node_hours']:,.2f} | {tt['wall_hours']:,.2f} | **${tt['cost_held']:,.0f}** | "
+                 f"**${tt['cost_per_stage']:,.0f}** |")
     lines += [""] + [f"- {note}" for note in plan.notes]
+    if plan.levers:
+        lines += ["", f"| lever, one at a time | wall-clock hours | of it {plan.dominant} | cost, held | "
+                      "cost, rented per stage | kept |", "|---|---:|---:|---:|---:|---:|"]
+        dom = next(s.wall_hours for s in plan.stages if s.stage == plan.dominant)
+        rows = [{"lever": "this plan", "wall_hours": tt["wall_hours"], "dominant_hours": dom,
+                 "cost_held": tt["cost_held"], "cost_per_stage": tt["cost_per_stage"], "kept": tt["kept"]}]
+        for lv in rows + plan.levers:
+            lines.append(f"| {lv['lever']} | {lv['wall_hours']:,.1f} | {lv['dominant_hours']:,.1f} | "
+                         f"${lv['cost_held']:,.0f} | ${lv['cost_per_stage']:,.0f} | {_bytes(lv['kept'])} |")
     lines += ["", "| rate | value | unit | kind | source |", "|---|---:|---|---|---|"]
     for rate in plan.rates:
         value = _count(rate.value) if rate.value >= 1e6 else f"{rate.value:,.6g}"
@@ -343,10 +636,21 @@ def render(plan: Plan) -> str:
 # --------------------------------------------------------------------------- the command
 
 def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi-k2.5-b300.yaml."),
-         nodes: Optional[int] = typer.Option(None, "--nodes", "-n", help="Nodes the extraction is dealt over "
-                                             "(default: the config's extract.nodes); as --set extract.nodes=N."),
+         nodes: Optional[int] = typer.Option(None, "--nodes", "-n", help="Nodes the extraction (and regeneration) "
+                                             "is dealt over (default: the config's extract.nodes); as --set "
+                                             "extract.nodes=N."),
+         machine: Optional[str] = typer.Option(None, "--machine", help="The machine's rates in configs/rates.yaml "
+                                               "(b300-node, workstation-rtx-pro-6000; default: the one whose "
+                                               "presets name the config, else b300-node)."),
          gpu_hour_price: Optional[float] = typer.Option(None, "--gpu-hour-price",
-                                                        help="USD per GPU-hour (default: configs/rates.yaml)."),
+                                                        help="USD per GPU-hour (default: the machine's)."),
+         storage_price: Optional[float] = typer.Option(None, "--storage-price-gb-month",
+                                                       help="USD per GB-month kept on the store "
+                                                            "(default: configs/rates.yaml)."),
+         from_store: bool = typer.Option(False, "--from-store",
+                                         help="Take the mean prompt and answer lengths from this config's prepare "
+                                              "and regenerate stats on store.uri (--set store.uri=...), where "
+                                              "they exist."),
          overrides: list[str] = SetOpt,
          rate: list[str] = typer.Option([], "--rate", help="Override a rate: --rate node.matmul_tflops=2000 "
                                                            "(repeatable; target.decode_tok_s=... for the target)."),
@@ -354,17 +658,21 @@ def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi
     """Time, store bytes and cost of a run, per stage, from the config and configs/rates.yaml."""
     try:
         cfg = load_config(config, overrides)
-        rates = load_rates(RATES_FILE, list(rate))
-        if gpu_hour_price is not None:
-            if gpu_hour_price <= 0:
-                raise PlanError(f"--gpu-hour-price must be positive, got {gpu_hour_price:g}")
-            rates["rates"]["node.gpu_hour_price"] = Rate("node.gpu_hour_price", gpu_hour_price, "USD per GPU-hour",
-                                                         "command line", f"--gpu-hour-price {gpu_hour_price:g}")
+        rates = load_rates(RATES_FILE, list(rate), machine or machine_for(cfg.name))
+        for value, key, unit, flag in ((gpu_hour_price, "node.gpu_hour_price", "USD per GPU-hour", "--gpu-hour-price"),
+                                       (storage_price, "storage.gb_month_price", "USD per GB-month kept on the store",
+                                        "--storage-price-gb-month")):
+            if value is None:
+                continue
+            if value <= 0:
+                raise PlanError(f"{flag} must be positive, got {value:g}")
+            rates["rates"][key] = Rate(key, value, unit, "command line", f"{flag} {value:g}")
+        lengths = run_lengths(cfg) if from_store else None
         result = make_plan(cfg, rates, nodes=cfg.extract.nodes if nodes is None else nodes,
-                           config_name=str(config))
+                           config_name=str(config), lengths=lengths)
     except (ConfigError, PlanError) as exc:
         fail(str(exc))
     if as_json:
         print(json.dumps(asdict(result), indent=2))
     else:
-        print(render(result), end="")
+        print(render(result, rates["description"]), end="")
