@@ -20,7 +20,7 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftline")
 import typer
 from rich.table import Table
 
-from flows import deploy, doctor, plan, runs
+from flows import deploy, doctor, plan, runs, weights
 from flows.console import SetOpt, console, fail
 from tasks.config import STAGES, ConfigError, check_until, dump_config, load_config
 
@@ -182,7 +182,8 @@ def report(target: str = typer.Argument(..., help="A benchmark artifact digest, 
         render_terminal(rep.get("benchmark", {}), console, rep)
 
 
-for _command in (doctor.doctor, deploy.deploy, deploy.submit, runs.status, runs.retry, runs.ui, plan.plan):
+for _command in (doctor.doctor, deploy.deploy, deploy.submit, runs.status, runs.retry, runs.ui, plan.plan,
+                 weights.weights):
     app.command(_command.__name__)(_command)
 
 

@@ -72,7 +72,7 @@ def _top_files(folder: Path) -> list[os.DirEntry]:
 
 
 @functools.lru_cache(maxsize=64)
-def _folder_fingerprint(folder: str, trust_remote_code: bool, _stamp: float) -> str:
+def _folder_fingerprint(folder: str, trust_remote_code: bool, _stamp: tuple) -> str:
     entries = _top_files(Path(folder))
     pats = identity_patterns(trust_remote_code)
     small = {e.name: Path(e.path).read_bytes() for e in entries if _matches(e.name, pats)}
@@ -84,12 +84,12 @@ def _folder_fingerprint(folder: str, trust_remote_code: bool, _stamp: float) -> 
 
 def folder_fingerprint(folder: str | os.PathLike, trust_remote_code: bool = False) -> str:
     """The fingerprint of a local model folder: its small files are read, its weights only stat'ed (a 600 GB
-    folder costs milliseconds); cached per process until its config.json changes."""
+    folder costs milliseconds); cached per process while no file's name, size or time changes."""
     p = Path(folder).resolve()
     try:
-        stamp = (p / "config.json").stat().st_mtime
-    except OSError:
-        stamp = 0.0
+        stamp = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in _top_files(p)))
+    except OSError as exc:
+        raise WeightsError(f"target.model {folder}: cannot read the folder ({exc})") from None
     return _folder_fingerprint(str(p), bool(trust_remote_code), stamp)
 
 

@@ -1,0 +1,188 @@
+"""The target's weights on the node once, and addresses that say what the model is (tasks/weights.py).
+
+A stand-in hub on loopback (tests/hub_server.py) serves the tiny test model through the routes
+huggingface_hub's `snapshot_download` calls; the `draftline` processes reach it through HF_ENDPOINT,
+as a node reaches the real hub. Each `draftline` is a fresh process: huggingface_hub reads HF_ENDPOINT and
+HF_HUB_OFFLINE when it is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hub_server import StandInHub
+from test_train_ranks import byte_tokenizer
+from train_data import make_tiny_target
+
+from tasks import digest as digests
+from tasks.config import load_config
+from tasks.store import Store
+from tasks.weights import folder_fingerprint
+
+ROOT = Path(__file__).resolve().parents[1]
+REPO = "tiny-org/tiny-chat"
+TOKEN = "hf_standin_secret_0123456789"
+
+
+def tiny_model(folder: Path) -> Path:
+    make_tiny_target(folder, vocab=264)
+    byte_tokenizer(folder)
+    return folder
+
+
+def write_config(root: Path, model: str, store: str) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"say {w} {i}"}, {"role": "assistant", "content": f"{w} {i} ok"}]}
+            for i, w in enumerate(["red", "blue", "green", "cat", "dog", "sun"] * 4)]
+    data = root / "tiny.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = root / "tiny.yaml"
+    cfg.write_text(json.dumps({
+        "name": "weights-test", "target": {"model": model, "max_model_len": 256},
+        "data": {"sources": [{"path": str(data), "name": "tiny"}], "max_length": 64, "num_shards": 2, "heldout": 2},
+        "regenerate": {"enabled": False}, "vocab": {"draft_vocab_size": 64},
+        "extract": {"backend": "transformers", "layer_ids": [1, 2, 3, 4], "batch_tokens": 512},
+        "benchmark": {"enabled": False}, "store": {"uri": store}}))
+    return cfg
+
+
+def draftline(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], env=env, cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(p: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+# =========================================================================== content, not path
+
+def test_an_address_hashes_what_the_model_is_not_where_it_sits(tmp_path):
+    a = tiny_model(tmp_path / "a")
+    b = tmp_path / "elsewhere" / "b"
+    shutil.copytree(a, b)
+    ca = load_config(None, [f"target.model={a}"])
+    cb = load_config(None, [f"target.model={b}"])
+    assert digests.prepare(ca) == digests.prepare(cb)
+    assert digests.train_inputs(ca, type("R", (), {"digest": "v"}), []) == \
+        digests.train_inputs(cb, type("R", (), {"digest": "v"}), [])
+    # another model is another address: a weight file of another size, a changed tokenizer file
+    (b / "tokenizer_config.json").write_text((b / "tokenizer_config.json").read_text().replace("<pad>", "<pad2>"))
+    assert digests.prepare(load_config(None, [f"target.model={b}"])) != digests.prepare(ca)
+    # files no run reads do not count (a README, the repository's code without trust_remote_code)
+    (a / "README.md").write_text("hello")
+    (a / "modeling_x.py").write_text("# code")
+    assert folder_fingerprint(a) == folder_fingerprint(tmp_path / "elsewhere" / ".." / "a")
+    assert folder_fingerprint(a, trust_remote_code=True) != folder_fingerprint(a)
+
+
+def test_the_workstation_and_b300_presets_address_the_same_artifacts(tmp_path):
+    """The workstation preset layers on the B300 one (`base:`): every hashed section is shared. The model is a
+    tiny folder at two paths standing in for the hub snapshot (pool) and the box's local copy."""
+    pool, box = tiny_model(tmp_path / "pool-snapshot"), tmp_path / "models" / "kimi-k2.5"
+    shutil.copytree(pool, box)
+    b300 = load_config(ROOT / "configs/kimi-k2.5-b300.yaml", [f"target.model={pool}"])
+    ws = load_config(ROOT / "configs/kimi-k2.5-workstation.yaml", [f"target.model={box}"])
+    assert ws.name != b300.name and ws.extract.batch_tokens != b300.extract.batch_tokens  # it does differ
+
+    class Ref:
+        def __init__(self, digest: str, shard: int = 0):
+            self.digest, self.stats = digest, {"shard": shard}
+
+    for cfg in (b300, ws):  # what every stage's address is made of, stage by stage
+        prep = Ref(digests.prepare(cfg))
+        regen = Ref(digests.regenerate(cfg, prep))
+        vocab = Ref(digests.vocab(cfg, regen))
+        shards = [Ref(digests.extract_shard(cfg, cfg.extract.layer_ids, regen.digest, s), s) for s in range(3)]
+        train = Ref(digests.train(cfg, vocab, shards))
+        cfg.__dict__["_addresses"] = [prep.digest, regen.digest, vocab.digest, *[s.digest for s in shards],
+                                      train.digest, digests.benchmark(cfg, train, regen)]
+    assert ws.__dict__["_addresses"] == b300.__dict__["_addresses"]
+
+
+# =========================================================================== the stand-in hub
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    folder = tiny_model(tmp_path_factory.mktemp("hub-repo") / "repo")
+    server = StandInHub(REPO, folder, delay_s=1.5).start()  # slow files: two fetches at once overlap
+    yield server
+    server.stop()
+
+
+def hub_env(hub: StandInHub, home: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0",
+            "HF_HOME": str(home / "hf"), "DRAFTLINE_HOME": str(home / "draftline"), "HF_TOKEN": TOKEN, **extra}
+
+
+def test_weights_fetched_once_per_node_then_never_from_the_hub_again(hub, tmp_path):
+    cfg = write_config(tmp_path, REPO, f"file://{tmp_path}/store")
+    env = hub_env(hub, tmp_path / "node")
+    hub.clear()
+    # two processes of one node at once (two engine groups, a rank): one download, both get the snapshot
+    procs = [draftline(["weights", str(cfg), "--json"], env, ROOT) for _ in range(2)]
+    results = [finish(p) for p in procs]
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+    got = [json.loads(out) for _, out, _ in results]
+    assert got[0]["path"] == got[1]["path"] and got[0]["commit"] == got[1]["commit"] == hub.sha
+    assert Path(got[0]["path"]).is_relative_to(tmp_path / "node" / "hf")
+    assert hub.count("GET", "/model.safetensors") == 1, hub.requests  # the second process waited and reused
+    # the snapshot is what the hub holds: the same fingerprint as the repository's own folder
+    assert got[0]["fingerprint"] == folder_fingerprint(hub.folder)
+    assert got[0]["bytes"] == sum(f.stat().st_size for f in hub.folder.iterdir() if f.suffix in (".json", ".safetensors", ".jinja"))
+    # HF_TOKEN went to the hub as huggingface_hub sends it, and nowhere else
+    assert {r["authorization"] for r in hub.requests} == {f"Bearer {TOKEN}"}
+    assert not any(TOKEN in out + err for _, out, err in results)
+
+    # complete: later calls are local, online (pinned or not resolved again by this command) and offline
+    hub.clear()
+    code, out, err = finish(draftline(["weights", str(cfg), "--json", "--set", f"target.revision={hub.sha}"], env, ROOT))
+    assert code == 0 and json.loads(out)["path"] == got[0]["path"], err[-2000:]
+    code, out, err = finish(draftline(["weights", str(cfg), "--json"], {**env, "HF_HUB_OFFLINE": "1"}, ROOT))
+    assert code == 0 and json.loads(out)["commit"] == hub.sha, err[-2000:]
+    assert hub.requests == []
+
+    # offline on a node without the snapshot: at once, with what to do
+    t0 = time.monotonic()
+    code, out, err = finish(draftline(["weights", str(cfg)], hub_env(hub, tmp_path / "empty", HF_HUB_OFFLINE="1"), ROOT))
+    said = " ".join((out + err).split())
+    assert code != 0 and "no complete snapshot on this node and HF_HUB_OFFLINE=1" in said, said
+    assert "draftline weights CONFIG" in said and time.monotonic() - t0 < 120
+    assert hub.requests == []
+
+
+def test_an_unpinned_hub_id_runs_on_the_local_snapshot_and_records_its_commit(hub, tmp_path, prefect_server):
+    """The revision test: a run of an unpinned hub id resolves the commit once, records it (and the fingerprint)
+    in every manifest, reads the weights from the node's snapshot (no file request reaches the hub), and its
+    addresses are those of the same model in a plain folder."""
+    store = f"file://{tmp_path}/store"
+    cfg = write_config(tmp_path, REPO, store)
+    env = hub_env(hub, tmp_path / "node", **prefect_server.env())
+    code, out, err = finish(draftline(["weights", str(cfg)], env, ROOT))
+    assert code == 0, err[-2000:]
+    hub.clear()
+    code, out, err = finish(draftline(["run", str(cfg), "--until", "extract", "--json"], env, ROOT))
+    assert code == 0, err[-4000:]
+    s = json.loads(out)
+    assert s["state"] == "COMPLETED" and s["stages"]["extract"]["executed"] == 2, s["stages"]
+    assert [r["path"] for r in hub.requests] == [f"/api/models/{REPO}/revision/main"], hub.requests  # once per run
+
+    manifests = Store(store).list()
+    assert {m.stage for m in manifests} == {"prepare", "vocab", "extract"}
+    fp = folder_fingerprint(hub.folder)
+    for m in manifests:
+        assert m.run["target"] == {"model": REPO, "commit": hub.sha, "fingerprint": fp}, (m.stage, m.run)
+    blob = "".join(json.dumps(m.model_dump()) for m in manifests) + out + err
+    assert TOKEN not in blob and "Bearer" not in blob
+    # the same model as a plain folder: the same addresses
+    local = load_config(cfg, [f"target.model={hub.folder}"])
+    prepared = next(m for m in manifests if m.stage == "prepare")
+    assert prepared.digest == digests.prepare(local)
