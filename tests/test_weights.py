@@ -37,7 +37,7 @@ def tiny_model(folder: Path) -> Path:
     return folder
 
 
-def write_config(root: Path, model: str, store: str) -> Path:
+def write_config(root: Path, model: str, store: str, shards: int = 2) -> Path:
     rows = [{"messages": [{"role": "user", "content": f"say {w} {i}"}, {"role": "assistant", "content": f"{w} {i} ok"}]}
             for i, w in enumerate(["red", "blue", "green", "cat", "dog", "sun"] * 4)]
     data = root / "tiny.jsonl"
@@ -45,7 +45,7 @@ def write_config(root: Path, model: str, store: str) -> Path:
     cfg = root / "tiny.yaml"
     cfg.write_text(json.dumps({
         "name": "weights-test", "target": {"model": model, "max_model_len": 256},
-        "data": {"sources": [{"path": str(data), "name": "tiny"}], "max_length": 64, "num_shards": 2, "heldout": 2},
+        "data": {"sources": [{"path": str(data), "name": "tiny"}], "max_length": 64, "num_shards": shards, "heldout": 2},
         "regenerate": {"enabled": False}, "vocab": {"draft_vocab_size": 64},
         "extract": {"backend": "transformers", "layer_ids": [1, 2, 3, 4], "batch_tokens": 512},
         "benchmark": {"enabled": False}, "store": {"uri": store}}))
@@ -186,3 +186,59 @@ def test_an_unpinned_hub_id_runs_on_the_local_snapshot_and_records_its_commit(hu
     local = load_config(cfg, [f"target.model={hub.folder}"])
     prepared = next(m for m in manifests if m.stage == "prepare")
     assert prepared.digest == digests.prepare(local)
+
+
+# =========================================================================== the move test
+
+@pytest.mark.s3
+def test_a_run_resumes_after_the_model_folder_moves_and_on_another_prefect_home(s3_server, prefect_server, tmp_path):
+    """The promise of the README: start on one machine, resume elsewhere, pay only for what never finished.
+    The tiny target in folder A: prepare, vocab and 2 of 3 extraction shards (one fails by the fault mechanism)
+    on the SeaweedFS store. The folder moves to B (another machine's path) and the run starts again from a
+    second Prefect home with an empty database, as a pool node would: every finished stage and shard is
+    reused, only the failed shard runs."""
+    import uuid
+
+    from prefect_server import PrefectServer
+    from warm import finish as finish_forked
+    from warm import start_draftline
+
+    store = f"s3://draftline-test/move-{uuid.uuid4().hex[:8]}"
+    a = tiny_model(tmp_path / "box" / "models" / "tiny")
+    cfg = write_config(tmp_path, str(a), store, shards=3)
+
+    def run(name: str, model: Path, env: dict[str, str]) -> dict:
+        p = start_draftline(["run", str(cfg), "--until", "extract", "--json", "--set", f"target.model={model}"],
+                            tmp_path, name, env=env)
+        code, out, err = finish_forked(p, tmp_path, name, timeout=600)
+        try:
+            return {**json.loads(out), "code": code}
+        except ValueError:
+            raise AssertionError(f"{name}: exit {code}\n{out[-2000:]}\n{err[-4000:]}") from None
+
+    faults = {"DRAFTLINE_FAULT_EXTRACT_SHARDS": "1", "DRAFTLINE_FAULT_DIR": str(tmp_path / "faults")}
+    first = run("box", a, {**os.environ, **prefect_server.env(), **faults})
+    assert first["code"] == 1 and first["state"] == "FAILED"
+    st = first["stages"]
+    assert (st["prepare"]["executed"], st["vocab"]["executed"]) == (1, 1), st
+    assert (st["extract"]["executed"], st["extract"]["failed"]) == (2, 1), st["extract"]
+    before = {(m.stage, m.digest): m.attempt for m in Store(store).list()}
+    assert len(before) == 4  # prepare, vocab, 2 shards
+
+    b = tmp_path / "pool-node" / "weights" / "tiny"
+    b.parent.mkdir(parents=True)
+    shutil.move(str(a), str(b))
+    assert not a.exists()
+    other = PrefectServer(tmp_path / "prefect-home-b").start()  # another machine: an empty Prefect database
+    try:
+        second = run("pool", b, {**os.environ, **other.env(), **faults})
+    finally:
+        other.stop()
+    assert second["code"] == 0 and second["state"] == "COMPLETED", second
+    st = second["stages"]
+    assert (st["prepare"]["executed"], st["prepare"]["cached"]) == (0, 1), st["prepare"]
+    assert (st["vocab"]["executed"], st["vocab"]["cached"]) == (0, 1), st["vocab"]
+    assert (st["extract"]["executed"], st["extract"]["cached"], st["extract"]["failed"]) == (1, 2, 0), st["extract"]
+    after = {(m.stage, m.digest): m.attempt for m in Store(store).list()}
+    assert {k: after[k] for k in before} == before  # the finished artifacts themselves, not recomputed copies
+    assert len(after) == 5
