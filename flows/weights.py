@@ -40,13 +40,16 @@ def check_weights(cfg: Any):
     t = cfg.target
     local = local_target(t)
     if local is not None:
-        if not local["bytes"] and t.model.startswith((".", "/", "~")):
-            return Check("weights", "fail", f"{t.model}: no config.json there", "fix target.model's path")
+        if not local["fingerprint"]:
+            if t.model.startswith((".", "/", "~")):
+                return Check("weights", "fail", f"{t.model}: no config.json there", "fix target.model's path")
+            return Check("weights", "ok", f"the offline preset {t.model}: converted at its first use")
         return Check("weights", "ok", f"local folder {local['path']} ({_gb(local['bytes'])}): nothing to fetch")
     try:
         d = disk_needed(t.model, t.revision, bool(t.trust_remote_code))
     except WeightsError as exc:
-        return Check("weights", "fail", str(exc).split(". ")[0], "`draftline weights CONFIG` where the hub is reachable")
+        return Check("weights", "warn", f"cannot size {t.model} here: {str(exc).split('. ')[0]}",
+                     "`draftline weights CONFIG` on the node, where the hub is reachable")
     where = f"{t.model}@{d['commit'][:12]}: {_gb(d['bytes'])}"
     if not d["missing_bytes"]:
         return Check("weights", "ok", f"{where} complete in {d['cache']}")

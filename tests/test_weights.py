@@ -125,6 +125,13 @@ def hub_env(hub: StandInHub, home: Path, **extra: str) -> dict[str, str]:
 def test_weights_fetched_once_per_node_then_never_from_the_hub_again(hub, tmp_path):
     cfg = write_config(tmp_path, REPO, f"file://{tmp_path}/store")
     env = hub_env(hub, tmp_path / "node")
+    # doctor says what the node needs before anything is fetched (sizes from the hub's listing)
+    code, out, err = finish(draftline(["doctor", str(cfg), "--json"], env, ROOT))
+    row = next(c for c in json.loads(out)["checks"] if c["name"] == "weights")
+    size = sum(f.stat().st_size for f in hub.folder.iterdir())
+    assert row["status"] == "warn" and f"{size / 1e9:,.1f} GB to fetch" in row["detail"], row
+    assert "draftline weights CONFIG" in row["fix"]
+    assert hub.count("GET", "/resolve/") == 0
     hub.clear()
     # two processes of one node at once (two engine groups, a rank): one download, both get the snapshot
     procs = [draftline(["weights", str(cfg), "--json"], env, ROOT) for _ in range(2)]
@@ -242,3 +249,26 @@ def test_a_run_resumes_after_the_model_folder_moves_and_on_another_prefect_home(
     after = {(m.stage, m.digest): m.attempt for m in Store(store).list()}
     assert {k: after[k] for k in before} == before  # the finished artifacts themselves, not recomputed copies
     assert len(after) == 5
+
+
+def test_a_base_config_is_layered_under_the_file_and_travels_inlined(tmp_path, monkeypatch):
+    from flows.prefect_api import config_parameters
+    from tasks.config import ConfigError
+
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "base.yaml").write_text("name: base\ntrain: {max_steps: 7, lr: 0.01}\nvocab: {draft_vocab_size: 99}\n")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("base: presets/base.yaml\nname: mine\ntrain: {max_steps: 9}\n")
+    monkeypatch.setenv("DRAFTLINE_STORE_URI", "")
+    cfg = load_config(mine, ["vocab.draft_vocab_size=50"])  # file over base, --set over both
+    assert (cfg.name, cfg.train.max_steps, cfg.train.lr, cfg.vocab.draft_vocab_size) == ("mine", 9, 0.01, 50)
+    # a config outside the checkout travels as its content: with its base merged in (the worker lacks both)
+    params, _ = config_parameters(mine, [], None)
+    assert params["config_path"] is None
+    assert load_config(None, params["overrides"]).model_dump() == load_config(mine).model_dump()
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    mine.write_text("base: nowhere.yaml\n")
+    for path, said in ((mine, "nowhere.yaml not found (the `base:` of"), (tmp_path / "loop.yaml", "include each other")):
+        with pytest.raises(ConfigError, match=None) as exc:
+            load_config(path)
+        assert said in str(exc.value), exc.value
