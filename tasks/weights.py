@@ -3,7 +3,8 @@
 A hub id is fetched with huggingface_hub's `snapshot_download` into the node's Hugging Face cache
 (`HF_HOME` / `HF_HUB_CACHE`) before any engine starts: the pinned revision, only the files a run
 reads (config, tokenizer, weight index, `*.safetensors`; the repository's Python code only with
-`trust_remote_code`), resumable (huggingface_hub keeps partial blobs), `HF_TOKEN` read from the
+`trust_remote_code`), resumable by file (an interrupted fetch keeps every finished file; huggingface_hub
+2.4 restarts a file cut mid-way, so its partial temp file is removed), `HF_TOKEN` read from the
 environment by huggingface_hub itself (never passed, logged or stored here). A file lock in
 draftline's cache makes a second process on the node (another engine group, a train rank, another
 run) wait and reuse the first one's download. Once a snapshot is complete a marker records it
@@ -255,6 +256,14 @@ def ensure_snapshot(repo: str, revision: str | None, trust_remote_code: bool = F
             return snap
         if _offline():
             raise _offline_error(repo, revision)
+        # A download killed mid-file leaves a process-unique `*.incomplete` temp file that huggingface_hub
+        # never resumes: under the node's lock no other draftline process is writing one, so they go.
+        junk = list((_hub_cache() / f"models--{repo.replace('/', '--')}" / "blobs").glob("*.incomplete"))
+        if junk:
+            log.info(f"weights: removing {len(junk)} partial file(s) of an interrupted download "
+                     f"({sum(j.stat().st_size for j in junk) / 1e9:.1f} GB)")
+            for j in junk:
+                j.unlink(missing_ok=True)
         patterns = run_patterns(trust_remote_code)
         sizes = _listing(repo, commit, trust_remote_code)
         need = sum(sizes.values())

@@ -26,6 +26,9 @@ class StandInHub:
         listing = "".join(f"{n}:{hashlib.sha256((self.folder / n).read_bytes()).hexdigest()}" for n in self.files)
         self.sha = hashlib.sha1(listing.encode()).hexdigest()  # a 40-hex commit of this content
         self.requests: list[dict] = []
+        # stall(NAME): the next GET of NAME sends half its bytes, then holds the connection until release()
+        self._stall: set[str] = set()
+        self._released = threading.Event()
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
 
@@ -47,7 +50,8 @@ class StandInHub:
             def _record(self) -> None:
                 with hub._lock:
                     hub.requests.append({"method": self.command, "path": urlparse(self.path).path,
-                                         "authorization": self.headers.get("Authorization")})
+                                         "authorization": self.headers.get("Authorization"),
+                                         "range": self.headers.get("Range")})
 
             def _json(self, obj) -> None:
                 body = json.dumps(obj).encode()
@@ -97,6 +101,13 @@ class StandInHub:
                         import time
 
                         time.sleep(hub.delay_s)
+                        if name in hub._stall:
+                            hub._stall.discard(name)
+                            half = (len(data) - start) // 2
+                            self.wfile.write(data[start:start + half])
+                            self.wfile.flush()
+                            hub._released.wait(120)
+                            return
                         self.wfile.write(data[start:])
                     return
                 self.send_response(404)
@@ -109,10 +120,19 @@ class StandInHub:
                 self._route(head=True)
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
 
+    def stall(self, name: str) -> None:
+        self._released.clear()
+        self._stall.add(name)
+
+    def release(self) -> None:
+        self._released.set()
+
     def stop(self) -> None:
+        self.release()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -48,6 +48,7 @@ def write_config(root: Path, model: str, store: str, shards: int = 2) -> Path:
         "data": {"sources": [{"path": str(data), "name": "tiny"}], "max_length": 64, "num_shards": shards, "heldout": 2},
         "regenerate": {"enabled": False}, "vocab": {"draft_vocab_size": 64},
         "extract": {"backend": "transformers", "layer_ids": [1, 2, 3, 4], "batch_tokens": 512},
+        "train": {"max_steps": 2, "batch_tokens": 128, "warmup_steps": 1, "checkpoint_every": 2, "eval_batches": 1},
         "benchmark": {"enabled": False}, "store": {"uri": store}}))
     return cfg
 
@@ -168,25 +169,28 @@ def test_weights_fetched_once_per_node_then_never_from_the_hub_again(hub, tmp_pa
 
 def test_an_unpinned_hub_id_runs_on_the_local_snapshot_and_records_its_commit(hub, tmp_path, prefect_server):
     """The revision test: a run of an unpinned hub id resolves the commit once, records it (and the fingerprint)
-    in every manifest, reads the weights from the node's snapshot (no file request reaches the hub), and its
-    addresses are those of the same model in a plain folder."""
+    in every manifest, reads the weights from the node's snapshot in every stage, the train stage's verifier
+    weights included (no file request reaches the hub), and its addresses are those of the same model in a
+    plain folder."""
     store = f"file://{tmp_path}/store"
     cfg = write_config(tmp_path, REPO, store)
     env = hub_env(hub, tmp_path / "node", **prefect_server.env())
     code, out, err = finish(draftline(["weights", str(cfg)], env, ROOT))
     assert code == 0, err[-2000:]
     hub.clear()
-    code, out, err = finish(draftline(["run", str(cfg), "--until", "extract", "--json"], env, ROOT))
+    code, out, err = finish(draftline(["run", str(cfg), "--until", "train", "--json"], env, ROOT))
     assert code == 0, err[-4000:]
     s = json.loads(out)
     assert s["state"] == "COMPLETED" and s["stages"]["extract"]["executed"] == 2, s["stages"]
+    assert s["stages"]["train"]["executed"] == 1, s["stages"]["train"]  # the verifier's weights: the snapshot's
     assert [r["path"] for r in hub.requests] == [f"/api/models/{REPO}/revision/main"], hub.requests  # once per run
 
-    manifests = Store(store).list()
-    assert {m.stage for m in manifests} == {"prepare", "vocab", "extract"}
+    manifests = [m for m in Store(store).list() if m.stage != "checkpoint"]
+    assert {m.stage for m in manifests} == {"prepare", "vocab", "extract", "train"}
     fp = folder_fingerprint(hub.folder)
     for m in manifests:
         assert m.run["target"] == {"model": REPO, "commit": hub.sha, "fingerprint": fp}, (m.stage, m.run)
+    assert next(m for m in manifests if m.stage == "train").inputs["target"] == f"sha256:{fp}"
     blob = "".join(json.dumps(m.model_dump()) for m in manifests) + out + err
     assert TOKEN not in blob and "Bearer" not in blob
     # the same model as a plain folder: the same addresses
@@ -272,3 +276,38 @@ def test_a_base_config_is_layered_under_the_file_and_travels_inlined(tmp_path, m
         with pytest.raises(ConfigError, match=None) as exc:
             load_config(path)
         assert said in str(exc.value), exc.value
+
+
+def test_a_download_killed_halfway_keeps_the_finished_files(hub, tmp_path):
+    """The node's process dies mid-download (a preemption, a Ctrl-C): the next fetch asks the hub only for the
+    files that were not finished (huggingface_hub 2.4 restarts a file cut mid-way, from a process-unique temp
+    file it never resumes: that partial file is removed), and the snapshot comes out whole."""
+    import signal
+
+    cfg = write_config(tmp_path, REPO, f"file://{tmp_path}/store")
+    env = hub_env(hub, tmp_path / "node")
+    hub.clear()
+    hub.stall("model.safetensors")
+    p = draftline(["weights", str(cfg), "--json"], env, ROOT)
+    deadline = time.monotonic() + 300
+    while not hub.count("GET", "/model.safetensors") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(4)  # the other files finish; half of the weights arrive
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=60)
+    hub.release()
+    blobs = next((tmp_path / "node" / "hf").rglob("blobs"))
+    assert len(list(blobs.glob("*.incomplete"))) == 1
+    finished = {r["path"].rsplit("/", 1)[-1] for r in hub.requests if r["method"] == "GET" and "/resolve/" in r["path"]}
+    assert "config.json" in finished
+    assert not list((tmp_path / "node" / "draftline").rglob("*.json")), "a marker before the snapshot was complete"
+
+    hub.clear()
+    code, out, err = finish(draftline(["weights", str(cfg), "--json"], env, ROOT))
+    assert code == 0, err[-3000:]
+    again = [r["path"].rsplit("/", 1)[-1] for r in hub.requests if r["method"] == "GET" and "/resolve/" in r["path"]]
+    assert again == ["model.safetensors"], hub.requests  # the finished files were not fetched again
+    assert not list(blobs.glob("*.incomplete"))
+    snap = Path(json.loads(out)["path"])
+    assert json.loads(out)["fingerprint"] == folder_fingerprint(hub.folder)
+    assert (snap / "model.safetensors").read_bytes() == (hub.folder / "model.safetensors").read_bytes()
