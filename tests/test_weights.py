@@ -318,3 +318,27 @@ def test_a_download_killed_halfway_keeps_the_finished_files(hub, tmp_path):
     snap = Path(json.loads(out)["path"])
     assert json.loads(out)["fingerprint"] == folder_fingerprint(hub.folder)
     assert (snap / "model.safetensors").read_bytes() == (hub.folder / "model.safetensors").read_bytes()
+
+
+def test_a_run_pins_an_unpinned_hub_id_for_its_tasks_and_children(hub, tmp_path):
+    """pin_run, what the flow (and each child run) calls at its start: the commit goes into the cfg the tasks
+    get and into the overrides the run's children get (tasks/weights.py; flows/nodes.py child_config sends
+    the run's overrides), and a child with those overrides does not ask the hub again."""
+    cfg = write_config(tmp_path, REPO, f"file://{tmp_path}/store")
+    code = ("import json, os; from tasks.config import load_config; from tasks.weights import pin_run; "
+            f"cfg = load_config({str(cfg)!r}, ['vocab.draft_vocab_size=32']); o = pin_run(cfg, ['vocab.draft_vocab_size=32']); "
+            "print(json.dumps({'overrides': o, 'revision': cfg.target.revision, "
+            "'provenance': json.loads(os.environ['DRAFTLINE_TARGET_PROVENANCE'])}))")
+    env = hub_env(hub, tmp_path / "node")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["overrides"] == ["vocab.draft_vocab_size=32", f"target.revision={hub.sha}"]
+    assert got["revision"] == hub.sha
+    assert got["provenance"] == {"model": REPO, "commit": hub.sha, "fingerprint": folder_fingerprint(hub.folder)}
+    # a child run on this node, with the parent's overrides: pinned already, nothing resolved
+    hub.clear()
+    child = code.replace("['vocab.draft_vocab_size=32']", repr(got["overrides"]))
+    out = subprocess.run([sys.executable, "-c", child], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1])["revision"] == hub.sha
+    assert not any("/revision/" in r["path"] for r in hub.requests), hub.requests
