@@ -195,6 +195,7 @@ def resolve_commit(repo: str, revision: str | None) -> str:
     return sha
 
 
+@functools.lru_cache(maxsize=32)
 def _listing(repo: str, commit: str, trust_remote_code: bool) -> dict[str, int]:
     """name -> size of the top-level files a run fetches, from the hub's file listing."""
     pats = tuple(run_patterns(trust_remote_code))
