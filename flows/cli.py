@@ -20,7 +20,7 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftline")
 import typer
 from rich.table import Table
 
-from flows import deploy, doctor, plan, runs
+from flows import deploy, doctor, plan, runs, weights
 from flows.console import SetOpt, console, fail
 from tasks.config import STAGES, ConfigError, check_until, dump_config, load_config
 
@@ -52,7 +52,7 @@ def _check_inputs(cfg) -> None:
     """What can be checked in seconds before a run starts, so a typo fails now and not after hours of
     earlier stages (each stage checks again): local paths, and the layer ids and draft vocabulary
     against the target's config."""
-    from tasks.target import TargetError, load_hf_config, resolve_layer_ids, resolve_model, text_config
+    from tasks.target import TargetError, load_hf_config, resolve_layer_ids, text_config
     from tasks.vocab import VocabError, draft_size
 
     problems = []
@@ -64,7 +64,7 @@ def _check_inputs(cfg) -> None:
             problems.append(f"data.sources[{i}].path {src.path!r} not found (relative paths start at {Path.cwd()}); "
                             "fix the path")
     try:
-        text = text_config(load_hf_config(t, resolve_model(t)))
+        text = text_config(load_hf_config(t))  # a hub id: its config only (the weights come before an engine)
     except TargetError as exc:
         problems.append(str(exc))
     except OSError as exc:  # a hub id that cannot be fetched (offline, typo, gated)
@@ -182,7 +182,8 @@ def report(target: str = typer.Argument(..., help="A benchmark artifact digest, 
         render_terminal(rep.get("benchmark", {}), console, rep)
 
 
-for _command in (doctor.doctor, deploy.deploy, deploy.submit, runs.status, runs.retry, runs.ui, plan.plan):
+for _command in (doctor.doctor, deploy.deploy, deploy.submit, runs.status, runs.retry, runs.ui, plan.plan,
+                 weights.weights):
     app.command(_command.__name__)(_command)
 
 

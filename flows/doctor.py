@@ -257,6 +257,9 @@ def run_doctor(config: str | None, overrides: list[str], *, expect_gpus: int | N
         cfg = None
     if cfg is not None:
         checks.append(check_store(cfg, timeout=store_timeout))
+        from flows.weights import check_weights
+
+        checks.append(check_weights(cfg))
     checks += check_prefect(pool)
     return checks
 

@@ -201,6 +201,7 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     check_until(until)
     store = Store.from_config(cfg.store)
     store.check()
+    overrides = _pin_target(cfg, overrides)
     rec = announce(RunRecord(config_path=config_path, overrides=overrides, flow_run_id=str(flow_run.id or ""),
                              store=store.uri))
     logger = get_run_logger()
@@ -407,6 +408,7 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     cfg = load_config(config_path, list(overrides or []))
     store = Store.from_config(cfg.store)
     store.check()
+    _pin_target(cfg, [])  # the parent pinned target.revision in the overrides: this records it
     logger = get_run_logger()
     hit = store.find(data_stage, data_digest)
     if hit is None:
@@ -425,6 +427,17 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(plans)} shards of this slice failed: {errors[0]}")
     return summary
+
+
+def _pin_target(cfg: RunConfig, overrides: list[str]) -> list[str]:
+    """The run's target pinned once (a hub id's commit) and recorded in every manifest (tasks/weights.py)."""
+    from tasks.weights import WeightsError, pin_run
+
+    try:
+        return pin_run(cfg, overrides)
+    except WeightsError as exc:
+        get_run_logger().error(str(exc))
+        raise
 
 
 def _brief(stats: dict[str, Any]) -> dict[str, Any]:

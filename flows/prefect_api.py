@@ -13,7 +13,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from flows.console import ROOT
 from tasks.config import STAGES
@@ -221,9 +220,12 @@ def config_parameters(config: Path, overrides: list[str], inline: bool | None) -
             raise OpsError(f"{config} is outside the checkout {ROOT}: the worker cannot read it; "
                            "drop --by-path to inline it")
         return {"config_path": rel.as_posix(), "overrides": list(overrides)}, None
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise OpsError(f"{config}: the top level must be a mapping of sections")
+    from tasks.config import ConfigError, read_config_file
+
+    try:
+        data = read_config_file(path)  # with its `base:` merged in: the worker may not have that file either
+    except ConfigError as exc:
+        raise OpsError(str(exc)) from None
     file_store = None
     store = data.get("store")
     if isinstance(store, dict) and "uri" in store:

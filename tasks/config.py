@@ -503,20 +503,43 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 STORE_URI_ENV = "DRAFTLINE_STORE_URI"
 
 
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, section by section (a list or a value replaces; a mapping merges)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_config_file(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict:
+    """A config file's sections, on top of its `base:` file (a path relative to the including file) if it
+    names one, recursively: a preset holds only what differs from the one it builds on."""
+    p = Path(path)
+    if not p.is_file():
+        hint = f" (the `base:` of {_seen[-1]})" if _seen else ""
+        raise ConfigError(f"config file {p} not found{hint}; pass a YAML file such as configs/demo.yaml")
+    if p.resolve() in _seen:
+        raise ConfigError(f"{p}: `base:` files include each other ({' -> '.join(map(str, _seen))}); remove the loop")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections (target:, data:, ...)")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{p}: `base:` must be a path to another config file, e.g. base: kimi-k2.5-b300.yaml")
+    return _merge(read_config_file(p.parent / base, (*_seen, p.resolve())), data)
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
     data: dict = {}
     origin = "defaults"
     if path is not None:
-        p = Path(path)
-        origin = str(p)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} not found; pass a YAML file such as configs/demo.yaml")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of sections (target:, data:, ...)")
+        origin = str(path)
+        data = read_config_file(path)  # the file over its `base:`, then the environment, then --set
     env_uri = os.environ.get(STORE_URI_ENV, "").strip()
     if env_uri:  # a deployment's job variable: above the file, below --set
         if data.get("store") is None:

@@ -58,8 +58,19 @@ def stage_digest(stage: str, config: Any, inputs: dict[str, str] | None = None,
 # prefetch, batch sizes that do not change the bytes) are left out on purpose.
 
 def _target_identity(cfg) -> dict[str, Any]:
+    """What the target IS, not where it sits: the content fingerprint of its folder or hub snapshot
+    (tasks/weights.py: config, tokenizer, weight index, weight names and sizes), so the same model at two
+    paths, or a hub snapshot and a copy of it, share every address. The offline preset keeps the identity it
+    was stored with (its name): the demo's addresses never change."""
+    from tasks.target import PRESETS
+
     t = cfg.target
-    ident: dict[str, Any] = {"model": t.model, "revision": t.revision, "max_model_len": t.max_model_len}
+    if t.model in PRESETS:
+        ident: dict[str, Any] = {"model": t.model, "revision": t.revision, "max_model_len": t.max_model_len}
+    else:
+        from tasks.weights import target_fingerprint
+
+        ident = {"fingerprint": target_fingerprint(t), "max_model_len": t.max_model_len}
     if t.chat_template:
         from pathlib import Path
 
@@ -119,9 +130,16 @@ def train_inputs(cfg, vocab_ref, shard_refs) -> dict[str, str]:
     from tasks.stats import shard_stats
 
     refs = sorted(shard_refs, key=lambda r: (shard_stats(r).shard, r.digest))
+    from tasks.target import PRESETS
+
     t = cfg.target
-    return {"vocab": vocab_ref.digest, "extract": ",".join(r.digest for r in refs),
-            "target": t.model + (f"@{t.revision}" if t.revision else "")}
+    if t.model in PRESETS:
+        target = t.model + (f"@{t.revision}" if t.revision else "")
+    else:
+        from tasks.weights import target_fingerprint
+
+        target = "sha256:" + target_fingerprint(t)
+    return {"vocab": vocab_ref.digest, "extract": ",".join(r.digest for r in refs), "target": target}
 
 
 def train(cfg, vocab_ref, shard_refs, head=None) -> str:

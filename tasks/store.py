@@ -398,10 +398,14 @@ class ArtifactWriter:
     def commit(self, stats: dict[str, Any] | None = None, run: dict[str, Any] | None = None) -> Artifact:
         if stats:
             self.stats.update(stats)
+        run = dict(run or {})
+        target = os.environ.get("DRAFTLINE_TARGET_PROVENANCE")  # set at the run's start (tasks/weights.py pin_run)
+        if target and "target" not in run:
+            run["target"] = json.loads(target)
         manifest = Manifest(
             stage=self.stage, digest=self.digest, version=self.version, attempt=self.attempt,
             created=_now(), inputs=self.inputs, files=self.files, stats=self.stats,
-            config=self.config, run=run or {},
+            config=self.config, run=run,
         )
         kill_point(f"commit.{self.stage}.before-manifest")
         self.store._publish(manifest)

@@ -105,8 +105,10 @@ def _drop_gguf_quantization(folder: Path) -> bool:
     return True
 
 
-def resolve_model(cfg: TargetConfig) -> str:
-    """A local folder for presets and paths; hub ids pass through unchanged."""
+def resolve_model(cfg: TargetConfig, weights: bool = True) -> str:
+    """A local folder, always: the converted preset, the given folder, or a hub id's snapshot on this node
+    (tasks/weights.py: fetched once per node, then local). weights=False: a hub id's config and tokenizer
+    suffice (prepare, config checks), its weights are not fetched yet."""
     if cfg.model in PRESETS:
         dest = cache_home() / "models" / cfg.model
         if not (dest / "config.json").is_file():
@@ -125,13 +127,20 @@ def resolve_model(cfg: TargetConfig) -> str:
         return str(p.resolve())
     if cfg.model.startswith((".", "/", "~")):
         raise TargetError(f"target.model path {cfg.model!r} does not exist; fix the path or give a hub id")
-    return cfg.model
+    from tasks import weights as hub
+
+    try:
+        if weights:
+            return hub.ensure_snapshot(cfg.model, cfg.revision, cfg.trust_remote_code).path
+        return hub.small_files(cfg.model, hub.resolve_commit(cfg.model, cfg.revision), cfg.trust_remote_code)
+    except hub.WeightsError as exc:
+        raise TargetError(str(exc)) from None
 
 
 def load_hf_config(cfg: TargetConfig, path: str | None = None):
     from transformers import AutoConfig
 
-    path = path or resolve_model(cfg)
+    path = path or resolve_model(cfg, weights=False)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     except ValueError as exc:
@@ -152,7 +161,7 @@ def text_config(hf_config: Any) -> Any:
 def load_tokenizer(cfg: TargetConfig, path: str | None = None):
     from transformers import AutoTokenizer
 
-    path = path or resolve_model(cfg)
+    path = path or resolve_model(cfg, weights=False)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
     if cfg.chat_template:
         tpl = Path(cfg.chat_template)

@@ -1,0 +1,105 @@
+"""`draftline weights CONFIG`: put the target's weights on this node ahead of a run (tasks/weights.py), and
+the disk check `draftline doctor` runs for them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from flows.console import SetOpt, console, fail
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB"
+
+
+def local_target(t) -> dict[str, Any] | None:
+    """A folder target (or the converted preset): its path, bytes and fingerprint, nothing fetched."""
+    from tasks.target import PRESETS, cache_home
+    from tasks.weights import folder_fingerprint, is_hub_id
+
+    if is_hub_id(t.model):
+        return None
+    folder = cache_home() / "models" / t.model if t.model in PRESETS else Path(t.model).expanduser()
+    if not (folder / "config.json").is_file():
+        return {"path": str(folder), "bytes": 0, "fingerprint": None}
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    return {"path": str(folder.resolve()), "bytes": size,
+            "fingerprint": folder_fingerprint(folder, bool(t.trust_remote_code))}
+
+
+def check_weights(cfg: Any):
+    """doctor's row: how much disk the target's weights need on this node and whether it has it."""
+    from flows.doctor import Check
+    from tasks.weights import WeightsError, disk_needed
+
+    t = cfg.target
+    local = local_target(t)
+    if local is not None:
+        if not local["fingerprint"]:
+            if t.model.startswith((".", "/", "~")):
+                return Check("weights", "fail", f"{t.model}: no config.json there", "fix target.model's path")
+            return Check("weights", "ok", f"the offline preset {t.model}: converted at its first use")
+        return Check("weights", "ok", f"local folder {local['path']} ({_gb(local['bytes'])}): nothing to fetch")
+    try:
+        d = disk_needed(t.model, t.revision, bool(t.trust_remote_code))
+    except WeightsError as exc:
+        return Check("weights", "warn", f"cannot size {t.model} here: {str(exc).split('. ')[0]}",
+                     "`draftline weights CONFIG` on the node, where the hub is reachable")
+    where = f"{t.model}@{d['commit'][:12]}: {_gb(d['bytes'])}"
+    if not d["missing_bytes"]:
+        return Check("weights", "ok", f"{where} complete in {d['cache']}")
+    if d["missing_bytes"] > d["free"]:
+        return Check("weights", "fail", f"{where}, {_gb(d['missing_bytes'])} still to fetch, {_gb(d['free'])} free "
+                     f"in {d['cache']}", "free disk space or point HF_HOME at a larger disk")
+    return Check("weights", "warn", f"{where}, {_gb(d['missing_bytes'])} to fetch, {_gb(d['free'])} free in {d['cache']}",
+                 "`draftline weights CONFIG` fetches them now (else the run's first stage that needs them does)")
+
+
+def weights(config: Path = typer.Argument(..., help="YAML config whose target to fetch."),
+            overrides: list[str] = SetOpt,
+            as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object.")):
+    """Fetch the target's weights into this node's cache (once; resumable; HF_TOKEN from the environment) and
+    print the path, commit, bytes and the disk needed/free. A local folder is only fingerprinted."""
+    from tasks.config import ConfigError, load_config
+    from tasks.weights import WeightsError, disk_needed, ensure_snapshot
+
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as exc:
+        fail(str(exc))
+    t = cfg.target
+    out = local_target(t)
+    if out is None:
+        try:
+            need = disk_needed(t.model, t.revision, bool(t.trust_remote_code))
+            if need["missing_bytes"] > need["free"]:
+                fail(f"{t.model}@{need['commit'][:12]} needs {_gb(need['missing_bytes'])} more, {_gb(need['free'])} "
+                     f"free in {need['cache']}: free disk space or point HF_HOME at a larger disk")
+            snap = ensure_snapshot(t.model, t.revision, bool(t.trust_remote_code))  # resolved once (cached)
+        except WeightsError as exc:
+            fail(str(exc))
+        out = {"model": t.model, "path": snap.path, "commit": snap.commit, "bytes": snap.bytes,
+               "fingerprint": snap.fingerprint, "needed_bytes": need["missing_bytes"]}
+    elif not out["fingerprint"]:
+        from tasks.target import TargetError, resolve_model
+
+        try:
+            out["path"] = resolve_model(t)  # the preset converts here, once
+        except TargetError as exc:
+            fail(str(exc))
+        out = local_target(t)
+    out["free_bytes"] = shutil.disk_usage(out["path"]).free
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return
+    console.print(f"path:        {out['path']}")
+    if out.get("commit"):
+        console.print(f"commit:      {out['commit']}")
+    console.print(f"bytes:       {out['bytes']:,} ({_gb(out['bytes'])})")
+    console.print(f"fingerprint: {out['fingerprint']}")
+    console.print(f"disk:        {_gb(out.get('needed_bytes', 0))} needed (fetched now), {_gb(out['free_bytes'])} free")
