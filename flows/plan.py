@@ -129,7 +129,7 @@ def all_rates(path: Path = RATES_FILE) -> list[Rate]:
         out += _section_rates({k: v for k, v in entry.items() if k not in ("description", "presets", "max_nodes")},
                               f"{m}: ").values()
     for model, entry in (data.get("targets") or {}).items():
-        out += [_rate(f"{model}.{k}", v) for k, v in entry.items() if k not in ("config", "machines")]
+        out += [_rate(f"{model}.{k}", v) for k, v in entry.items() if k not in ("config", "machines", "local_copies")]
         for m, items in (entry.get("machines") or {}).items():
             out += [_rate(f"{model} on {m}: target.{k}", v) for k, v in items.items()]
     return out
@@ -217,6 +217,9 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
     model = cfg.target.model
     entry = rates["targets"].get(model)
     known_as = ""
+    if entry is None and not Path(model).exists():  # a preset's copy on its own machine, planned elsewhere
+        known_as = next((name for name, e in rates["targets"].items() if model in (e.get("local_copies") or [])), "")
+        entry = rates["targets"].get(known_as)
     if entry is not None:
         conf = dict(entry["config"])
         hf = AutoConfig.for_model(conf.pop("model_type"), **conf)
@@ -501,7 +504,10 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         f"{cfg.train.batch_tokens:,} tokens x {ranks} ranks"
         + (f"; {len(heads)} heads, each priced as the EAGLE-3 draft below" if len(heads) > 1 else "") + ").",
     ]
-    if target.known_as:
+    if target.known_as and not Path(cfg.target.model).exists():
+        notes.append(f"Target: {cfg.target.model} (not on this machine) is a local copy of {target.known_as} "
+                     "(configs/rates.yaml local_copies): its shape and rates are used.")
+    elif target.known_as:
         notes.append(f"Target: {cfg.target.model} has the shape of {target.known_as} ({', '.join(SHAPE_KEYS)}): "
                      f"its rates in configs/rates.yaml are used.")
     if cfg.regenerate.enabled:
