@@ -282,6 +282,32 @@ def check_disks() -> list[Check]:
                        fixes[name]) for name, path in dirs.items()]
 
 
+def flashinfer_cubin_dir() -> Path:
+    """Where FlashInfer reads its precompiled kernels: FLASHINFER_CUBIN_DIR, else its cache folder
+    (flashinfer/jit/env.py of flashinfer-python 0.7.2.post1)."""
+    if os.environ.get("FLASHINFER_CUBIN_DIR"):
+        return Path(os.environ["FLASHINFER_CUBIN_DIR"])
+    return Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or Path.home()) / ".cache" / "flashinfer" / "cubins"
+
+
+def check_flashinfer() -> Check | None:
+    """FlashInfer's precompiled kernels on disk (infra/node-bootstrap.sh fetches them): without them the first
+    engine start on Blackwell downloads them from NVIDIA, and fails on a node without internet."""
+    fi = installed_version("flashinfer-python")
+    if fi is None:
+        return None
+    if installed_version("flashinfer-cubin") == fi:
+        return Check("flashinfer kernels", "ok", f"flashinfer-cubin {fi} installed")
+    where = flashinfer_cubin_dir()
+    n = sum(1 for p in where.rglob("*") if p.is_file()) if where.is_dir() else 0
+    if not n:
+        return Check("flashinfer kernels", "fail", f"none at {where} (flashinfer-python {fi}): the first engine "
+                     "start would download them from NVIDIA, and fail without internet",
+                     "run infra/node-bootstrap.sh (it fetches them into DRAFTLINE_CACHE), or: FLASHINFER_CUBIN_DIR="
+                     f"{where} python -m flashinfer download-cubin")
+    return Check("flashinfer kernels", "ok", f"{n} files at {where}")
+
+
 def _credentials_source(cfg: Any) -> str:
     if cfg.store.credentials_block:
         return f"Prefect block {cfg.store.credentials_block!r}"
@@ -398,6 +424,8 @@ def run_doctor(config: str | None, overrides: list[str], *, expect_gpus: int | N
     smi, tc = nvidia_smi(), torch_cuda()
     checks.append(check_driver(flavor, smi, tc))
     checks.append(check_gpus(flavor, expect_gpus, smi, tc))
+    fi = check_flashinfer()
+    checks += [fi] if fi else []
     checks += check_disks()
     try:
         cfg = load_config(config, overrides)

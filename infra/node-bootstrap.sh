@@ -14,8 +14,11 @@
 #      $DRAFTLINE_PREFIX/releases/RELEASE with its own virtualenv holding exactly the lock
 #      (requirements/gpu.lock, `pip install --no-deps`: nothing is resolved on the node);
 #   3. writes the worker's environment ($DRAFTLINE_PREFIX/worker-RELEASE.env, mode 600): Prefect API,
-#      store URI and keys, caches on the node's disk ($DRAFTLINE_CACHE);
-#   4. runs `draftline doctor` (versions, GPUs, store and keys, Prefect API) and stops on a failure;
+#      store URI and keys, caches on the node's disk ($DRAFTLINE_CACHE); then fetches FlashInfer's
+#      precompiled kernels (cubins) into $DRAFTLINE_CACHE/flashinfer/cubins once, so that the first engine
+#      start needs no internet (they are not on PyPI for the locked FlashInfer: docs/STACK.md);
+#   4. runs `draftline doctor` (versions, NVIDIA driver, GPUs, disk, store and keys, Prefect API) and
+#      stops on a failure;
 #   5. creates the work pool if it does not exist yet, and starts
 #      `prefect worker start --pool POOL --name draftline@HOST --limit N`
 #      as a systemd service (restarted on failure and on reboot), or in the foreground (--foreground),
@@ -86,12 +89,28 @@ die() { echo "node-bootstrap: error: $*" >&2; exit 2; }
 
 PREFIX="${DRAFTLINE_PREFIX:-/opt/draftline}"
 CACHE="${DRAFTLINE_CACHE:-/var/cache/draftline}"
+FLASHINFER_CUBINS="${FLASHINFER_CUBIN_DIR:-$CACHE/flashinfer/cubins}"
 LIMIT="${DRAFTLINE_WORKER_LIMIT:-1}"
 EXPECT_GPUS="${DRAFTLINE_EXPECT_GPUS:-8}"
 if (( DOCKER )); then POOL="${DRAFTLINE_POOL:-draftline-b300-docker}"; else POOL="${DRAFTLINE_POOL:-draftline-b300}"; fi
 [[ -n "$POOL_ARG" ]] && POOL="$POOL_ARG"
 RELEASE="${DRAFTLINE_RELEASE:-}"
 WORKER_NAME="draftline@$(hostname)"
+
+# FlashInfer's precompiled kernels: vLLM 0.33 picks FlashInfer's MLA kernels on Blackwell, and FlashInfer
+# fetches their cubins from NVIDIA at the first engine start unless they are on disk. The flashinfer-cubin
+# wheel of the locked flashinfer-python is not on PyPI (flashinfer.ai's own index only; a mismatched one is
+# ignored), so they are fetched here, once per node, with FlashInfer's own downloader (checksummed,
+# skips what is already there). FLASHINFER_CUBINS_REPOSITORY points it at a mirror.
+warm_flashinfer() {
+  "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("flashinfer") is None)' \
+    2>/dev/null || return 0
+  say "fetching FlashInfer's precompiled kernels into $FLASHINFER_CUBINS (once per node)"
+  mkdir -p "$FLASHINFER_CUBINS"
+  FLASHINFER_CUBIN_DIR="$FLASHINFER_CUBINS" FLASHINFER_WORKSPACE_BASE="$CACHE" "$VENV/bin/python" -c \
+    'from flashinfer.artifacts import download_artifacts; download_artifacts()' \
+    || die "could not fetch FlashInfer's kernels into $FLASHINFER_CUBINS: check this node's access to NVIDIA's artifact server (or set FLASHINFER_CUBINS_REPOSITORY to a mirror) and run this script again"
+}
 
 # ------------------------------------------------------------------ 1. inputs and the node
 missing=()
@@ -225,7 +244,10 @@ if (( INSTALL && ! CHECK_ONLY )); then
     fi
   fi
 fi
-if (( INSTALL_ONLY )); then say "installed into $VENV (--install-only: nothing checked or started)"; exit 0; fi
+if (( INSTALL_ONLY )); then
+  warm_flashinfer
+  say "installed into $VENV (--install-only: nothing checked or started)"; exit 0
+fi
 if (( ! DOCKER )); then
   if [[ ! -f "$CODE/flows/pipeline.py" ]]; then
     if (( CHECK_ONLY )); then say "inputs ok; draftline is not installed at $CODE yet, so doctor is skipped"; exit 0; fi
@@ -254,6 +276,8 @@ write_env() {
      echo "DRAFTLINE_HOME=$CACHE"
      echo "HF_HOME=$CACHE/huggingface"
      echo "VLLM_CACHE_ROOT=$CACHE/vllm"
+     echo "FLASHINFER_CUBIN_DIR=$FLASHINFER_CUBINS"
+     echo "FLASHINFER_WORKSPACE_BASE=$CACHE"
      echo "PREFECT_SERVER_ANALYTICS_ENABLED=false"
      echo "DO_NOT_TRACK=1"
      echo "VLLM_NO_USAGE_STATS=1"
@@ -265,6 +289,8 @@ if (( ! CHECK_ONLY )); then
   write_env
   say "worker environment in $ENV_FILE"
 fi
+
+if (( ! CHECK_ONLY && ! DOCKER )); then warm_flashinfer; fi
 
 # ------------------------------------------------------------------ 4. doctor
 if (( DOCKER )); then
