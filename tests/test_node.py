@@ -241,7 +241,7 @@ def test_the_dockerfiles_own_checks_run_against_this_tree(tmp_path):
     for word, rest in steps:
         if word == "ARG" and "=" in rest:
             k, v = rest.split("=", 1)
-            env[k.strip()] = v.strip()
+            env[k.strip()] = v.strip().strip('"')
     env_block = next(rest for word, rest in steps if word == "ENV")
     for k, v in re.findall(r"(\w+)=(\S+)", env_block.replace("\\\n", " ")):
         if k != "PATH":
@@ -249,9 +249,20 @@ def test_the_dockerfiles_own_checks_run_against_this_tree(tmp_path):
                 "/opt/flashinfer", str(tmp_path / "flashinfer"))
     runs = [re.sub(r"^--mount=\S+\s*\\?\s*", "", rest) for word, rest in steps if word == "RUN"]
     build = next(r for r in runs if "node-bootstrap.sh --install-only" in r)
-    script = build.replace("/opt/draftline", str(ROOT))
+    image_code = tmp_path / "image-code"  # where the image records its commit, /opt/draftline
+    image_code.mkdir()
+    script = build.replace("/opt/draftline/.draftline-commit", str(image_code / ".draftline-commit")).replace(
+        "/opt/draftline", str(ROOT))
+    # without the commit (the build context has no .git), the build stops and says how to give it
+    assert env["DRAFTLINE_COMMIT"] == ""
+    out = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "--build-arg DRAFTLINE_COMMIT=" in out.stderr, out.stderr[-2000:]
+    from flows.release import code_commit
+
+    env["DRAFTLINE_COMMIT"] = code_commit(ROOT)
     out = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
+    assert code_commit(image_code) == env["DRAFTLINE_COMMIT"], text[-2000:]
     assert "installed into" in text and "--install-only" in text, text[-3000:]  # the node's install step
     assert "ModuleNotFoundError" not in text and "ImportError" not in text, text[-3000:]
     assert out.returncode != 0 and "image does not match requirements/gpu.lock" in text, text[-3000:]
