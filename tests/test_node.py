@@ -287,3 +287,31 @@ def test_the_gpu_lock_holds_no_flashinfer_kernels_of_another_version():
     if "flashinfer-cubin" not in lock:  # then the node's install step fetches them
         script = (ROOT / "infra" / "node-bootstrap.sh").read_text()
         assert "download_artifacts()" in script and 'echo "FLASHINFER_CUBIN_DIR=$FLASHINFER_CUBINS"' in script
+
+
+def test_bootstrap_fetches_the_weights_before_doctor_and_the_worker(tmp_path):
+    """--weights CONFIG runs `draftline weights CONFIG` from the release with the worker's environment (the
+    node's cache), after the install and before doctor and the worker; a failure stops the script there."""
+    import deploy_harness as harness
+
+    from flows.cli import app
+    import typer
+
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PREFECT_API_URL": "http://127.0.0.1:9/api",
+           "DRAFTLINE_STORE_URI": f"file://{tmp_path}/store", "DRAFTLINE_RELEASE": f"v{harness.version()}",
+           "DRAFTLINE_SOURCE_DIR": str(ROOT), "DRAFTLINE_VENV": sys.prefix, "DRAFTLINE_EXPECT_GPUS": "0",
+           "DRAFTLINE_PREFIX": str(tmp_path / "opt"), "DRAFTLINE_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": str(ROOT)}
+    script = ["bash", str(ROOT / "infra" / "node-bootstrap.sh")]
+    bad = subprocess.run([*script, "--check", "--weights", "/etc/passwd"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--weights takes a config inside the release" in bad.stderr
+    out = subprocess.run([*script, "--no-install", "--weights", "configs/demo.yaml"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 2, out.stdout + out.stderr[-2000:]
+    step = out.stdout.index("node-bootstrap: draftline weights configs/demo.yaml")
+    has_weights = "weights" in {c.name for c in typer.main.get_command(app).commands.values()}
+    if has_weights:  # the preset's weights are local: nothing to fetch, then doctor (the API here is unreachable)
+        assert out.stdout.index("node-bootstrap: draftline doctor") > step, out.stdout
+    else:  # before `draftline weights` exists (another branch), the script stops at that step, saying so
+        assert "draftline weights configs/demo.yaml failed" in out.stderr and "draftline doctor" not in out.stdout
