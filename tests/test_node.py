@@ -315,3 +315,18 @@ def test_bootstrap_fetches_the_weights_before_doctor_and_the_worker(tmp_path):
         assert out.stdout.index("node-bootstrap: draftline doctor") > step, out.stdout
     else:  # before `draftline weights` exists (another branch), the script stops at that step, saying so
         assert "draftline weights configs/demo.yaml failed" in out.stderr and "draftline doctor" not in out.stdout
+
+
+def test_the_kimi_preset_on_a_node_with_an_old_driver(tmp_path, monkeypatch):
+    """`draftline doctor configs/kimi-k2.5-b300.yaml --json` on a B300 node whose driver predates CUDA 13 (a
+    stand-in nvidia-smi): the driver trap is caught before any run, with the fix, and the config itself loads."""
+    bin_ = tmp_path / "bin"
+    fake_smi(bin_, node(8, "575.57.08"))
+    monkeypatch.setenv("DRAFTLINE_STORE_URI", f"file://{tmp_path}/store")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, checks = doctor_json([str(ROOT / "configs" / "kimi-k2.5-b300.yaml"), "--flavor", "gpu", "--expect-gpus", "8"],
+                             tmp_path, monkeypatch, bin_)
+    assert rc == 1
+    assert "config" not in checks and checks["store"]["status"] == "ok"
+    assert checks["driver"]["status"] == "fail" and "575.57.08 is too old" in checks["driver"]["detail"]
+    assert "R580 or newer" in checks["driver"]["fix"]
