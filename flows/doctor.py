@@ -375,8 +375,9 @@ def check_prefect(pool: str | None = None) -> list[Check]:
     if key:
         headers["Authorization"] = f"Bearer {key.get_secret_value() if hasattr(key, 'get_secret_value') else key}"
     elif "api.prefect.cloud" in url:
-        return [Check("prefect api", "fail", f"{url} is Prefect Cloud but PREFECT_API_KEY is not set",
-                      "prefect cloud login, or export PREFECT_API_KEY")]
+        fix = "prefect cloud login, or export PREFECT_API_KEY"
+        return [Check("prefect api", "fail", f"{url} is Prefect Cloud but PREFECT_API_KEY is not set", fix),
+                *([_pool_unchecked(pool, "PREFECT_API_KEY is not set", fix)] if pool else [])]
     try:
         r = httpx.get(url.rstrip("/") + "/health", headers=headers, timeout=10)
         ok = r.status_code == 200
