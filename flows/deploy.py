@@ -310,8 +310,6 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
             cfg = load_config(config, overrides)  # fail here, not on the node
         except ConfigError as exc:
             raise OpsError(str(exc)) from None
-        if not config.is_file():
-            raise OpsError(f"config file {config} not found")
         full = deployment if "/" in deployment else f"{FLOW_NAME}/{deployment}"
         job_vars: dict[str, Any] = {}
         with client() as c:

@@ -272,19 +272,40 @@ def deployment_config(config: Path, overrides: list[str], inline: bool | None,
     or it is not in the release) is inlined, or refused with `--by-path` (inline=False). Returns the
     parameters, the config's store.uri (as config_parameters) and why the content was sent, if it was."""
     path = config.resolve()
-    try:
-        rel = path.relative_to(ROOT).as_posix()
-    except ValueError:
-        rel = None
     why = None
-    if rel is not None and path.is_file() and inline is not True:
-        theirs, where = worker_copy(rel, pull_steps)
-        if theirs != path.read_bytes():
-            why = (f"{rel} differs from its copy in {where}, which the worker would run" if theirs is not None
-                   else f"{rel} has no copy the worker would read that this checkout can see: {where}")
+    if path.is_relative_to(ROOT) and path.is_file() and inline is not True:
+        for f in config_chain(path):  # the file and the `base:` files it builds on
+            rel = f.relative_to(ROOT).as_posix() if f.is_relative_to(ROOT) else None
+            theirs, where = worker_copy(rel, pull_steps) if rel else (None, "no release: it is outside the checkout")
+            if f.is_file() and theirs == f.read_bytes():
+                continue
+            name = rel or str(f)
+            why = (f"{name} differs from its copy in {where}, which the worker would run" if theirs is not None
+                   else f"{name} has no copy the worker would read that this checkout can see: {where}")
             if inline is False:
                 raise OpsError(f"{why}; drop --by-path to send this file's content (or commit and release it, "
                                "then redeploy)")
             inline = True
+            break
     params, file_store = config_parameters(config, overrides, inline)
     return params, file_store, why
+
+
+def config_chain(path: Path) -> list[Path]:
+    """PATH and the files it builds on through `base:` (a path relative to the including file), in order; the
+    worker reads every one of them, so each must be the same there for the path alone to be enough."""
+    import yaml  # (here: the module's own import may move with config_parameters)
+
+    chain = [path.resolve()]
+    while True:
+        try:
+            data = yaml.safe_load(chain[-1].read_text()) if chain[-1].is_file() else None
+        except yaml.YAMLError:
+            return chain
+        base = data.get("base") if isinstance(data, dict) else None
+        if not isinstance(base, str):
+            return chain
+        nxt = (chain[-1].parent / base).resolve()
+        if nxt in chain:
+            return chain
+        chain.append(nxt)

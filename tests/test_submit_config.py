@@ -169,3 +169,29 @@ def test_a_config_the_release_does_not_have_is_inlined(deployments, prefect_serv
     finally:
         scratch.unlink()
     assert params["config_path"] is None and "which has no such file" in info["inlined_because"]
+
+
+def test_a_config_whose_base_file_differs_is_inlined(tmp_path):
+    """A config that builds on another (`base:`): the worker reads both, so an edit to the base alone also
+    sends the content (the worker here is a deployment folder holding the same config on another base)."""
+    from flows.prefect_api import config_chain, deployment_config
+
+    here = ROOT / ".draftline" / f"test-{uuid.uuid4().hex[:8]}"  # inside the checkout, never committed
+    rel = here.relative_to(ROOT)
+    worker = tmp_path / "worker"
+    try:
+        for folder, base_text in ((here, "data:\n  max_samples: 64\n"), (worker / rel, "data:\n  max_samples: 32\n")):
+            folder.mkdir(parents=True)
+            (folder / "run.yaml").write_text("base: base.yaml\ntrain:\n  max_steps: 3\n")
+            (folder / "base.yaml").write_text(base_text)
+        assert config_chain(here / "run.yaml") == [here / "run.yaml", here / "base.yaml"]
+        steps = [{"prefect.deployments.steps.set_working_directory": {"directory": str(worker)}}]
+        params, _, why = deployment_config(here / "run.yaml", [], None, steps)
+        assert params["config_path"] is None and f"{rel.as_posix()}/base.yaml differs" in why
+        (worker / rel / "base.yaml").write_text((here / "base.yaml").read_text())  # the same base there: by path
+        params, _, why = deployment_config(here / "run.yaml", [], None, steps)
+        assert params["config_path"] == f"{rel.as_posix()}/run.yaml" and why is None
+        (here / "base.yaml").write_text("base: run.yaml\n")  # a loop ends the chain, it does not hang
+        assert config_chain(here / "run.yaml") == [here / "run.yaml", here / "base.yaml"]
+    finally:
+        shutil.rmtree(here, ignore_errors=True)
