@@ -26,16 +26,18 @@ from flows.console import ROOT, SetOpt, console, err, fail
 from flows.prefect_api import (
     EXTRACT_FLOW,
     FLOW_NAME,
+    RELEASE_STEP,
     OpsError,
     api_problem,
     api_url,
     client,
-    config_parameters,
+    deployment_config,
     require_server,
     run_url,
     slice_deployment,
     state_of,
 )
+from flows.release import code_commit
 from flows.runs import HEARTBEAT_SECONDS, wait_for
 from tasks.config import STAGES, STORE_URI_ENV, ConfigError, check_until, load_config
 
@@ -192,18 +194,30 @@ def ensure_crash_automation(c: Any, within_s: int) -> str:
     return "exists"
 
 
-def _prefect_deploy(deps: list[dict[str, Any]], image: str | None, store: str | None) -> None:
-    """`prefect deploy` of the chosen deployments, from the repository root (so that `local`
-    records this checkout as its code folder). A temporary copy of prefect.yaml carries --image and
-    --store (prefect's own --job-variable flag drops the file's other job variables)."""
+def deploy_spec(deps: list[dict[str, Any]], image: str | None, store: str | None) -> dict[str, Any]:
+    """prefect.yaml with only DEPS, carrying --image, --store and this checkout's commit in each release pull
+    step (nodes then must run this commit, not only this version: flows/release.py)."""
     spec = yaml.safe_load(PREFECT_FILE.read_text())
+    commit = code_commit(ROOT)
     for dep in deps:
         jv = dep.setdefault("work_pool", {}).setdefault("job_variables", {})
         if image and "image" in jv:
             jv["image"] = image
         if store:
             jv["store_uri"] = store
+        for step in dep.get("pull") or []:
+            if commit and isinstance(step.get(RELEASE_STEP), dict):
+                step[RELEASE_STEP]["commit"] = commit
     spec["deployments"] = deps
+    return spec
+
+
+def _prefect_deploy(deps: list[dict[str, Any]], image: str | None, store: str | None) -> None:
+    """`prefect deploy` of the chosen deployments, from the repository root (so that `local`
+    records this checkout as its code folder). A temporary copy of prefect.yaml carries --image and
+    --store (prefect's own --job-variable flag drops the file's other job variables), and this checkout's
+    commit in each release pull step."""
+    spec = deploy_spec(deps, image, store)
     prefect = Path(sys.executable).parent / "prefect"
     cmd = [str(prefect) if prefect.exists() else "prefect", "--no-prompt", "deploy", "--all"]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="draftline-deploy-", delete=False) as fh:
@@ -275,12 +289,15 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
            env: list[str] = typer.Option([], "--env", "-e", help="Extra environment for the run: NAME=VALUE."),
            inline: Optional[bool] = typer.Option(None, "--inline/--by-path",
                                                  help="Send the config's content, or only its path (default: path "
-                                                      "when the file is inside this checkout)."),
+                                                      "when the deployment's workers hold the same file; "
+                                                      "--by-path refuses one that differs)."),
            name: Optional[str] = typer.Option(None, "--name", help="Flow run name (default: Prefect's)."),
            watch: bool = typer.Option(False, "--watch", help="Wait for the run to finish; exit 1 unless it completed."),
            timeout: float = typer.Option(24 * 3600, help="With --watch: give up after this many seconds."),
            as_json: bool = typer.Option(False, "--json", help="Print {id, name, ui_url, state} as JSON.")):
-    """Start a run of a deployment: parameters = the config (path or content) plus --set overrides."""
+    """Start a run of a deployment: parameters = the config (path or content) plus --set overrides. A config
+    inside this checkout travels as its path only when the deployment's workers hold the same file (the
+    release commit `draftline deploy` recorded); one you edited travels as its content."""
     from prefect.deployments import run_deployment
 
     try:
@@ -293,8 +310,6 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
             cfg = load_config(config, overrides)  # fail here, not on the node
         except ConfigError as exc:
             raise OpsError(str(exc)) from None
-        params, file_store = config_parameters(config, overrides, inline)
-        params["until"] = until
         full = deployment if "/" in deployment else f"{FLOW_NAME}/{deployment}"
         job_vars: dict[str, Any] = {}
         with client() as c:
@@ -305,6 +320,9 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
             except ObjectNotFound:
                 raise OpsError(f"no deployment {full} on {api_url()}; `draftline deploy --name "
                                f"{full.split('/', 1)[1]}` registers it") from None
+            # the config that runs is the one validated here: inlined unless the workers hold the same file
+            params, file_store, inlined_why = deployment_config(config, overrides, inline, dep.pull_steps)
+            params["until"] = until
             pool = c.read_work_pool(dep.work_pool_name) if dep.work_pool_name else None
             if store or (file_store and file_store != "file://.draftline/store"):
                 job_vars["store_uri"] = store or file_store
@@ -335,11 +353,14 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
             store_note = job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri") or \
                 f"the worker's {STORE_URI_ENV} (if set; else {cfg.store.uri})"
             info = {"id": str(run.id), "name": run.name, "deployment": full, "ui_url": run_url(run.id),
-                    "store": store_note, "state": state_of(run)}
+                    "store": store_note, "state": state_of(run),
+                    "config": params["config_path"] or "inlined", "inlined_because": inlined_why}
             if not as_json:
                 console.print(f"submitted [bold]{run.name}[/] ({run.id}) to {full}")
                 console.print(f"  config {params['config_path'] or '(inlined) ' + config.name}, "
                               f"overrides {len(params['overrides'])}, store {info['store']}")
+                if inlined_why:
+                    console.print(f"  sent the config's content: {inlined_why}")
                 if cfg.extract.nodes > 1:
                     console.print(f"  extraction over up to {cfg.extract.nodes} nodes: this run's node and child "
                                   f"runs of {slices}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ FLOW_NAME = "draftline"
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 
 ALIVE = ("RUNNING", "PENDING", "CANCELLING")
+
+# The pull step of the deployments whose nodes run a pinned release (flows/release.py).
+RELEASE_STEP = "flows.release.use_release"
 
 # The flow of a slice of a run's extraction shards on another node (extract.nodes > 1).
 EXTRACT_FLOW = "draftline-extract"
@@ -234,3 +238,76 @@ def config_parameters(config: Path, overrides: list[str], inline: bool | None) -
         data["store"] = store
     sets = [f"{k}={json.dumps(v)}" for k, v in data.items() if not (k == "store" and not v)]
     return {"config_path": None, "overrides": sets + list(overrides)}, file_store
+
+
+def worker_copy(rel: str, pull_steps: list[dict[str, Any]] | None) -> tuple[bytes | None, str]:
+    """The copy of REL (a path inside this checkout) that a deployment's workers would read, and where that
+    is: the release commit `draftline deploy` recorded in the release pull step (read with git from this
+    checkout), or the folder a deployment without a release runs in. None when this checkout cannot tell."""
+    for step in pull_steps or []:
+        pin = step.get(RELEASE_STEP)
+        if isinstance(pin, dict):
+            where = f"release {pin.get('release')}"
+            commit = pin.get("commit")
+            if not commit:
+                return None, f"{where} (the deployment records no commit: redeploy it with `draftline deploy`)"
+            where += f" at commit {str(commit)[:12]}"
+            git = ["git", "-C", str(ROOT)]
+            out = subprocess.run([*git, "show", f"{commit}:{rel}"], capture_output=True, timeout=60)
+            if out.returncode == 0:
+                return out.stdout, where
+            known = subprocess.run([*git, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True,
+                                   timeout=60).returncode == 0
+            return None, where + (", which has no such file" if known else
+                                  ", a commit this checkout does not have (git fetch --tags)")
+        folder = (step.get("prefect.deployments.steps.set_working_directory") or {}).get("directory")
+        if folder:
+            f = Path(folder) / rel
+            return (f.read_bytes() if f.is_file() else None), f"the folder {folder}"
+    return None, "the deployment's code (its pull steps name no release and no folder)"
+
+
+def deployment_config(config: Path, overrides: list[str], inline: bool | None,
+                      pull_steps: list[dict[str, Any]] | None) -> tuple[dict[str, Any], str | None, str | None]:
+    """config_parameters for a run of a deployment: a config inside this checkout travels as its path only
+    when the deployment's workers hold the same file (worker_copy); one that differs (the user edited it,
+    or it is not in the release) is inlined, or refused with `--by-path` (inline=False). Returns the
+    parameters, the config's store.uri (as config_parameters) and why the content was sent, if it was."""
+    path = config.resolve()
+    why = None
+    if path.is_relative_to(ROOT) and path.is_file() and inline is not True:
+        for f in config_chain(path):  # the file and the `base:` files it builds on
+            rel = f.relative_to(ROOT).as_posix() if f.is_relative_to(ROOT) else None
+            theirs, where = worker_copy(rel, pull_steps) if rel else (None, "no release: it is outside the checkout")
+            if f.is_file() and theirs == f.read_bytes():
+                continue
+            name = rel or str(f)
+            why = (f"{name} differs from its copy in {where}, which the worker would run" if theirs is not None
+                   else f"{name} has no copy the worker would read that this checkout can see: {where}")
+            if inline is False:
+                raise OpsError(f"{why}; drop --by-path to send this file's content (or commit and release it, "
+                               "then redeploy)")
+            inline = True
+            break
+    params, file_store = config_parameters(config, overrides, inline)
+    return params, file_store, why
+
+
+def config_chain(path: Path) -> list[Path]:
+    """PATH and the files it builds on through `base:` (a path relative to the including file), in order; the
+    worker reads every one of them, so each must be the same there for the path alone to be enough."""
+    import yaml  # (here: the module's own import may move with config_parameters)
+
+    chain = [path.resolve()]
+    while True:
+        try:
+            data = yaml.safe_load(chain[-1].read_text()) if chain[-1].is_file() else None
+        except yaml.YAMLError:
+            return chain
+        base = data.get("base") if isinstance(data, dict) else None
+        if not isinstance(base, str):
+            return chain
+        nxt = (chain[-1].parent / base).resolve()
+        if nxt in chain:
+            return chain
+        chain.append(nxt)

@@ -1,6 +1,8 @@
 """The pull step of the GPU pools' deployments (`flows.release.use_release` in deployments/prefect.yaml):
 a worker runs the flow from its node's install of the deployment's release, or refuses the run and
-says how to install that release."""
+says how to install that release. `draftline deploy` records the commit it deployed from next to the
+release's version: a node whose code is another commit is refused too, even with the same version string
+(and `draftline submit` compares a config with that commit's copy)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import importlib.metadata as md
 import os
 import re
 import socket
+import subprocess
 from pathlib import Path
 
 from flows.console import ROOT
@@ -25,12 +28,37 @@ def code_version(code_dir: Path) -> str | None:
         return None
 
 
-def use_release(release: str, code_dir: str | None = None, credentials_block: str | None = None) -> dict[str, str]:
+# The commit of a code folder without git metadata (the worker image: infra/Dockerfile writes it from its
+# DRAFTLINE_COMMIT build argument).
+COMMIT_FILE = ".draftline-commit"
+
+
+def code_commit(code_dir: Path) -> str | None:
+    """The git commit a draftline code folder holds: its checkout's HEAD, else its COMMIT_FILE; None when
+    neither says."""
+    code_dir = Path(code_dir)
+    if (code_dir / ".git").exists():
+        try:
+            out = subprocess.run(["git", "-C", str(code_dir), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                 timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            out = None
+        if out is not None and out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", out.stdout.strip()):
+            return out.stdout.strip()
+    f = code_dir / COMMIT_FILE
+    if f.is_file() and re.fullmatch(r"[0-9a-f]{40}", f.read_text().strip()):
+        return f.read_text().strip()
+    return None
+
+
+def use_release(release: str, code_dir: str | None = None, credentials_block: str | None = None,
+                commit: str | None = None) -> dict[str, str]:
     """Prefect pull step of the b300 deployments: run the flow from the node's install of `release`.
 
     The worker's environment names the install (DRAFTLINE_CODE_DIR, set by infra/node-bootstrap.sh;
     default: the checkout this module was imported from). A node with another release refuses the
-    run, saying how to install the right one. Caches go under DRAFTLINE_HOME; with
+    run, saying how to install the right one; with `commit` (recorded by `draftline deploy`), so does a node
+    whose code is another commit of the same version. Caches go under DRAFTLINE_HOME; with
     `credentials_block`, S3 keys are read from that prefect-aws block into this process only.
     """
     code = Path(code_dir or os.environ.get("DRAFTLINE_CODE_DIR") or ROOT).expanduser().resolve()
@@ -42,6 +70,19 @@ def use_release(release: str, code_dir: str | None = None, credentials_block: st
         raise RuntimeError(f"this deployment runs draftline {release} but {socket.gethostname()} has {have} at "
                            f"{code}: run infra/node-bootstrap.sh with DRAFTLINE_RELEASE=v{release.lstrip('v')}, "
                            "or redeploy from a checkout of the node's release")
+    if commit:
+        node = code_commit(code)
+        if node is None:
+            raise RuntimeError(f"this deployment runs draftline {release} at commit {commit[:12]}, but {code} on "
+                               f"{socket.gethostname()} says no commit (no git checkout, no {COMMIT_FILE}): install "
+                               "the release with infra/node-bootstrap.sh, or build the image with --build-arg "
+                               f"DRAFTLINE_COMMIT={commit}")
+        if node != commit:
+            raise RuntimeError(f"this deployment runs draftline {release} at commit {commit[:12]} but "
+                               f"{socket.gethostname()} has commit {node[:12]} at {code} (same version, other code): "
+                               f"install the deployed commit on the node (infra/node-bootstrap.sh with the release tag "
+                               f"at {commit[:12]}), or redeploy from a checkout of the node's commit "
+                               f"(git checkout {node[:12]} && draftline deploy)")
     os.chdir(code)
     home = os.environ.get("DRAFTLINE_HOME")
     if home:
@@ -59,4 +100,7 @@ def use_release(release: str, code_dir: str | None = None, credentials_block: st
         endpoint = getattr(block.aws_client_parameters, "endpoint_url", None)
         if endpoint:
             os.environ.setdefault("AWS_ENDPOINT_URL", str(endpoint))
-    return {"directory": str(code), "release": have}
+    out = {"directory": str(code), "release": have}
+    if commit:
+        out["commit"] = commit
+    return out

@@ -14,16 +14,21 @@
 #      $DRAFTLINE_PREFIX/releases/RELEASE with its own virtualenv holding exactly the lock
 #      (requirements/gpu.lock, `pip install --no-deps`: nothing is resolved on the node);
 #   3. writes the worker's environment ($DRAFTLINE_PREFIX/worker-RELEASE.env, mode 600): Prefect API,
-#      store URI and keys, caches on the node's disk ($DRAFTLINE_CACHE);
-#   4. runs `draftline doctor` (versions, GPUs, store and keys, Prefect API) and stops on a failure;
-#   5. creates the work pool if it does not exist yet, and starts
+#      store URI and keys, caches on the node's disk ($DRAFTLINE_CACHE); then fetches FlashInfer's
+#      precompiled kernels (cubins) into $DRAFTLINE_CACHE/flashinfer/cubins once, so that the first engine
+#      start needs no internet (they are not on PyPI for the locked FlashInfer: docs/STACK.md);
+#   4. with --weights CONFIG: `draftline weights CONFIG` puts the config's target weights into the node's
+#      cache (once per node, resumable) before any worker can start an engine;
+#   5. runs `draftline doctor` (versions, NVIDIA driver, GPUs, disk, store and keys, Prefect API) and
+#      stops on a failure;
+#   6. creates the work pool if it does not exist yet, and starts
 #      `prefect worker start --pool POOL --name draftline@HOST --limit N`
 #      as a systemd service (restarted on failure and on reboot), or in the foreground (--foreground),
 #      or in the background with a pid file when there is no systemd.
 #
 # Options:
 #   --pool NAME    the work pool to join (default draftline-b300; draftline-b300-docker with --docker)
-#   --check        only steps 1 and 4 (nothing is installed or started)
+#   --check        only steps 1 and 5 (nothing is installed, fetched or started)
 #   --docker       a docker worker (pool draftline-b300-docker): flows run in the worker image
 #                  (DRAFTLINE_IMAGE, see infra/Dockerfile); the host only needs prefect + prefect-docker
 #   --foreground   run the worker in this shell (exec) instead of as a service
@@ -31,6 +36,8 @@
 #   --no-install   skip step 2 (the release and its virtualenv are already there)
 #   --install-only only step 2, from DRAFTLINE_SOURCE_DIR (infra/Dockerfile builds the image with it)
 #   --lock FILE    the lock to install, relative to the checkout (default requirements/gpu.lock)
+#   --weights CONFIG  step 4: fetch CONFIG's target weights (a config path inside the release, e.g.
+#                  configs/kimi-k2.5-b300.yaml; HF_TOKEN from the environment for gated models)
 #   -h, --help     this text
 #
 # Required environment:
@@ -41,6 +48,7 @@
 #   DRAFTLINE_REPO         git URL of draftline (unless DRAFTLINE_SOURCE_DIR is given)
 # Optional:
 #   PREFECT_API_KEY        for Prefect Cloud
+#   HF_TOKEN               for --weights of a gated hub model (kept in the worker's environment, mode 600)
 #   AWS_ENDPOINT_URL       S3 endpoint of non-AWS stores (SeaweedFS, MinIO, Ceph, R2, ...); AWS_DEFAULT_REGION
 #   DRAFTLINE_POOL         work pool, as --pool (default draftline-b300; draftline-b300-docker with --docker)
 #   DRAFTLINE_LOCK         the lock to install, as --lock (requirements/cpu.lock on a CPU machine)
@@ -57,8 +65,8 @@
 set -euo pipefail
 
 CHECK_ONLY=0 DOCKER=0 FOREGROUND=0 BACKGROUND=0 INSTALL=1 INSTALL_ONLY=0
-POOL_ARG="" LOCK="${DRAFTLINE_LOCK:-requirements/gpu.lock}"
-usage() { sed -n '2,60p' "$0" | sed -n '/^#/p' | sed 's/^# \{0,1\}//'; }
+POOL_ARG="" LOCK="${DRAFTLINE_LOCK:-requirements/gpu.lock}" WEIGHTS=""
+usage() { sed -n '2,/^set -euo pipefail/p' "$0" | sed -n '/^#/p' | sed 's/^# \{0,1\}//'; }
 while (( $# )); do
   case "$1" in
     --check) CHECK_ONLY=1 ;;
@@ -67,13 +75,14 @@ while (( $# )); do
     --background) BACKGROUND=1 ;;
     --no-install) INSTALL=0 ;;
     --install-only) INSTALL_ONLY=1 ;;
-    --pool|--lock)
+    --pool|--lock|--weights)
       [[ $# -ge 2 && -n "$2" && "$2" != -* ]] \
-        || { echo "node-bootstrap: $1 needs a value (--pool draftline-b300, --lock requirements/cpu.lock)" >&2; exit 2; }
-      if [[ "$1" == --pool ]]; then POOL_ARG="$2"; else LOCK="$2"; fi
+        || { echo "node-bootstrap: $1 needs a value (--pool draftline-b300, --lock requirements/cpu.lock, --weights configs/kimi-k2.5-b300.yaml)" >&2; exit 2; }
+      case "$1" in --pool) POOL_ARG="$2" ;; --lock) LOCK="$2" ;; *) WEIGHTS="$2" ;; esac
       shift ;;
     --pool=*) POOL_ARG="${1#--pool=}" ;;
     --lock=*) LOCK="${1#--lock=}" ;;
+    --weights=*) WEIGHTS="${1#--weights=}" ;;
     -h|--help) usage; exit 0 ;;
     *) echo "node-bootstrap: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -86,12 +95,28 @@ die() { echo "node-bootstrap: error: $*" >&2; exit 2; }
 
 PREFIX="${DRAFTLINE_PREFIX:-/opt/draftline}"
 CACHE="${DRAFTLINE_CACHE:-/var/cache/draftline}"
+FLASHINFER_CUBINS="${FLASHINFER_CUBIN_DIR:-$CACHE/flashinfer/cubins}"
 LIMIT="${DRAFTLINE_WORKER_LIMIT:-1}"
 EXPECT_GPUS="${DRAFTLINE_EXPECT_GPUS:-8}"
 if (( DOCKER )); then POOL="${DRAFTLINE_POOL:-draftline-b300-docker}"; else POOL="${DRAFTLINE_POOL:-draftline-b300}"; fi
 [[ -n "$POOL_ARG" ]] && POOL="$POOL_ARG"
 RELEASE="${DRAFTLINE_RELEASE:-}"
 WORKER_NAME="draftline@$(hostname)"
+
+# FlashInfer's precompiled kernels: vLLM 0.33 picks FlashInfer's MLA kernels on Blackwell, and FlashInfer
+# fetches their cubins from NVIDIA at the first engine start unless they are on disk. The flashinfer-cubin
+# wheel of the locked flashinfer-python is not on PyPI (flashinfer.ai's own index only; a mismatched one is
+# ignored), so they are fetched here, once per node, with FlashInfer's own downloader (checksummed,
+# skips what is already there). FLASHINFER_CUBINS_REPOSITORY points it at a mirror.
+warm_flashinfer() {
+  "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("flashinfer") is None)' \
+    2>/dev/null || return 0
+  say "fetching FlashInfer's precompiled kernels into $FLASHINFER_CUBINS (once per node)"
+  mkdir -p "$FLASHINFER_CUBINS"
+  FLASHINFER_CUBIN_DIR="$FLASHINFER_CUBINS" FLASHINFER_WORKSPACE_BASE="$CACHE" "$VENV/bin/python" -c \
+    'from flashinfer.artifacts import download_artifacts; download_artifacts()' \
+    || die "could not fetch FlashInfer's kernels into $FLASHINFER_CUBINS: check this node's access to NVIDIA's artifact server (or set FLASHINFER_CUBINS_REPOSITORY to a mirror) and run this script again"
+}
 
 # ------------------------------------------------------------------ 1. inputs and the node
 missing=()
@@ -114,6 +139,10 @@ fi
 if (( INSTALL_ONLY )); then
   [[ -n "${DRAFTLINE_SOURCE_DIR:-}" ]] || missing+=("DRAFTLINE_SOURCE_DIR: --install-only installs the checkout in that folder")
   (( DOCKER || CHECK_ONLY || ! INSTALL )) && missing+=("--install-only goes with none of --docker, --check, --no-install")
+fi
+if [[ -n "$WEIGHTS" ]]; then
+  [[ "$WEIGHTS" != /* && "$WEIGHTS" != *..* ]] || missing+=("--weights takes a config inside the release, e.g. configs/kimi-k2.5-b300.yaml, got '$WEIGHTS'")
+  (( DOCKER || INSTALL_ONLY )) && missing+=("--weights goes with process workers (neither --docker nor --install-only)")
 fi
 [[ "$LOCK" != /* && "$LOCK" != *..* ]] || missing+=("--lock / DRAFTLINE_LOCK is a path inside the checkout, e.g. requirements/gpu.lock, got '$LOCK'")
 if (( INSTALL && ! DOCKER )) && [[ -z "${DRAFTLINE_SOURCE_DIR:-}" && -z "${DRAFTLINE_REPO:-}" ]]; then
@@ -225,7 +254,10 @@ if (( INSTALL && ! CHECK_ONLY )); then
     fi
   fi
 fi
-if (( INSTALL_ONLY )); then say "installed into $VENV (--install-only: nothing checked or started)"; exit 0; fi
+if (( INSTALL_ONLY )); then
+  warm_flashinfer
+  say "installed into $VENV (--install-only: nothing checked or started)"; exit 0
+fi
 if (( ! DOCKER )); then
   if [[ ! -f "$CODE/flows/pipeline.py" ]]; then
     if (( CHECK_ONLY )); then say "inputs ok; draftline is not installed at $CODE yet, so doctor is skipped"; exit 0; fi
@@ -254,6 +286,8 @@ write_env() {
      echo "DRAFTLINE_HOME=$CACHE"
      echo "HF_HOME=$CACHE/huggingface"
      echo "VLLM_CACHE_ROOT=$CACHE/vllm"
+     echo "FLASHINFER_CUBIN_DIR=$FLASHINFER_CUBINS"
+     echo "FLASHINFER_WORKSPACE_BASE=$CACHE"
      echo "PREFECT_SERVER_ANALYTICS_ENABLED=false"
      echo "DO_NOT_TRACK=1"
      echo "VLLM_NO_USAGE_STATS=1"
@@ -266,7 +300,17 @@ if (( ! CHECK_ONLY )); then
   say "worker environment in $ENV_FILE"
 fi
 
-# ------------------------------------------------------------------ 4. doctor
+if (( ! CHECK_ONLY && ! DOCKER )); then warm_flashinfer; fi
+
+# ------------------------------------------------------------------ 4. the target's weights
+if [[ -n "$WEIGHTS" ]] && (( ! CHECK_ONLY )); then
+  [[ -f "$CODE/$WEIGHTS" ]] || die "--weights $WEIGHTS: no such config in $CODE"
+  say "draftline weights $WEIGHTS (into $CACHE: once per node, resumable; no worker runs until it is done)"
+  (set -a; source "$ENV_FILE"; set +a; cd "$CODE" && "$VENV/bin/draftline" weights "$WEIGHTS") \
+    || die "draftline weights $WEIGHTS failed (above): fix it (HF_TOKEN, disk, network) and run this script again; what was fetched is kept"
+fi
+
+# ------------------------------------------------------------------ 5. doctor
 if (( DOCKER )); then
   say "checking the Prefect API from the host"
   "$VENV/bin/python" - <<'EOF' || die "the Prefect API at $PREFECT_API_URL does not answer: check the URL, the key and the network"
@@ -308,7 +352,7 @@ EOF
     || die "image $image is neither pullable nor present: build it (docker build -f infra/Dockerfile -t $image .) and push it, or set DRAFTLINE_IMAGE"
 fi
 
-# ------------------------------------------------------------------ 5. the pool and the worker
+# ------------------------------------------------------------------ 6. the pool and the worker
 if ! "$VENV/bin/prefect" work-pool inspect "$POOL" >/dev/null 2>&1; then
   if (( DOCKER )); then template="$CODE/deployments/job-templates/docker-gpu.json"; type=docker
   else template="$CODE/deployments/job-templates/process.json"; type=process; fi

@@ -393,7 +393,9 @@ def test_deploy_registers_the_deployments_and_a_node_joins_the_pool(scenario, pr
     assert docker.job_variables["image"] == f"draftline-worker:{harness.version()}" and docker.job_variables["gpus"] == -1
     # `local` runs from the checkout that deployed it; b300 from the node's pinned release
     assert local.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
-    assert b300.pull_steps == [{"flows.release.use_release": {"release": harness.version()}}]
+    # ... at the commit deploy ran from: a node with other code of the same version is refused
+    assert b300.pull_steps == [{"flows.release.use_release": {"release": harness.version(),
+                                                              "commit": release.code_commit(ROOT)}}]
     assert "draftline doctor" in scenario["node_a_log"] and "ready" in scenario["node_a_log"]
     assert re.search(r"Worker 'draftline@[^']+' started!", scenario["node_a_log"])
 
