@@ -6,9 +6,11 @@ held-out tail the validation batches come from.
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -52,30 +54,44 @@ class PartData:
 
 
 class PartReader:
-    """Reads parts from the store: a sha256-verified local copy, then `tasks.parts.load_part`
-    (bf16 whatever the storage dtype). Thread-safe; used by the loader thread."""
+    """Reads parts from the store: a sha256-verified local file (the store's own when it is local; else
+    the node's part cache, `tasks.part_cache`, or a streamed temporary copy without one), then
+    `tasks.parts.load_part` (bf16 whatever the storage dtype). The file stays leased (never evicted from
+    the cache) while its PartData lives. Thread-safe; used by the loader threads."""
 
     def __init__(self, artifacts: dict[str, Artifact], layer_ids: list[int], hidden_size: int,
-                 keep: list[int] | None = None):
+                 keep: list[int] | None = None, cache: Any = None):
         """`layer_ids`: what the parts hold; `keep`: the ids a head reads (its auxiliary layers, then the
-        last one), a subset in order; default all of them."""
+        last one), a subset in order; default all of them. `cache`: a `tasks.part_cache.PartCache`."""
         self.artifacts = artifacts
         self.layer_ids = list(layer_ids)
         self.hidden_size = hidden_size
+        self.cache = cache
         self.slots = None if keep is None or list(keep) == self.layer_ids else [self.layer_ids.index(i) for i in keep]
         self.verified: set[tuple[str, str]] = set()  # sha256 checked once per process, sizes every read
 
     def __call__(self, spec: PartSpec) -> PartData:
+        from tasks.part_cache import cached_copy
         from tasks.parts import load_part
 
         art = self.artifacts[spec.digest]
         key = (spec.digest, spec.name)
+        held = contextlib.ExitStack()  # the file (cache lease / temporary copy) while the part's tensors map it
         try:
-            with art.local_copy(spec.name, verify=key not in self.verified) as path:
-                raw = load_part(path)
+            path = held.enter_context(cached_copy(self.cache, art, spec.name, verify=key not in self.verified))
+            raw = load_part(path)
             self.verified.add(key)
+            data = self._check(spec, art, raw)
         except ArtifactCorrupt as exc:
+            held.close()
             raise TrainError(f"{exc}: rerun the run (`draftline retry`) to extract that shard again") from None
+        except BaseException:
+            held.close()
+            raise
+        weakref.finalize(data, held.close)
+        return data
+
+    def _check(self, spec: PartSpec, art: Artifact, raw: dict[str, Any]) -> PartData:
         where = f"{art.uri}/{spec.name}"
         hs = raw["hidden_states"]
         offsets = [int(x) for x in raw["offsets"].tolist()]
@@ -163,18 +179,29 @@ def _rng(*keys: int) -> np.random.Generator:
     return np.random.default_rng([int(k) % (2**32) for k in keys])
 
 
+def deal(n_parts: int, seed: int, world: int) -> list[list[int]]:
+    """Part indices per rank: a seeded permutation dealt round-robin (shares differ by at most one part),
+    each share in index order. A function of (n_parts, seed, world) only: every epoch, every resume with
+    the same rank count, every node computes the same deal."""
+    perm = _rng(seed, 0x5EA1, world).permutation(n_parts)
+    return [sorted(int(i) for i in perm[r::world]) for r in range(world)]
+
+
 _DONE = object()
 
 
 class BatchStream:
     """Training batches of exactly `batch_tokens` positions, epoch after epoch, forever.
 
-    Order: epoch e visits the parts in the permutation `rng(seed, e)`; inside a part
-    the samples go in the permutation `rng(seed, e, part index + 1)`. Samples are
-    packed back to back; one that does not fit is split, its rest opening the next
-    batch (its positions continue, so no token is dropped or padded). With several
-    ranks each rank takes every world-th part of the epoch's order (or, with fewer
-    parts than ranks, every world-th sample of every part).
+    Order: with several ranks the parts are dealt once (`deal`, seeded by seed and the rank
+    count): each rank reads the same share every epoch, so a node's part cache
+    (tasks/part_cache.py) fills with its ranks' shares once and serves every later epoch
+    (with fewer parts than ranks, every rank reads every part and takes every world-th
+    sample). Epoch e visits the rank's share in the permutation `rng(seed, e)` (one rank:
+    all parts; several: `rng(seed, e, world, rank)`); inside a part the samples go in
+    the permutation `rng(seed, e, part index + 1)`. Samples are packed back to back; one
+    that does not fit is split, its rest opening the next batch (its positions continue,
+    so no token is dropped or padded). The deal changes only with the rank count.
 
     The position {epoch, cursor, sample, offset} after each batch rides on the batch;
     a stream started from it continues exactly where the other stopped.
@@ -207,11 +234,16 @@ class BatchStream:
         self._batch_q: queue.Queue | None = None
 
     # ---------------------------------------------------------------- order
+    def share(self) -> list[PartSpec]:
+        """The parts this rank reads every epoch (all of them with one rank or fewer parts than ranks)."""
+        if not self.by_part or self.world == 1:
+            return list(self.parts)
+        return [self.parts[i] for i in deal(len(self.parts), self.seed, self.world)[self.rank]]
+
     def part_order(self, epoch: int) -> list[PartSpec]:
-        perm = _rng(self.seed, epoch).permutation(len(self.parts))
-        if self.by_part:
-            perm = perm[self.rank::self.world]
-        return [self.parts[i] for i in perm]
+        share = self.share()
+        keys = (self.seed, epoch) if self.world == 1 or not self.by_part else (self.seed, epoch, self.world, self.rank)
+        return [share[i] for i in _rng(*keys).permutation(len(share))]
 
     def sample_order(self, epoch: int, data: PartData) -> np.ndarray:
         order = _rng(self.seed, epoch, data.spec.index + 1).permutation(data.train_samples)
