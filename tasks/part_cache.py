@@ -379,6 +379,7 @@ class _KillPointWriter:
         first = self.n == 0
         self.n += len(b)
         if first:
+            self.fh.flush()  # the drill's temp file holds what was written before the kill
             kill_point("cache.mid-fill")
         return n
 
