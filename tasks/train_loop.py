@@ -249,7 +249,7 @@ class Trainer:
         self.head = train_head(cfg)
         self.read_part = load_part or PartReader(inputs.artifacts, inputs.stored_layer_ids or inputs.layer_ids,
                                                  inputs.hidden_size, keep=inputs.layer_ids,
-                                                 cache=part_cache(store, t))
+                                                 cache=part_cache(store, t), dequantize=False)
         self.precision = resolve_precision(t.precision, env.device)
 
         # model (auto attention: flex_attention where it compiles for this shape, else sdpa)
