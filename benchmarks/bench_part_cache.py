@@ -41,22 +41,25 @@ from tasks.train_stream import BatchStream, PartReader, PartSpec  # noqa: E402
 
 
 def write_parts(store: Store, parts: int, tokens: int, hidden: int, layers: int, dtype: str = "bf16",
-                samples_per_part: int = 8, seed: int = 0) -> tuple[dict[str, Artifact], list[PartSpec], dict[str, int]]:
-    """One extract-like artifact of `parts` parts of `tokens` tokens each (random hidden states, random
-    sample lengths), written as the extract stage writes them. Returns ({digest: artifact}, part specs,
+                samples_per_part: int = 8, seed: int = 0,
+                vocab: int = 32000) -> tuple[dict[str, Artifact], list[PartSpec], dict[str, int]]:
+    """One extract-like artifact of `parts` parts of `tokens` tokens each (random hidden states, each part's
+    its own rotation of one random block so that no two parts are alike, random sample lengths), written
+    as the extract stage writes them. Returns ({digest: artifact}, part specs,
     {part name: training positions in it})."""
     g = torch.Generator().manual_seed(seed)
     layer_ids = list(range(1, layers + 1))
     buf = PartBuffer(layer_ids, hidden, dtype, capacity=tokens)
     names, positions = [], {}
+    base = torch.randn(tokens, layers, hidden, generator=g).to(torch.bfloat16)  # each part: rolled by its own shift
     with store.write("extract", f"bench{seed:04d}{dtype}{hidden}x{tokens}"[:60], "bench") as w:
         for p in range(parts):
             buf.reset()
+            states = torch.roll(base, shifts=1 + p * 7919 % tokens, dims=0) if p else base
             cuts = sorted(torch.randperm(tokens - 1, generator=g)[:samples_per_part - 1].add(1).tolist())
             for i, (a, b) in enumerate(zip([0, *cuts], [*cuts, tokens])):
                 n = b - a
-                hs = torch.randn(n, layers, hidden, generator=g).to(torch.bfloat16)
-                buf.add(f"p{p}-s{i}", torch.randint(3, 32000, (n,), generator=g), [0] + [1] * (n - 1), hs)
+                buf.add(f"p{p}-s{i}", torch.randint(3, vocab, (n,), generator=g), [0] + [1] * (n - 1), states[a:b])
             name = f"part-{p:05d}.safetensors"
             positions[name] = tokens - samples_per_part  # a sample of n tokens trains n - 1 positions
             with w.open(name) as fh:
@@ -80,7 +83,8 @@ def count_gets(store: Store) -> list[int]:
     return got
 
 
-def run(store: Store, arts: dict, parts: list[PartSpec], positions: dict[str, int], *, nodes: int, ranks: int, epochs: int, hidden: int,
+def run(store: Store, arts: dict, parts: list[PartSpec], positions: dict[str, int], *, nodes: int, ranks: int,
+        epochs: int, hidden: int,
         layers: int, batch_tokens: int, cache_root: Path | None) -> dict:
     got = count_gets(store)
     world = nodes * ranks
@@ -162,7 +166,8 @@ def main() -> None:
               flush=True)
     ratio = without["bytes_from_s3"] / with_cache["bytes_from_s3"]
     print(f"bytes read from S3, without / with the cache: {ratio:.2f}x "
-          f"(stored {stored / 1e6:.1f} MB; with the cache {with_cache['bytes_from_s3'] / stored:.2f}x the stored bytes)")
+          f"(stored {stored / 1e6:.1f} MB; with the cache {with_cache['bytes_from_s3'] / stored:.2f}x the stored "
+          "bytes)")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "config": vars(args), "stored_bytes": stored, "without": without, "with": with_cache, "ratio": ratio,

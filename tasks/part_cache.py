@@ -6,7 +6,7 @@ by the part's sha256 (from the artifact's manifest), and every later read on tha
 any epoch, is a local read. The parts are dealt to ranks with an affinity that holds across epochs
 (tasks/train_stream.py), so a node only ever fills its own share.
 
-Layout under the root (`DRAFTLINE_CACHE_DIR`, default `~/.cache/draftline/parts`):
+Layout under the root (`DRAFTLINE_CACHE_DIR`, default `parts` under DRAFTLINE_HOME or ~/.cache/draftline):
 
     data/<sha[:2]>/<sha256>    a verified part; published by rename, so never half-written
     locks/<sha256>.lease       flock: shared while a process uses the entry, exclusive to evict it
@@ -63,11 +63,14 @@ class PartCacheError(RuntimeError):
 
 
 def default_root() -> Path:
+    """`DRAFTLINE_CACHE_DIR`, else `parts` in draftline's cache folder (DRAFTLINE_HOME: on a node set up by
+    infra/node-bootstrap.sh, its NVMe; else ~/.cache/draftline)."""
     env = os.environ.get(CACHE_DIR_ENV)
     if env:
         return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "draftline" / "parts"
+    from tasks.target import cache_home
+
+    return cache_home() / "parts"
 
 
 def cap_from(cache_gib: float | None) -> float | None:
@@ -287,9 +290,10 @@ class PartCache:
                 _fsync_dir(path.parent)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    cap = self.cap / (1 << 30)
                     raise PartCacheError(f"the part cache's disk ({self.root}) is full while caching a "
-                                         f"{size / 1e9:.2f} GB part: lower train.cache_gib (now {self.cap / (1 << 30):.1f}"
-                                         f" GiB), free space there, or point {CACHE_DIR_ENV} at a bigger disk") from None
+                                         f"{size / 1e9:.2f} GB part: lower train.cache_gib (now {cap:.1f} GiB), "
+                                         f"free space there, or point {CACHE_DIR_ENV} at a bigger disk") from None
                 raise
             finally:
                 with contextlib.suppress(FileNotFoundError):

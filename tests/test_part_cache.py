@@ -21,6 +21,8 @@ from tasks.store import Store
 from tasks.train_stream import BatchStream, PartReader, PartSpec, deal
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_part_cache import count_gets  # noqa: E402
 
 
 @pytest.fixture
@@ -35,20 +37,6 @@ def blob_artifact(store: Store, sizes: list[int], seed: int = 0):
         for i, n in enumerate(sizes):
             w.write_bytes(f"f{i}.bin", torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes())
         return w.commit()
-
-
-def counting(store: Store) -> list[int]:
-    """Bytes each GET of a file's range returned from the store (the cache's fills use ranged GETs)."""
-    got: list[int] = []
-    real = store.fs.cat_file
-
-    def cat_file(path, start=None, end=None, **kw):
-        data = real(path, start=start, end=end, **kw)
-        got.append(len(data))
-        return data
-
-    store.fs.cat_file = cat_file
-    return got
 
 
 CHILD = """
@@ -211,7 +199,7 @@ def test_three_epochs_through_the_cache_read_each_part_once_per_node_and_resume_
     names = [(r.digest, n) for r in refs for n in sorted(arts[r.digest].files("part-"))]
     parts = [PartSpec(index=i, shard=0, digest=d, name=n) for i, (d, n) in enumerate(names)]
     sizes = {(p.digest, p.name): arts[p.digest].manifest.file(p.name).bytes for p in parts}
-    got = counting(s3)
+    got = count_gets(s3)
     world, per_node = 4, 2
     caches = [PartCache(tmp_path / f"node{n}", cap_gib=1) for n in range(world // per_node)]
     streams, tokens = [], 0

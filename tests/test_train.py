@@ -503,7 +503,7 @@ def test_ddp_under_torchrun_on_cpu(tmp_path, tiny):
 
 
 @pytest.mark.slow
-def test_ddp_run_killed_resumes_on_fewer_ranks(tmp_path, tiny):
+def test_ddp_run_killed_resumes_on_fewer_ranks(tmp_path, tiny, caplog):
     """Two ranks (gloo) die at step 3 (rank 0 SIGKILLed after the step-2 checkpoint); the run resumes on
     one process from that checkpoint, weights and optimizer state included: a node with fewer GPUs
     picks up a half-done training. The data order restarts at the next epoch (the ranks' cursors do not
@@ -518,9 +518,13 @@ def test_ddp_run_killed_resumes_on_fewer_ranks(tmp_path, tiny):
     assert sorted(m.stats["step"] for m in store.list("checkpoint")) == [2]
 
     events = []
-    ref = run_train(cfg, store, vref, refs, on_metrics=events.append)
+    with caplog.at_level("INFO", logger="draftline"):
+        ref = run_train(cfg, store, vref, refs, on_metrics=events.append)
     start = next(e for e in events if e["kind"] == "start")
     assert start["resumed_from"] == 2 and start["world_size"] == 1
+    # the parts are dealt anew (the one rank now reads them all) and the log says so
+    assert re.search(r"written by 2 ranks, this run has 1: data restarts at epoch \d+, with the parts dealt anew to 1 "
+                     r"ranks", caplog.text), caplog.text[-2000:]
     assert [e["step"] for e in events if e["kind"] == "train"] == [3, 4, 5]
     st = store.open("train", ref.digest).stats
     assert st["world_size"] == 1 and st["resumed_from_step"] == 2
