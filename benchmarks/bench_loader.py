@@ -1,13 +1,14 @@
 """The training loader alone, N ranks at once: tokens/s per rank from a cold local disk and through the
 node part cache from S3, bf16 and fp8 parts, beside the Kimi-shaped training step's rate.
 
-    # on an 8-GPU node (the default shape is Kimi-K2.5's draft: hidden 7168, 3 aux layers + the last):
-    python benchmarks/bench_loader.py --device cuda --ranks 8 --out loader.json
+    # on a GPU node (the default shape is Kimi-K2.5's draft: hidden 7168, 3 aux layers + the last, 16,384
+    # tokens per batch; 8 ranks x 3 parts = 22.5 GB of bf16 parts, twice that at the peak with S3 + cache):
+    python benchmarks/bench_loader.py --device cuda --ranks 8 --workdir /local/nvme --out loader.json
     # on a CPU, small, so it is known to work:
-    .venv/bin/python benchmarks/bench_loader.py --ranks 2 --hidden 512 --part-tokens 2048 --batch-tokens 2048 \\
-        --vocab 8192 --draft-vocab 2048
+    .venv/bin/python benchmarks/bench_loader.py --ranks 2 --hidden 512 --batch-tokens 2048 --parts-per-rank 8 \\
+        --vocab 8192 --draft-vocab 2048 --step-steps 6
 
-Parts: `--ranks x --parts-per-rank` parts of `--part-tokens` tokens (random hidden states in the extract
+Parts: `--ranks x --parts-per-rank` parts of `--part-tokens` tokens (by default one batch of positions each) (random hidden states in the extract
 stage's format, tasks.parts.PartBuffer), written once per dtype to a file:// store and to a SeaweedFS
 server (tests/s3server.py) on this machine. Every rank is its own process (as under torchrun), reads its
 share of the parts (the stream's deal, tasks/train_stream.py) with the training stream itself
@@ -38,6 +39,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -179,11 +181,13 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--layers", type=int, default=4, help="stored layers: 3 auxiliary + the last")
-    ap.add_argument("--part-tokens", type=int, default=8192)
-    ap.add_argument("--parts-per-rank", type=int, default=4)
+    ap.add_argument("--part-tokens", type=int, default=None,
+                    help="default: --batch-tokens + --samples-per-part, so that a part holds exactly one batch of "
+                         "training positions and a pass is exactly --parts-per-rank batches")
+    ap.add_argument("--parts-per-rank", type=int, default=3)
     ap.add_argument("--samples-per-part", type=int, default=8)
     ap.add_argument("--batch-tokens", type=int, default=16384)
-    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--sources", default="disk,s3")
@@ -196,6 +200,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where the parts, the S3 server's data and the cache go")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.part_tokens = args.part_tokens or args.batch_tokens + args.samples_per_part
     args.attn_impl = args.attn_impl or ("flex_attention" if args.device == "cuda" else "sdpa")
     args.step_steps = args.step_steps if args.step_steps is not None else (8 if args.device == "cuda" else 0)
     from bench_part_cache import write_parts
@@ -224,7 +229,6 @@ def main() -> None:
             env = server.env()
             os.environ.update(env)
             server.make_bucket("bench")
-        bf16_parts = None
         for dtype in args.dtypes.split(","):
             for source in sources:
                 uri = f"file://{tmp}/store-{dtype}" if source == "disk" else f"s3://bench/{dtype}"
@@ -237,8 +241,6 @@ def main() -> None:
                 stored = sum(art.manifest.file(p.name).bytes for p in parts)
                 print(f"{dtype} parts on {source}: {n_parts} x {args.part_tokens} tokens, {stored / 1e9:.2f} GB "
                       f"({time.perf_counter() - t0:.0f} s to write)", flush=True)
-                if dtype == "bf16" and source == "disk":
-                    bf16_parts = (arts, parts)
                 cache = str(tmp / f"cache-{dtype}") if source == "s3" else None
                 a = {"store": uri, "env": env, "digest": digest, "names": [p.name for p in parts],
                      "positions": positions, "cache": cache, "layer_ids": layer_ids, "hidden": args.hidden,
@@ -254,17 +256,18 @@ def main() -> None:
                         print(f"  {source} {dtype} {label}: {r['tok_s_per_rank_median']:,.0f} tok/s per rank (median; "
                               f"slowest {r['tok_s_per_rank_min']:,.0f}), {r['tok_s_all_ranks']:,.0f} all ranks, "
                               f"{r['stored_gb_s_all_ranks']:.2f} GB/s stored bytes", flush=True)
-                if source == "s3":  # room on the disk for the next runs
-                    store.delete("extract", digest)
-                    import shutil
-
+                if args.step_steps and "step" not in results and dtype == "bf16" and source == "disk":
+                    # the step of the same shape, in the same run, once the loaders are done with the GPUs
+                    step = step_rate(args, tmp, arts, parts[:2], PartReader(arts, layer_ids, args.hidden))
+                    results["step"] = step
+                    save()
+                    print(f"training step at this shape ({args.attn_impl}, {args.batch_tokens} tokens): "
+                          f"{step['tokens_per_s']:,.0f} tok/s", flush=True)
+                store.delete("extract", digest)  # room on the disk for the next runs
+                if cache:
                     shutil.rmtree(cache, ignore_errors=True)
-        if args.step_steps and bf16_parts is not None:
-            arts, parts = bf16_parts
-            step = step_rate(args, tmp, arts, parts[:4], PartReader(arts, layer_ids, args.hidden))
-            results["step"] = step
-            print(f"training step at this shape ({args.attn_impl}, {args.batch_tokens} tokens): "
-                  f"{step['tokens_per_s']:,.0f} tok/s", flush=True)
+        if "step" in results:
+            step = results["step"]
             for key, res in results["runs"].items():
                 for label in ("first pass", "later passes"):
                     if label in res:
