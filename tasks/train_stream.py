@@ -58,7 +58,8 @@ class PartData:
 class PartReader:
     """Reads parts from the store: a sha256-verified local file (the store's own when it is local; else
     the node's part cache, `tasks.part_cache`, or a streamed temporary copy without one), then
-    `tasks.parts.load_part` (bf16 whatever the storage dtype). The file stays leased (never evicted from
+    `tasks.parts.load_part` (bf16 whatever the storage dtype, or fp8 kept with dequantize=False; its
+    tensors map the file, read into the page cache ahead by `readahead`). The file stays leased (never evicted from
     the cache) while its PartData lives. Thread-safe; used by the loader threads."""
 
     def __init__(self, artifacts: dict[str, Artifact], layer_ids: list[int], hidden_size: int,

@@ -313,7 +313,8 @@ def test_precision_bf16_autocasts_on_cpu_and_fp32_does_not(tmp_path, tiny, monke
 
 
 def test_fp8_parts_train(tmp_path, tiny):
-    """fp8 parts (float8_e4m3fn + per-token scales) are dequantized by tasks.parts.load_part."""
+    """fp8 parts (float8_e4m3fn + per-token scales) train: their bytes are packed as stored and dequantized on the
+    device (Batch.model_inputs; tests/test_loader.py checks the inputs equal load_part's dequantized ones)."""
     from safetensors.torch import save as st_save
 
     from tasks.parts import quantize_fp8
