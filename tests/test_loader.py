@@ -73,3 +73,27 @@ def test_a_part_is_mapped_from_its_file_not_read_into_memory(tmp_path):
     maps = Path("/proc/self/maps").read_text()
     assert parts[0].name in maps, "the part's file is not mapped into the process"
     assert data.hidden.shape == (4096, 4, 256)
+
+
+def test_a_staging_buffer_is_reused_only_after_its_copies_to_the_device_are_done():
+    """On a GPU, model_inputs hands the buffer back with a CUDA event recorded after its copies; the packer
+    waits on that event before packing into the buffer again. (A stand-in for the event: no GPU here.)"""
+    from tasks.train_stream import StagingPool
+
+    class Event:
+        waited = 0
+
+        def synchronize(self):
+            Event.waited += 1
+
+    pool = StagingPool(pin=False, keep=2)
+    layout = {"hs": ((4, 3), torch.bfloat16)}
+    a = pool.get(layout)
+    pool.put(a, Event())
+    assert pool.get(layout) is a and Event.waited == 1 and pool.reused == 1
+    b, c = pool.get(layout), pool.get(layout)  # all out: new ones, never a wait
+    assert b is not a and c is not b and pool.made == 3
+    for buf in (a, b, c):
+        pool.put(buf)
+    assert len(pool._free) == 2  # at most `keep` kept
+    assert pool.get({"hs": ((8, 3), torch.bfloat16)})["hs"].shape == (8, 3)  # another layout: a fresh buffer

@@ -64,7 +64,7 @@ def child(tmp_path: Path, store: Store, art, name: str, chunk: int, **env) -> su
                             env={**os.environ, "PYTHONPATH": str(REPO), **env})
 
 
-def test_a_killed_filler_leaves_a_temp_file_that_is_never_data_and_is_cleaned(tmp_path, s3):
+def test_a_killed_filler_leaves_a_temp_file_that_is_never_data_and_is_cleaned(tmp_path, s3, monkeypatch):
     art = blob_artifact(s3, [256 * 1024])
     entry = art.manifest.file("f0.bin")
     p = child(tmp_path, s3, art, "f0.bin", chunk=4096, DRAFTLINE_FAULT_KILL="cache.mid-fill")
@@ -81,11 +81,8 @@ def test_a_killed_filler_leaves_a_temp_file_that_is_never_data_and_is_cleaned(tm
 
     from flows.leftovers import find
 
-    os.environ["DRAFTLINE_CACHE_DIR"], before = str(tmp_path / "cache"), os.environ.get("DRAFTLINE_CACHE_DIR")
-    try:
-        assert [x.where for x in find(s3, 3600) if x.kind == "cache-temp"] == [str(temps[0])]
-    finally:
-        os.environ["DRAFTLINE_CACHE_DIR"] = before or ""
+    monkeypatch.setenv("DRAFTLINE_CACHE_DIR", str(tmp_path / "cache"))
+    assert [x.where for x in find(s3, 3600) if x.kind == "cache-temp"] == [str(temps[0])]
 
     with cache.lease(entry.sha256, entry.bytes, lambda fh: art.copy_to("f0.bin", fh)) as lease:
         assert lease.fetched == entry.bytes
