@@ -288,36 +288,29 @@ class Artifact:
             yield local
 
     def copy_to(self, name: str, fh: IO[bytes], verify: bool = True, chunk: int = _COPY_CHUNK,
-                inflight: int = _COPY_INFLIGHT, on_chunk: Any = None) -> int:
+                inflight: int = _COPY_INFLIGHT) -> int:
         """Stream file `name` into `fh` (written in order): ranged reads of `chunk` bytes, up to `inflight`
         of them in flight on helper threads (memory: inflight x chunk), sha256 computed on the fly. A size
         or sha256 mismatch un-commits the artifact (ArtifactCorrupt) after what was written; the caller
-        owns `fh` and discards it then. `on_chunk(bytes so far)` after each chunk. Returns the bytes."""
+        owns `fh` and discards it then. Returns the bytes written."""
         entry = self.manifest.file(name)
         key = self._key(name)
         fs = self.store.fs
         h = hashlib.sha256() if verify else None
-        spans = [(a, min(a + chunk, entry.bytes)) for a in range(0, entry.bytes, chunk)]
         done = 0
 
-        def get(span: tuple[int, int]) -> bytes:
-            return fs.cat_file(key, start=span[0], end=span[1])
+        def get(start: int) -> bytes:
+            return fs.cat_file(key, start=start, end=min(start + chunk, entry.bytes))
 
         try:
             with ThreadPoolExecutor(max(1, inflight), thread_name_prefix="draftline-get") as pool:
                 pending: list[Any] = []
-                todo = iter(spans)
-                for span in todo:
-                    pending.append(pool.submit(get, span))
-                    if len(pending) < inflight:
-                        continue
-                    done += self._take(pending.pop(0), fh, h)
-                    if on_chunk is not None:
-                        on_chunk(done)
+                for start in range(0, entry.bytes, chunk):
+                    pending.append(pool.submit(get, start))
+                    if len(pending) >= inflight:
+                        done += self._take(pending.pop(0), fh, h)
                 while pending:
                     done += self._take(pending.pop(0), fh, h)
-                    if on_chunk is not None:
-                        on_chunk(done)
         except FileNotFoundError:
             self._corrupt(f"file {name} listed in the manifest is missing")
         if done != entry.bytes or (h is not None and h.hexdigest() != entry.sha256):

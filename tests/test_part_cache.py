@@ -232,3 +232,21 @@ def test_cached_copy_without_a_cache_streams_a_temporary_copy(tmp_path, s3):
     with cached_copy(None, art, "f0.bin") as path:
         assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == entry.sha256
     assert not Path(path).exists()
+
+
+def test_a_part_corrupted_on_the_store_is_never_cached(tmp_path, s3):
+    """The fill hashes while it streams: a store copy whose bytes changed (same size) raises ArtifactCorrupt
+    naming the file, un-commits the artifact (so the stage runs again), and leaves no entry and no temp file."""
+    from tasks.store import ArtifactCorrupt
+
+    art = blob_artifact(s3, [300_000])
+    entry = art.manifest.file("f0.bin")
+    key = art._key("f0.bin")
+    raw = bytearray(s3.fs.cat_file(key))
+    raw[123_456] ^= 0xFF
+    s3.fs.pipe_file(key, bytes(raw))
+    cache = PartCache(tmp_path, cap_gib=1)
+    with pytest.raises(ArtifactCorrupt, match="f0.bin fails its size/sha256 check"):
+        cache.lease(entry.sha256, entry.bytes, lambda fh: art.copy_to("f0.bin", fh, chunk=64 * 1024))
+    assert cache.entries() == [] and list((tmp_path / "tmp").iterdir()) == []
+    assert s3.find("extract", art.digest) is None
