@@ -3,7 +3,8 @@
 - on the store: attempt folders no manifest names and temp files (tasks/store.py `garbage_detail`);
 - stale locks of a file:// store (flows/locks.py): a dead holder's, an expired lease's, or an older
   version's (which were never released when their run was killed);
-- on this machine: engine work folders (hidden-state files and ring buffers in /dev/shm, i.e. RAM),
+- on this machine: the node part cache's temp files whose filler died (tasks/part_cache.py; the next
+  fill of that part removes them too), engine work folders (hidden-state files and ring buffers in /dev/shm, i.e. RAM),
   temporary checkpoint and export copies of a killed trainer (`draftline-*` under the temp folder),
   whose recorded owner process is gone (tasks/owners.py). Folders without an owner record (older
   versions) go once older than the age limit.
@@ -31,7 +32,7 @@ from tasks.store import Store
 
 @dataclass
 class Leftover:
-    kind: str        # attempt | temp-file | lock | engine-dir | temp-dir
+    kind: str        # attempt | temp-file | lock | cache-temp | engine-dir | temp-dir
     where: str       # a store key or a local path
     age_s: float
     owner: str       # who made it, and whether it still runs
@@ -73,6 +74,11 @@ def find(store: Store, min_age_s: float) -> list[Leftover]:
             if why:
                 found.append(Leftover("lock", str(path), now - path.stat().st_mtime,
                                       owners.describe(info.get("owner")), why))
+    from tasks.part_cache import PartCache, default_root
+
+    if default_root().joinpath("tmp").is_dir():
+        for path, age, owner in PartCache(default_root(), cap_gib=0).dead_temps():
+            found.append(Leftover("cache-temp", str(path), age, owner, "its filler is gone"))
     for base in local_folders():
         for p in sorted(base.glob("draftline-*")):
             if not p.is_dir():

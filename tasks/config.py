@@ -284,6 +284,11 @@ class TrainConfig(Section):
     eval_batches: int = Field(4, ge=0)
     seed: int = 0
     prefetch: int = Field(2, ge=0, description="Parts fetched ahead of the training loop.")
+    cache_gib: float | None = Field(
+        None, ge=0, description="Cap of the node-local part cache (GiB) that an s3:// store's parts are read "
+        "through, so each byte crosses the network once per node (folder: DRAFTLINE_CACHE_DIR, default "
+        "parts/ under DRAFTLINE_HOME or ~/.cache/draftline). Default: DRAFTLINE_CACHE_GIB, else 90% of that "
+        "disk's free space. 0: no cache. Not part of the artifact's address.")
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on the store; older ones are deleted.")
     loss_impl: Literal["eager", "fused"] = Field(
         "eager", description="speculators' loss kernels: eager (any device) or fused (Triton, GPU only)."

@@ -119,9 +119,10 @@ def extract_shard(cfg, layer_ids: list[int], data_digest: str, shard: int) -> st
 
 
 # Train keys that change how fast or where the draft is made, not the recipe: the number of ranks
-# (a retry may resume on another count), and kernels computing the same function (attention, loss).
+# (a retry may resume on another count), kernels computing the same function (attention, loss), and the
+# node-local part cache's cap.
 TRAIN_SCHEDULING_KEYS = {"device", "gpus", "prefetch", "checkpoint_every", "keep_checkpoints", "loss_impl",
-                         "attn_impl"}
+                         "attn_impl", "cache_gib"}
 
 
 def train_inputs(cfg, vocab_ref, shard_refs) -> dict[str, str]:

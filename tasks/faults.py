@@ -11,6 +11,7 @@ Ctrl-C); only the moment is chosen. Points, in the order a run meets them:
     extract.part-written             a part of a shard is on the store, the shard not finished
     store.<stage>.mid-file           a file of a <stage> artifact partly written (4 KiB of it so far)
     train.checkpoint-file            one file of a training checkpoint written, the others not
+    cache.mid-fill                   the node part cache's filler has written the first chunk of a part
     benchmark.baseline-measured      the benchmark's baseline decoded, the draft not yet
     train.rank<R>.step               training rank R (of train.gpus > 1) after a step: that rank alone dies
     engine.<name>.request            an engine (e.g. extract-cpu1) about to serve a request: the engine

@@ -68,10 +68,17 @@ def quantize_fp8(hidden: Any) -> tuple[Any, Any]:
     return q, scale
 
 
-def dequantize_fp8(q: Any, scale: Any) -> Any:
+def dequantize_fp8(q: Any, scale: Any, rows: int = 4096) -> Any:
+    """bf16 of q * scale, on q's device, `rows` rows at a time (so the float32 temporary stays small when a
+    whole batch of Kimi-wide states is dequantized on a GPU)."""
     import torch
 
-    return (q.float() * scale.float().unsqueeze(-1)).to(torch.bfloat16)
+    if q.shape[0] <= rows:
+        return (q.float() * scale.float().unsqueeze(-1)).to(torch.bfloat16)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    for a in range(0, q.shape[0], rows):
+        out[a:a + rows] = q[a:a + rows].float() * scale[a:a + rows].float().unsqueeze(-1)
+    return out
 
 
 def _copy_into(dst: Any, src: Any) -> None:
@@ -177,10 +184,12 @@ class PartBuffer:
         return write_safetensors_stream(fh, tensors, meta)
 
 
-def load_part(path: str) -> dict[str, Any]:
+def load_part(path: str, dequantize: bool = True) -> dict[str, Any]:
     """One part as {"hidden_states" bf16 [T, L, H], "input_ids" int32 [T], "loss_mask" uint8 [T],
     "offsets" int64 [N+1], "sample_ids" list[str], "layer_ids" list[int], "storage_dtype" str}.
-    fp8 parts are dequantized with their per-token-per-layer scales."""
+    fp8 parts are dequantized with their per-token-per-layer scales; with dequantize=False they stay
+    float8_e4m3fn and "hidden_scales" (float32 [T, L]) comes along (the training stream dequantizes on
+    the device). The tensors map the file (safetensors' mmap): no copy is made until they are read."""
     import torch
     from safetensors import safe_open
 
@@ -194,15 +203,19 @@ def load_part(path: str) -> dict[str, Any]:
         if hs.dtype == torch.float8_e4m3fn:
             if "hidden_scales" not in names:
                 raise PartFormatError(f"{path}: fp8 hidden_states without hidden_scales; the part is corrupt")
-            hs = dequantize_fp8(hs, f.get_tensor("hidden_scales"))
+            scales = f.get_tensor("hidden_scales")
+            if dequantize:
+                hs = dequantize_fp8(hs, scales)
         else:
-            hs = hs.to(torch.bfloat16)
+            hs, scales = hs.to(torch.bfloat16), None
         out = {
             "hidden_states": hs,
             "input_ids": f.get_tensor("input_ids"),
             "loss_mask": f.get_tensor("loss_mask"),
             "offsets": f.get_tensor("offsets"),
         }
+        if hs.dtype == torch.float8_e4m3fn:
+            out["hidden_scales"] = scales
     out["sample_ids"] = json.loads(meta.get("sample_ids", "[]"))
     out["layer_ids"] = json.loads(meta.get("layer_ids", "[]"))
     out["storage_dtype"] = meta.get("storage_dtype", "bf16")

@@ -248,7 +248,8 @@ class Trainer:
             raise TrainError("train.loss_impl fused needs Triton on a GPU; use eager on CPU")
         self.head = train_head(cfg)
         self.read_part = load_part or PartReader(inputs.artifacts, inputs.stored_layer_ids or inputs.layer_ids,
-                                                 inputs.hidden_size, keep=inputs.layer_ids)
+                                                 inputs.hidden_size, keep=inputs.layer_ids,
+                                                 cache=part_cache(store, t), dequantize=False)
         self.precision = resolve_precision(t.precision, env.device)
 
         # model (auto attention: flex_attention where it compiles for this shape, else sdpa)
@@ -418,8 +419,9 @@ class Trainer:
                 position = state.positions[env.rank]
             else:
                 epoch = max(p["epoch"] for p in state.positions if p) + 1
-                log.warning("checkpoint was written by %d ranks, this run has %d: data restarts at epoch %d",
-                            state.world, env.world, epoch)
+                log.warning("checkpoint was written by %d ranks, this run has %d: data restarts at epoch %d, "
+                            "with the parts dealt anew to %d ranks (each rank's share changes, so node caches fill "
+                            "with their new shares)", state.world, env.world, epoch, env.world)
                 position = {"epoch": epoch, "cursor": 0, "sample": 0, "offset": 0}
         n_params = sum(p.numel() for p in self.params)
         log.info("train %s: %d trainable parameters, %.3g FLOPs/token, device %s x%d, %s attention, %s, %d parts, "
@@ -438,6 +440,10 @@ class Trainer:
         stream = BatchStream(self.parts, self.read_part, batch_tokens=t.batch_tokens, seed=t.seed, rank=env.rank,
                              world=env.world, prefetch=t.prefetch, position=position,
                              pin_memory=env.device.type == "cuda")
+        share = stream.share()
+        log.info("data: rank %d of %d reads %d of %d parts every epoch%s", env.rank, env.world, len(share),
+                 len(self.parts),
+                 "" if len(share) == len(self.parts) else " (parts dealt to ranks once; the deal holds across epochs)")
         session_t0 = time.perf_counter()
         seconds_before = state.train_seconds
         last_saved = state.step if state.resumed_from is not None else -1
@@ -623,6 +629,16 @@ def export_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
     with open(os.path.join(folder, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2, sort_keys=True)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+
+
+def part_cache(store: Store, t: TrainConfig) -> Any:
+    """The node's part cache for reads from `store` (None for a local store or train.cache_gib 0)."""
+    from tasks.part_cache import PartCache, PartCacheError
+
+    try:
+        return PartCache.for_store(store, t.cache_gib)
+    except PartCacheError as exc:
+        raise TrainError(str(exc)) from None
 
 
 def train_here(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef],

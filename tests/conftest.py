@@ -25,6 +25,20 @@ from tasks.config import StoreConfig  # noqa: E402
 from tasks.store import Store  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def part_cache_dir(tmp_path_factory):
+    """The node-local part cache (tasks/part_cache.py) of every run a test starts, in the session's temp
+    folder instead of the user's cache."""
+    path = tmp_path_factory.mktemp("part-cache")
+    old = os.environ.get("DRAFTLINE_CACHE_DIR")
+    os.environ["DRAFTLINE_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("DRAFTLINE_CACHE_DIR", None)
+    else:
+        os.environ["DRAFTLINE_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     server = S3Server(tmp_path_factory.mktemp("seaweedfs")).start()

@@ -240,9 +240,9 @@ def test_corrupted_part_is_named_never_trained_on_and_reextracted(tmp_path, targ
 
     real_load = tasks.parts.load_part
 
-    def recording(path):
+    def recording(path, **kw):
         loaded.append(str(path))
-        return real_load(path)
+        return real_load(path, **kw)
 
     monkeypatch.setattr(tasks.parts, "load_part", recording)
     bad: dict = {}

@@ -313,7 +313,8 @@ def test_precision_bf16_autocasts_on_cpu_and_fp32_does_not(tmp_path, tiny, monke
 
 
 def test_fp8_parts_train(tmp_path, tiny):
-    """fp8 parts (float8_e4m3fn + per-token scales) are dequantized by tasks.parts.load_part."""
+    """fp8 parts (float8_e4m3fn + per-token scales) train: their bytes are packed as stored and dequantized on the
+    device (Batch.model_inputs; tests/test_loader.py checks the inputs equal load_part's dequantized ones)."""
     from safetensors.torch import save as st_save
 
     from tasks.parts import quantize_fp8
@@ -503,7 +504,7 @@ def test_ddp_under_torchrun_on_cpu(tmp_path, tiny):
 
 
 @pytest.mark.slow
-def test_ddp_run_killed_resumes_on_fewer_ranks(tmp_path, tiny):
+def test_ddp_run_killed_resumes_on_fewer_ranks(tmp_path, tiny, caplog):
     """Two ranks (gloo) die at step 3 (rank 0 SIGKILLed after the step-2 checkpoint); the run resumes on
     one process from that checkpoint, weights and optimizer state included: a node with fewer GPUs
     picks up a half-done training. The data order restarts at the next epoch (the ranks' cursors do not
@@ -518,9 +519,13 @@ def test_ddp_run_killed_resumes_on_fewer_ranks(tmp_path, tiny):
     assert sorted(m.stats["step"] for m in store.list("checkpoint")) == [2]
 
     events = []
-    ref = run_train(cfg, store, vref, refs, on_metrics=events.append)
+    with caplog.at_level("INFO", logger="draftline"):
+        ref = run_train(cfg, store, vref, refs, on_metrics=events.append)
     start = next(e for e in events if e["kind"] == "start")
     assert start["resumed_from"] == 2 and start["world_size"] == 1
+    # the parts are dealt anew (the one rank now reads them all) and the log says so
+    assert re.search(r"written by 2 ranks, this run has 1: data restarts at epoch \d+, with the parts dealt anew to 1 "
+                     r"ranks", caplog.text), caplog.text[-2000:]
     assert [e["step"] for e in events if e["kind"] == "train"] == [3, 4, 5]
     st = store.open("train", ref.digest).stats
     assert st["world_size"] == 1 and st["resumed_from_step"] == 2
