@@ -257,13 +257,41 @@ def check_disk(name: str, path: Path, need_bytes: int, what: str, fix: str) -> C
     return Check(name, "ok", detail)
 
 
+def check_weights(cfg: Any):
+    """doctor's row: how much disk the target's weights need on this node and whether it has it."""
+    from flows.weights import _gb, local_target
+    from tasks.weights import WeightsError, disk_needed
+
+    t = cfg.target
+    local = local_target(t)
+    if local is not None:
+        if not local["fingerprint"]:
+            if t.model.startswith((".", "/", "~")):
+                return Check("weights", "fail", f"{t.model}: no config.json there", "fix target.model's path")
+            return Check("weights", "ok", f"the offline preset {t.model}: converted at its first use")
+        return Check("weights", "ok", f"local folder {local['path']} ({_gb(local['bytes'])}): nothing to fetch")
+    try:
+        d = disk_needed(t.model, t.revision, bool(t.trust_remote_code))
+    except WeightsError as exc:
+        return Check("weights", "warn", f"cannot size {t.model} here: {str(exc).split('. ')[0]}",
+                     "`draftline weights CONFIG` on the node, where the hub is reachable")
+    where = f"{t.model}@{d['commit'][:12]}: {_gb(d['bytes'])}"
+    if not d["missing_bytes"]:
+        return Check("weights", "ok", f"{where} complete in {d['cache']}")
+    if d["missing_bytes"] > d["free"]:
+        return Check("weights", "fail", f"{where}, {_gb(d['missing_bytes'])} still to fetch, {_gb(d['free'])} free "
+                     f"in {d['cache']}", "free disk space or point HF_HOME at a larger disk")
+    return Check("weights", "warn", f"{where}, {_gb(d['missing_bytes'])} to fetch, {_gb(d['free'])} free in {d['cache']}",
+                 "`draftline weights CONFIG` fetches them now (else the run's first stage that needs them does)")
+
+
 def cache_dirs() -> dict[str, Path]:
     """The node's caches this process would use: draftline's (DRAFTLINE_HOME), Hugging Face's, temp."""
     import tempfile
 
     from huggingface_hub import constants
 
-    from tasks.target import cache_home
+    from tasks.weights import cache_home
 
     return {"draftline cache": cache_home(), "hf cache": Path(constants.HF_HUB_CACHE),
             "temp": Path(tempfile.gettempdir())}
@@ -435,8 +463,6 @@ def run_doctor(config: str | None, overrides: list[str], *, expect_gpus: int | N
         cfg = None
     if cfg is not None:
         checks.append(check_store(cfg, timeout=store_timeout))
-        from flows.weights import check_weights
-
         checks.append(check_weights(cfg))
     checks += check_prefect(pool)
     return checks

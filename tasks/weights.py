@@ -21,6 +21,8 @@ hub's file listing, so a run that stops before extraction never downloads the we
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import fnmatch
 import functools
 import hashlib
@@ -30,7 +32,7 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 log = logging.getLogger("draftline.weights")
 
@@ -94,19 +96,41 @@ def folder_fingerprint(folder: str | os.PathLike, trust_remote_code: bool = Fals
     return _folder_fingerprint(str(p), bool(trust_remote_code), stamp)
 
 
+# --------------------------------------------------------------------------- the node's cache
+
+# Targets shipped offline by a package (tasks/target.py converts them once): named, not fingerprinted.
+PRESETS = {"smollm2-135m-instruct"}
+
+
+def cache_home() -> Path:
+    root = os.environ.get("DRAFTLINE_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "draftline")
+    p = Path(root)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+
 # --------------------------------------------------------------------------- hub ids
 
 def is_hub_id(model: str) -> bool:
     """Not the offline preset, not a path that exists or is written as one: an `org/name` hub id."""
-    from tasks.target import PRESETS
-
     return (model not in PRESETS and not model.startswith((".", "/", "~"))
             and not Path(model).expanduser().exists())
 
 
 def _repo_dir(repo: str) -> Path:
-    from tasks.target import cache_home
-
     return cache_home() / "weights" / repo.replace("/", "--")
 
 
@@ -245,8 +269,6 @@ def small_files(repo: str, commit: str, trust_remote_code: bool = False) -> str:
 def ensure_snapshot(repo: str, revision: str | None, trust_remote_code: bool = False) -> Snapshot:
     """The complete snapshot of `repo` at `revision` on this node, fetched once: the first process on the node
     downloads under a file lock, the others wait and reuse it; a marker makes every later call local."""
-    from tasks.target import cache_home, file_lock
-
     commit = resolve_commit(repo, revision)  # no request when pinned to a commit, or offline
     snap = complete_snapshot(repo, commit, trust_remote_code)
     if snap is not None:
@@ -319,9 +341,11 @@ def target_fingerprint(t) -> str:
     pinned (or once resolved) commit."""
     if is_hub_id(t.model):
         return hub_fingerprint(t.model, resolve_commit(t.model, t.revision), bool(t.trust_remote_code))
-    from tasks.target import resolve_model
-
-    return folder_fingerprint(resolve_model(t), bool(t.trust_remote_code))
+    folder = Path(t.model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise WeightsError(f"target.model {t.model!r} is not a model folder (no config.json there); fix the path "
+                           "or give a hub id")
+    return folder_fingerprint(str(folder.resolve()), bool(t.trust_remote_code))
 
 
 def pin_revision(t) -> str | None:
@@ -335,8 +359,6 @@ def pin_revision(t) -> str | None:
 def provenance(t) -> dict[str, Any]:
     """What every manifest a run commits records about its target: the hub id, the commit and the fingerprint
     (or the folder's fingerprint; the preset's name)."""
-    from tasks.target import PRESETS
-
     if t.model in PRESETS:
         return {"model": t.model}
     if is_hub_id(t.model):
