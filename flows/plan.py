@@ -343,7 +343,7 @@ def render(plan: Plan) -> str:
 # --------------------------------------------------------------------------- the command
 
 def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi-k2.5-b300.yaml."),
-         nodes: Optional[int] = typer.Option(None, "--nodes", "-n", help="Nodes the extraction is dealt over "
+         nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes the extraction is dealt over "
                                              "(default: the config's extract.nodes); as --set extract.nodes=N."),
          gpu_hour_price: Optional[float] = typer.Option(None, "--gpu-hour-price",
                                                         help="USD per GPU-hour (default: configs/rates.yaml)."),
