@@ -125,7 +125,39 @@ def resolve_model(cfg: TargetConfig) -> str:
         return str(p.resolve())
     if cfg.model.startswith((".", "/", "~")):
         raise TargetError(f"target.model path {cfg.model!r} does not exist; fix the path or give a hub id")
+    _offline_unless_hub_answers(cfg)
     return cfg.model
+
+
+@functools.lru_cache(maxsize=None)
+def hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether the model hub answers at all (one quick request). Without it, transformers retries each
+    file for ~25 s before it says the hub cannot be reached."""
+    import httpx
+
+    try:
+        httpx.head(endpoint, timeout=timeout)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def _offline_unless_hub_answers(cfg: TargetConfig) -> None:
+    """A hub id on a machine that cannot reach the hub: the local Hugging Face cache only, at once (this
+    process and the engines it starts go offline), or a clear error when the model is not cached."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE and hub_reachable(constants.ENDPOINT):
+        return
+    cached = try_to_load_from_cache(cfg.model, "config.json", revision=cfg.revision)
+    if not isinstance(cached, str):
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"the model hub ({constants.ENDPOINT}) does " \
+            "not answer from this machine"
+        raise TargetError(f"target.model {cfg.model!r}: {why}, and the model is not in the local Hugging Face cache "
+                          f"({constants.HF_HUB_CACHE}); give a local model folder, or download it where the hub "
+                          "is reachable (`hf download MODEL`) and copy the cache here")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the engines started from here too
+    constants.HF_HUB_OFFLINE = True
 
 
 def load_hf_config(cfg: TargetConfig, path: str | None = None):
