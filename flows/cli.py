@@ -152,7 +152,8 @@ def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to
         print(json.dumps([{**m.model_dump(mode="json", exclude={"config"}), "uri": store.uri_of(m.stage, m.digest),
                            "bytes": sum(f.bytes for f in m.files)} for m in store.list(stage)], indent=2))
         return
-    table = Table(title=f"committed artifacts in {store.uri}")
+    console.print(f"committed artifacts in {store.uri}")  # not a table title: those fold at the table's width
+    table = Table()
     for col in ("stage", "digest", "created", "files", "bytes", "stats"):
         table.add_column(col)
     for m in store.list(stage):

@@ -503,6 +503,10 @@ class Store:
                 f"`draftline store init --store s3://{self.root}` (or your provider's console) or fix store.uri"
             ) from None
         except PermissionError as exc:
+            if re.search(r"signature|InvalidAccessKeyId|does not exist in our records", str(exc), re.I):
+                raise StoreError(
+                    f"S3 credentials rejected {doing} ({exc}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                    "(or store.credentials_block)") from None
             need = ("read and list (s3:ListBucket on the prefix, s3:GetObject)" if doing.startswith("listing") else
                     "write and delete objects (s3:PutObject, s3:DeleteObject) there; commands that only read "
                     "(ls, report) need no more than read and list")

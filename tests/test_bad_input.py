@@ -119,9 +119,11 @@ def test_run_refuses_a_bad_config_file(tmp_path, name, content, needle):
 
 S3_CASES = [
     ("credentials-missing", ["S3 credentials rejected or missing", "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"]),
-    ("credentials-wrong", ["access to s3://draftline-test denied (The request signature we calculated does not match",
+    ("credentials-wrong", ["S3 credentials rejected listing s3://draftline-test/badinput-",
+                           "The request signature we calculated does not match",
                            "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or store.credentials_block)"]),
-    ("bucket-missing", ["bucket 'no-such-bucket' does not exist", "create it (e.g. `aws s3 mb s3://no-such-bucket`)"]),
+    ("bucket-missing", ["bucket 'no-such-bucket' does not exist",
+                        "create it with `draftline store init --store s3://no-such-bucket/x`"]),
     ("unreachable", ["unreachable at http://127.0.0.1:9", "check store.endpoint_url / AWS_ENDPOINT_URL"]),
 ]
 
