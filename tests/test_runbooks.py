@@ -113,7 +113,7 @@ DRAFTLINE = [c for c in COMMANDS if kind(c) == "draftline"]
 @pytest.mark.parametrize("cmd", DRAFTLINE, ids=[" ".join(c.argv[1:4]) for c in DRAFTLINE])
 def test_draftline_commands_parse_with_their_exact_flags(cmd):
     ctx = parse(typer.main.get_command(app), "draftline", cmd.argv[1:])
-    assert ctx.command.name == {"config": "show"}.get(cmd.argv[1], cmd.argv[1]), cmd  # reached the subcommand
+    assert ctx.command.name == {"config": "show", "store": "init"}.get(cmd.argv[1], cmd.argv[1]), cmd  # the subcommand
     params = ctx.params
     config = params.get("config")
     if config is not None:  # a config path: it exists, and the --set overrides are valid keys and values
