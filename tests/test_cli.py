@@ -359,6 +359,9 @@ def a_run(prefect_server):
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}):
         state = pipeline(return_state=True)
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler().flush()  # logs reach the API in batches: send this run's now
         yield state.state_details.flow_run_id
 
 
