@@ -468,12 +468,11 @@ def _format_errors(err: ValidationError, origin: str, overrides: list[str] | Non
                 hint = f"rename it to {near}"
                 msg += f" (did you mean {near}?)"
         setby = [o for o in overrides or [] if f"{o.split('=', 1)[0].strip()}.".startswith(f"{loc}.")]
-        if setby:
-            msg = f"(from --set {setby[-1]}) {msg}"
         got = e.get("input")
         got_s = "" if isinstance(got, dict) or e["type"] == "missing" or f"got {got!r}" in msg else f" (got {got!r})"
         got_s = re.sub(r"://[^/@\s]*@", "://***@", got_s)  # never echo credentials put in a URI
-        lines.append(f"  - {loc}: {msg}{got_s}" + (f"; fix: {hint}" if hint else ""))
+        from_set = re.sub(r"://[^/@\s]*@", "://***@", f" (from --set {setby[-1]})") if setby else ""
+        lines.append(f"  - {loc}: {msg}{got_s}{from_set}" + (f"; fix: {hint}" if hint else ""))
     return "\n".join(lines)
 
 

@@ -48,7 +48,8 @@ def draftline(*args: str):
 RUN_CASES = [
     ("unknown-key", ["--set", "train.bogus=1"],
      ["train.bogus: Extra inputs are not permitted", "fix: remove it or check the spelling"]),
-    ("unknown-section", ["--set", "trian.max_steps=5"], ["trian: Extra inputs are not permitted", "remove it"]),
+    ("unknown-section", ["--set", "trian.max_steps=5"], ["trian: Extra inputs are not permitted (did you mean train?)",
+                                                         "fix: rename it to train"]),
     ("wrong-type-int", ["--set", "data.num_shards=abc"], ["data.num_shards: Input should be a valid integer",
                                                           "fix: use a whole number"]),
     ("wrong-type-bool", ["--set", "regenerate.enabled=maybe"], ["regenerate.enabled", "fix: use true or false"]),

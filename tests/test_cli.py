@@ -125,7 +125,7 @@ def test_ls_json_and_unknown_stages_refused(tmp_path):
 def test_config_typos_get_did_you_mean_and_broken_set_yaml_is_shown():
     out = draftline("config", "show", CONFIG, "--set", "train.max_step=5")
     text = flat(out.output)
-    assert out.exit_code == 2 and "train.max_step: (from --set train.max_step=5)" in text, out.output
+    assert out.exit_code == 2 and "train.max_step: Extra inputs" in text and "(from --set train.max_step=5)" in text, text
     assert "(did you mean max_steps?)" in text and "fix: rename it to max_steps" in text
     out = draftline("config", "show", CONFIG, "--set", "data.sources=[{preset: chitchat, wieght: 3}]")
     assert "data.sources.0.wieght" in flat(out.output) and "did you mean weight?" in flat(out.output), out.output
