@@ -394,7 +394,7 @@ def test_retry_and_ui_default_to_the_last_run(a_run, prefect_server):
         assert info["ui_url"] == f"{prefect_server.ui_url}/runs/flow-run/{a_run}"
 
 
-def test_watch_shows_stage_and_shard_progress_and_has_no_cap(a_run, prefect_server):
+def test_watch_has_no_cap_and_progress_counts_stages_and_shards(a_run, prefect_server):
     import inspect
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -407,3 +407,92 @@ def test_watch_shows_stage_and_shard_progress_and_has_no_cap(a_run, prefect_serv
     assert line == "prepare 1/1 tasks; extract 2/2 shards", line
     for fn in (deploy.submit, runs.retry):
         assert inspect.signature(fn).parameters["timeout"].default.default is None, fn
+
+
+@pytest.mark.s3
+def test_gc_on_s3_asks_on_a_terminal_and_no_keeps_everything(s3_server):
+    """The interactive path, on a real terminal (a pty): gc shows what it found, asks, and `n` deletes nothing."""
+    import pty
+
+    store = Store.from_config(StoreConfig(uri=f"s3://draftline-test/gc-tty-{uuid.uuid4().hex[:8]}"))
+    key = dead_leftover(store)
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "gc", "--store", store.uri], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=secondary, stdout=subprocess.PIPE,
+                            stderr=secondary, text=True)
+    os.close(secondary)
+    seen = b""
+    deadline = time.time() + 180
+    while b"[y/N]" not in seen and time.time() < deadline and proc.poll() is None:
+        try:
+            seen += os.read(primary, 4096)
+        except OSError:
+            break
+    assert b"delete these 1 leftover(s) on " + store.uri.encode() in seen, seen[-2000:]
+    os.write(primary, b"n\n")
+    proc.wait(60)
+    os.close(primary)
+    assert proc.returncode == 1
+    store.fs.invalidate_cache()
+    assert store.fs.exists(key)
+
+
+def test_watch_prints_stage_and_shard_progress_while_the_run_runs(prefect_server, monkeypatch, capsys):
+    """`submit --watch` / `retry --watch` (runs.wait_for) on a run in flight: one shard done, one running."""
+    import threading
+
+    from prefect import flow, task
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows import runs
+    from flows.prefect_api import client, find_run, state_of
+
+    gate = threading.Event()
+
+    @task(task_run_name="prepare")
+    def prepare():
+        return 1
+
+    @task(task_run_name="extract-shard-{shard}")
+    def shard(shard: int):
+        if shard == 1:
+            gate.wait(120)
+        return shard
+
+    name = f"cli-watch-{uuid.uuid4().hex[:6]}"
+
+    @flow(name="draftline", flow_run_name=name)
+    def pipeline():
+        prepare()
+        futures = [shard.submit(s) for s in (0, 1)]
+        return [f.result() for f in futures]
+
+    def go():
+        from prefect.logging.handlers import APILogHandler
+
+        with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}):
+            pipeline()
+            APILogHandler().flush()
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    monkeypatch.setattr(runs, "PROGRESS_EVERY_S", 0.5)
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}), client() as c:
+            deadline = time.time() + 120
+            while time.time() < deadline:  # until shard 0 finished and shard 1 waits at the gate
+                try:
+                    line = runs.progress_line(c, find_run(c, name))
+                except Exception:  # noqa: BLE001 - the run is not created yet
+                    line = ""
+                if "extract 1/2 shards (1 running)" in line:
+                    break
+                time.sleep(0.5)
+            threading.Timer(5, gate.set).start()
+            done = runs.wait_for(c, find_run(c, name).id)
+    finally:
+        gate.set()
+        th.join(120)
+    out = capsys.readouterr().out
+    assert f"{name}: prepare 1/1 tasks; extract 1/2 shards (1 running)" in out, out
+    assert state_of(done) == "COMPLETED" and f"{name}: Completed" in out
