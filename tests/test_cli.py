@@ -496,3 +496,21 @@ def test_watch_prints_stage_and_shard_progress_while_the_run_runs(prefect_server
     out = capsys.readouterr().out
     assert f"{name}: prepare 1/1 tasks; extract 1/2 shards (1 running)" in out, out
     assert state_of(done) == "COMPLETED" and f"{name}: Completed" in out
+
+
+@pytest.mark.s3
+def test_a_flow_with_keys_scoped_to_the_prefix_stores_results_and_reuses_them(s3_server, prefect_server, tmp_path):
+    """Prefect's results and cache records on the store (flows/caching.py) under keys scoped to the prefix: a
+    flow of two cached stages runs, and a second run reuses both (tests/toy_flow.py, a process per run)."""
+    from s3server import SCOPED_KEYS, SCOPED_PREFIX
+
+    toy = Path(__file__).parent / "toy_flow.py"
+    uri = f"s3://{SCOPED_PREFIX}/flow-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **prefect_server.env(), "AWS_ACCESS_KEY_ID": SCOPED_KEYS[0],
+           "AWS_SECRET_ACCESS_KEY": SCOPED_KEYS[1]}
+    for expect in ("Completed", "Cached"):
+        out = subprocess.run([sys.executable, str(toy), uri, str(tmp_path / "marker")], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=400)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == {"prepare": expect, "vocab": expect}
+    assert (tmp_path / "marker").read_text().split() == ["prepare", "vocab"]
