@@ -178,15 +178,18 @@ def gc(config: Optional[Path] = typer.Argument(None, help="Config whose store to
     from flows.leftovers import find, human_age
 
     cfg = _load(config, overrides, store_uri)
-    store = _store(cfg)
+    store = _store(cfg, write=not dry_run)
     found = find(store, min_age)
-    table = Table(title=f"leftovers of dead runs ({store.uri} and this machine's temp folders)")
+    title = f"leftovers of dead runs ({store.uri} and this machine's temp folders)"
+    table = Table()
     for col in ("kind", "where", "age", "owner", "why"):
         table.add_column(col, overflow="fold")
     for item in found:
         table.add_row(item.kind, item.where, human_age(item.age_s), item.owner, item.why)
-    if found and not dry_run and not store.is_local and not yes:
+    asked = bool(found) and not dry_run and not store.is_local and not yes
+    if asked:
         # a shared store: other people's runs write there too; deleting is not undone
+        (err if as_json else console).print(title)
         (err if as_json else console).print(table)
         if not sys.stdin.isatty():
             fail(f"{len(found)} leftover(s) on the shared store {store.uri}: not deleting without confirmation, "
@@ -199,7 +202,8 @@ def gc(config: Optional[Path] = typer.Argument(None, help="Config whose store to
     if as_json:
         print(json.dumps([{**vars(i), "age_s": round(i.age_s, 1), "removed": not dry_run} for i in found], indent=2))
         return
-    if found:
+    if found and not asked:
+        console.print(title)
         console.print(table)
     console.print(f"{len(found)} leftover(s) {'found (--dry-run: nothing removed)' if dry_run else 'removed'}")
 

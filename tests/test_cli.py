@@ -296,6 +296,10 @@ def test_read_only_keys_list_and_report_and_write_nothing(s3_server, monkeypatch
                  ["report", digest, "-c", CONFIG, "--store", ro.uri, "--json"]):  # the old form still works
         out = draftline(*args)
         assert out.exit_code == 0 and json.loads(out.output)["note"] == "hello", (args, out.output)
+    out = draftline("gc", "--store", ro.uri, "--dry-run")  # looking is reading
+    assert out.exit_code == 0 and "found (--dry-run: nothing removed)" in out.output, out.output
+    out = draftline("gc", "--store", ro.uri, "--yes")  # deleting is not
+    assert out.exit_code == 2 and "s3:DeleteObject" in flat(out.output), out.output
     out = draftline("run", CONFIG, "--store", ro.uri)  # a command that writes: refused, naming what is missing
     assert out.exit_code == 2 and "s3:PutObject" in flat(out.output), out.output
     assert objects(s3_server, prefix) == before  # no probe object, nothing else
