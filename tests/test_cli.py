@@ -80,7 +80,7 @@ def test_one_meaning_per_short_flag_config_first_and_store_json_where_they_apply
         if "config" in params:  # the config is positional, first, in every command that takes one
             assert params["config"].param_type_name == "argument", name
             assert [p.name for p in cmd.params if p.param_type_name == "argument"][0] == "config", name
-        if "overrides" in params and name != "plan":  # plan reads no store
+        if "overrides" in params and name not in ("plan", "weights"):  # neither reads the store
             assert any("--store" in p.opts for p in cmd.params), f"{name} has --set but no --store"
         if name in ("ls", "gc", "report", "status", "ui", "deploy", "doctor", "plan", "submit", "retry", "logs",
                     "config show", "store init", "run"):
