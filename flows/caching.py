@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefect._internal.compatibility.async_dispatch import async_dispatch
 from prefect.cache_policies import CachePolicy
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
@@ -36,6 +37,27 @@ class StoreArtifactPolicy(CachePolicy):
 _SAVED: dict[str, Any] = {}
 
 
+class StoreS3FileSystem(RemoteFileSystem):
+    """Prefect's RemoteFileSystem for the store's S3 prefix, writing an object without `makedirs` first: S3 has
+    no folders, and s3fs's makedirs checks that the bucket exists (HeadBucket) and otherwise tries to create
+    it, which keys scoped to the store's prefix may not do; Prefect's cache records were then silently lost."""
+
+    _block_type_name = "Draftline Store S3 File System"
+
+    def _put(self, path: str, content: bytes) -> str:
+        path = self._resolve_path(path)
+        with self.filesystem.open(path, "wb") as fh:
+            fh.write(content)
+        return path
+
+    async def awrite_path(self, path: str, content: bytes) -> str:
+        return self._put(path, content)
+
+    @async_dispatch(awrite_path)
+    def write_path(self, path: str, content: bytes) -> str:
+        return self._put(path, content)
+
+
 def result_storage(store: Store, sub: str = "results"):
     """A filesystem block over STORE/_prefect/SUB, saved under a name derived from the store URI.
 
@@ -51,7 +73,7 @@ def result_storage(store: Store, sub: str = "results"):
         block = LocalFileSystem(basepath=str(path))
     else:
         settings = {k: v for k, v in store.storage_options.items() if k in ("client_kwargs",)}
-        block = RemoteFileSystem(basepath=f"s3://{store.root}/_prefect/{sub}", settings=settings)
+        block = StoreS3FileSystem(basepath=f"s3://{store.root}/_prefect/{sub}", settings=settings)
     block.save(name, overwrite=True)
     _SAVED[name] = block
     return block

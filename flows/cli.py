@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -21,28 +22,46 @@ import typer
 from rich.table import Table
 
 from flows import deploy, doctor, plan, runs, weights
-from flows.console import SetOpt, console, fail
-from tasks.config import STAGES, ConfigError, check_until, dump_config, load_config
+from flows.console import JsonOpt, SetOpt, StoreOpt, console, err, fail, with_store
+from tasks.config import STAGES, ConfigError, check_stage, check_until, dump_config, load_config
 
 app = typer.Typer(help="Train EAGLE-3 draft heads for vLLM targets, as a resumable Prefect pipeline.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+store_app = typer.Typer(help="Set up a store.", no_args_is_help=True)
+app.add_typer(store_app, name="store")
 
 
-def _load(config: Optional[Path], overrides: list[str]):
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"draftline {version('draftline')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(_v: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+                                  help="Print draftline's version and exit.")):
+    pass
+
+
+def _load(config: Optional[Path], overrides: list[str], store: Optional[str] = None):
     try:
-        return load_config(config, overrides)
+        return load_config(config, with_store(overrides, store))
     except ConfigError as exc:
         fail(str(exc))
 
 
-def _store(cfg):
+def _store(cfg, write: bool = True):
+    """The config's store, checked: `write=False` for commands that only read it (read-only keys pass)."""
     from tasks.store import Store, StoreError
 
     try:
         store = Store.from_config(cfg.store)
-        store.check()
+        store.check(write=write)
         return store
     except StoreError as exc:
         fail(str(exc))
@@ -88,10 +107,10 @@ def _check_inputs(cfg) -> None:
 
 @config_app.command("show")
 def config_show(config: Optional[Path] = typer.Argument(None, help="YAML config (default: built-in defaults)."),
-                overrides: list[str] = SetOpt,
+                overrides: list[str] = SetOpt, store: Optional[str] = StoreOpt,
                 as_json: bool = typer.Option(False, "--json", help="Print JSON instead of YAML.")):
     """Print the resolved config (defaults, then the file, then --set overrides)."""
-    cfg = _load(config, overrides)
+    cfg = _load(config, overrides, store)
     if as_json:
         print(cfg.model_dump_json(indent=2))
     else:
@@ -100,10 +119,11 @@ def config_show(config: Optional[Path] = typer.Argument(None, help="YAML config 
 
 @app.command()
 def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.yaml."),
-        overrides: list[str] = SetOpt,
+        overrides: list[str] = SetOpt, store: Optional[str] = StoreOpt,
         until: Optional[str] = typer.Option(None, help=f"Stop after this stage: {', '.join(STAGES)}."),
         as_json: bool = typer.Option(False, "--json", help="Print the run summary as one JSON object.")):
     """Run the pipeline. Finished stages (and shards) are reused from the store."""
+    overrides = with_store(overrides, store)
     cfg = _load(config, overrides)
     try:
         check_until(until)
@@ -118,12 +138,22 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
 
 @app.command("ls")
 def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to list (default store otherwise)."),
-       overrides: list[str] = SetOpt,
-       stage: Optional[str] = typer.Option(None, help="Only this stage.")):
-    """List committed artifacts in the store."""
-    cfg = _load(config, overrides)
-    store = _store(cfg)
-    table = Table(title=f"committed artifacts in {store.uri}")
+       overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt,
+       stage: Optional[str] = typer.Option(None, help="Only this stage."),
+       as_json: bool = JsonOpt):
+    """List committed artifacts in the store (read-only keys are enough)."""
+    cfg = _load(config, overrides, store_uri)
+    try:
+        check_stage(stage, "--stage")
+    except ConfigError as exc:
+        fail(str(exc))
+    store = _store(cfg, write=False)
+    if as_json:
+        print(json.dumps([{**m.model_dump(mode="json", exclude={"config"}), "uri": store.uri_of(m.stage, m.digest),
+                           "bytes": sum(f.bytes for f in m.files)} for m in store.list(stage)], indent=2))
+        return
+    console.print(f"committed artifacts in {store.uri}")  # not a table title: those fold at the table's width
+    table = Table()
     for col in ("stage", "digest", "created", "files", "bytes", "stats"):
         table.add_column(col)
     for m in store.list(stage):
@@ -134,45 +164,72 @@ def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to
 
 
 @app.command()
-def gc(config: Optional[Path] = typer.Argument(None), overrides: list[str] = SetOpt,
+def gc(config: Optional[Path] = typer.Argument(None, help="Config whose store to clean (default store otherwise)."),
+       overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt,
        min_age: float = typer.Option(3600, help="Leftovers whose owner may still be running (another host, "
                                                 "none recorded) go only once older than this many seconds."),
        dry_run: bool = typer.Option(False, "--dry-run", help="List, do not delete."),
+       yes: bool = typer.Option(False, "--yes", "-y", help="Delete on a shared (s3://) store without asking."),
        as_json: bool = typer.Option(False, "--json", help="Print the leftovers as a JSON list.")):
     """Remove what dead runs left: attempt folders no manifest names, temp files, stale locks, engine
     work folders (/dev/shm) and a killed trainer's temporary checkpoints. A leftover whose owner
-    process is gone goes at once; one whose owner cannot be checked, after --min-age."""
+    process is gone goes at once; one whose owner cannot be checked, after --min-age. On a shared (s3://)
+    store it asks before deleting, unless --yes."""
     from flows.leftovers import find, human_age
 
-    cfg = _load(config, overrides)
-    store = _store(cfg)
+    cfg = _load(config, overrides, store_uri)
+    store = _store(cfg, write=not dry_run)
     found = find(store, min_age)
-    table = Table(title=f"leftovers of dead runs ({store.uri} and this machine's temp folders)")
+    title = f"leftovers of dead runs ({store.uri} and this machine's temp folders)"
+    table = Table()
     for col in ("kind", "where", "age", "owner", "why"):
         table.add_column(col, overflow="fold")
     for item in found:
         table.add_row(item.kind, item.where, human_age(item.age_s), item.owner, item.why)
-        if not dry_run:
+    asked = bool(found) and not dry_run and not store.is_local and not yes
+    if asked:
+        # a shared store: other people's runs write there too; deleting is not undone
+        (err if as_json else console).print(title)
+        (err if as_json else console).print(table)
+        if not sys.stdin.isatty():
+            fail(f"{len(found)} leftover(s) on the shared store {store.uri}: not deleting without confirmation, "
+                 "and there is no terminal to ask on; look with `draftline gc --dry-run`, then pass --yes")
+        if not typer.confirm(f"delete these {len(found)} leftover(s) on {store.uri}?", default=False, err=True):
+            fail("nothing deleted", code=1)
+    if not dry_run:
+        for item in found:
             item.remove(store)
     if as_json:
         print(json.dumps([{**vars(i), "age_s": round(i.age_s, 1), "removed": not dry_run} for i in found], indent=2))
         return
-    if found:
+    if found and not asked:
+        console.print(title)
         console.print(table)
     console.print(f"{len(found)} leftover(s) {'found (--dry-run: nothing removed)' if dry_run else 'removed'}")
 
 
 @app.command()
-def report(target: str = typer.Argument(..., help="A benchmark artifact digest, its URI, or a flow run id."),
-           config: Optional[Path] = typer.Option(None, "--config", "-c", help="Config naming the store."),
-           overrides: list[str] = SetOpt,
+def report(config: Optional[Path] = typer.Argument(None, help="Config naming the store (default store otherwise)."),
+           target: str = typer.Argument("last", help="A benchmark artifact digest, its URI, a flow run id, or "
+                                                     "`last` (the newest benchmark in the store)."),
+           old_config: Optional[Path] = typer.Option(None, "--config", "-c", hidden=True,
+                                                     help="Deprecated: the config as a positional argument."),
+           overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt,
            as_json: bool = typer.Option(False, "--json")):
-    """Re-render a benchmark report from the store."""
+    """Re-render a benchmark report from the store (read-only keys are enough): `draftline report CONFIG
+    [RUN|DIGEST]`."""
     from tasks.benchmark import find_report
     from tasks.benchmark_report import render_terminal
 
-    cfg = _load(config, overrides)
-    store = _store(cfg)
+    if old_config is not None:  # the old form, `report TARGET -c CONFIG`
+        config, target = old_config, str(config) if config is not None else target
+    elif config is not None and config.suffix.lower() not in (".yaml", ".yml") and not config.is_file():
+        config, target = None, str(config)  # `report DIGEST` on the default store
+    cfg = _load(config, overrides, store_uri)
+    store = _store(cfg, write=False)
+    if target in ("last", "latest"):
+        newest = sorted(store.list("benchmark"), key=lambda m: m.created)
+        target = newest[-1].digest if newest else target
     rep = find_report(store, target)
     if rep is None:
         fail(f"no benchmark report for {target!r} in {store.uri}; `draftline ls --stage benchmark` lists them")
@@ -182,8 +239,30 @@ def report(target: str = typer.Argument(..., help="A benchmark artifact digest, 
         render_terminal(rep.get("benchmark", {}), console, rep)
 
 
-for _command in (doctor.doctor, deploy.deploy, deploy.submit, runs.status, runs.retry, runs.ui, plan.plan,
-                 weights.weights):
+@store_app.command("init")
+def store_init(config: Optional[Path] = typer.Argument(None, help="Config naming the store (or use --store)."),
+               overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt, as_json: bool = JsonOpt):
+    """Create the store's S3 bucket (or local folder) if it does not exist, then check that these keys can
+    list, write and delete under the store's prefix. Running it again changes nothing."""
+    from tasks.store import Store, StoreError
+
+    cfg = _load(config, overrides, store_uri)
+    try:
+        store = Store.from_config(cfg.store)
+        created = store.create()
+        store.check()
+    except StoreError as exc:
+        fail(str(exc))
+    where = f"folder {store.root}" if store.is_local else f"bucket s3://{store.root.partition('/')[0]}"
+    if as_json:
+        print(json.dumps({"store": store.uri, "created": created}))
+    else:
+        console.print(f"{'created' if created else 'found'} {where}; {store.uri} is ready "
+                      "(listed, wrote and deleted a probe object)")
+
+
+for _command in (doctor.doctor, deploy.deploy, deploy.submit, runs.status, runs.retry, runs.ui, runs.logs,
+                 plan.plan, weights.weights):
     app.command(_command.__name__)(_command)
 
 

@@ -1,19 +1,41 @@
 """What every `draftline` command shares: the consoles (results on stdout, messages on stderr), the one
-way a command fails (a red line that names the problem and the fix, exit status 2), the `--set`
-option, and the checkout's root."""
+way a command fails (a red line that names the problem and the fix, exit status 2), the options that mean
+the same in every command (`--set`, `--store`, `--json`, a RUN argument that defaults to `last`), and the
+checkout's root.
+
+Output that goes to a pipe or a file is not wrapped at 80 columns (rich's width when it cannot ask a
+terminal): a URL or a path in a message stays on one line for `grep` and for copying."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The width of output that is not a terminal: wide enough that no line a command prints is folded.
+PIPE_WIDTH = 100_000
 
-console = Console()
-err = Console(stderr=True)
+
+class _Console(Console):
+    """rich's Console, but wide when its stream is not a terminal (and COLUMNS does not say otherwise)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = super().size
+        if self._width is None and not self.is_terminal:
+            return ConsoleDimensions(PIPE_WIDTH, dims.height)
+        return dims
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+
+console = _Console()
+err = _Console(stderr=True)
 
 
 def fail(msg: str, code: int = 2) -> None:
@@ -21,4 +43,16 @@ def fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def with_store(overrides: list[str], store: str | None) -> list[str]:
+    """`--store URI` is `--set store.uri=URI` (an explicit --set store.uri= after it still wins)."""
+    return [f"store.uri={store}", *overrides] if store else list(overrides)
+
+
 SetOpt = typer.Option([], "--set", "-s", help="Override a config value: --set train.max_steps=50 (repeatable).")
+
+StoreOpt = typer.Option(None, "--store", metavar="URI", help="The store: file://PATH or s3://BUCKET/PREFIX "
+                                                              "(the same as --set store.uri=URI).")
+
+JsonOpt = typer.Option(False, "--json", help="Print the result as JSON (for scripts).")
+
+RunArg = typer.Argument("last", help="Flow run id (or its first 8+ characters), name, or `last` (the default).")

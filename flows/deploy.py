@@ -22,7 +22,7 @@ import typer
 import yaml
 from rich.table import Table
 
-from flows.console import ROOT, SetOpt, console, err, fail
+from flows.console import ROOT, JsonOpt, SetOpt, console, err, fail
 from flows.prefect_api import (
     EXTRACT_FLOW,
     FLOW_NAME,
@@ -38,7 +38,7 @@ from flows.prefect_api import (
     state_of,
 )
 from flows.release import code_commit
-from flows.runs import HEARTBEAT_SECONDS, wait_for
+from flows.runs import HEARTBEAT_SECONDS, TimeoutOpt, wait_for
 from tasks.config import STAGES, STORE_URI_ENV, ConfigError, check_until, load_config
 
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
@@ -101,7 +101,8 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
            crash_after: int = typer.Option(
                CRASH_AFTER, "--crash-after", metavar="SECONDS",
                help="The server marks a draftline flow run Crashed when its heartbeats (every 30 s) stop for "
-                    "this long: a lost node, on any host (a Prefect automation, created or updated here).")):
+                    "this long: a lost node, on any host (a Prefect automation, created or updated here)."),
+           as_json: bool = JsonOpt):
     """Create the work pools, register the deployments of deployments/prefect.yaml, and the automation
     that marks a flow run Crashed when its node stops sending heartbeats."""
     try:
@@ -114,7 +115,7 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
             raise OpsError(f"no deployment {', '.join(missing)} in {PREFECT_FILE}; choose from {', '.join(known)}")
         if save_s3_credentials:
             save_credentials_block(save_s3_credentials)
-            console.print(f"saved AwsCredentials block {save_s3_credentials!r} (keys not shown)")
+            (err if as_json else console).print(f"saved AwsCredentials block {save_s3_credentials!r} (keys not shown)")
         if crash_after < 2 * HEARTBEAT_SECONDS:
             raise OpsError(f"--crash-after {crash_after}: flow runs send a heartbeat every {HEARTBEAT_SECONDS} s; "
                            f"give at least {2 * HEARTBEAT_SECONDS} (default {CRASH_AFTER})")
@@ -130,6 +131,12 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
         fail(str(exc))
     except httpx.HTTPError as exc:
         fail(api_problem(exc))
+    if as_json:
+        print(json.dumps({"api_url": url, "automation": {"name": CRASH_AUTOMATION, "status": automation,
+                                                         "crash_after_s": crash_after},
+                          "deployments": [{"deployment": n, "work_pool": p, "type": k, "pool": h}
+                                          for n, p, k, h in rows]}, indent=2))
+        return
     table = Table(title=f"deployments on {url}")
     for col in ("deployment", "work pool", "type", "pool", "start a worker"):
         table.add_column(col, overflow="fold")
@@ -293,7 +300,7 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
                                                       "--by-path refuses one that differs)."),
            name: Optional[str] = typer.Option(None, "--name", help="Flow run name (default: Prefect's)."),
            watch: bool = typer.Option(False, "--watch", help="Wait for the run to finish; exit 1 unless it completed."),
-           timeout: float = typer.Option(24 * 3600, help="With --watch: give up after this many seconds."),
+           timeout: Optional[float] = TimeoutOpt,
            as_json: bool = typer.Option(False, "--json", help="Print {id, name, ui_url, state} as JSON.")):
     """Start a run of a deployment: parameters = the config (path or content) plus --set overrides. A config
     inside this checkout travels as its path only when the deployment's workers hold the same file (the

@@ -21,7 +21,7 @@ import httpx
 import typer
 from rich.table import Table
 
-from flows.console import ROOT, SetOpt, console, fail
+from flows.console import ROOT, SetOpt, StoreOpt, console, fail, with_store
 from flows.prefect_api import api_url, client
 from tasks.config import STORE_URI_ENV, ConfigError, load_config
 
@@ -470,7 +470,7 @@ def run_doctor(config: str | None, overrides: list[str], *, expect_gpus: int | N
 
 def doctor(config: Optional[Path] = typer.Argument(None, help="Config whose store to check (default: built-in "
                                                                 "defaults, plus $DRAFTLINE_STORE_URI)."),
-           overrides: list[str] = SetOpt,
+           overrides: list[str] = SetOpt, store: Optional[str] = StoreOpt,
            expect_gpus: Optional[int] = typer.Option(None, "--expect-gpus", help="Fail unless exactly this many "
                                                                                  "GPUs are visible (8 on an NVL8 node)."),
            flavor: Optional[str] = typer.Option(None, "--flavor", help="Compare with the tested `cpu` or `gpu` set "
@@ -481,7 +481,7 @@ def doctor(config: Optional[Path] = typer.Argument(None, help="Config whose stor
     its credentials, the Prefect API (and with --pool, that pool's workers)."""
     if flavor not in (None, "cpu", "gpu"):
         fail("--flavor must be cpu or gpu")
-    checks = run_doctor(str(config) if config else None, overrides, expect_gpus=expect_gpus, flavor=flavor, pool=pool)
+    checks = run_doctor(str(config) if config else None, with_store(overrides, store), expect_gpus=expect_gpus, flavor=flavor, pool=pool)
     bad = [c for c in checks if c.status == "fail"]
     if as_json:
         print(json.dumps({"ok": not bad, "checks": [asdict(c) for c in checks]}, indent=2))

@@ -642,7 +642,7 @@ def render(plan: Plan, description: str = "") -> str:
 # --------------------------------------------------------------------------- the command
 
 def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi-k2.5-b300.yaml."),
-         nodes: Optional[int] = typer.Option(None, "--nodes", "-n", help="Nodes the extraction (and regeneration) "
+         nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes the extraction (and regeneration) "
                                              "is dealt over (default: the config's extract.nodes); as --set "
                                              "extract.nodes=N."),
          machine: Optional[str] = typer.Option(None, "--machine", help="The machine's rates in configs/rates.yaml "

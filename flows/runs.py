@@ -5,8 +5,9 @@ failed, and the run's page in the Prefect UI.
                              nodes); flags a Running run whose process is gone
     draftline retry RUN      re-run what failed (finished shards are reused)
     draftline ui [RUN]       the run's page in the Prefect UI
+    draftline logs [RUN]     the run's and its task runs' logs, from the Prefect API (--follow)
 
-RUN is a flow run id (or its first 8+ characters), a flow run name, or `last`. A run whose process
+RUN is a flow run id (or its first 8+ characters), a flow run name, or `last` (the default). A run whose process
 died stays Running on the server (Prefect marks nothing by itself): its heartbeats, its worker's
 host and the pid the worker started tell whether anything still runs it."""
 
@@ -14,17 +15,18 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import httpx
 import typer
 from rich.table import Table
 
-from flows.console import console, err, fail
+from flows.console import JsonOpt, RunArg, console, err, fail
 from flows.prefect_api import (
     ALIVE,
     FLOW_NAME,
@@ -253,37 +255,87 @@ def print_report(rep: dict[str, Any], show_tasks: bool) -> None:
         console.print(f"  UI: {rep['ui_url']}")
 
 
-def wait_for(c: Any, run_id: Any, timeout: float, *, quiet: bool = False, not_before: dt.datetime | None = None) -> Any:
-    """Poll until the run reaches a terminal state (after `not_before`, for a retried run)."""
-    deadline = time.time() + timeout
-    last = None
+def progress_line(c: Any, run: Any) -> str:
+    """Where a run is, in one line: each stage's task runs (finished/all, running), extraction shards
+    included (its child runs' too), and the stages' progress artifacts (regeneration, extraction, training)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    runs = [run, *child_runs(c, run.id)]
+    stages: dict[str, list[int]] = {}
+    for r in runs:
+        for name, t in latest_by_name([t for t in task_runs(c, r.id) if "/" not in t.name]).items():
+            done, total, running = stages.setdefault(stage_of(name), [0, 0, 0])
+            kind = t.state.type.value if t.state is not None else ""
+            stages[stage_of(name)] = [done + (kind == "COMPLETED"), total + 1, running + (kind == "RUNNING")]
+    bars: dict[str, Any] = {}
+    try:
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[r.id for r in runs]), type=ArtifactFilterType(any_=["progress"])))
+        for a in sorted(arts, key=lambda a: a.updated or a.created):
+            bars[(a.key or "").removesuffix("-progress")] = a
+    except Exception:  # noqa: BLE001 - progress is a courtesy; the states above stand
+        pass
+    parts = []
+    for name in sorted(stages, key=lambda s: STAGES.index(s) if s in STAGES else 99):
+        done, total, running = stages[name]
+        what = "shards" if name == "extract" else "tasks"
+        part = f"{name} {done}/{total} {what}" + (f" ({running} running)" if running else "")
+        bar = bars.get(name)
+        if bar is not None and done < total:
+            part += f", {float(bar.data or 0):.0f}%" + (f" {bar.description}" if bar.description else "")
+        parts.append(part)
+    return "; ".join(parts)
+
+
+PROGRESS_EVERY_S = 30.0
+
+
+def wait_for(c: Any, run_id: Any, timeout: float | None = None, *, quiet: bool = False,
+             not_before: dt.datetime | None = None) -> Any:
+    """Poll until the run reaches a terminal state (after `not_before`, for a retried run), printing its
+    state changes and, every PROGRESS_EVERY_S while it runs, its stage and shard progress when that moved.
+    No limit unless `timeout` (seconds): a big run takes days."""
+    deadline = time.time() + timeout if timeout else None
+    last = shown = None
     since = note = time.time()
+    next_progress = 0.0
     while True:
         run = c.read_flow_run(run_id)
         st = state_of(run)
         fresh = not_before is None or (run.state is not None and run.state.timestamp >= not_before)
+        now = time.time()
         if st != last and not quiet:
             console.print(f"  {dt.datetime.now().strftime('%H:%M:%S')} {run.name}: {run.state.name if run.state else st}")
-            last, since, note = st, time.time(), time.time()
-        elif not quiet and time.time() - note >= 60:
-            note = time.time()
+            last, since, note = st, now, now
+        elif not quiet and st == "RUNNING" and now >= next_progress:
+            next_progress = now + PROGRESS_EVERY_S
+            line = progress_line(c, run)
+            if line and line != shown:
+                console.print(f"  {dt.datetime.now().strftime('%H:%M:%S')} {run.name}: {line}")
+                shown, note = line, now
+        if not quiet and now - note >= 600 or not quiet and st != "RUNNING" and now - note >= 60:
+            note = now
             # Never silent: a Scheduled run waits for a worker of its pool, a Running one for its node.
             waits = "for a worker of its pool to pick it up" if st in ("SCHEDULED", "PENDING") else "for it to finish"
             console.print(f"  {dt.datetime.now().strftime('%H:%M:%S')} {run.name}: still {st} after "
-                          f"{time.time() - since:.0f} s, waiting {waits}; gives up at "
-                          f"{time.strftime('%H:%M:%S', time.localtime(deadline))}")
+                          f"{now - since:.0f} s, waiting {waits}" + (
+                              f"; gives up at {time.strftime('%H:%M:%S', time.localtime(deadline))}" if deadline else ""))
         if st in TERMINAL and fresh:
             return run
-        if time.time() > deadline:
+        if deadline is not None and now > deadline:
             raise OpsError(f"run {run_id} still {st} after {timeout:.0f}s; `draftline status {run_id}` to look")
         time.sleep(2)
+
+
+TimeoutOpt = typer.Option(None, "--timeout", metavar="SECONDS",
+                          help="With --watch: give up after this many seconds (default: wait as long as it runs).")
 
 
 StaleOpt = typer.Option(30.0, "--stale-after", help="Minutes without progress (and without heartbeats) after "
                                                     "which a Running run counts as dead.")
 
 
-def status(run: str = typer.Argument("last", help="Flow run id (or 8+ first characters), name, or `last`."),
+def status(run: str = RunArg,
            tasks: bool = typer.Option(False, "--tasks", help="List every task run (latest attempt of each)."),
            stale_after: float = StaleOpt,
            as_json: bool = typer.Option(False, "--json", help="Print the status as JSON.")):
@@ -301,11 +353,11 @@ def status(run: str = typer.Argument("last", help="Flow run id (or 8+ first char
         print_report(rep, tasks)
 
 
-def retry(run: str = typer.Argument(..., help="Flow run id (or 8+ first characters), name, or `last`."),
+def retry(run: str = RunArg,
           force: bool = typer.Option(False, "--force", help="Retry a run that looks alive or that completed."),
           stale_after: float = StaleOpt,
           watch: bool = typer.Option(False, "--watch", help="Wait for the retried run; exit 1 unless it completes."),
-          timeout: float = typer.Option(24 * 3600, help="With --watch: give up after this many seconds."),
+          timeout: Optional[float] = TimeoutOpt,
           as_json: bool = typer.Option(False, "--json", help="A local run: print its summary as one JSON object.")):
     """Re-run only what did not finish: finished stages and shards are reused from the store.
 
@@ -416,8 +468,9 @@ def _retry_locally(fr: Any, params: dict[str, Any], as_json: bool = False) -> No
     run_here(cfg_path, list(params.get("overrides") or []), params.get("until"), as_json=as_json)
 
 
-def ui(run: str = typer.Argument("last", help="Flow run id (or 8+ first characters), name, or `last`."),
-       open_browser: bool = typer.Option(False, "--open", help="Also open it in the default browser.")):
+def ui(run: str = RunArg,
+       open_browser: bool = typer.Option(False, "--open", help="Also open it in the default browser."),
+       as_json: bool = JsonOpt):
     """Print the run's URL in the Prefect UI (task runs per shard, artifacts, logs)."""
     try:
         require_server("draftline ui")
@@ -430,8 +483,68 @@ def ui(run: str = typer.Argument("last", help="Flow run id (or 8+ first characte
     url = run_url(fr.id)
     if not url:
         fail("cannot tell the UI address from PREFECT_API_URL; set PREFECT_UI_URL")
-    print(url)
+    print(json.dumps({"id": str(fr.id), "name": fr.name, "state": state_of(fr), "ui_url": url}) if as_json else url)
     if open_browser:
         import webbrowser
 
         webbrowser.open(url)
+
+
+def _log_row(log: Any, names: dict[Any, str]) -> dict[str, Any]:
+    return {"time": log.timestamp.isoformat(timespec="seconds"), "level": logging.getLevelName(log.level),
+            "task": names.get(log.task_run_id) if log.task_run_id else None, "flow_run_id": str(log.flow_run_id),
+            "message": log.message}
+
+
+def logs(run: str = RunArg,
+         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until the run ends."),
+         tail: Optional[int] = typer.Option(None, "--tail", "-t", metavar="N", help="Only the last N lines."),
+         level: str = typer.Option("INFO", "--level", help="Least level shown: DEBUG, INFO, WARNING, ERROR."),
+         as_json: bool = typer.Option(False, "--json", help="One JSON object per line (time, level, task, message).")):
+    """A run's logs and its task runs' (child runs' too), from the Prefect API: what the UI's Logs tab shows."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel, LogFilterTimestamp
+    from prefect.client.schemas.sorting import LogSort
+
+    least = logging.getLevelName(level.upper())
+    if not isinstance(least, int):
+        fail(f"--level {level!r}: use DEBUG, INFO, WARNING or ERROR")
+    try:
+        require_server("draftline logs")
+        with client() as c:
+            fr = find_run(c, run)
+            after: dt.datetime | None = None
+            first = True
+            while True:
+                ids = [fr.id, *(ch.id for ch in child_runs(c, fr.id))]
+                names = {t.id: t.name for i in ids for t in task_runs(c, i)}
+                got: list[Any] = []
+                while True:  # pages of 200, oldest first
+                    page = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids),
+                                                 level=LogFilterLevel(ge_=least),
+                                                 timestamp=LogFilterTimestamp(after_=after) if after else None),
+                                       limit=200, offset=len(got), sort=LogSort.TIMESTAMP_ASC)
+                    got += page
+                    if len(page) < 200:
+                        break
+                if after is not None:
+                    got = [g for g in got if g.timestamp > after]
+                if first and tail:
+                    got = got[-tail:]
+                for g in got:
+                    row = _log_row(g, names)
+                    if as_json:
+                        print(json.dumps(row))
+                    else:
+                        where = f" {row['task']}" if row["task"] else ""
+                        console.print(f"{row['time']} {row['level']:<7}{where} | {row['message']}", markup=False,
+                                      highlight=False)
+                if got:
+                    after = got[-1].timestamp
+                first = False
+                if not follow or state_of(c.read_flow_run(fr.id)) in TERMINAL:
+                    break
+                time.sleep(2)
+    except OpsError as exc:
+        fail(str(exc))
+    except httpx.HTTPError as exc:
+        fail(api_problem(exc))

@@ -8,9 +8,12 @@ and what to do about it.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
+import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,11 +27,27 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names each field and the fix."""
 
 
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """` (did you mean X?)` for the closest of CHOICES (a typo's distance), or nothing."""
+    near = closest(word, choices)
+    return f" (did you mean {near}?)" if near else ""
+
+
+def check_stage(stage: str | None, option: str) -> str | None:
+    """A stage named on the command line (`--until`, `ls --stage`): one of STAGES, or None for all."""
+    if stage is not None and stage not in STAGES:
+        raise ConfigError(f"{option} {stage!r}: use one of {', '.join(STAGES)}{did_you_mean(stage, STAGES)}")
+    return stage
+
+
 def check_until(until: str | None) -> str | None:
     """`--until STAGE` (run, submit, the flow's parameter): a stage name, or None for the whole pipeline."""
-    if until is not None and until not in STAGES:
-        raise ConfigError(f"--until {until!r}: use one of {', '.join(STAGES)}")
-    return until
+    return check_stage(until, "--until")
 
 
 class Section(BaseModel):
@@ -461,16 +480,44 @@ _HINTS = {
 }
 
 
-def _format_errors(err: ValidationError, origin: str) -> str:
+def _section_fields(loc: tuple) -> list[str]:
+    """The keys valid where LOC's last key sits (RunConfig's fields, a section's, a list item's)."""
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        todo, model = [field.annotation], None
+        while todo:  # unwrap Optional[...], list[...], unions: the first model class inside
+            t = todo.pop(0)
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                model = t
+                break
+            todo += list(typing.get_args(t))
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def _format_errors(err: ValidationError, origin: str, overrides: list[str] | None = None) -> str:
     lines = [f"{origin}: {err.error_count()} problem(s) in the config:"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         hint = _HINTS.get(e["type"], "")
+        if e["type"] == "extra_forbidden" and e["loc"]:
+            near = closest(str(e["loc"][-1]), _section_fields(tuple(e["loc"])))
+            if near:
+                hint = f"rename it to {near}"
+                msg += f" (did you mean {near}?)"
+        setby = [o for o in overrides or [] if f"{o.split('=', 1)[0].strip()}.".startswith(f"{loc}.")]
         got = e.get("input")
         got_s = "" if isinstance(got, dict) or e["type"] == "missing" or f"got {got!r}" in msg else f" (got {got!r})"
         got_s = re.sub(r"://[^/@\s]*@", "://***@", got_s)  # never echo credentials put in a URI
-        lines.append(f"  - {loc}: {msg}{got_s}" + (f"; fix: {hint}" if hint else ""))
+        from_set = re.sub(r"://[^/@\s]*@", "://***@", f" (from --set {setby[-1]})") if setby else ""
+        lines.append(f"  - {loc}: {msg}{got_s}{from_set}" + (f"; fix: {hint}" if hint else ""))
     return "\n".join(lines)
 
 
@@ -484,8 +531,13 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {item!r}: empty key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+    except yaml.YAMLError as exc:
+        if raw.lstrip()[:1] in ("[", "{", "'", '"'):  # meant as a YAML list, mapping or quoted string
+            mark = getattr(exc, "problem_mark", None)
+            why = f"{getattr(exc, 'problem', None) or exc}" + (f" at character {mark.column + 1}" if mark else "")
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({why}); fix: close the brackets or "
+                              "quotes, and quote the whole option for the shell: --set 'key=[1, 2]'") from None
+        value = raw  # anything else is a plain string (a path, a template with ': ' in it)
     return path, value
 
 
@@ -556,7 +608,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, origin)) from None
+        raise ConfigError(_format_errors(exc, origin, overrides)) from None
     problems = fit_problems(cfg)
     if problems:
         raise ConfigError("\n".join([f"{origin}: {len(problems)} problem(s) in the config:", *problems]))

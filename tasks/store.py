@@ -77,6 +77,10 @@ class StoreError(RuntimeError):
     """The store cannot be used (unreachable, credentials, bucket); the message says what to fix."""
 
 
+class BucketMissing(StoreError):
+    """The store's S3 bucket does not exist (`draftline store init` creates it)."""
+
+
 class ArtifactMissing(LookupError):
     pass
 
@@ -506,35 +510,56 @@ class Store:
         return f"{self.uri}/{stage}/{digest}"
 
     # ---------------------------------------------------------------- health
-    def check(self) -> None:
-        """Fail early with a message that says what to fix (bucket, credentials, endpoint)."""
+    def check(self, write: bool = True) -> None:
+        """Fail early with a message that says what to fix (bucket, credentials, endpoint). Only the store's
+        own prefix is touched: keys scoped to s3://BUCKET/PREFIX pass. `write=False` (ls, report, export)
+        lists and writes nothing, so read-only keys pass; `write=True` also writes and deletes a probe."""
         if self.is_local:
-            probe = Path(self.root) / f".probe-{uuid.uuid4().hex}"
+            root = Path(self.root)
+            if not write:
+                if root.exists() and not os.access(root, os.R_OK | os.X_OK):
+                    raise StoreError(f"store folder {self.root} is not readable; fix store.uri or the folder's "
+                                     "permissions")
+                return  # a folder not made yet is an empty store
+            probe = root / f".probe-{uuid.uuid4().hex}"
             try:
-                Path(self.root).mkdir(parents=True, exist_ok=True)
+                root.mkdir(parents=True, exist_ok=True)
                 probe.write_bytes(b"ok")
                 probe.unlink()
             except OSError as exc:
                 raise StoreError(f"store folder {self.root} is not writable ({exc.strerror}); fix store.uri or "
                                  "the folder's permissions") from None
             return
-        bucket = self.root.split("/", 1)[0]
+        bucket, _, prefix = self.root.partition("/")
         fs = self.quick_fs()
+        doing = f"listing {self.uri}"
         try:
             fs.invalidate_cache()
-            fs.ls(bucket, refresh=True)
-            key = self._key(f".probe-{uuid.uuid4().hex}")
-            fs.pipe_file(key, b"ok")
-            fs.rm_file(key)
+            fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
+            if write:
+                doing = f"writing a probe object under {self.uri}"
+                key = self._key(f".probe-{uuid.uuid4().hex}")
+                fs.pipe_file(key, b"ok")
+                doing = f"deleting the probe object {key}"
+                fs.rm_file(key)
         except FileNotFoundError:
-            raise StoreError(
-                f"bucket {bucket!r} does not exist at {self._endpoint()}; create it "
-                f"(e.g. `aws s3 mb s3://{bucket}`) or fix store.uri"
+            raise BucketMissing(
+                f"bucket {bucket!r} does not exist at {self._endpoint()}; create it with "
+                f"`draftline store init --store s3://{self.root}` (or your provider's console) or fix store.uri"
             ) from None
         except PermissionError as exc:
+            if re.search(r"signature|InvalidAccessKeyId|does not exist in our records", str(exc), re.I):
+                raise StoreError(
+                    f"S3 credentials rejected {doing} ({exc}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                    "(or store.credentials_block)") from None
+            need = ("read and list (s3:ListBucket on the prefix, s3:GetObject)" if doing.startswith("listing") else
+                    "write and delete objects (s3:PutObject, s3:DeleteObject) there; commands that only read "
+                    "(ls, report) need no more than read and list")
             raise StoreError(
-                f"access to s3://{bucket} denied ({exc}); check AWS_ACCESS_KEY_ID / "
-                "AWS_SECRET_ACCESS_KEY (or store.credentials_block)"
+                f"access denied {doing} ({exc}): the keys (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or "
+                f"store.credentials_block) must be allowed to {need}"
+                + (f"; or bucket {bucket!r} does not exist (many servers deny rather than say so: "
+                   f"`draftline store init` with keys that may create it)" if doing.startswith("listing") else "")
             ) from None
         except Exception as exc:  # botocore raises many types; name the common causes
             text = str(exc)
@@ -547,6 +572,26 @@ class Store:
                 f"store {self.uri} unreachable at {self._endpoint()}: {type(exc).__name__}: {text[:200]}; "
                 "check store.endpoint_url / AWS_ENDPOINT_URL and that the server is up"
             ) from None
+
+    def create(self) -> bool:
+        """Make the store usable: its S3 bucket (or local folder) if missing. True when one was created."""
+        if self.is_local:
+            existed = Path(self.root).is_dir()
+            Path(self.root).mkdir(parents=True, exist_ok=True)
+            return not existed
+        bucket = self.root.partition("/")[0]
+        try:
+            self.check(write=False)
+            return False
+        except BucketMissing:
+            pass
+        try:
+            self.quick_fs().mkdir(bucket, create_parents=True)
+        except Exception as exc:  # noqa: BLE001 - the provider's reason, with the fix
+            raise StoreError(f"cannot create bucket {bucket!r} at {self._endpoint()} ({type(exc).__name__}: "
+                             f"{str(exc)[:200]}): these keys may not create buckets; ask for one, or create it "
+                             "in your provider's console") from None
+        return True
 
     def _endpoint(self) -> str:
         return self.storage_options.get("client_kwargs", {}).get("endpoint_url", "AWS S3")

@@ -134,10 +134,24 @@ def _repo_dir(repo: str) -> Path:
     return cache_home() / "weights" / repo.replace("/", "--")
 
 
+@functools.lru_cache(maxsize=None)
+def hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether the model hub answers at all (one quick request). Without it, huggingface_hub and transformers
+    retry each file for ~25 s before they say the hub cannot be reached."""
+    import httpx
+
+    try:
+        httpx.head(endpoint, timeout=timeout)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
 def _offline() -> bool:
+    """HF_HUB_OFFLINE is set, or the hub does not answer from here: only complete local snapshots count."""
     from huggingface_hub import constants
 
-    return bool(constants.HF_HUB_OFFLINE)
+    return bool(constants.HF_HUB_OFFLINE) or not hub_reachable(constants.ENDPOINT)
 
 
 @dataclass
@@ -188,10 +202,18 @@ def _api():
     return HfApi()  # endpoint and token from the environment (HF_ENDPOINT, HF_TOKEN), as huggingface_hub reads them
 
 
+def _why_offline() -> str:
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE=1 forbids fetching it"
+    return f"the model hub ({constants.ENDPOINT}) does not answer from this machine"
+
+
 def _offline_error(repo: str, revision: str | None) -> WeightsError:
     at = f"@{revision}" if revision else ""
     return WeightsError(
-        f"target.model {repo}{at}: no complete snapshot on this node and HF_HUB_OFFLINE=1 forbids fetching it. "
+        f"target.model {repo}{at}: no complete snapshot on this node, and {_why_offline()}. "
         f"Run `draftline weights CONFIG` where the hub can be reached (HF_HUB_OFFLINE=0, HF_TOKEN for gated models), "
         "or set target.model to a local folder holding the model")
 

@@ -17,6 +17,10 @@ from pathlib import Path
 ACCESS_KEY = "draftline-test-access"
 SECRET_KEY = "draftline-test-secret-Zq9x"  # recognisable: tests grep outputs for it
 CANARY_ACCESS_KEY = "draftline-canary-access"
+# Keys as teams hand them out: read-only on the test bucket, and read-write scoped to one prefix of it.
+READER_KEYS = ("draftline-reader-access", "draftline-reader-secret-Kp2w")
+SCOPED_PREFIX = "draftline-test/team-a"
+SCOPED_KEYS = ("draftline-scoped-access", "draftline-scoped-secret-Vb7n")
 
 
 def free_port_block(n: int) -> int:
@@ -86,7 +90,11 @@ class S3Server:
             "name": "draftline", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}, {
             "name": "canary", "credentials": [{"accessKey": CANARY_ACCESS_KEY, "secretKey": self.canary_secret}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}, {
+            "name": "reader", "credentials": [{"accessKey": READER_KEYS[0], "secretKey": READER_KEYS[1]}],
+            "actions": ["Read:draftline-test", "List:draftline-test"]}, {
+            "name": "scoped", "credentials": [{"accessKey": SCOPED_KEYS[0], "secretKey": SCOPED_KEYS[1]}],
+            "actions": [f"{a}:{SCOPED_PREFIX}/*" for a in ("Read", "Write", "List")]}]}))
         b = self.base_port
         cmd = [weed_binary(), "mini", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                f"-master.port={b}", f"-volume.port={b + 1}", f"-filer.port={b + 2}", f"-s3.port={b + 3}",

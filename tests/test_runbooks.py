@@ -3,8 +3,7 @@
 The fenced bash blocks are read as a user would copy them. Each command goes to the real program:
 - `draftline ...`: parsed by the typer app (a wrong flag, argument or --set key fails), and the cheap ones
   (`config show`, `plan`) run; the rest runs in tests/test_deploy.py's deployment story and tests/test_e2e.py
-  (`draftline weights CONFIG`, a node-only command from another branch, is parsed once it is registered;
-  until then only its config is checked: NODE_ONLY_PENDING);
+  (`draftline weights CONFIG` in tests/test_weights.py);
 - `prefect worker start ...`: parsed by Prefect's own CLI;
 - `bash infra/node-bootstrap.sh ...`: run with `--check` and the exports shown above it in the same block,
   which must hold every variable the script requires (only the machine may lack something: GPUs, Python
@@ -143,18 +142,10 @@ DRAFTLINE = [c for c in COMMANDS if kind(c) == "draftline"]
 
 # Node-only commands that land from another branch: until their command is registered, the test checks their
 # config argument and skips the parse (then they parse like every other command).
-NODE_ONLY_PENDING = {"weights": "`draftline weights CONFIG` (tasks/weights.py) is not registered in flows/cli.py yet"}
-
-
 @pytest.mark.parametrize("cmd", DRAFTLINE, ids=[" ".join(c.argv[1:4]) for c in DRAFTLINE])
 def test_draftline_commands_parse_with_their_exact_flags(cmd):
-    top = typer.main.get_command(app)
-    if cmd.argv[1] in NODE_ONLY_PENDING and cmd.argv[1] not in top.commands:
-        assert len(cmd.argv) == 3, f"{cmd}: the node step is `draftline {cmd.argv[1]} CONFIG`"
-        load_config(ROOT / cmd.argv[2])
-        pytest.skip(NODE_ONLY_PENDING[cmd.argv[1]])
-    ctx = parse(top, "draftline", cmd.argv[1:])
-    assert ctx.command.name == {"config": "show"}.get(cmd.argv[1], cmd.argv[1]), cmd  # reached the subcommand
+    ctx = parse(typer.main.get_command(app), "draftline", cmd.argv[1:])
+    assert ctx.command.name == {"config": "show", "store": "init"}.get(cmd.argv[1], cmd.argv[1]), cmd  # the subcommand
     params = ctx.params
     config = params.get("config")
     if config is not None:  # a config path: it exists, and the --set overrides are valid keys and values
