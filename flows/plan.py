@@ -289,8 +289,8 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         f"Training: the draft has {_count(trainable)} trainable parameters, {train_flops / 1e9:.2f} GFLOP per token "
         f"(tasks.train_model.flops_per_token, {cfg.train.ttt_steps} TTT steps): {_count(per_gpu)} tok/s per GPU at MFU "
         f"{mfu_t:g}, {_count(node_rate)} tok/s per node; one node (torchrun over its GPUs).",
-        f"Nodes: extraction is dealt over {nodes} node(s) (extract.nodes: {nodes}; each node starts its own engine); "
-        "regeneration, training and the benchmark run on one node.",
+        f"Nodes: regeneration and extraction are dealt over {nodes} node(s) (extract.nodes: {nodes}; each node "
+        "starts its own engines); training and the benchmark run on one node.",
     ]
     used = ["node.gpus", "node.matmul_tflops", "node.gpu_hour_price", "node.store_write_gb_s",
             extract_rate_name, "regenerate.answer_fill", "regenerate.prompt_tokens", "prepare.samples_per_s",
