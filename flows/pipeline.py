@@ -50,7 +50,12 @@ def regenerate_shard_task(cfg: RunConfig, digest: str, shard: int, plan: Any, po
     if hit is not None:
         return hit.ref()  # never pay for a finished shard twice, even without Prefect's record
     with pool.engine() as engine:
-        return regenerate_shard(cfg, store, plan, engine).ref()
+        art = regenerate_shard(cfg, store, plan, engine)
+    st = art.stats
+    secs, gen = float(st.get("seconds") or 0.0), int(st.get("generated_tokens") or 0)
+    get_run_logger().info(f"regenerate: shard {shard} on {st.get('engine')}: {st.get('samples')} samples, {gen} "
+                          f"generated tokens in {secs:.0f}s" + (f", {gen / secs:.0f} tok/s" if secs > 0 else ""))
+    return art.ref()
 
 
 @task(name="regenerate", task_run_name="regenerate")

@@ -99,7 +99,7 @@ def test_two_engine_groups_match_one_and_a_killed_engine_fails_only_its_shard(pr
     assert code == 1 and s["state"] == "FAILED", err[-3000:]
     rg = s["stages"]["regenerate"]
     assert (rg["status"], rg["executed"], rg["cached"], rg["failed"]) == ("ran", 1, 3, 0), rg
-    assert rg["shards"] == 4 and rg["samples"] > 0, rg  # the stage's own figures beside the shard counts
+    assert rg["stats"]["shards"] == 4 and rg["stats"]["samples"] > 0, rg  # the stage's figures beside the counts
     ex = s["stages"]["extract"]
     assert (ex["executed"], ex["failed"]) == (3, 1), ex
     assert "extract-cpu1 died" in ex["error"] and "killed by SIGKILL" in ex["error"], ex["error"]
