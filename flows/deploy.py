@@ -369,7 +369,7 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
                 if inlined_why:
                     console.print(f"  sent the config's content: {inlined_why}")
                 if cfg.extract.nodes > 1:
-                    console.print(f"  extraction over up to {cfg.extract.nodes} nodes: this run's node and child "
+                    console.print(f"  regeneration and extraction over up to {cfg.extract.nodes} nodes: this run's node and child "
                                   f"runs of {slices}")
                     if pool is not None and len(online) < cfg.extract.nodes:
                         err.print(f"[yellow]extract.nodes={cfg.extract.nodes} but pool {pool.name} has "

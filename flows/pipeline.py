@@ -41,33 +41,32 @@ def prepare_task(cfg: RunConfig, digest: str) -> ArtifactRef:
     return run_prepare(cfg, Store.from_config(cfg.store))
 
 
+@task(name="regenerate-shard", task_run_name="regenerate-shard-{shard}", retries=0)
+def regenerate_shard_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) -> ArtifactRef:
+    from tasks.regenerate import SHARD_STAGE, regenerate_shard
+
+    store = Store.from_config(cfg.store)
+    hit = store.find(SHARD_STAGE, digest)
+    if hit is not None:
+        return hit.ref()  # never pay for a finished shard twice, even without Prefect's record
+    with pool.engine() as engine:
+        art = regenerate_shard(cfg, store, plan, engine)
+    st = art.stats
+    secs, gen = float(st.get("seconds") or 0.0), int(st.get("generated_tokens") or 0)
+    get_run_logger().info(f"regenerate: shard {shard} on {st.get('engine')}: {st.get('samples')} samples, {gen} "
+                          f"generated tokens in {secs:.0f}s" + (f", {gen / secs:.0f} tok/s" if secs > 0 else ""))
+    return art.ref()
+
+
 @task(name="regenerate", task_run_name="regenerate")
-def regenerate_task(cfg: RunConfig, digest: str, prepared: ArtifactRef) -> ArtifactRef:
-    from tasks.engine import EngineProcess
-    from tasks.engine_settings import vllm_engine
-    from tasks.regenerate import run_regenerate
-    from tasks.target import resolve_model
+def regenerate_task(cfg: RunConfig, digest: str, prepared: ArtifactRef, shards: list[ArtifactRef],
+                    reused: int = 0, started: float | None = None) -> ArtifactRef:
+    """The regenerate artifact from its shards' artifacts (tasks.regenerate.assemble_regenerate)."""
+    from tasks.regenerate import SHARD_STAGE, assemble_regenerate
 
-    model = resolve_model(cfg.target)
-
-    def engine_factory() -> EngineProcess:
-        return vllm_engine(cfg, model, "regenerate")
-
-    logger = get_run_logger()
-    progress = Progress("regenerate-progress", "Regenerate: shards answered by the target")
-
-    def on_shard(done: int, total: int, stats: dict[str, Any], reused: bool) -> None:
-        progress.update(100.0 * done / max(1, total), description=f"{done}/{total} shards")
-        if reused:
-            logger.info(f"regenerate: shard {done}/{total} reused from the store")
-        else:
-            secs = float(stats.get("seconds") or 0.0)
-            gen = int(stats.get("generated_tokens") or 0)
-            rate = f", {gen / secs:.0f} generated tok/s" if secs > 0 else ""
-            logger.info(f"regenerate: shard {done}/{total} done: {stats.get('samples', '?')} samples, "
-                        f"{gen} generated tokens in {secs:.0f}s{rate}")
-
-    return run_regenerate(cfg, Store.from_config(cfg.store), prepared, engine_factory, on_shard=on_shard)
+    store = Store.from_config(cfg.store)
+    arts = [store.open(SHARD_STAGE, as_ref(x).digest) for x in shards]
+    return assemble_regenerate(cfg, store, prepared, arts, started or time.time(), reused)
 
 
 @task(name="vocab", task_run_name="vocab")
@@ -252,11 +251,15 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
     if _stop_after(until, "prepare"):
         return skip_rest("prepare")
 
-    # regenerate
+    # regenerate: one task per shard, fanned out over engine groups (and nodes), then one artifact
     data = prepared
     if cfg.regenerate.enabled:
         d = digests.regenerate(cfg, prepared)
-        data = run_single("regenerate", lambda: regenerate_task.with_options(**opts("regenerate"))(cfg, d, prepared))
+        if store.find("regenerate", d) is not None:
+            data = run_single("regenerate", lambda: regenerate_task.with_options(**opts("regenerate"))(
+                cfg, d, prepared, []))
+        else:
+            data = _run_regenerate(cfg, store, rec, prepared, d, logger)
     else:
         rec.stages["regenerate"].status = "skipped"
     if _stop_after(until, "regenerate"):
@@ -328,51 +331,101 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         logger.warning(f"could not publish benchmark artifacts to Prefect: {exc}")
 
 
-def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, logger) -> list[ArtifactRef]:
-    from tasks.extract import plan_extract
-    from tasks.target import load_hf_config, resolve_model
+def _run_regenerate(cfg: RunConfig, store: Store, rec: RunRecord, prepared: ArtifactRef, digest: str,
+                    logger) -> ArtifactRef:
+    """Regeneration's shards as tasks over this node's engine groups (and other nodes), then the stage
+    artifact assembled from them; the run record counts shards, as extraction's does."""
+    from tasks.target import resolve_model
 
-    r = rec.stages["extract"]
+    r = rec.stages["regenerate"]
     t0 = time.time()
     r.status = "running"
-    model = resolve_model(cfg.target)
-    plans = plan_extract(cfg, data, load_hf_config(cfg.target, model))
-    if cfg.extract.nodes > 1:
-        from flows.nodes import run_extract_nodes
+    shards = _run_sharded("regenerate", cfg, store, rec, prepared, resolve_model(cfg.target), logger)
+    counts = dict(r.stats)
+    try:
+        ref = as_ref(regenerate_task.with_options(**stage_options("regenerate", store, digest))(
+            cfg, digest, prepared, shards, r.cached, t0))
+    except Exception as exc:
+        r.status, r.error = "failed", f"{type(exc).__name__}: {exc}"
+        raise
+    r.seconds = round(time.time() - t0, 1)
+    if ref.executed_here and r.status == "cached":
+        r.status = "ran"  # every shard was on the store, the stage artifact was not
+    r.artifact, r.stats = ref.uri, {**_brief(ref.stats), **counts}
+    logger.info(f"regenerate: {r.status} in {r.seconds}s -> {ref.uri}")
+    return ref
 
-        return run_extract_nodes(cfg, store, rec, data, plans, logger, t0,
-                                 lambda mine, progress: _extract_here(cfg, store, model, mine, logger, progress))
-    progress = Progress("extract-progress", f"Extraction: 0/{len(plans)} shards")
-    refs, errors = _extract_here(cfg, store, model, plans, logger, progress)
+
+def _shard_plans(stage: str, cfg: RunConfig, data: ArtifactRef, model: str) -> list:
+    """The shards of STAGE (`regenerate` or `extract`) that read DATA, each with its own address."""
+    if stage == "regenerate":
+        from tasks.regenerate import plan_regenerate
+
+        return plan_regenerate(cfg, data)
+    from tasks.extract import plan_extract
+    from tasks.target import load_hf_config
+
+    return plan_extract(cfg, data, load_hf_config(cfg.target, model))
+
+
+def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, logger) -> list[ArtifactRef]:
+    from tasks.target import resolve_model
+
+    rec.stages["extract"].status = "running"
+    return _run_sharded("extract", cfg, store, rec, data, resolve_model(cfg.target), logger)
+
+
+def _run_sharded(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, model: str,
+                 logger) -> list[ArtifactRef]:
+    """STAGE's shards (regenerate or extract), one task each, over this node's engine groups and, with
+    extract.nodes > 1, over other nodes (flows/nodes.py); the stage's record counts them. Raises when
+    a shard failed: `draftline retry` runs only the shards not on the store."""
+    from flows.nodes import SHARDED, run_nodes
+
+    kind = SHARDED[stage]
+    r = rec.stages[stage]
+    t0 = time.time()
+    plans = _shard_plans(stage, cfg, data, model)
+
+    def here(mine: list, progress: Progress) -> tuple[list[ArtifactRef], list[str]]:
+        return _shards_here(stage, cfg, store, model, mine, logger, progress)
+
+    if cfg.extract.nodes > 1:
+        return run_nodes(stage, cfg, store, rec, data, plans, logger, t0, here)
+    progress = Progress(f"{stage}-progress", f"{kind.title}: 0/{len(plans)} shards")
+    refs, errors = here(plans, progress)
     finish_stage(r, t0, refs, failed=len(errors))
-    r.artifact = f"{store.uri}/extract/"
-    r.stats = {"shards": len(plans), "tokens": sum(int(x.stats.get("tokens", 0)) for x in refs)}
+    r.artifact = f"{store.uri}/{kind.store_stage}/"
+    r.stats = {"shards": len(plans), kind.tokens: sum(int(x.stats.get(kind.tokens, 0)) for x in refs)}
     if errors:
         r.error = errors[0]
-        logger.error(f"extract: {len(errors)} of {len(plans)} shards failed; first error: {errors[0]}")
-        raise RuntimeError(f"{len(errors)} of {len(plans)} extraction shards failed (retry runs only those): {errors[0]}")
-    logger.info(f"extract: {r.executed} shards ran, {r.cached} cached, in {r.seconds}s")
+        logger.error(f"{stage}: {len(errors)} of {len(plans)} shards failed; first error: {errors[0]}")
+        raise RuntimeError(f"{len(errors)} of {len(plans)} {kind.label} shards failed (retry runs only those): "
+                           f"{errors[0]}")
+    logger.info(f"{stage}: {r.executed} shards ran, {r.cached} cached, in {r.seconds}s")
     return refs
 
 
-def _extract_here(cfg: RunConfig, store: Store, model: str, plans: list, logger,
-                  progress: Progress) -> tuple[list[ArtifactRef], list[str]]:
+def _shards_here(stage: str, cfg: RunConfig, store: Store, model: str, plans: list, logger,
+                 progress: Progress) -> tuple[list[ArtifactRef], list[str]]:
     """One task per shard of PLANS in this flow run, fanned out over this node's engine groups."""
-    from tasks.engine_settings import EnginePool, engine_for_group, engine_groups
+    from flows.nodes import SHARDED
+    from tasks.engine_settings import EnginePool
 
+    kind = SHARDED[stage]
+    shard_task = regenerate_shard_task if stage == "regenerate" else extract_task
     t0 = time.time()
-    groups = engine_groups(cfg)
-    pool = EnginePool(lambda group: engine_for_group(cfg, model, group), groups)
-    if len(groups) > 1:
-        logger.info(f"extract: {len(plans)} shards over {len(groups)} engines side by side: "
-                    + ", ".join(g.name for g in groups))
+    pool = EnginePool.for_purpose(cfg, model, stage)
+    if len(pool.groups) > 1:
+        logger.info(f"{stage}: {len(plans)} shards over {len(pool.groups)} engines side by side: "
+                    + ", ".join(g.name for g in pool.groups))
     done = 0
     tokens = 0
     refs: list[ArtifactRef] = []
     errors: list[str] = []
     try:
-        futures = [extract_task.with_options(**stage_options("extract", store, p.digest)).submit(cfg, p.digest, p.shard, p, pool)
-                   for p in plans]
+        futures = [shard_task.with_options(**stage_options(kind.store_stage, store, p.digest)).submit(
+            cfg, p.digest, p.shard, p, pool) for p in plans]
         pending = set(futures)
         while pending:
             finished, pending = wait(list(pending), timeout=5)
@@ -384,12 +437,12 @@ def _extract_here(cfg: RunConfig, store: Store, model: str, plans: list, logger,
                     errors.append(f"{type(exc).__name__}: {exc}")
                 else:
                     refs.append(ref)
-                    tokens += int(ref.stats.get("tokens", 0))
+                    tokens += int(ref.stats.get(kind.tokens, 0))
                 done += 1
             el = max(1e-6, time.time() - t0)
             progress.update(100.0 * done / max(1, len(plans)),
-                            f"Extraction: {done}/{len(plans)} shards, {len(errors)} failed, "
-                            f"{tokens / el:,.0f} tok/s (incl. cached)")
+                            f"{kind.title}: {done}/{len(plans)} shards, {len(errors)} failed, "
+                            f"{tokens / el:,.0f} {kind.rate} (incl. cached)")
     finally:
         pool.close()
     refs.sort(key=lambda x: int(x.stats.get("shard", 0)))
@@ -398,13 +451,16 @@ def _extract_here(cfg: RunConfig, store: Store, model: str, plans: list, logger,
 
 @flow(name=EXTRACT_FLOW, log_prints=True, persist_result=False)
 def extract_slice(config_path: str | None = None, overrides: list[str] | None = None, data_stage: str = "prepare",
-                  data_digest: str = "", shards: list[int] | None = None) -> dict:
-    """A slice of a run's extraction shards on one node (started by the run with extract.nodes > 1)."""
+                  data_digest: str = "", shards: list[int] | None = None, stage: str = "extract") -> dict:
+    """A slice of a run's regeneration or extraction shards (STAGE) on one node, started by the run with
+    extract.nodes > 1 (flows/nodes.py); `data_*` name the artifact the shards read."""
     from flows.interrupts import chain_into_flow
-    from tasks.extract import plan_extract
-    from tasks.target import load_hf_config, resolve_model
+    from flows.nodes import SHARDED
+    from tasks.target import resolve_model
 
     chain_into_flow()
+    if stage not in SHARDED:
+        raise RuntimeError(f"stage={stage!r}: a slice runs the shards of one of {', '.join(SHARDED)}")
     cfg = load_config(config_path, list(overrides or []))
     store = Store.from_config(cfg.store)
     store.check()
@@ -416,14 +472,14 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
                            "the parent run and this node must share one s3:// store")
     model = resolve_model(cfg.target)
     want = set(shards or [])
-    plans = [p for p in plan_extract(cfg, hit.ref(), load_hf_config(cfg.target, model)) if p.shard in want]
+    plans = [p for p in _shard_plans(stage, cfg, hit.ref(), model) if p.shard in want]
     if len(plans) != len(want):
         raise RuntimeError(f"shards {sorted(want - {p.shard for p in plans})} do not exist in {data_stage}/{data_digest}")
-    progress = Progress("extract-progress", f"Extraction slice: 0/{len(plans)} shards")
-    refs, errors = _extract_here(cfg, store, model, plans, logger, progress)
-    summary = {"shards": sorted(want), "executed": sum(1 for x in refs if x.executed_here),
+    progress = Progress(f"{stage}-progress", f"{SHARDED[stage].title} slice: 0/{len(plans)} shards")
+    refs, errors = _shards_here(stage, cfg, store, model, plans, logger, progress)
+    summary = {"stage": stage, "shards": sorted(want), "executed": sum(1 for x in refs if x.executed_here),
                "cached": sum(1 for x in refs if not x.executed_here), "failed": len(errors)}
-    logger.info(f"extract slice: {summary}")
+    logger.info(f"{stage} slice: {summary}")
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(plans)} shards of this slice failed: {errors[0]}")
     return summary

@@ -8,8 +8,8 @@ workstation). Training FLOPs per token are `tasks.train_model.flops_per_token` o
 would train (speculators' Eagle3DraftModel, built on the meta device: no memory, no weights); extraction
 FLOPs are 2 x the target's active parameters per token, the MFU convention of benchmarks/RESULTS.md.
 
-What runs where is the code's, with one named assumption (REGENERATE_FANS_OUT below) and the node-local part
-cache (NODE_PART_CACHE): extraction is dealt over the nodes (`extract.nodes`), regeneration likewise,
+What runs where is the code's: extraction and regeneration are dealt over the nodes (`extract.nodes`;
+REGENERATE_FANS_OUT below), training reads its parts through the node-local part cache (NODE_PART_CACHE), and
 training and the benchmark run on one node. Cost is counted three ways: the nodes held for the whole
 wall-clock, a schedule that rents the nodes per stage, and the busy node-hours alone.
 
@@ -37,13 +37,11 @@ DEFAULT_MACHINE = "b300-node"
 KINDS = ("measured", "cited", "assumption")
 TARGET_RATES = ("engine_start_minutes", "decode_tok_s", "decode_tok_s_batch1")  # per target and machine
 
-# ASSUMPTION, flip it if the work does not land: regeneration is dealt over the nodes like extraction when
-# --nodes > 1 (another branch extends tasks/regenerate.py to fan out over engine groups and nodes the way
-# `extract.nodes` does today). False: regeneration runs on the run's own node, as on 065ef2e.
+# What the code does, as switches so a plan can show what each is worth (tests flip them): regeneration shards
+# are dealt over the nodes like extraction's (flows/nodes.py run_nodes); False prices regeneration on one node.
 REGENERATE_FANS_OUT = True
-# ASSUMPTION, flip it if the work does not land: training reads its parts through a node-local part cache
-# (issue 28 item 2), so epochs after the first read from the node's NVMe what the cache holds. False: every
-# epoch downloads every part from the store again (tasks/store.py local_copy, as on 065ef2e).
+# Training reads its parts through the node-local part cache (tasks/part_cache.py), so epochs after the first
+# read from the node's NVMe what the cache holds; False prices every epoch downloading every part again.
 NODE_PART_CACHE = True
 
 
@@ -513,8 +511,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     if cfg.regenerate.enabled:
         notes.append(
             f"Regeneration: {_count(t['decode_tok_s'])} output tok/s per node ({target.rates['decode_tok_s'].kind}), "
-            f"dealt over {regen_nodes} node(s)" + (" (REGENERATE_FANS_OUT in flows/plan.py: assumed to fan out like "
-                                                    "extraction)" if REGENERATE_FANS_OUT and nodes > 1 else "") + ".")
+            f"dealt over {regen_nodes} node(s) like extraction's shards.")
     notes += [
         f"Extraction: {n_layers} layers x hidden {hidden:,} = {bpt['bf16']:,} bytes/token bf16, {bpt['fp8']:,} fp8; "
         f"compute {_count(compute_rate)} tok/s per node (2 x {_count(t['active_params'])} active params, MFU "

@@ -27,13 +27,14 @@ ALIVE = ("RUNNING", "PENDING", "CANCELLING")
 # The pull step of the deployments whose nodes run a pinned release (flows/release.py).
 RELEASE_STEP = "flows.release.use_release"
 
-# The flow of a slice of a run's extraction shards on another node (extract.nodes > 1).
+# The flow of a slice of a run's regeneration or extraction shards on another node (extract.nodes > 1;
+# its `stage` parameter says which). Named before regeneration had slices: registered names stay valid.
 EXTRACT_FLOW = "draftline-extract"
 
 
 def slice_deployment(cfg: Any, own_deployment: str | None) -> str | None:
-    """Where a run sends its extraction slices: extract.deployment, else draftline-extract/ plus the name of
-    the run's own deployment (a run of draftline/b300 sends them to draftline-extract/b300)."""
+    """Where a run sends its regeneration and extraction slices: extract.deployment, else draftline-extract/
+    plus the name of the run's own deployment (a run of draftline/b300 sends them to draftline-extract/b300)."""
     name = cfg.extract.deployment or own_deployment
     if not name:
         return None
@@ -151,7 +152,8 @@ def stage_of(task_name: str) -> str:
 
 
 def shard_of(task_name: str) -> int | None:
-    m = re.fullmatch(r"extract-shard-(\d+)", task_name)
+    """`extract-shard-3` or `regenerate-shard-3` -> 3 (stage_of says which stage)."""
+    m = re.fullmatch(r"(?:extract|regenerate)-shard-(\d+)", task_name)
     return int(m.group(1)) if m else None
 
 
@@ -193,7 +195,8 @@ def flow_run_events(c: Any, run_id: Any, event: str, since: dt.datetime, *, abou
 
 
 def child_runs(c: Any, run_id: Any) -> list[Any]:
-    """Flow runs started by this run through run_deployment (extraction slices on other nodes), oldest first."""
+    """Flow runs started by this run through run_deployment (regeneration and extraction slices on other
+    nodes), oldest first."""
     from prefect.client.schemas.filters import (
         FlowRunFilter,
         FlowRunFilterParentFlowRunId,
@@ -203,6 +206,11 @@ def child_runs(c: Any, run_id: Any) -> list[Any]:
     return list(c.read_flow_runs(flow_run_filter=FlowRunFilter(
         parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id])),
         sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=200))
+
+
+def child_stage(run: Any) -> str:
+    """The stage whose shards a slice child runs (extraction's children carry no `stage` parameter)."""
+    return (run.parameters or {}).get("stage") or "extract"
 
 
 def config_parameters(config: Path, overrides: list[str], inline: bool | None) -> tuple[dict[str, Any], str | None]:

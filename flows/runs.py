@@ -34,6 +34,7 @@ from flows.prefect_api import (
     OpsError,
     api_problem,
     child_runs,
+    child_stage,
     client,
     find_run,
     latest_by_name,
@@ -149,6 +150,7 @@ def child_report(c: Any, run: Any, stale_after: float) -> dict[str, Any]:
         "state_name": run.state.name if run.state else None,
         "message": run.state.message if run.state else None,
         "worker": worker.name if worker is not None else None,
+        "stage": child_stage(run),
         "shards": list((run.parameters or {}).get("shards") or []),
         "shard_states": {str(k): (t.state.name if t.state else None) for k, t in sorted(shards.items())},
         "stale": live.stale, "stale_reasons": live.reasons, "last_heartbeat": live.last_heartbeat,
@@ -226,15 +228,15 @@ def print_report(rep: dict[str, Any], show_tasks: bool) -> None:
         table.add_row(name, str(st["tasks"]), states, ", ".join(map(str, st["failed_shards"])) or "")
     console.print(table)
     if rep.get("children"):
-        t3 = Table(title="child runs (extraction slices on other nodes)")
-        for col in ("child run", "state", "worker", "shards"):
+        t3 = Table(title="child runs (slices of a stage's shards on other nodes)")
+        for col in ("child run", "stage", "state", "worker", "shards"):
             t3.add_column(col, overflow="fold")
         for ch in rep["children"]:
             shards = ", ".join(f"{s} {ch['shard_states'].get(str(s)) or 'not started'}" for s in ch["shards"])
             state = ch["state_name"] or ch["state"]
             if ch["stale"]:
                 state += " (looks dead: " + "; ".join(ch["stale_reasons"]) + ")"
-            t3.add_row(f"{ch['name']} ({ch['id'][:8]})", state, ch["worker"] or "-", shards)
+            t3.add_row(f"{ch['name']} ({ch['id'][:8]})", ch["stage"], state, ch["worker"] or "-", shards)
         console.print(t3)
         for ch in rep["children"]:
             if ch["state"] in ("FAILED", "CRASHED", "CANCELLED") and ch.get("message"):

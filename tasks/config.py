@@ -151,17 +151,19 @@ class ExtractConfig(Section):
     cpu_groups: int = Field(
         1, ge=1,
         description="On a CPU (no GPU in use): engines side by side, each pinned to its own share of the cores, "
-                    "through the same pool that runs one engine per GPU group on a GPU node.",
+                    "through the same pool that runs one engine per GPU group on a GPU node (regeneration and "
+                    "extraction alike).",
     )
     nodes: int = Field(
         1, ge=1,
-        description="Nodes of a work pool the run's extraction shards spread over (docs/DEPLOY.md): the run's own "
-                    "node extracts one slice, child flow runs of extract.deployment the others, all on the shared "
-                    "store.",
+        description="Nodes of a work pool the run's regeneration shards, then its extraction shards, spread over "
+                    "(docs/DEPLOY.md): the run's own node runs one slice, child flow runs of extract.deployment the "
+                    "others, all on the shared store.",
     )
     deployment: str | None = Field(
         None,
-        description="With extract.nodes > 1: the deployment the child flow runs go to (draftline-extract/NAME, or "
+        description="With extract.nodes > 1: the deployment the child flow runs (regeneration and extraction "
+                    "slices) go to (draftline-extract/NAME, or "
                     "NAME). Default: draftline-extract/ plus the name of the run's own deployment.",
     )
     storage_dtype: Literal["bf16", "fp8"] = "bf16"

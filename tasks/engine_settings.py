@@ -5,8 +5,9 @@ Every purpose must see the same model the same way: the pinned `target.revision`
 hidden states and the benchmark come from one revision), one attention backend for an MLA target
 on a CPU, one KV-cache size rule. tests/test_engine_settings.py holds each purpose to these rules.
 
-The same module plans what the engines run on: one engine per GPU group on a GPU node (a group is
-`extract.tensor_parallel_size` GPUs), or `extract.cpu_groups` engines over disjoint cores on a CPU.
+The same module plans what the engines run on, for regeneration and extraction alike: one engine per
+GPU group on a GPU node (a group is `extract.tensor_parallel_size` GPUs), or `extract.cpu_groups`
+engines over disjoint cores on a CPU (`engine_groups`, `engine_for_group(..., purpose)`, `EnginePool`).
 """
 
 from __future__ import annotations
@@ -109,16 +110,6 @@ def vllm_kwargs(cfg: RunConfig, model_path: str, *, on_gpu: bool | None = None, 
     return kw
 
 
-def vllm_engine(cfg: RunConfig, model_path: str, name: str, purpose: str | None = None, **extra: Any):
-    """An unstarted vLLM EngineProcess for `model_path` with the settings above (`purpose` defaults to
-    `name`, e.g. "regenerate")."""
-    from tasks.engine import EngineProcess
-
-    return EngineProcess(kind="vllm", model=model_path,
-                         llm_kwargs=vllm_kwargs(cfg, model_path, purpose=purpose or name, **extra),
-                         env=engine_env(cfg), name=name)
-
-
 # ============================================================================ engine groups
 
 
@@ -180,7 +171,7 @@ class EngineGroup:
 
 
 def engine_groups(cfg: RunConfig) -> list[EngineGroup]:
-    """The engines extraction runs side by side: one per GPU group (`gpu_groups`), or on a CPU
+    """The engines regeneration and extraction run side by side: one per GPU group (`gpu_groups`), or on a CPU
     `extract.cpu_groups` engines over disjoint shares of the cores this process may use."""
     gpus = gpu_groups(cfg)
     if gpus != [[]]:
@@ -196,21 +187,32 @@ def engine_groups(cfg: RunConfig) -> list[EngineGroup]:
     return [EngineGroup(cpus=tuple(cores[i * size:(i + 1) * size])) for i in range(n)]
 
 
-def engine_for_group(cfg: RunConfig, model_path: str, group: list[int] | EngineGroup) -> EngineProcess:
-    """An extraction engine (not yet started: `with engine_for_group(...) as eng:` starts it)
-    that sees only the group's GPUs (a list of GPU ids, or an EngineGroup), or only its cores."""
+PURPOSES = ("extract", "regenerate")
+
+
+def engine_for_group(cfg: RunConfig, model_path: str, group: list[int] | EngineGroup,
+                     purpose: str = "extract") -> EngineProcess:
+    """An engine for PURPOSE (`extract`: hidden states; `regenerate`: the target's answers), not yet
+    started (`with engine_for_group(...) as eng:` starts it), that sees only the group's GPUs (a list of
+    GPU ids, or an EngineGroup), or only its cores. Named PURPOSE-GROUP (e.g. regenerate-cpu1)."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"engine purpose {purpose!r}: one of {', '.join(PURPOSES)}")
     if not isinstance(group, EngineGroup):
         group = EngineGroup(gpus=tuple(group))
     e = cfg.extract
-    from tasks.target import load_hf_config, resolve_layer_ids
-
-    layer_ids = resolve_layer_ids(cfg, load_hf_config(cfg.target, model_path))
     env = {**engine_env(cfg), "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in group.gpus)}  # "": no GPU
     if group.cpus:  # pinned by the engine itself (tasks/engine.py), and vLLM's OpenMP threads with it
         cores = ",".join(map(str, group.cpus))
         env.update({"DRAFTLINE_ENGINE_CPUS": cores, "VLLM_CPU_OMP_THREADS_BIND": cores,
                     "OMP_NUM_THREADS": str(len(group.cpus))})
     on_gpu = bool(group.gpus)
+    name = f"{purpose}-{group.name}"
+    if purpose == "regenerate":  # a decoding engine: vLLM whatever extract.backend says
+        return EngineProcess("vllm", model_path, vllm_kwargs(cfg, model_path, on_gpu=on_gpu, purpose="regenerate"),
+                             env=env, name=name)
+    from tasks.target import load_hf_config, resolve_layer_ids
+
+    layer_ids = resolve_layer_ids(cfg, load_hf_config(cfg.target, model_path))
     if e.backend == "vllm":
         kwargs = vllm_kwargs(cfg, model_path, on_gpu=on_gpu, purpose="extract",
                              **vllm_extract_kwargs(layer_ids, asynchronous=on_gpu))
@@ -221,12 +223,12 @@ def engine_for_group(cfg: RunConfig, model_path: str, group: list[int] | EngineG
             kwargs["revision"] = cfg.target.revision
         if on_gpu:
             kwargs["dtype"] = cfg.target.dtype  # CPU keeps float32 (bf16 matmuls are slow there)
-    return EngineProcess(e.backend, model_path, kwargs, env=env, name=f"extract-{group.name}")
+    return EngineProcess(e.backend, model_path, kwargs, env=env, name=name)
 
 
 class EnginePool:
-    """One extraction engine per group (GPU group or CPU core group), started on first use and
-    shared by the shard tasks running side by side.
+    """One engine per group (GPU group or CPU core group), started on first use and shared by the
+    shard tasks (regeneration's or extraction's) running side by side.
 
     A shard borrows a group's engine; if that engine died (killed, OOM), the shard that was using
     it fails and the next borrower gets a fresh engine on the same group.
@@ -239,6 +241,11 @@ class EnginePool:
         for i in range(len(groups)):
             self._free.put(i)
         self._engines: dict[int, EngineProcess] = {}
+
+    @classmethod
+    def for_purpose(cls, cfg: RunConfig, model_path: str, purpose: str) -> "EnginePool":
+        """The pool a stage's shard tasks share on this node: one PURPOSE engine per `engine_groups(cfg)`."""
+        return cls(lambda group: engine_for_group(cfg, model_path, group, purpose), engine_groups(cfg))
 
     def _take(self) -> int:
         while True:  # every group busy: wait for one, but not past a stop request

@@ -7,6 +7,9 @@ template and the verified loss mask of prepare, and commit the shard as its
 own small artifact (`regenerate-shard/DIGEST`). A crash loses at most the shard
 in flight: a re-run finds the committed shards and only generates the rest.
 The final `regenerate` artifact has prepare's layout and Parquet schema.
+The flow (flows/pipeline.py) runs each shard as its own task (`regenerate_shard`) over the node's engine
+groups and, with `extract.nodes` > 1, over several nodes, then `assemble_regenerate`; `run_regenerate`
+is the same on one engine, shard after shard.
 
 Multi-turn: turn t of every conversation in the shard is generated in one
 batched pass (batches of `regenerate.batch_size`), then turn t+1 with the
@@ -34,6 +37,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
+
+from pydantic import BaseModel
 
 from tasks.config import RunConfig
 from tasks.data_sources import Conversation, strip_thinking, user_turns
@@ -159,15 +164,42 @@ def regenerate_samples(cfg: RunConfig, masker: ChatMasker, engine: Engine, sampl
                          "truncated": truncated, "per_source": per_source, **dict(counts)}
 
 
-def _regenerate_shard(cfg: RunConfig, store: Store, key: str, index: int, prep_art: Artifact,
-                      masker: ChatMasker, engine: Engine, inputs: dict[str, str]) -> Artifact:
+class ShardPlan(BaseModel):
+    """One regeneration shard: shard `shard` of the prepare artifact `prepared`, committed at
+    `regenerate-shard/DIGEST` (a flow task's argument, like extraction's plans)."""
+
+    shard: int
+    digest: str
+    prepared: ArtifactRef
+
+
+def plan_regenerate(cfg: RunConfig, prepared: ArtifactRef) -> list[ShardPlan]:
+    """The shards of the prepare artifact `prepared`, each with its own address (tasks/digest.py)."""
+    stage = digests.regenerate(cfg, prepared)
+    return [ShardPlan(shard=i, digest=digests.regenerate_shard(stage, i), prepared=prepared)
+            for i in range(data_stats(prepared).num_shards)]
+
+
+def regenerate_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: Engine,
+                     masker: ChatMasker | None = None) -> Artifact:
+    """Answer one shard's prompts and commit them at `plan.digest`; the committed shard if it is there."""
+    art = store.find(SHARD_STAGE, plan.digest)
+    if art is not None:
+        return art
     t0 = time.time()
-    samples = read_samples(prep_art, shard_name(index))
+    prepared = plan.prepared
+    prep_art = store.open(prepared.stage, prepared.digest)
+    if masker is None:
+        masker = make_masker(cfg, template_kwargs={"enable_thinking": bool(cfg.regenerate.thinking)})
+    samples = read_samples(prep_art, shard_name(plan.shard))
     new, info = regenerate_samples(cfg, masker, engine, samples)
-    stats = {**token_stats(new), **info, "shard": index, "prompts": len(samples),
+    stats = {**token_stats(new), **info, "shard": plan.shard, "prompts": len(samples),
              "seconds": round(time.time() - t0, 2)}
+    if getattr(engine, "name", None):
+        stats["engine"] = engine.name
     config = {"regenerate": cfg.regenerate.model_dump(mode="json")}
-    with store.write(SHARD_STAGE, key, VERSIONS[STAGE], {**inputs, "shard": str(index)}, config) as w:
+    inputs = {prepared.stage: prepared.digest, "shard": str(plan.shard)}
+    with store.write(SHARD_STAGE, plan.digest, VERSIONS[STAGE], inputs, config) as w:
         w.write_bytes(SHARD_FILE, parquet_bytes(new))
         return w.commit(stats)
 
@@ -175,44 +207,59 @@ def _regenerate_shard(cfg: RunConfig, store: Store, key: str, index: int, prep_a
 def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
                    engine_factory: Callable[[], Engine],
                    on_shard: Callable[[int, int, dict[str, Any], bool], None] | None = None) -> ArtifactRef:
-    """Regenerate the answers of the prepare artifact `prepared`; resumable per shard.
+    """Regenerate the answers of the prepare artifact `prepared` with one engine, shard after shard;
+    resumable per shard. (The flow runs the same `regenerate_shard` as tasks over its engine groups
+    and nodes, then `assemble_regenerate`.)
 
     `engine_factory()` returns an engine (`tasks.engine.EngineProcess`); it is started only when a
     shard needs generating and closed before this returns. `on_shard(done, total, stats, reused)`
-    is called after each shard (progress for the flow).
+    is called after each shard.
     """
     digest = digests.regenerate(cfg, prepared)
     hit = store.find(STAGE, digest)
     if hit is not None:
         return hit.ref()
     t0 = time.time()
-    prep_art = store.open(prepared.stage, prepared.digest)
-    n = data_stats(prep_art.ref()).num_shards
-    think = {"enable_thinking": bool(cfg.regenerate.thinking)}
-    masker = make_masker(cfg, template_kwargs=think)
-    inputs = {prepared.stage: prepared.digest}
+    plans = plan_regenerate(cfg, prepared)
+    masker = make_masker(cfg, template_kwargs={"enable_thinking": bool(cfg.regenerate.thinking)})
     engine: Engine | None = None
     shard_arts: list[Artifact] = []
     reused = 0
     try:
-        for i in range(n):
-            key = digests.regenerate_shard(digest, i)
-            art = store.find(SHARD_STAGE, key)
+        for plan in plans:
+            art = store.find(SHARD_STAGE, plan.digest)
+            found = art is not None
+            reused += found
             if art is None:
                 if engine is None:
                     engine = engine_factory()
                     engine.start()
-                art = _regenerate_shard(cfg, store, key, i, prep_art, masker, engine, inputs)
-                if on_shard is not None:
-                    on_shard(i + 1, n, dict(art.stats), False)
-            else:
-                reused += 1
-                if on_shard is not None:
-                    on_shard(i + 1, n, dict(art.stats), True)
+                art = regenerate_shard(cfg, store, plan, engine, masker)
+            if on_shard is not None:
+                on_shard(plan.shard + 1, len(plans), dict(art.stats), found)
             shard_arts.append(art)
     finally:
         if engine is not None:
             engine.close()
+    return assemble_regenerate(cfg, store, prepared, shard_arts, t0, reused)
+
+
+def assemble_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef, shard_arts: list[Artifact],
+                        t0: float, reused: int) -> ArtifactRef:
+    """The `regenerate` artifact (prepare's layout) from every shard's artifact, in shard order;
+    `reused`: how many of them were on the store before this run, `t0`: when this run's stage began
+    (its `wall_seconds`: engine starts, every shard on every group and node, and this assembly)."""
+    digest = digests.regenerate(cfg, prepared)
+    hit = store.find(STAGE, digest)
+    if hit is not None:
+        return hit.ref()
+    prep_art = store.open(prepared.stage, prepared.digest)
+    n = data_stats(prep_art.ref()).num_shards
+    shard_arts = sorted(shard_arts, key=lambda a: int(a.stats.get("shard", 0)))
+    if [int(a.stats.get("shard", -1)) for a in shard_arts] != list(range(n)):
+        raise RegenerateError(f"the regenerate artifact needs shards 0..{n - 1}, got "
+                              f"{[a.stats.get('shard') for a in shard_arts]}")
+    inputs = {prepared.stage: prepared.digest}
 
     totals: Counter = Counter()
     dropped: Counter = Counter()
@@ -259,5 +306,5 @@ def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
         for i, art in enumerate(shard_arts):
             w.write_bytes(shard_name(i), art.read_bytes(SHARD_FILE))
         w.write_bytes(HELDOUT, prep_art.read_bytes(HELDOUT))
-        stats["wall_seconds"] = round(time.time() - t0, 2)  # this call: engine start, reused shards, copying
+        stats["wall_seconds"] = round(time.time() - t0, 2)  # the stage: engine starts, every shard, copying
         return w.commit(stats).ref()

@@ -12,7 +12,7 @@ import pytest
 
 from tasks.benchmark import default_engine_factory, engine_kwargs
 from tasks.config import RunConfig
-from tasks.engine_settings import engine_for_group, vllm_engine
+from tasks.engine_settings import engine_for_group
 from train_data import make_tiny_target
 
 
@@ -20,7 +20,7 @@ def engines(cfg: RunConfig, model: str) -> dict[str, tuple[dict, dict]]:
     """(llm kwargs, environment) of each vLLM engine a run of `cfg` would start, built as the run does."""
     bench = default_engine_factory(cfg, model)("baseline", engine_kwargs(cfg, None, model))
     ext = engine_for_group(cfg, model, [])
-    regen = vllm_engine(cfg, model, "regenerate")
+    regen = engine_for_group(cfg, model, [], "regenerate")
     return {e.name: (e.llm_kwargs, e.env) for e in (regen, ext, bench)}
 
 
@@ -50,20 +50,20 @@ def mla(tmp_path_factory) -> str:
 def test_every_engine_uses_the_pinned_revision(tiny):
     got = engines(cfg_for(tiny, revision="0123abc"), tiny)
     assert {name: kw.get("revision") for name, (kw, _) in got.items()} == {
-        "regenerate": "0123abc", "extract-cpu": "0123abc", "baseline": "0123abc"}
+        "regenerate-cpu": "0123abc", "extract-cpu": "0123abc", "baseline": "0123abc"}
 
 
 def test_every_engine_on_a_cpu_picks_the_reference_backend_for_a_float32_mla_target(mla, tiny):
     got = engines(cfg_for(mla), mla)
     assert {name: kw.get("attention_backend") for name, (kw, _) in got.items()} == {
-        "regenerate": "CPU_MLA", "extract-cpu": "CPU_MLA", "baseline": "CPU_MLA"}
+        "regenerate-cpu": "CPU_MLA", "extract-cpu": "CPU_MLA", "baseline": "CPU_MLA"}
     assert all("attention_backend" not in kw for kw, _ in engines(cfg_for(tiny), tiny).values())  # not MLA
 
 
 def test_one_kv_cache_rule_rounds_up_and_the_rest_agrees(tiny):
     got = engines(cfg_for(tiny), tiny)
     assert {name: env["VLLM_CPU_KVCACHE_SPACE"] for name, (_, env) in got.items()} == {
-        "regenerate": "2", "extract-cpu": "2", "baseline": "2"}  # 1.5 GiB asked: never less
+        "regenerate-cpu": "2", "extract-cpu": "2", "baseline": "2"}  # 1.5 GiB asked: never less
     shared = ("max_model_len", "dtype", "trust_remote_code", "enforce_eager", "tensor_parallel_size", "seed")
     assert len({tuple(kw[k] for k in shared) for kw, _ in got.values()}) == 1, got
 

@@ -1,9 +1,11 @@
-"""Several nodes for one run (issue 18, item 3), with real parts: a Prefect server, SeaweedFS S3 and
-two process workers (`prefect worker start --limit 1`) as the nodes of pool draftline-local.
+"""Several nodes for one run (issue 18, item 3; issue 24, item 2), with real parts: a Prefect server,
+SeaweedFS S3 and two process workers (`prefect worker start --limit 1`) as the nodes of pool
+draftline-local.
 
-A run submitted with `extract.nodes=2` extracts one slice of its six shards on its own node (node A)
-and sends the other slice to node B as a child flow run of `draftline-extract/local` (Prefect's
-run_deployment). Node B dies mid-extraction (a drill kill point SIGKILLs its worker's process group,
+A run submitted with `extract.nodes=2` (and regeneration on) regenerates one slice of its six shards
+on its own node (node A) with a vLLM engine and sends the other slice to node B as a child flow run of
+`draftline-extract/local` with `stage: regenerate` (Prefect's run_deployment); then it does the same
+with its extraction shards. Node B dies mid-extraction (a drill kill point SIGKILLs its worker's process group,
 with the child's flow-run process: the whole node), after one of its three shards is committed.
 Nobody on this host tells the server: the heartbeat automation `draftline deploy` created marks the
 child Crashed (the workers are named after other hosts, so the same-host pid check cannot help), the
@@ -45,9 +47,11 @@ def guide_commands() -> list[list[str]]:
 
 
 def submit_args(submit: list[str]) -> list[str]:
-    """The guide's submit with the test's small config in place of configs/demo.yaml."""
+    """The guide's submit with the test's small config in place of configs/demo.yaml (with regeneration on,
+    as demo.yaml has it, with short answers)."""
     assert submit[1:3] == ["submit", "configs/demo.yaml"] and "extract.nodes=2" in submit, submit
-    return [submit[1], harness.CONFIG, *submit[3:], "--set", f"data.num_shards={SHARDS}"]
+    return [submit[1], harness.CONFIG, *submit[3:], "--set", f"data.num_shards={SHARDS}",
+            "--set", "regenerate.enabled=true", "--set", "regenerate.max_tokens=16"]
 
 
 def summary_rows(server, run_id: str) -> dict[str, dict]:
@@ -106,10 +110,15 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
         status = json.loads(harness.draftline(*status_cmd[1:], "--json", env=cli).stdout)
         assert status["id"] == run_id and run.state.type.value == "FAILED", status
 
-        # the shards were split over both nodes: 0, 2 and 4 here, 1, 3 and 5 in the child on node B
+        # the shards were split over both nodes: 0, 2 and 4 here, 1, 3 and 5 in the child on node B,
+        # regeneration's first (then the regenerate artifact assembled here), then extraction's
         assert status["worker"] == "draftline@node-a"
+        assert status["stages"]["regenerate"]["states"] == {"Completed": 4}, status["stages"]  # 3 shards + stage
         assert status["stages"]["extract"]["states"] == {"Completed": 3}, status["stages"]
-        (child,) = status["children"]
+        regen_child, child = status["children"]
+        assert regen_child["stage"] == "regenerate" and child["stage"] == "extract", status["children"]
+        assert regen_child["worker"] == "draftline@node-b" and regen_child["state"] == "COMPLETED", regen_child
+        assert regen_child["shard_states"] == {"1": "Completed", "3": "Completed", "5": "Completed"}, regen_child
         assert child["worker"] == "draftline@node-b" and child["shards"] == [1, 3, 5], child
         # found dead by Prefect's heartbeats (the automation), not by anything on this host
         assert child["state"] == "CRASHED" and "no heartbeat" in child["message"], child
@@ -125,6 +134,9 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
         assert len(done_b) == 1 and len(lost) == 2, child["shard_states"]
         store = Store.from_config(StoreConfig(uri=store_uri))
         assert sorted(m.stats["shard"] for m in store.list("extract")) == sorted(set(range(SHARDS)) - set(lost))
+        assert sorted(m.stats["shard"] for m in store.list("regenerate-shard")) == list(range(SHARDS))
+        (regen,) = store.list("regenerate")
+        assert regen.stats["num_shards"] == SHARDS and regen.stats["samples"] > 0, regen.stats
         assert f"shards {lost}" in status["message"] and "draftline retry" in status["message"], status["message"]
         text = harness.draftline(*status_cmd[1:], env=cli).stdout
         assert "child runs" in text and child["name"] in text and "draftline@node-b" in text, text
@@ -140,14 +152,16 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
         rows = summary_rows(prefect_server, run_id)
         assert (rows["extract"]["status"], rows["extract"]["ran"], rows["extract"]["cached"],
                 rows["extract"]["failed"]) == ("ran", 2, SHARDS - 2, 0), rows
-        assert (rows["prepare"]["status"], rows["vocab"]["status"]) == ("cached", "cached"), rows
+        assert (rows["prepare"]["status"], rows["regenerate"]["status"], rows["vocab"]["status"]) == \
+            ("cached", "cached", "cached"), rows
         done = json.loads(harness.draftline("status", run_id, "--json", env=cli).stdout)
         assert done["state"] == "COMPLETED" and done["run_count"] == 2 and done["worker"] == "draftline@node-a"
-        crashed, taken_back = done["children"]
+        regen_again, crashed, taken_back = done["children"]
+        assert regen_again["id"] == regen_child["id"], done["children"]  # regeneration made no new child
         assert crashed["id"] == child["id"] and taken_back["shards"] == lost[1:], done["children"]
         assert taken_back["state"] == "CANCELLED" and "no node took it" in taken_back["message"], taken_back
         assert taken_back["shard_states"] == {} and taken_back["worker"] is None, taken_back  # it never ran
-        ran = {t_["name"] for t_ in done["tasks"] if t_["state"] == "Completed"}
+        ran = {t_["name"] for t_ in done["tasks"] if t_["state"] == "Completed" and t_["name"].startswith("extract")}
         assert ran == {f"extract-shard-{s}" for s in lost}, done["tasks"]
         shards = {m.stats["shard"]: m for m in store.list("extract")}
         assert sorted(shards) == list(range(SHARDS))
