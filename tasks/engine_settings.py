@@ -187,7 +187,7 @@ def engine_groups(cfg: RunConfig) -> list[EngineGroup]:
     return [EngineGroup(cpus=tuple(cores[i * size:(i + 1) * size])) for i in range(n)]
 
 
-PURPOSES = ("extract", "regenerate")
+GROUP_PURPOSES = ("extract", "regenerate")  # the engines a pool of groups runs (the benchmark starts its own)
 
 
 def engine_for_group(cfg: RunConfig, model_path: str, group: list[int] | EngineGroup,
@@ -195,8 +195,8 @@ def engine_for_group(cfg: RunConfig, model_path: str, group: list[int] | EngineG
     """An engine for PURPOSE (`extract`: hidden states; `regenerate`: the target's answers), not yet
     started (`with engine_for_group(...) as eng:` starts it), that sees only the group's GPUs (a list of
     GPU ids, or an EngineGroup), or only its cores. Named PURPOSE-GROUP (e.g. regenerate-cpu1)."""
-    if purpose not in PURPOSES:
-        raise ValueError(f"engine purpose {purpose!r}: one of {', '.join(PURPOSES)}")
+    if purpose not in GROUP_PURPOSES:
+        raise ValueError(f"engine purpose {purpose!r}: one of {', '.join(GROUP_PURPOSES)}")
     if not isinstance(group, EngineGroup):
         group = EngineGroup(gpus=tuple(group))
     e = cfg.extract

@@ -110,7 +110,7 @@ def test_engine_args_pass_through_shared_then_per_purpose(tiny):
                     "extract": {"engine_args": {"max_num_batched_tokens": 32768}}}})
     got = {name: kw for name, (kw, _) in engines(cfg, tiny).items()}
     assert {n: (kw["gpu_memory_utilization"], kw["max_num_seqs"], kw.get("max_num_batched_tokens"))
-            for n, kw in got.items()} == {"regenerate": (0.9, 512, None), "extract-cpu": (0.9, 64, 32768),
+            for n, kw in got.items()} == {"regenerate-cpu": (0.9, 512, None), "extract-cpu": (0.9, 64, 32768),
                                           "baseline": (0.9, 64, None)}
     assert got["extract-cpu"]["speculative_config"]["method"] == "extract_hidden_states"  # the stage's own, kept
 
@@ -133,5 +133,5 @@ def test_text_only_engines_of_a_vision_language_target_skip_the_vision_tower(vis
     assert "language_model_only" in vllm_engine_arg_names()  # vLLM 0.32 (CPU) and 0.33 both have it
     got = engines(cfg_for(vision_language), vision_language)
     assert {name: kw.get("language_model_only") for name, (kw, _) in got.items()} == {
-        "regenerate": True, "extract-cpu": True, "baseline": True}
+        "regenerate-cpu": True, "extract-cpu": True, "baseline": True}
     assert all("language_model_only" not in kw for kw, _ in engines(cfg_for(tiny), tiny).values())

@@ -155,6 +155,7 @@ def test_weights_fetched_once_per_node_then_never_from_the_hub_again(hub, tmp_pa
     assert got[0]["bytes"] == sum(f.stat().st_size for f in hub.folder.iterdir() if f.suffix in (".json", ".safetensors", ".jinja"))
     # HF_TOKEN went to the hub as huggingface_hub sends it, and nowhere else
     assert {r["authorization"] for r in hub.requests} == {f"Bearer {TOKEN}"}
+    assert all(r["authorization"] is None for r in hub.probes)  # the liveness probe carries no token
     assert not any(TOKEN in out + err for _, out, err in results)
 
     # complete: later calls are local, online (pinned or not resolved again by this command) and offline
@@ -169,7 +170,7 @@ def test_weights_fetched_once_per_node_then_never_from_the_hub_again(hub, tmp_pa
     t0 = time.monotonic()
     code, out, err = finish(draftline(["weights", str(cfg)], hub_env(hub, tmp_path / "empty", HF_HUB_OFFLINE="1"), ROOT))
     said = " ".join((out + err).split())
-    assert code != 0 and "no complete snapshot on this node and HF_HUB_OFFLINE=1" in said, said
+    assert code != 0 and "no complete snapshot on this node, and HF_HUB_OFFLINE=1" in said, said
     assert "draftline weights CONFIG" in said and time.monotonic() - t0 < 120
     assert hub.requests == []
 
