@@ -80,6 +80,15 @@ def _check_inputs(cfg) -> None:
             draft_size(cfg.vocab.draft_vocab_size, int(text.vocab_size))
         except VocabError as exc:
             problems.append(str(exc))
+    from tasks.drafts import DraftError, draft_folder_of
+
+    for key, spec in [("train.init_from", cfg.train.init_from)] + [
+            (f"benchmark.drafts[{d.name}]", d.model) for d in cfg.benchmark.drafts]:
+        try:
+            if spec:
+                draft_folder_of(spec)
+        except DraftError as exc:
+            problems.append(f"{key}: {exc}")
     if problems:
         fail("\n".join(problems))
 
