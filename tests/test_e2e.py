@@ -406,3 +406,21 @@ def test_warm_start_with_another_draft_vocabulary_is_remapped(small_run, exporte
     assert init["vocab"] == "remapped" and init["draft_vocab_size"] == 1024, init
     assert init["draft_vocab_rows_copied"] == 1024, init
     assert "another draft vocabulary" in proc.stderr
+
+
+@pytest.mark.slow
+def test_export_of_a_config_is_the_draft_its_run_trained(small_run, tmp_path):
+    first = _summary(small_run["first"])
+    sets = [f"store.uri={_store_uri(small_run)}", *SMALL]
+    out = draftline("export", "configs/demo.yaml", str(tmp_path / "d"), "--json", "--head", "eagle3.1",
+                    *[x for s in sets for x in ("--set", s)], env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    heads = {r["head"] for r in first["stages"]["benchmark"]["stats"]["heads"]}
+    assert "eagle3.1" in heads and got["train_digest"] != first["serve"]["train_digest"]
+    assert got["train_digest"] in first["stages"]["train"]["stats"]["heads"].replace(" ", "") or \
+        got["train_digest"][:8] in first["stages"]["train"]["stats"]["heads"]
+    out = draftline("export", "configs/demo.yaml", str(tmp_path / "e"), "--json",
+                    *[x for s in sets for x in ("--set", s)], env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["train_digest"] == first["serve"]["train_digest"]
