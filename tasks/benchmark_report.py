@@ -197,13 +197,18 @@ def render_heads(report: dict[str, Any], console: Any) -> None:
     table = Table(title="draft heads, one benchmark (same baseline, same session)",
                   caption="AL = mean acceptance length measured in vLLM; sim = offline estimate from training; "
                           "offline only = vLLM could not decode with the head (error below)")
-    for col in ("head", "kind", "eval", "k", "batch", "measured in", "AL", "sim", "tok/s", "speedup"):
-        table.add_column(col, justify="left" if col in ("head", "kind", "eval", "measured in") else "right")
-    for r in report.get("head_table") or []:
+    rows = report.get("head_table") or []
+    origin = any(r.get("origin", "trained") != "trained" for r in rows)  # benchmark.drafts beside the heads
+    cols = ("head",) + (("origin",) if origin else ()) + ("kind", "eval", "k", "batch", "measured in", "AL", "sim",
+                                                          "tok/s", "speedup")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("head", "origin", "kind", "eval", "measured in") else "right",
+                         no_wrap=col == "head")
+    for r in rows:
         where = "[green]vllm[/]" if r["measured_in"] == "vllm" else "[red]offline only[/]"
-        table.add_row(r["head"], r["kind"], r["eval"], str(r["k"]), str(r["batch_size"] or "-"), where,
-                      _f(r["acceptance_length"]), _f(r["simulated"]), _f(r["output_tokens_per_s"], ".1f"),
-                      f"{_f(r['speedup'])}x")
+        table.add_row(r["head"], *([r.get("origin", "trained")] if origin else []), r["kind"], r["eval"], str(r["k"]),
+                      str(r["batch_size"] or "-"), where, _f(r["acceptance_length"]), _f(r["simulated"]),
+                      _f(r["output_tokens_per_s"], ".1f"), f"{_f(r['speedup'])}x")
     console.print(table)
     errors = [(r["head"], r["k"], r["error"]) for r in report.get("head_table") or [] if r.get("error")]
     for head, k, e in dict.fromkeys(errors):

@@ -387,8 +387,11 @@ def test_an_exported_draft_is_measured_beside_the_trained_head(small_run, warm_r
     assert "| exported | benchmark.drafts | eagle3 |" in md
     rep = art.read_json("report.json")
     assert rep["heads"]["exported"]["origin"] == "benchmark.drafts"
-    out = draftline("report", digest, "--set", f"store.uri={_store_uri(small_run)}")  # the terminal form
-    assert out.returncode == 0 and "exported" in out.stdout, out.stderr
+    out = draftline("report", digest, "--set", f"store.uri={_store_uri(small_run)}",  # the terminal form
+                    env=dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200"))
+    assert out.returncode == 0, out.stderr
+    assert "draft heads, one benchmark" in out.stdout and "exported" in out.stdout and \
+        "benchmark.drafts" in out.stdout, out.stdout
 
 
 @pytest.mark.slow
@@ -402,9 +405,17 @@ def test_warm_start_with_another_draft_vocabulary_is_remapped(small_run, exporte
     assert s["stages"]["vocab"]["status"] == "ran" and s["stages"]["extract"]["status"] == "cached"
     stats, _ = _train_metrics(small_run, s["serve"]["train_digest"])
     init = stats["init_from"]
-    # the 1,024 most frequent tokens are among the 2,048 of the exported draft: every row carries over
+    from safetensors.torch import load as st_load
+
+    from tasks.store import Store
+
+    art = Store(_store_uri(small_run)).open("train", s["serve"]["train_digest"])
+    new_tokens = set(st_load(art.read_bytes("draft/model.safetensors"))["t2d"].nonzero().flatten().tolist())
+    old_tokens = set(json.loads((exported["dest"] / "vocab/t2d.json").read_text()))
+    # the rows of every token in both vocabularies carried over (here most of the 1,024: both are the most
+    # frequent tokens of the same data)
     assert init["vocab"] == "remapped" and init["draft_vocab_size"] == 1024, init
-    assert init["draft_vocab_rows_copied"] == 1024, init
+    assert init["draft_vocab_rows_copied"] == len(new_tokens & old_tokens) > 512, init
     assert "another draft vocabulary" in proc.stderr
 
 
@@ -418,8 +429,7 @@ def test_export_of_a_config_is_the_draft_its_run_trained(small_run, tmp_path):
     got = json.loads(out.stdout)
     heads = {r["head"] for r in first["stages"]["benchmark"]["stats"]["heads"]}
     assert "eagle3.1" in heads and got["train_digest"] != first["serve"]["train_digest"]
-    assert got["train_digest"] in first["stages"]["train"]["stats"]["heads"].replace(" ", "") or \
-        got["train_digest"][:8] in first["stages"]["train"]["stats"]["heads"]
+    assert f"eagle3.1 {got['train_digest'][:8]}" in first["stages"]["train"]["stats"]["heads"]
     out = draftline("export", "configs/demo.yaml", str(tmp_path / "e"), "--json",
                     *[x for s in sets for x in ("--set", s)], env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
     assert out.returncode == 0, out.stderr
