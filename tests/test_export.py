@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,9 +26,8 @@ from tasks.export import best_k, export_draft, run_serve, serve_command
 from tasks.store import Store
 from tasks.train import run_train
 from tasks.train_common import TrainError
-from train_data import generate_samples, make_tiny_target, write_extract, write_vocab
-
-LAYER_IDS = [1, 2, 3, 4]
+from test_heads import LAYER_IDS, tiny  # noqa: F401 - the tiny target's fixture, shared
+from train_data import make_tiny_target, write_vocab
 
 
 class Ref:
@@ -131,22 +131,13 @@ def test_rows_of_tokens_in_both_vocabularies_are_found():
 # ============================================================================ warm start, for real (tiny target)
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("tiny-export")
-    path = make_tiny_target(root / "target")
-    store = Store(f"file://{root}/store")
-    samples = generate_samples(path, 12, prompt_len=6, new_tokens=26)
-    refs = write_extract(store, path, samples, LAYER_IDS)
-    cfg = train_cfg(path)
-    vref = write_vocab(store, samples, 256, 128)
-    trained = run_train(cfg, store, vref, refs)
-    dest = root / "exported"
-    out = export_draft(store, trained.digest, str(dest), run_serve(cfg, store, trained))
-    yield SimpleNamespace(path=path, store=store, samples=samples, vref=vref, refs=refs, trained=trained,
-                          dest=dest, out=out, cfg=cfg)
-    torch.set_num_threads(before)
+def exp(tiny):
+    """tests/test_heads.py's 4-layer target and its stored hidden states, a draft trained on them and exported."""
+    cfg = train_cfg(tiny.path)
+    trained = run_train(cfg, tiny.store, tiny.vref, tiny.refs)
+    dest = Path(tiny.store.uri.removeprefix("file://")).parent / "exported"
+    out = export_draft(tiny.store, trained.digest, str(dest), run_serve(cfg, tiny.store, trained))
+    return SimpleNamespace(**vars(tiny), trained=trained, dest=dest, out=out, cfg=cfg)
 
 
 def train_cfg(path: str, **train) -> RunConfig:
@@ -156,46 +147,46 @@ def train_cfg(path: str, **train) -> RunConfig:
                                      "train": section})
 
 
-def test_export_writes_the_draft_its_maps_and_a_readme_with_the_serve_line(tiny):
-    art = tiny.store.open("train", tiny.trained.digest)
+def test_export_writes_the_draft_its_maps_and_a_readme_with_the_serve_line(exp):
+    art = exp.store.open("train", exp.trained.digest)
     for name in ("config.json", "model.safetensors"):
-        assert (tiny.dest / "draft" / name).read_bytes() == art.read_bytes(f"draft/{name}")
-    d2t = json.loads((tiny.dest / "vocab/d2t.json").read_text())
-    t2d = json.loads((tiny.dest / "vocab/t2d.json").read_text())
-    w = load_file(str(tiny.dest / "draft/model.safetensors"))
+        assert (exp.dest / "draft" / name).read_bytes() == art.read_bytes(f"draft/{name}")
+    d2t = json.loads((exp.dest / "vocab/d2t.json").read_text())
+    t2d = json.loads((exp.dest / "vocab/t2d.json").read_text())
+    w = load_file(str(exp.dest / "draft/model.safetensors"))
     assert d2t == w["d2t"].tolist() and t2d == w["t2d"].nonzero().flatten().tolist() and len(t2d) == 128
-    line = tiny.out["serve"]["command"]
-    assert shlex.split(line)[:3] == ["vllm", "serve", tiny.path]
-    assert json.loads(shlex.split(line)[4])["model"] == str(tiny.dest / "draft")
-    assert line in (tiny.dest / "README.md").read_text()
-    serve = json.loads((tiny.dest / "serve.json").read_text())
+    line = exp.out["serve"]["command"]
+    assert shlex.split(line)[:3] == ["vllm", "serve", exp.path]
+    assert json.loads(shlex.split(line)[4])["model"] == str(exp.dest / "draft")
+    assert line in (exp.dest / "README.md").read_text()
+    serve = json.loads((exp.dest / "serve.json").read_text())
     assert serve["k"] == 3 and serve["measured"] is False  # not benchmarked: the trained positions
-    assert sorted(tiny.out["files"]) == ["README.md", "draft/config.json", "draft/model.safetensors", "serve.json",
+    assert sorted(exp.out["files"]) == ["README.md", "draft/config.json", "draft/model.safetensors", "serve.json",
                                          "vocab/d2t.json", "vocab/t2d.json"]
 
 
-def test_warm_start_from_an_export_starts_at_its_loss(tiny):
+def test_warm_start_from_an_export_starts_at_its_loss(exp):
     events: list[dict] = []
-    warm = run_train(train_cfg(tiny.path, max_steps=2, init_from=str(tiny.dest / "draft")), tiny.store, tiny.vref,
-                     tiny.refs, on_metrics=events.append)
-    assert warm.digest != tiny.trained.digest
+    warm = run_train(train_cfg(exp.path, max_steps=2, init_from=str(exp.dest / "draft")), exp.store, exp.vref,
+                     exp.refs, on_metrics=events.append)
+    assert warm.digest != exp.trained.digest
     init = warm.stats["init_from"]
     assert init["vocab"] == "same" and init["draft_vocab_rows_copied"] == 128
-    assert init["digest"] == content_digest(str(tiny.dest / "draft"))
-    fresh = tiny.store.open("train", tiny.trained.digest).read_json("metrics.json")["steps"]
+    assert init["digest"] == content_digest(str(exp.dest / "draft"))
+    fresh = exp.store.open("train", exp.trained.digest).read_json("metrics.json")["steps"]
     first = [e for e in events if e.get("kind") == "train"][0]["loss"]
     assert first < 0.7 * fresh[0]["loss"], (first, fresh[0]["loss"], fresh[-1]["loss"])
     start = next(e for e in events if e.get("kind") == "start")
     assert start["init_from"]["note"].startswith("the same draft vocabulary")
 
 
-def test_warm_start_with_another_draft_vocabulary_copies_the_shared_rows(tiny):
-    other = write_vocab(tiny.store, tiny.samples, 256, 64, tag="smaller")
-    ref = run_train(train_cfg(tiny.path, max_steps=1, init_from=str(tiny.dest / "draft")), tiny.store, other,
-                    tiny.refs)
+def test_warm_start_with_another_draft_vocabulary_copies_the_shared_rows(exp):
+    other = write_vocab(exp.store, exp.samples, 256, 64, tag="smaller")
+    ref = run_train(train_cfg(exp.path, max_steps=1, init_from=str(exp.dest / "draft")), exp.store, other,
+                    exp.refs)
     init = ref.stats["init_from"]
-    old = set(json.loads((tiny.dest / "vocab/t2d.json").read_text()))
-    art = tiny.store.open("train", ref.digest)
+    old = set(json.loads((exp.dest / "vocab/t2d.json").read_text()))
+    art = exp.store.open("train", ref.digest)
     from safetensors.torch import load as st_load
 
     new_w = st_load(art.read_bytes("draft/model.safetensors"))
@@ -205,20 +196,20 @@ def test_warm_start_with_another_draft_vocabulary_copies_the_shared_rows(tiny):
     assert "another draft vocabulary: lm_head rows of the" in init["note"]
 
 
-def test_a_warm_start_that_cannot_fit_fails_before_training(tiny):
+def test_a_warm_start_that_cannot_fit_fails_before_training(exp):
     with pytest.raises(TrainError, match=r"1 decoder layer\(s\), this run trains 2"):
-        run_train(train_cfg(tiny.path, max_steps=1, num_layers=2, init_from=str(tiny.dest / "draft")), tiny.store,
-                  tiny.vref, tiny.refs)
+        run_train(train_cfg(exp.path, max_steps=1, num_layers=2, init_from=str(exp.dest / "draft")), exp.store,
+                  exp.vref, exp.refs)
     # another target (hidden 32): refused by the warm start itself, on a draft built for that target
     from tasks.drafts import warm_start
     from tasks.target import load_hf_config
     from tasks.train_model import build_draft_model
 
-    other = make_tiny_target(tiny.dest.parent / "wider", hidden=32)
+    other = make_tiny_target(exp.dest.parent / "wider", hidden=32)
     cfg = train_cfg(other)
     t2d = torch.zeros(256, dtype=torch.bool)
     t2d[:128] = True
     model = build_draft_model(cfg.train, cfg.target, other, load_hf_config(cfg.target, other), LAYER_IDS,
                               torch.zeros(128, dtype=torch.long), t2d)
     with pytest.raises(DraftError, match="hidden size is 64, the target's 32"):
-        warm_start(model, str(tiny.dest / "draft"), layer_ids=LAYER_IDS, kind="eagle3", num_layers=1)
+        warm_start(model, str(exp.dest / "draft"), layer_ids=LAYER_IDS, kind="eagle3", num_layers=1)
