@@ -99,6 +99,15 @@ def _check_inputs(cfg) -> None:
             draft_size(cfg.vocab.draft_vocab_size, int(text.vocab_size))
         except VocabError as exc:
             problems.append(str(exc))
+    from tasks.drafts import DraftError, draft_folder_of
+
+    for key, spec in [("train.init_from", cfg.train.init_from)] + [
+            (f"benchmark.drafts[{d.name}]", d.model) for d in cfg.benchmark.drafts]:
+        try:
+            if spec:
+                draft_folder_of(spec)
+        except DraftError as exc:
+            problems.append(f"{key}: {exc}")
     if problems:
         fail("\n".join(problems))
 
@@ -156,11 +165,16 @@ def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to
     table = Table()
     for col in ("stage", "digest", "created", "files", "bytes", "stats"):
         table.add_column(col)
+    trained = []
     for m in store.list(stage):
         size = sum(f.bytes for f in m.files)
         brief = ", ".join(f"{k}={v}" for k, v in m.stats.items() if isinstance(v, (int, float, str)) and len(str(v)) < 24)
         table.add_row(m.stage, m.digest, m.created, str(len(m.files)), f"{size:,}", brief[:80])
+        if m.stage == "train":
+            trained.append(m)
     console.print(table)
+    for m in trained:  # where each draft is: the attempt folder the manifest names
+        print(f"train {m.digest}: attempt {m.attempt}, draft {store.uri.rstrip('/')}/train/{m.digest}/{m.attempt}/draft/")
 
 
 @app.command()
@@ -237,6 +251,35 @@ def report(config: Optional[Path] = typer.Argument(None, help="Config naming the
         print(json.dumps(rep, indent=2))
     else:
         render_terminal(rep.get("benchmark", {}), console, rep)
+
+
+@app.command()
+def export(what: str = typer.Argument(..., help="A train digest (or 6+ first characters), a flow run id or "
+                                                   "name, `last`, or a YAML config (its first head's draft)."),
+           dest: str = typer.Argument(..., help="Folder or s3:// prefix to write the draft to."),
+           config: Optional[Path] = typer.Option(None, "--config", help="Config naming the store (default: WHAT "
+                                                                         "when it is a config)."),
+           overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt,
+           head: Optional[str] = typer.Option(None, help="With a config or run of several train.heads: which."),
+           as_json: bool = JsonOpt):
+    """Write a trained draft as vLLM loads it (draft/), its vocabulary maps and a README.md with the exact
+    `vllm serve` line, at the settings its benchmark measured."""
+    from tasks.export import ExportError, export_draft, export_serve, resolve_train
+
+    from_config = what.endswith((".yaml", ".yml")) or Path(what).is_file()
+    cfg = _load(Path(what) if from_config and config is None else config, overrides, store_uri)
+    store = _store(cfg, write=False)  # it reads the store only: read-only keys export
+    try:
+        digest, report, run_cfg = resolve_train(store, what, cfg if from_config else None, head)
+        out = export_draft(store, digest, dest, export_serve(store, digest, report, run_cfg))
+    except (ExportError, ValueError, LookupError) as exc:
+        fail(str(exc))
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return
+    console.print(f"exported train artifact {digest} to {dest} ({len(out['files'])} files). Serve it:")
+    for line in out["serve"]["lines"]:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @store_app.command("init")

@@ -112,3 +112,10 @@ def print_summary(summary: dict[str, Any]) -> None:
     for name, r in summary.get("stages", {}).items():
         if r.get("error"):
             err.print(f"[red]{name}[/]: {r['error']}")
+    serve = summary.get("serve")
+    if serve and summary.get("state") != "FAILED" and not summary.get("benchmark"):  # else the report prints it
+        console.print("serve the trained draft " + (f"(k={serve['k']}, the best speedup measured, at the measured "
+                                                   "engine settings):" if serve.get("measured") else
+                                                   f"(not benchmarked: k={serve['k']}, its trained positions):"))
+        for line in serve["lines"]:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)

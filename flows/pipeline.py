@@ -151,8 +151,9 @@ def _train_log_line(m: dict[str, Any]) -> str | None:
     kind = m.get("kind")
     if kind == "start":
         resumed = f", resumed from the checkpoint of step {m['resumed_from']}" if m.get("resumed_from") is not None else ""
+        warm = f"; warm start from {m['init_from']['source']}: {m['init_from']['note']}" if m.get("init_from") else ""
         return (f"train: {m.get('world_size', 1)} rank(s) on {m.get('device')}, {m.get('attn_impl')} attention, "
-                f"{m.get('precision')}, step {m.get('step')}/{m.get('max_steps')}{resumed}")
+                f"{m.get('precision')}, step {m.get('step')}/{m.get('max_steps')}{resumed}{warm}")
     if kind == "train":
         step, total = int(m["step"]), int(m["max_steps"])
         if step == 1 or step == total or step % max(1, total // 20) == 0:
@@ -310,6 +311,12 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         r.stats = {"heads": ", ".join(f"{label} {ref.digest[:8]} ({ref.stats.get('steps')} steps)"
                                       for label, ref in heads)}
     trained = heads[0][1] if len(heads) == 1 else heads
+    from tasks.export import run_serve
+
+    try:
+        rec.serve = run_serve(head_config(cfg, cfg.train.heads[0]), store, heads[0][1])
+    except Exception as exc:  # noqa: BLE001 - the draft is committed either way; `draftline export` prints it too
+        logger.warning(f"could not build the draft's vllm serve line: {exc}")
     if _stop_after(until, "train"):
         return skip_rest("train")
 
@@ -323,6 +330,8 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
 
     report = load_report(store, bench)
     rec.benchmark = report.get("benchmark")
+    if report.get("serve"):  # the settings it was measured at (a report from before they were kept: the config's)
+        rec.serve = run_serve(cfg, store, heads[0][1], report)
     if len(report.get("heads") or {}) > 1:  # every head's rows, for --json and the terminal
         rec.stages["benchmark"].stats["heads"] = report.get("head_table")
     try:

@@ -41,9 +41,11 @@ def publish_summary(report: dict[str, Any]) -> dict[str, Any]:
     """Create the table and markdown artifacts for the current flow run; returns their ids."""
     mb = report.get("measured_by") or {}
     when = f"measured {mb.get('date', '?')}" + (f" by run {mb['flow_run_id']}" if mb.get("flow_run_id") else "")
+    serve = (report.get("serve") or {}).get("lines") or []
     table_id = create_table_artifact(
         report_table_rows(report), key=TABLE_KEY,
-        description=f"Draft vs baseline in vLLM per eval, k (0 = no draft) and batch size; {when}")
+        description=f"Draft vs baseline in vLLM per eval, k (0 = no draft) and batch size; {when}"
+                    + ("\n\nServe the draft:\n\n```\n" + "\n".join(serve) + "\n```" if serve else ""))
     md_id = create_markdown_artifact(
         summary_markdown(report), key=MARKDOWN_KEY,
         description=f"Draft benchmark report ({when})")

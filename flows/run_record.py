@@ -39,6 +39,7 @@ class RunRecord:
     state: str = "RUNNING"
     stages: dict[str, StageRecord] = field(default_factory=lambda: {s: StageRecord() for s in STAGES})
     benchmark: dict[str, Any] | None = None
+    serve: dict[str, Any] | None = None  # the trained draft's `vllm serve` line (tasks/export.py run_serve)
     store: str = ""
     started: float = field(default_factory=time.time)
 
@@ -55,6 +56,8 @@ class RunRecord:
         }
         if self.benchmark is not None:
             out["benchmark"] = self.benchmark
+        if self.serve is not None:
+            out["serve"] = self.serve
         return out
 
 

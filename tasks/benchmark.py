@@ -296,12 +296,20 @@ def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tupl
                 replayed = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             timing["replay_s"] = round(time.time() - t1, 1)
     others: list[dict[str, Any]] = []
-    for other_label, ref in heads[1:]:
-        art = store.open("train", ref.digest)
-        entry: dict[str, Any] = {"label": other_label, "ref": ref, "train_stats": art.stats, "spec": {},
-                                 "errors": {}, "draft": {}}
+    # the further heads of train.heads, then benchmark.drafts (published or exported drafts), same baseline
+    sources: list[tuple[str, ArtifactRef, Any, str]] = [
+        (other_label, ref, store.open("train", ref.digest), "trained") for other_label, ref in heads[1:]]
+    for d in b.drafts:
+        from tasks.drafts import content_digest, draft_folder_of
+
+        sources.append((d.name, ArtifactRef(stage="draft", digest=content_digest(d.model), uri=d.model), d.model,
+                        "benchmark.drafts"))
+    for other_label, ref, art, origin in sources:
+        entry: dict[str, Any] = {"label": other_label, "ref": ref, "spec": {}, "errors": {}, "draft": {},
+                                 "train_stats": art.stats if origin == "trained" else {}, "origin": origin}
         others.append(entry)
-        with draft_folder(art) as other_dir:
+        folder = draft_folder(art) if origin == "trained" else contextlib.nullcontext(draft_folder_of(art))
+        with folder as other_dir:
             entry["draft"] = info = check_draft(other_dir, hf_config)
             for k in b.num_speculative_tokens:
                 _log(log, f"benchmark: {other_label} engine ({info['vllm_method']}), k={k}")
@@ -325,6 +333,10 @@ def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tupl
         for k, e in h["errors"].items():
             report["warnings"].append(f"{other} ({h['kind']}) k={k}: not measured in vLLM, its figures are offline-only: "
                                       f"{e}")
+    from tasks.export import best_k, run_serve, serve_settings
+
+    report["serve"] = run_serve(cfg, store, trained, {"serve": serve_settings(
+        cfg, k=best_k(report) or b.num_speculative_tokens[0], method=method)})
     report.update({"digest": digest, "uri": store.uri_of(STAGE, digest),
                    "target": {"model": cfg.target.model, "path": model},
                    "draft": {"train_digest": trained.digest, "uri": trained.uri, **draft_info},
@@ -377,6 +389,7 @@ def other_head(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str, dic
                 fig["greedy_identity"] = fig["by_batch_size"][str(largest)]["greedy_identity"]
     ref = entry["ref"]
     return {"kind": info.get("kind"), "vllm_method": info.get("vllm_method"), "train_digest": ref.digest,
+            "origin": entry.get("origin", "trained"),
             "uri": ref.uri, "measured": "vllm" if measured and not errors else "partly" if measured else "offline only",
             "layer_ids": info.get("layer_ids"), "block_size": info.get("block_size"), "steps": st.get("steps"),
             "val_acc_per_pos": acc, "simulated_acceptance_length": st.get("simulated_acceptance_length"),

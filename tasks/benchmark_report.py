@@ -91,6 +91,7 @@ def report_markdown(report: dict[str, Any]) -> str:
                      f"layer ids {dr.get('layer_ids')}, norms: {', '.join(norms) or 'none'}).")
     lines.append(f"Temperature {s.get('temperature')}, max {s.get('max_tokens')} new tokens, batch sizes "
                  f"{s.get('batch_sizes')}, speculative tokens {s.get('num_speculative_tokens')}.")
+    lines += serve_markdown(report)
     lines.append("")
     for name, ev in report.get("evals", {}).items():
         lines.append(f"- **{name}**: {ev['prompts']} prompts from {ev['source']} "
@@ -149,19 +150,31 @@ def report_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def serve_markdown(report: dict[str, Any]) -> list[str]:
+    """'## Serve this draft': the exact `vllm serve` line (tasks/export.py builds it), at the measured settings."""
+    serve = report.get("serve")
+    if not serve or not serve.get("lines"):
+        return []
+    return ["", "## Serve this draft", "",
+            f"With the settings it was measured at (k = {serve['k']}, the best speedup measured; the engine "
+            "settings of the benchmark's engines):", "", "```", *serve["lines"], "```"]
+
+
 def heads_markdown(report: dict[str, Any]) -> list[str]:
     """'## Draft heads': every head of train.heads side by side (with one head, nothing: Results is it)."""
     heads = report.get("heads") or {}
     if len(heads) < 2:
         return []
     lines = ["", "## Draft heads", "",
-             "Every head trained from the same stored hidden states, measured in this session against the same "
-             "baseline. `offline only`: vLLM could not decode with that head; the error is quoted.", "",
-             "| head | kind | vLLM method | trained steps | layer ids | simulated AL (train) |",
-             "|---|---|---|---:|---|---:|"]
+             "Every head trained from the same stored hidden states, and every draft of benchmark.drafts (origin "
+             "`benchmark.drafts`: published or exported elsewhere, no offline estimate), measured in this session "
+             "against the same baseline. `offline only`: vLLM could not decode with that head; the error is quoted.",
+             "", "| head | origin | kind | vLLM method | trained steps | layer ids | simulated AL (train) | draft |",
+             "|---|---|---|---|---:|---|---:|---|"]
     for label, h in heads.items():
-        lines.append(f"| {label} | {h['kind']} | {h.get('vllm_method')} | {h.get('steps')} | {h.get('layer_ids')} | "
-                     f"{_f(h.get('simulated_acceptance_length'))} |")
+        lines.append(f"| {label} | {h.get('origin', 'trained')} | {h['kind']} | {h.get('vllm_method')} | "
+                     f"{_f(h.get('steps'), 'd')} | {h.get('layer_ids')} | {_f(h.get('simulated_acceptance_length'))} | "
+                     f"`{h.get('uri')}` |")
     lines += ["", "| head | kind | eval | k | batch | measured in | accept len | simulated | tok/s | speedup | "
               "identical |", "|---|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in report.get("head_table") or []:
@@ -184,13 +197,18 @@ def render_heads(report: dict[str, Any], console: Any) -> None:
     table = Table(title="draft heads, one benchmark (same baseline, same session)",
                   caption="AL = mean acceptance length measured in vLLM; sim = offline estimate from training; "
                           "offline only = vLLM could not decode with the head (error below)")
-    for col in ("head", "kind", "eval", "k", "batch", "measured in", "AL", "sim", "tok/s", "speedup"):
-        table.add_column(col, justify="left" if col in ("head", "kind", "eval", "measured in") else "right")
-    for r in report.get("head_table") or []:
+    rows = report.get("head_table") or []
+    origin = any(r.get("origin", "trained") != "trained" for r in rows)  # benchmark.drafts beside the heads
+    cols = ("head",) + (("origin",) if origin else ()) + ("kind", "eval", "k", "batch", "measured in", "AL", "sim",
+                                                          "tok/s", "speedup")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("head", "origin", "kind", "eval", "measured in") else "right",
+                         no_wrap=col == "head")
+    for r in rows:
         where = "[green]vllm[/]" if r["measured_in"] == "vllm" else "[red]offline only[/]"
-        table.add_row(r["head"], r["kind"], r["eval"], str(r["k"]), str(r["batch_size"] or "-"), where,
-                      _f(r["acceptance_length"]), _f(r["simulated"]), _f(r["output_tokens_per_s"], ".1f"),
-                      f"{_f(r['speedup'])}x")
+        table.add_row(r["head"], *([r.get("origin", "trained")] if origin else []), r["kind"], r["eval"], str(r["k"]),
+                      str(r["batch_size"] or "-"), where, _f(r["acceptance_length"]), _f(r["simulated"]),
+                      _f(r["output_tokens_per_s"], ".1f"), f"{_f(r['speedup'])}x")
     console.print(table)
     errors = [(r["head"], r["k"], r["error"]) for r in report.get("head_table") or [] if r.get("error")]
     for head, k, e in dict.fromkeys(errors):
@@ -401,6 +419,12 @@ def render_terminal(benchmark: dict[str, Any], console: Any, report: dict[str, A
         console.print(line)
     if report:
         render_heads(report, console)
+        serve = report.get("serve") or {}
+        if serve.get("lines"):
+            console.print(f"serve this draft (k={serve['k']}, the best speedup measured, at the measured engine "
+                          "settings):")
+            for line in serve["lines"]:
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
         for line in identity_brief(report.get("greedy_identity") or {}):
             console.print(line)
         for w in report.get("warnings", []):

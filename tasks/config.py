@@ -314,6 +314,12 @@ class TrainConfig(Section):
     loss_impl: Literal["eager", "fused"] = Field(
         "eager", description="speculators' loss kernels: eager (any device) or fused (Triton, GPU only)."
     )
+    init_from: str | None = Field(
+        None, description="A published EAGLE-3 draft (a local folder as `draftline export` writes it, or a hub "
+        "id) whose weights start training instead of a fresh draft: its hidden size, target vocabulary, depth "
+        "and auxiliary layer ids must match this run's (refused with the reason otherwise); another draft "
+        "vocabulary is remapped (lm_head rows of tokens in both are copied). Its content digest, not its path, "
+        "enters the train address.")
 
     @field_validator("heads")
     @classmethod
@@ -349,6 +355,13 @@ class EvalConfig(Section):
     num_prompts: int = Field(16, ge=1)
 
 
+class DraftConfig(Section):
+    """A draft measured beside the trained heads (benchmark.drafts): a published one, or one exported earlier."""
+
+    name: str = Field(..., description="Its label in every report table.")
+    model: str = Field(..., description="A local draft folder (config.json + model.safetensors) or a hub id.")
+
+
 class BenchmarkConfig(Section):
     enabled: bool = True
     evals: list[EvalConfig] = Field(
@@ -368,11 +381,25 @@ class BenchmarkConfig(Section):
         "outputs: splits a measured/simulated acceptance gap into distribution shift, draft-start sampling "
         "and engine effects.",
     )
+    drafts: list[DraftConfig] = Field(
+        default_factory=list,
+        description="Other drafts (published, or exported by an earlier run) measured in the same session against "
+        "the same baseline as the trained heads, a row each in every report table. Their content digests enter "
+        "the benchmark address.")
     replay_backend: Literal["auto", "vllm", "transformers"] = Field(
         "auto",
         description="Engine that computes the replay's hidden states. auto: transformers on a machine without "
         "GPUs (cheaper to start than another vLLM engine), else the extract stage's backend.",
     )
+
+    @field_validator("drafts")
+    @classmethod
+    def _distinct_drafts(cls, v: list[DraftConfig]) -> list[DraftConfig]:
+        names = [d.name for d in v]
+        twice = sorted({x for x in names if names.count(x) > 1})
+        if twice:
+            raise ValueError(f"benchmark.drafts names must be unique, {twice} appear more than once")
+        return v
 
     @field_validator("num_speculative_tokens", "batch_sizes")
     @classmethod

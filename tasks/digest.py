@@ -149,7 +149,11 @@ def train(cfg, vocab_ref, shard_refs, head=None) -> str:
     only when they differ from the default EAGLE-3 head, and its overrides (max_steps, num_layers) as the
     train keys they replace; `heads` itself never does, so a one-head config keeps its address."""
     t = cfg.train.for_head(head) if head is not None else cfg.train
-    section = t.model_dump(mode="json", exclude=TRAIN_SCHEDULING_KEYS | {"heads"})
+    section = t.model_dump(mode="json", exclude=TRAIN_SCHEDULING_KEYS | {"heads", "init_from"})
+    if t.init_from:  # the warm start's content, not its path (absent: the addresses drafts always had)
+        from tasks.drafts import content_digest
+
+        section["init_from"] = content_digest(t.init_from)
     # attn_impl left the address (every kernel trains the same draft), but drafts stored before that were
     # addressed with the then-default "sdpa" in it: the constant keeps their addresses, so none retrains.
     section["attn_impl"] = "sdpa"
@@ -166,4 +170,9 @@ def benchmark(cfg, trained, data) -> str:
     inputs = {"train": heads[0][1].digest, "data": data.digest}
     if len(heads) > 1:
         inputs["heads"] = ",".join(f"{label}={ref.digest}" for label, ref in heads)
-    return stage_digest("benchmark", {"benchmark": cfg.benchmark, "target": _target_identity(cfg)}, inputs)
+    section = cfg.benchmark.model_dump(mode="json", exclude={"drafts"})
+    if cfg.benchmark.drafts:  # other drafts by content (none: the address a benchmark always had)
+        from tasks.drafts import content_digest
+
+        inputs["drafts"] = ",".join(f"{d.name}={content_digest(d.model)}" for d in cfg.benchmark.drafts)
+    return stage_digest("benchmark", {"benchmark": section, "target": _target_identity(cfg)}, inputs)

@@ -259,7 +259,18 @@ class Trainer:
         self.attn_impl, self.attn_fallback = resolve_attn_impl(
             t.attn_impl, env.device, lambda: flex_attention_compiles(env.device, *shape, dtype=dtype))
         self.model = build_draft_model(t, cfg.target, inputs.target_path, inputs.hf_config, inputs.layer_ids,
-                                       inputs.d2t, inputs.t2d, attn_impl=self.attn_impl).to(env.device)
+                                       inputs.d2t, inputs.t2d, attn_impl=self.attn_impl)
+        self.init_from: dict[str, Any] | None = None
+        if t.init_from:  # a published draft's weights as the start (a resumed run overwrites them below)
+            from tasks.drafts import DraftError, warm_start
+
+            try:
+                self.init_from = warm_start(self.model, t.init_from, layer_ids=inputs.layer_ids,
+                                            kind=self.head.kind, num_layers=t.num_layers)
+            except DraftError as exc:
+                raise TrainError(str(exc)) from None
+            log.info("train.init_from %s: %s", t.init_from, self.init_from["note"])
+        self.model = self.model.to(env.device)
         self.model.train()
         self.names = trainable_names(self.model)
         self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
@@ -432,7 +443,8 @@ class Trainer:
                     "resumed_from": state.resumed_from, "trainable_params": n_params,
                     "flops_per_token": self.flops_per_token, "peak_flops": self.peak_flops,
                     "device": str(env.device), "world_size": env.world, "layer_ids": self.inp.layer_ids,
-                    "attn_impl": self.attn_impl, "attn_fallback": self.attn_fallback, "precision": self.precision})
+                    "attn_impl": self.attn_impl, "attn_fallback": self.attn_fallback, "precision": self.precision,
+                    "init_from": self.init_from})
         budget = t.max_minutes * 60 if t.max_minutes else None
         if state.stopped_reason == "time_budget" or state.step >= t.max_steps:
             return state  # the last run already finished training; only eval/export remain
@@ -536,6 +548,8 @@ class Trainer:
                 "device": env.device.type, "precision": self.precision, "attn_impl": self.attn_impl,
                 "resumed_from_step": state.resumed_from,
             }
+            if self.init_from is not None:
+                stats["init_from"] = self.init_from
             metrics = {"steps": state.history, "eval": val, "stopped_reason": state.stopped_reason}
             with owned_temporary_directory("draftline-draft-") as tmp, \
                     self.store.write(STAGE, self.inp.digest, VERSIONS[STAGE], self.inp.inputs,

@@ -1,0 +1,215 @@
+"""From a trained draft to a served one, the fast parts: the one `vllm serve` line, `draftline export`'s folder,
+a published draft as a warm start (train.init_from: checked, remapped, addressed by content) and as an other
+draft in the benchmark (benchmark.drafts: addressed by content).
+
+The whole chain through `draftline run`, `draftline export` and `vllm serve` (the CPU build) is in
+tests/test_e2e.py; these run on the 4-layer random target of tests/test_train.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tasks import digest as digests
+from tasks.config import RunConfig, load_config
+from tasks.drafts import DraftError, check_compatible, content_digest, remap_rows
+from tasks.export import best_k, export_draft, run_serve, serve_command
+from tasks.store import Store
+from tasks.train import run_train
+from tasks.train_common import TrainError
+from test_heads import LAYER_IDS, tiny  # noqa: F401 - the tiny target's fixture, shared
+from train_data import make_tiny_target, write_vocab
+
+
+class Ref:
+    def __init__(self, d, shard=0):
+        self.digest, self.stats = d, {"shard": shard}
+
+
+# ============================================================================ the serve line
+
+def test_the_serve_line_is_one_shell_line_that_parses_back():
+    serve = {"target": "/models/my target", "method": "eagle3", "k": 3,
+             "engine": {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True, "seed": 0}}
+    line = serve_command(serve, "/drafts/it's here")
+    argv = shlex.split(line)
+    assert argv[:3] == ["vllm", "serve", "/models/my target"]
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
+        "method": "eagle3", "model": "/drafts/it's here", "num_speculative_tokens": 3}
+    assert argv[5:] == ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--seed", "0"]
+
+
+def test_best_k_is_the_best_measured_speedup():
+    def fig(sp, al):
+        return {"by_batch_size": {"1": {"speedup": sp, "mean_acceptance_length": al}}}
+
+    rep = {"benchmark": {"a": {"1": fig(1.2, 1.5), "3": fig(1.4, 2.1)}, "b": {"1": fig(1.1, 1.4), "3": fig(1.3, 2.0)}}}
+    assert best_k(rep) == 3
+    rep["benchmark"]["a"]["3"] = fig(0.9, 2.1)  # more accepted tokens, but slower: k=1 serves better
+    assert best_k(rep) == 1
+    assert best_k({"benchmark": {}}) is None
+
+
+# ============================================================================ addresses
+
+def fake_draft(folder, payload: bytes = b"weights") -> str:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"speculators_model_type": "eagle3"}')
+    (folder / "model.safetensors").write_bytes(payload)
+    return str(folder)
+
+
+def test_a_warm_start_and_other_drafts_enter_addresses_by_content_and_null_changes_nothing(tmp_path):
+    v, shards, data = Ref("v"), [Ref("s0", 0), Ref("s1", 1)], Ref("d")
+    plain = digests.train(RunConfig(), v, shards)
+    assert digests.train(load_config(None, ["train.init_from=null"]), v, shards) == plain
+    a = fake_draft(tmp_path / "a")
+    b = str(shutil.copytree(a, tmp_path / "elsewhere" / "b"))  # the same files under another path
+    c = fake_draft(tmp_path / "c", b"other weights")
+    warm = {p: digests.train(load_config(None, [f"train.init_from={p}"]), v, shards) for p in (a, b, c)}
+    assert warm[a] == warm[b] != plain and warm[c] not in (plain, warm[a])
+    # benchmark.drafts: empty keeps the address; a draft's content (and name) enter it, not its path
+    base = digests.benchmark(RunConfig(), Ref("t"), data)
+    assert digests.benchmark(load_config(None, ["benchmark.drafts=[]"]), Ref("t"), data) == base
+    with_a = digests.benchmark(load_config(None, [f"benchmark.drafts=[{{name: x, model: {a}}}]"]), Ref("t"), data)
+    with_b = digests.benchmark(load_config(None, [f"benchmark.drafts=[{{name: x, model: {b}}}]"]), Ref("t"), data)
+    with_c = digests.benchmark(load_config(None, [f"benchmark.drafts=[{{name: x, model: {c}}}]"]), Ref("t"), data)
+    assert with_a == with_b and len({base, with_a, with_c}) == 3
+    assert content_digest(a) == content_digest(b)
+
+
+def test_a_draft_that_is_not_there_is_a_clear_error(tmp_path):
+    with pytest.raises(DraftError, match="no such folder"):
+        content_digest(str(tmp_path / "nothing"))
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")
+    with pytest.raises(DraftError, match="has no model.safetensors"):
+        content_digest(str(tmp_path / "half"))
+
+
+# ============================================================================ compatibility and remapping
+
+CONF = {"speculators_model_type": "eagle3", "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        "transformer_layer_config": {"hidden_size": 64, "vocab_size": 256, "num_hidden_layers": 1}}
+
+
+def test_an_incompatible_draft_is_refused_with_the_reason_and_the_fix():
+    ok = dict(hidden=64, vocab=256, layer_ids=[1, 2, 3, 4], num_layers=1, kind="eagle3")
+    check_compatible(CONF, "d", **ok)
+    cases = [({"hidden": 128}, "hidden size is 64, the target's 128: it was trained for another target"),
+             ({"vocab": 300}, "maps a 256-token target vocabulary, the target has 300"),
+             ({"num_layers": 2}, "1 decoder layer(s), this run trains 2: set train.num_layers: 1"),
+             ({"layer_ids": [1, 3, 5, 6]}, "reads target layers [1, 2, 3], this run feeds [1, 3, 5]: its fc weights "
+                                           "belong to those layers; set extract.layer_ids: [1, 2, 3, 6]"),
+             ({"kind": "dflash"}, "a warm start needs an EAGLE-3 draft")]
+    for change, why in cases:
+        with pytest.raises(DraftError) as exc:
+            check_compatible(CONF, "pub/draft", **{**ok, **change})
+        assert "train.init_from 'pub/draft' cannot seed this draft" in str(exc.value) and why in str(exc.value), \
+            str(exc.value)
+
+
+def test_rows_of_tokens_in_both_vocabularies_are_found():
+    old_tokens, new_tokens = np.array([0, 3, 5, 9]), np.array([3, 4, 9])
+    old_d2t = torch.tensor(old_tokens - np.arange(4))
+    new_d2t = torch.tensor(new_tokens - np.arange(3))
+    rows, tokens = remap_rows(old_d2t, None, new_d2t, 10)
+    assert tokens.tolist() == [3, 4, 9] and rows.tolist() == [1, -1, 3]
+    rows, _ = remap_rows(None, None, new_d2t, 10)  # a draft over the whole vocabulary: row = token
+    assert rows.tolist() == [3, 4, 9]
+
+
+# ============================================================================ warm start, for real (tiny target)
+
+@pytest.fixture(scope="module")
+def exp(tiny):
+    """tests/test_heads.py's 4-layer target and its stored hidden states, a draft trained on them and exported."""
+    cfg = train_cfg(tiny.path)
+    trained = run_train(cfg, tiny.store, tiny.vref, tiny.refs)
+    dest = Path(tiny.store.uri.removeprefix("file://")).parent / "exported"
+    out = export_draft(tiny.store, trained.digest, str(dest), run_serve(cfg, tiny.store, trained))
+    return SimpleNamespace(**vars(tiny), trained=trained, dest=dest, out=out, cfg=cfg)
+
+
+def train_cfg(path: str, **train) -> RunConfig:
+    section = {"max_steps": 30, "batch_tokens": 128, "warmup_steps": 1, "lr": 3e-3, "eval_batches": 1,
+               "min_lr_ratio": 1.0, **train}
+    return RunConfig.model_validate({"target": {"model": path}, "extract": {"layer_ids": LAYER_IDS},
+                                     "train": section})
+
+
+def test_export_writes_the_draft_its_maps_and_a_readme_with_the_serve_line(exp):
+    art = exp.store.open("train", exp.trained.digest)
+    for name in ("config.json", "model.safetensors"):
+        assert (exp.dest / "draft" / name).read_bytes() == art.read_bytes(f"draft/{name}")
+    d2t = json.loads((exp.dest / "vocab/d2t.json").read_text())
+    t2d = json.loads((exp.dest / "vocab/t2d.json").read_text())
+    w = load_file(str(exp.dest / "draft/model.safetensors"))
+    assert d2t == w["d2t"].tolist() and t2d == w["t2d"].nonzero().flatten().tolist() and len(t2d) == 128
+    line = exp.out["serve"]["command"]
+    assert shlex.split(line)[:3] == ["vllm", "serve", exp.path]
+    assert json.loads(shlex.split(line)[4])["model"] == str(exp.dest / "draft")
+    assert line in (exp.dest / "README.md").read_text()
+    serve = json.loads((exp.dest / "serve.json").read_text())
+    assert serve["k"] == 3 and serve["measured"] is False  # not benchmarked: the trained positions
+    assert sorted(exp.out["files"]) == ["README.md", "draft/config.json", "draft/model.safetensors", "serve.json",
+                                         "vocab/d2t.json", "vocab/t2d.json"]
+
+
+def test_warm_start_from_an_export_starts_at_its_loss(exp):
+    events: list[dict] = []
+    warm = run_train(train_cfg(exp.path, max_steps=2, init_from=str(exp.dest / "draft")), exp.store, exp.vref,
+                     exp.refs, on_metrics=events.append)
+    assert warm.digest != exp.trained.digest
+    init = warm.stats["init_from"]
+    assert init["vocab"] == "same" and init["draft_vocab_rows_copied"] == 128
+    assert init["digest"] == content_digest(str(exp.dest / "draft"))
+    fresh = exp.store.open("train", exp.trained.digest).read_json("metrics.json")["steps"]
+    first = [e for e in events if e.get("kind") == "train"][0]["loss"]
+    assert first < 0.7 * fresh[0]["loss"], (first, fresh[0]["loss"], fresh[-1]["loss"])
+    start = next(e for e in events if e.get("kind") == "start")
+    assert start["init_from"]["note"].startswith("the same draft vocabulary")
+
+
+def test_warm_start_with_another_draft_vocabulary_copies_the_shared_rows(exp):
+    other = write_vocab(exp.store, exp.samples, 256, 64, tag="smaller")
+    ref = run_train(train_cfg(exp.path, max_steps=1, init_from=str(exp.dest / "draft")), exp.store, other,
+                    exp.refs)
+    init = ref.stats["init_from"]
+    old = set(json.loads((exp.dest / "vocab/t2d.json").read_text()))
+    art = exp.store.open("train", ref.digest)
+    from safetensors.torch import load as st_load
+
+    new_w = st_load(art.read_bytes("draft/model.safetensors"))
+    new_tokens = new_w["t2d"].nonzero().flatten().tolist()
+    assert init["vocab"] == "remapped" and init["draft_vocab_size"] == 64
+    assert init["draft_vocab_rows_copied"] == len(old & set(new_tokens)) > 0
+    assert "another draft vocabulary: lm_head rows of the" in init["note"]
+
+
+def test_a_warm_start_that_cannot_fit_fails_before_training(exp):
+    with pytest.raises(TrainError, match=r"1 decoder layer\(s\), this run trains 2"):
+        run_train(train_cfg(exp.path, max_steps=1, num_layers=2, init_from=str(exp.dest / "draft")), exp.store,
+                  exp.vref, exp.refs)
+    # another target (hidden 32): refused by the warm start itself, on a draft built for that target
+    from tasks.drafts import warm_start
+    from tasks.target import load_hf_config
+    from tasks.train_model import build_draft_model
+
+    other = make_tiny_target(exp.dest.parent / "wider", hidden=32)
+    cfg = train_cfg(other)
+    t2d = torch.zeros(256, dtype=torch.bool)
+    t2d[:128] = True
+    model = build_draft_model(cfg.train, cfg.target, other, load_hf_config(cfg.target, other), LAYER_IDS,
+                              torch.zeros(128, dtype=torch.long), t2d)
+    with pytest.raises(DraftError, match="hidden size is 64, the target's 32"):
+        warm_start(model, str(exp.dest / "draft"), layer_ids=LAYER_IDS, kind="eagle3", num_layers=1)
