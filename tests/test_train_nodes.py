@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
+import shlex
 import signal
 import time
 import uuid
@@ -24,8 +26,16 @@ import pytest
 import deploy_harness as harness
 from tasks.config import StoreConfig
 from tasks.store import Store
-from test_nodes import guide_commands, summary_rows
+from test_nodes import ROOT, guide_commands, summary_rows
 from test_train_ranks import project  # noqa: F401  (the tiny target, its data and config)
+
+
+def guide_section_commands() -> list[list[str]]:
+    """The commands of docs/DEPLOY.md's section on training over several nodes, as a user copies them."""
+    text = (ROOT / "docs" / "DEPLOY.md").read_text()
+    section = text.split("## 11. Training over several nodes", 1)[1].split("\n## ", 1)[0]
+    return [shlex.split(line, comments=True) for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+            for line in block.splitlines() if line.strip()]
 
 
 def test_the_run_node_holds_rank_0_and_every_rank_is_dealt_once():
@@ -92,9 +102,11 @@ def test_training_over_two_nodes_names_a_lost_node_and_the_retry_resumes_on_the_
     store = Store.from_config(StoreConfig(uri=store_uri))
     try:
         node_a.wait_started()
+        (submit,) = guide_section_commands()  # the guide's, with the test's tiny config and longer training
+        assert submit[1:3] == ["submit", "configs/demo.yaml"] and "train.nodes=2" in submit, submit
         sub = json.loads(harness.draftline(
-            "submit", str(project.config), "--deployment", "local", "--until", "train", "--json",
-            "--set", "train.nodes=2", "--set", "train.max_steps=300", "--set", "train.checkpoint_every=10",
+            submit[1], str(project.config), *submit[3:], "--json",
+            "--set", "train.max_steps=300", "--set", "train.checkpoint_every=10",
             env=cli).stdout.strip().splitlines()[-1])
         run_id = sub["id"]
         harness.wait_state(prefect_server, run_id, ("RUNNING",), timeout=300)
@@ -119,9 +131,10 @@ def test_training_over_two_nodes_names_a_lost_node_and_the_retry_resumes_on_the_
         assert child["name"] in status["message"] and "draftline retry" in status["message"]
         assert not store.list("train")
         steps = sorted(int(m.digest.rsplit("-s", 1)[1]) for m in store.list("checkpoint"))
-        # each node read its rank's share of the parts through its own cache
-        cached = {n: sorted(p.name for p in (c / "data").rglob("*") if p.is_file()) for n, c in caches.items()}
-        assert cached["a"] and cached["b"] and not set(cached["a"]) & set(cached["b"]), cached
+        # each node read its rank's share of the parts through its own cache; both read the last part, whose
+        # tail is the held-out set every rank evaluates on
+        cached = {n: {p.name for p in (c / "data").rglob("*") if p.is_file()} for n, c in caches.items()}
+        assert cached["a"] - cached["b"] and cached["b"] - cached["a"] and len(cached["a"] & cached["b"]) <= 1, cached
 
         out = harness.draftline("retry", run_id, "--watch", "--timeout", "600", env=cli, timeout=700)
         t["retry"] = time.time() - t0
