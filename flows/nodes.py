@@ -4,6 +4,12 @@ run of the `draftline-extract` deployment (the slice flow, flows/pipeline.py `ex
 `stage` parameter) that a worker on any node of the pool picks up. The shared store, not Prefect, says
 what is done; a lost node leaves exactly its unfinished shards for `draftline retry`. One mechanism for
 both stages: `SHARDED` says where each stage's shards are committed and how they are counted.
+
+Training over several nodes (train.nodes > 1, `train_nodes`) starts its other nodes the same way
+(`start_children`, the slice flow with stage=train, `train_child` there): one c10d rendezvous hosted by
+the run's node, a control store there for the node count and the nodes' heartbeats, which name a node
+lost mid-training. A child no node takes within TAKE_BACK_AFTER is cancelled: the run trains on the
+nodes there are.
 """
 
 from __future__ import annotations
@@ -418,11 +424,14 @@ def train_child(cfg: RunConfig, store: Store, rendezvous: dict[str, Any], inputs
 
     def beat() -> None:
         n = 0
-        beat_store = spec.store()  # its own connection: the store client is not shared across threads
-        while not stop.is_set():
-            n += 1
-            beat_store.set(f"{spec.run_id}/beat/{flow_run.id}", str(n))
-            stop.wait(NODE_BEAT)
+        try:
+            beat_store = spec.store()  # its own connection: the store client is not shared across threads
+            while not stop.is_set():
+                n += 1
+                beat_store.set(f"{spec.run_id}/beat/{flow_run.id}", str(n))
+                stop.wait(NODE_BEAT)
+        except Exception as exc:  # noqa: BLE001 - the run's node is gone: its training fails this node's too
+            logger.warning(f"train: no more heartbeats to the run's node ({spec.control}): {exc}")
 
     threading.Thread(target=beat, name="draftline-node-beat", daemon=True).start()
     try:

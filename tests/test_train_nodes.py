@@ -19,14 +19,13 @@ import re
 import shlex
 import signal
 import time
-import uuid
 
 import pytest
 
 import deploy_harness as harness
 from tasks.config import StoreConfig
 from tasks.store import Store
-from test_nodes import ROOT, guide_commands, summary_rows
+from test_nodes import ROOT, guide_commands, pool_env, summary_rows
 from test_train_ranks import project  # noqa: F401  (the tiny target, its data and config)
 
 
@@ -89,11 +88,7 @@ def test_training_over_two_nodes_names_a_lost_node_and_the_retry_resumes_on_the_
         prefect_server, s3_server, project, tmp_path):  # noqa: F811
     t0 = time.time()
     t: dict[str, float] = {}
-    store_uri = f"s3://draftline-test/trainnodes-{uuid.uuid4().hex[:8]}"
-    env = dict(os.environ, **prefect_server.env(), **s3_server.env(), DRAFTLINE_STORE_URI=store_uri)
-    env.pop("PREFECT_UI_URL", None)
-    cli = dict(env, PREFECT_HOME=str(tmp_path / "laptop-home"), COLUMNS="200")
-    cli.pop("DRAFTLINE_STORE_URI")
+    store_uri, env, cli = pool_env(prefect_server, s3_server, tmp_path, "trainnodes")
     deploy, worker_a, worker_b, *_ = guide_commands()
     harness.draftline(*deploy[1:], "--crash-after", "60", env=cli, timeout=600)
     caches = {n: tmp_path / f"cache-{n}" for n in "ab"}
@@ -131,6 +126,7 @@ def test_training_over_two_nodes_names_a_lost_node_and_the_retry_resumes_on_the_
         assert child["name"] in status["message"] and "draftline retry" in status["message"]
         assert not store.list("train")
         steps = sorted(int(m.digest.rsplit("-s", 1)[1]) for m in store.list("checkpoint"))
+        print("attempt 1:", status["message"].splitlines()[0], "| checkpoints:", steps)
         # each node read its rank's share of the parts through its own cache; both read the last part, whose
         # tail is the held-out set every rank evaluates on
         cached = {n: {p.name for p in (c / "data").rglob("*") if p.is_file()} for n, c in caches.items()}
@@ -146,6 +142,7 @@ def test_training_over_two_nodes_names_a_lost_node_and_the_retry_resumes_on_the_
         (draft,) = store.list("train")  # committed once
         assert draft.stats["resumed_from_step"] == steps[-1] and draft.stats["world_size"] == 1, draft.stats
         assert draft.stats["steps"] == 300, draft.stats
+        print("retry:", {k: draft.stats[k] for k in ("resumed_from_step", "world_size", "steps")})
         store.open("train", draft.digest).verify(checksums=True)
         # the retry's child found no free node: cancelled, and the run trained on the node there was
         retry_child = [c for c in done["children"] if c["id"] != child["id"]]
