@@ -229,6 +229,7 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from tasks.owners import owned_tempdir
@@ -274,6 +275,9 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
                              f"terminated (logs under {paths['logs']}); a retry resumes from the last checkpoint"
                              ) from None
         raise TrainError(describe_rank_failure(exc.failures, ranks * nodes, paths["logs"])) from None
+    except RendezvousError as exc:  # a node that never joined (or left while the others waited)
+        raise TrainError(f"the {nodes} nodes' launchers did not meet at the rendezvous {rdzv['rdzv_endpoint']} "
+                         f"({type(exc).__name__}: {exc}); a retry runs on the nodes there are then") from None
     finally:
         for sig, handler in saved.items():
             if handler is not None:
