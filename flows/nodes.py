@@ -4,6 +4,12 @@ run of the `draftline-extract` deployment (the slice flow, flows/pipeline.py `ex
 `stage` parameter) that a worker on any node of the pool picks up. The shared store, not Prefect, says
 what is done; a lost node leaves exactly its unfinished shards for `draftline retry`. One mechanism for
 both stages: `SHARDED` says where each stage's shards are committed and how they are counted.
+
+Training over several nodes (train.nodes > 1, `train_nodes`) starts its other nodes the same way
+(`start_children`, the slice flow with stage=train, `train_child` there): one c10d rendezvous hosted by
+the run's node, a control store there for the node count and the nodes' heartbeats, which name a node
+lost mid-training. A child no node takes within TAKE_BACK_AFTER is cancelled: the run trains on the
+nodes there are.
 """
 
 from __future__ import annotations
@@ -46,11 +52,12 @@ def child_deployment(cfg: RunConfig) -> str:
     name = slice_deployment(cfg, deployment.name)
     if not name:
         raise RuntimeError(
-            f"extract.nodes={cfg.extract.nodes} sends slices of the regeneration and extraction shards to other "
-            "nodes through a deployment, "
+            f"extract.nodes={cfg.extract.nodes} (train.nodes={cfg.train.nodes}) sends slices of the regeneration "
+            "and extraction shards (training's other nodes) to other nodes through a deployment, "
             "and this run is not a deployment run: set extract.deployment (e.g. --set "
             f"extract.deployment={EXTRACT_FLOW}/local, registered by `draftline deploy --name local`), "
-            "submit the run to a pool (`draftline submit ... --deployment b300`), or set extract.nodes=1")
+            "submit the run to a pool (`draftline submit ... --deployment b300`), or set extract.nodes=1 "
+            "(train.nodes=1)")
     return name
 
 
@@ -70,7 +77,6 @@ def run_nodes(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: Ar
     crashed (its node lost: the heartbeat automation of `draftline deploy` marks it Crashed) leaves
     exactly its unfinished shards missing, which `draftline retry` runs again on any node.
     `run_here(plans, progress)` runs shards on this node (the flow's shard tasks over its engine groups)."""
-    from prefect.deployments import run_deployment
     from prefect.runtime import flow_run
 
     kind = SHARDED[stage]
@@ -88,23 +94,8 @@ def run_nodes(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: Ar
     slices = slice_shards([s for s in missing if s not in adopted], max(1, cfg.extract.nodes - len(children)))
     own = slices[0] if slices else []
     if len(slices) > 1:
-        target = child_deployment(cfg)
-        if store.is_local:
-            logger.warning(f"{stage}: {store.uri} is a local folder: slices on other machines cannot write to it; "
-                           "use a shared s3:// store with extract.nodes > 1")
-        attempt = flow_run.run_count or 1
-        params = child_config(rec)
-        # the children write where this run writes, whatever their node's DRAFTLINE_STORE_URI says
-        params["overrides"].append(f"store.uri={store.uri}")
-        params.update(data_stage=data.stage, data_digest=data.digest)
-        if stage != "extract":  # extraction's children go without it, as to slice deployments registered before
-            params["stage"] = stage
-        for i, part in enumerate(slices[1:], start=1):
-            child = start_child(target, run_deployment, parameters={**params, "shards": part}, timeout=0,
-                                flow_run_name=f"{flow_run.name or 'draftline'}-{stage}-{i}of{len(slices)}-try{attempt}",
-                                tags=["draftline", f"draftline-parent:{flow_run.id}"])
-            children.append((child, part))
-            logger.info(f"{stage}: shards {part} -> child flow run {child.name} ({child.id}) of {target}")
+        children += start_children(stage, cfg, store, child_config(rec), slices, logger,
+                                   {"data_stage": data.stage, "data_digest": data.digest})
     logger.info(f"{stage}: {len(plans)} shards, {len(cached)} on the store; this node runs {own}, "
                 f"{len(children)} child run(s) the rest")
     progress = Progress(f"{stage}-progress", f"{kind.title}: 0/{len(plans)} shards")
@@ -140,6 +131,35 @@ def run_nodes(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: Ar
     return refs
 
 
+def start_children(stage: str, cfg: RunConfig, store: Store, config: dict[str, Any], slices: list[list[int]],
+                   logger, params: dict[str, Any]) -> list[tuple[Any, list[int]]]:
+    """A child flow run of `child_deployment` for each slice but the first (this node's): the run's CONFIG
+    (`child_config`), its store, PARAMS and the slice's shards; named <run>-<stage>-<i>of<n>-try<attempt>."""
+    from prefect.deployments import run_deployment
+    from prefect.runtime import flow_run
+
+    target = child_deployment(cfg)
+    if store.is_local:
+        logger.warning(f"{stage}: {store.uri} is a local folder: nodes on other machines cannot use it; "
+                       "use a shared s3:// store with extract.nodes or train.nodes > 1")
+    attempt = flow_run.run_count or 1
+    base = {"config_path": config.get("config_path"), "overrides": list(config.get("overrides") or [])}
+    # the children write where this run writes, whatever their node's DRAFTLINE_STORE_URI says
+    base["overrides"].append(f"store.uri={store.uri}")
+    base.update(params)
+    if stage != "extract":  # extraction's children go without it, as to slice deployments registered before
+        base["stage"] = stage
+    children = []
+    for i, part in enumerate(slices[1:], start=1):
+        child = start_child(target, run_deployment, parameters={**base, "shards": part}, timeout=0,
+                            flow_run_name=f"{flow_run.name or 'draftline'}-{stage}-{i}of{len(slices)}-try{attempt}",
+                            tags=["draftline", f"draftline-parent:{flow_run.id}"])
+        children.append((child, part))
+        logger.info(f"{stage}: " + (f"shards {part} -> " if part else "") +
+                    f"child flow run {child.name} ({child.id}) of {target}")
+    return children
+
+
 def child_config(rec: RunRecord) -> dict[str, Any]:
     """This run's config for its children, as `draftline submit` sends one: a file inside the code folder
     travels as its path (every node has it), any other file as its content (overrides)."""
@@ -155,7 +175,7 @@ def start_child(target: str, run_deployment: Callable, **kwargs: Any) -> Any:
     try:
         return run_deployment(target, **kwargs)
     except ObjectNotFound:
-        raise RuntimeError(f"extract.nodes sends slices of the shards to the deployment {target}, which is not "
+        raise RuntimeError(f"extract.nodes (train.nodes) sends work to the deployment {target}, which is not "
                            f"registered: `draftline deploy --name {target.split('/', 1)[1]}` registers it (or set "
                            "extract.deployment to one that exists)") from None
 
@@ -190,9 +210,8 @@ def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard:
     this node went idle is cancelled, and `take_back` runs its shards here (a pool short of nodes never
     hangs)."""
     from prefect.client.orchestration import get_client
-    from prefect.states import Cancelled
 
-    store_stage = SHARDED[stage].store_stage
+    store_stage = SHARDED[stage].store_stage if stage in SHARDED else None
     errors: list[str] = []
     pending = {c.id: (c, shards) for c, shards in children}
     last_note = idle_since = time.time()
@@ -201,21 +220,18 @@ def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard:
             for cid in list(pending):
                 child, shards = pending[cid]
                 run = client.read_flow_run(cid)
-                if (take_back is not None and run.state is not None and run.state.type.value == "SCHEDULED"
-                        and time.time() - idle_since > TAKE_BACK_AFTER):
-                    res = client.set_flow_run_state(cid, Cancelled(
-                        message=f"no node took it within {TAKE_BACK_AFTER:.0f} s; its parent ran its shards"))
-                    if getattr(res.status, "value", str(res.status)) == "ACCEPT":
-                        del pending[cid]
-                        logger.info(f"{stage}: no node took child {run.name} within {TAKE_BACK_AFTER:.0f} s: "
-                                    f"cancelled it, running its shards {shards} here")
-                        take_back(shards)
-                        idle_since = time.time()
-                        continue
+                if (take_back is not None and time.time() - idle_since > TAKE_BACK_AFTER
+                        and cancel_unclaimed(client, run, "its parent ran its shards")):
+                    del pending[cid]
+                    logger.info(f"{stage}: no node took child {run.name} within {TAKE_BACK_AFTER:.0f} s: "
+                                f"cancelled it, running its shards {shards} here")
+                    take_back(shards)
+                    idle_since = time.time()
+                    continue
                 if run.state is None or not run.state.is_final():
                     continue
                 del pending[cid]
-                lost = [s for s in shards if store.find(store_stage, by_shard[s].digest) is None]
+                lost = [s for s in shards if store.find(store_stage, by_shard[s].digest) is None] if shards else []
                 state = run.state.name
                 if lost and run.state.is_completed():
                     errors.append(f"child {run.name} completed but shards {lost} are not on {store.uri}: its node "
@@ -234,6 +250,198 @@ def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard:
                     f"{c.name} ({client.read_flow_run(c.id).state.name})" for c, _ in pending.values()))
             deadline = time.time() + poll
             while time.time() < deadline:
-                stopping.check(f"waiting for the {SHARDED[stage].label} child runs")
+                stopping.check(f"waiting for the {stage} child runs")
                 time.sleep(0.5)
     return errors
+
+
+def cancel_unclaimed(client: Any, run: Any, why: str) -> bool:
+    """Cancel child RUN if no node has taken it yet (still Scheduled); True when it was."""
+    from prefect.states import Cancelled
+
+    if run.state is None or run.state.type.value != "SCHEDULED":
+        return False
+    res = client.set_flow_run_state(run.id, Cancelled(
+        message=f"no node took it within {TAKE_BACK_AFTER:.0f} s; {why}"))
+    return getattr(res.status, "value", str(res.status)) == "ACCEPT"
+
+
+def wait_claimed(children: list[tuple[Any, list[int]]], logger, stage: str, why: str,
+                 within: float | None = None, poll: float = 1.0) -> list[Any]:
+    """The child runs that a node took (Pending or Running) within WITHIN seconds (TAKE_BACK_AFTER); the
+    others are cancelled (a pool short of nodes never hangs)."""
+    from prefect.client.orchestration import get_client
+
+    within = TAKE_BACK_AFTER if within is None else within
+    claimed: list[Any] = []
+    pending = {c.id: c for c, _ in children}
+    t0 = time.time()
+    with get_client(sync_client=True) as client:
+        while pending:
+            for cid in list(pending):
+                run = client.read_flow_run(cid)
+                kind = run.state.type.value if run.state is not None else "SCHEDULED"
+                if kind in ("PENDING", "RUNNING"):
+                    claimed.append(pending.pop(cid))
+                elif kind != "SCHEDULED":  # ended before it ran (cancelled by someone, crashed at start)
+                    logger.warning(f"{stage}: child {run.name} ended {run.state.name} before it ran")
+                    del pending[cid]
+                elif time.time() - t0 > within and cancel_unclaimed(client, run, why):
+                    logger.info(f"{stage}: no node took child {run.name} within {within:.0f} s: cancelled it")
+                    del pending[cid]
+            stopping.check(f"waiting for nodes to take the {stage} child runs")
+            if pending:
+                time.sleep(poll)
+    return claimed
+
+
+# Training over several nodes (train.nodes > 1): the nodes' heartbeats on the run node's control store
+NODE_BEAT = 2.0        # seconds between a training node's heartbeats
+NODE_LOST_AFTER = 8.0  # a node whose heartbeat has not changed this long (and whose run has not ended) is lost
+
+
+def node_address() -> str:
+    """How other nodes reach this one: DRAFTLINE_NODE_ADDR, else this host's fully qualified name."""
+    import os
+    import socket
+
+    return os.environ.get("DRAFTLINE_NODE_ADDR") or socket.getfqdn()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: ArtifactRef,
+                shards: list[ArtifactRef], logger, on_metrics) -> ArtifactRef:
+    """train.nodes > 1: torch's elastic launcher on this node and on train.nodes - 1 child flow runs of
+    `child_deployment` (the slice flow with stage=train), one c10d rendezvous hosted here. The nodes that
+    take their child within TAKE_BACK_AFTER seconds train (the others are cancelled: the run trains on the
+    nodes there are); rank 0 is on this node. A node that stops heartbeating while training failed is named
+    in the error; `draftline retry` resumes from the last checkpoint on whatever nodes are there then.
+    CONFIG: the run's config for the children (`child_config`)."""
+    import dataclasses
+    import uuid
+
+    from prefect.client.orchestration import get_client
+
+    from flows.runs import submitting_worker
+    from tasks import digest as digests
+    from tasks.train_common import STAGE, TrainError
+    from tasks.train_inputs import resolve_inputs
+    from tasks.train_ranks import Rendezvous, launch_ranks, train_ranks
+
+    digest = digests.train(cfg, vocab, shards)
+    found = store.find(STAGE, digest)
+    if found is not None:
+        return found.ref()
+    ranks = train_ranks(cfg.train)
+    resolve_inputs(cfg, store, vocab, shards)  # bad inputs fail here, before any node is taken
+    host = node_address()
+    spec = Rendezvous(endpoint=f"{host}:{_free_port()}", control=f"{host}:0",
+                      run_id=f"draftline-{digest[:12]}-{uuid.uuid4().hex[:8]}", host=True)
+    control = spec.store(is_master=True)
+    spec = dataclasses.replace(spec, control=f"{host}:{control.port}")
+    children = start_children("train", cfg, store, config, [[] for _ in range(cfg.train.nodes)], logger, {
+        "rendezvous": {"endpoint": spec.endpoint, "control": spec.control, "run_id": spec.run_id},
+        "train_inputs": {"vocab": vocab.model_dump(mode="json"),
+                         "extract": [r.model_dump(mode="json") for r in shards]}})
+    claimed = wait_claimed(children, logger, "train", "its parent trains on the nodes there are")
+    nodes = 1 + len(claimed)
+    control.set(f"{spec.run_id}/nodes", str(nodes))
+    spec = dataclasses.replace(spec, nodes=nodes)
+    logger.info(f"train: {nodes} of {cfg.train.nodes} node(s) x {ranks} rank(s) = {nodes * ranks} rank(s); "
+                f"rendezvous {spec.endpoint} (id {spec.run_id}), this node holds rank 0"
+                + (f"; nodes: this one and {', '.join(c.name for c in claimed)}" if claimed else ""))
+    try:
+        ref = launch_ranks(cfg, store, vocab, shards, ranks, on_metrics, rendezvous=spec)
+    except TrainError as exc:
+        lost = lost_nodes(control, spec, claimed)
+        if not lost:
+            raise
+        names = []
+        with get_client(sync_client=True) as client:
+            for run in lost:
+                worker = submitting_worker(client, run)
+                names.append(f"{worker.name if worker is not None else 'its node'} (child flow run {run.name}, "
+                             f"{run.id})")
+        msg = (f"training node lost: {'; '.join(names)} stopped heartbeating mid-training (the node died or "
+               f"its process was killed), so the {nodes * ranks} ranks stopped. `draftline retry` this run: it "
+               "resumes from the last checkpoint on the nodes there are then.")
+        logger.error(msg)
+        raise TrainError(msg + "\n" + str(exc)) from None
+    errors = wait_children([(c, []) for c in claimed], store, {}, logger, stage="train")
+    for e in errors:
+        logger.warning(f"train: {e}")
+    return ref
+
+
+def lost_nodes(control: Any, spec: Any, claimed: list[Any]) -> list[Any]:
+    """The child runs whose node stopped heartbeating on the control store (unchanged for NODE_LOST_AFTER
+    seconds) while their run did not end: those nodes died (a node whose training failed ends its run)."""
+    from prefect.client.orchestration import get_client
+
+    def beats() -> dict[Any, bytes | None]:
+        out = {}
+        for run in claimed:
+            key = f"{spec.run_id}/beat/{run.id}"
+            out[run.id] = control.get(key) if control.check([key]) else None
+        return out
+
+    first = beats()
+    deadline = time.time() + NODE_LOST_AFTER
+    lost: dict[Any, Any] = {}
+    with get_client(sync_client=True) as client:
+        while time.time() < deadline:
+            time.sleep(1.0)
+            now = beats()
+            for run in claimed:
+                state = client.read_flow_run(run.id).state
+                if now[run.id] == first[run.id] and (state is None or not state.is_final() or state.is_crashed()):
+                    lost[run.id] = run
+                else:
+                    lost.pop(run.id, None)
+    return list(lost.values())
+
+
+def train_child(cfg: RunConfig, store: Store, rendezvous: dict[str, Any], inputs: dict[str, Any], logger) -> dict:
+    """One node of a run's training (the slice flow with stage=train): heartbeats on the run node's control
+    store, waits for the node count there, then starts train.gpus ranks in the rendezvous."""
+    import dataclasses
+    import threading
+
+    from prefect.runtime import flow_run
+
+    from tasks.train_ranks import Rendezvous, launch_ranks, train_ranks
+
+    spec = Rendezvous(**rendezvous)
+    control = spec.store()
+    stop = threading.Event()
+
+    def beat() -> None:
+        n = 0
+        try:
+            beat_store = spec.store()  # its own connection: the store client is not shared across threads
+            while not stop.is_set():
+                n += 1
+                beat_store.set(f"{spec.run_id}/beat/{flow_run.id}", str(n))
+                stop.wait(NODE_BEAT)
+        except Exception as exc:  # noqa: BLE001 - the run's node is gone: its training fails this node's too
+            logger.warning(f"train: no more heartbeats to the run's node ({spec.control}): {exc}")
+
+    threading.Thread(target=beat, name="draftline-node-beat", daemon=True).start()
+    try:
+        nodes = int(control.get(f"{spec.run_id}/nodes"))
+        vocab = ArtifactRef.model_validate(inputs["vocab"])
+        shards = [ArtifactRef.model_validate(r) for r in inputs["extract"]]
+        ranks = train_ranks(cfg.train)
+        logger.info(f"train: this node runs {ranks} of the {nodes} nodes' ranks; rendezvous {spec.endpoint} "
+                    f"(id {spec.run_id})")
+        launch_ranks(cfg, store, vocab, shards, ranks, rendezvous=dataclasses.replace(spec, nodes=nodes))
+    finally:
+        stop.set()
+    return {"stage": "train", "nodes": nodes, "ranks": ranks}

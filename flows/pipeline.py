@@ -108,7 +108,9 @@ def extract_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) 
 
 
 @task(name="train", task_run_name="train")
-def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[ArtifactRef]) -> ArtifactRef:
+def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[ArtifactRef],
+               children: dict[str, Any] | None = None) -> ArtifactRef:
+    """CHILDREN: with train.nodes > 1, the run's config for the other nodes' child runs (flows/nodes.py)."""
     from tasks.train import run_train
 
     logger = get_run_logger()
@@ -125,7 +127,12 @@ def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[Art
         if m.get("attn_fallback"):
             logger.warning(f"train: {m['attn_fallback']}; training with sdpa")
 
-    ref = run_train(cfg, Store.from_config(cfg.store), vocab, shards, on_metrics=on_metrics)
+    if cfg.train.nodes > 1:
+        from flows.nodes import train_nodes
+
+        ref = train_nodes(cfg, Store.from_config(cfg.store), children or {}, vocab, shards, logger, on_metrics)
+    else:
+        ref = run_train(cfg, Store.from_config(cfg.store), vocab, shards, on_metrics=on_metrics)
     progress.update(100.0)
     acc = ref.stats.get("val_acc_per_pos")
     if acc:
@@ -295,14 +302,17 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
     # train: one cached task per head of train.heads, each at its own address, from the same shards
     from tasks.config import head_config
 
+    from flows.nodes import child_config
+
     heads: list[tuple[str, ArtifactRef]] = []
     t0 = time.time()
+    children = child_config(rec) if cfg.train.nodes > 1 else None
     for head in cfg.train.heads:
         hcfg = head_config(cfg, head)
         d = digests.train(hcfg, vocab, shards)
         task_name = "train" if len(cfg.train.heads) == 1 else f"train-{head.label}"
         heads.append((head.label, run_single("train", lambda: train_task.with_options(
-            **opts("train"), name=task_name, task_run_name=task_name)(hcfg, d, vocab, shards))))
+            **opts("train"), name=task_name, task_run_name=task_name)(hcfg, d, vocab, shards, children))))
     if len(heads) > 1:
         r = rec.stages["train"]
         r.executed = sum(1 for _, ref in heads if ref.executed_here)
@@ -460,21 +470,30 @@ def _shards_here(stage: str, cfg: RunConfig, store: Store, model: str, plans: li
 
 @flow(name=EXTRACT_FLOW, log_prints=True, persist_result=False)
 def extract_slice(config_path: str | None = None, overrides: list[str] | None = None, data_stage: str = "prepare",
-                  data_digest: str = "", shards: list[int] | None = None, stage: str = "extract") -> dict:
+                  data_digest: str = "", shards: list[int] | None = None, stage: str = "extract",
+                  rendezvous: dict[str, Any] | None = None, train_inputs: dict[str, Any] | None = None) -> dict:
     """A slice of a run's regeneration or extraction shards (STAGE) on one node, started by the run with
-    extract.nodes > 1 (flows/nodes.py); `data_*` name the artifact the shards read."""
+    extract.nodes > 1 (flows/nodes.py); `data_*` name the artifact the shards read. With stage=train
+    (train.nodes > 1): one node of the run's training, joining RENDEZVOUS with TRAIN_INPUTS."""
     from flows.interrupts import chain_into_flow
     from flows.nodes import SHARDED
     from tasks.target import resolve_model
 
     chain_into_flow()
-    if stage not in SHARDED:
-        raise RuntimeError(f"stage={stage!r}: a slice runs the shards of one of {', '.join(SHARDED)}")
+    if stage not in SHARDED and stage != "train":
+        raise RuntimeError(f"stage={stage!r}: a slice runs the shards of one of {', '.join(SHARDED)}, or train")
     cfg = load_config(config_path, list(overrides or []))
     store = Store.from_config(cfg.store)
     store.check()
     _pin_target(cfg, [])  # the parent pinned target.revision in the overrides: this records it
     logger = get_run_logger()
+    if stage == "train":
+        from flows.nodes import train_child
+
+        if not rendezvous or not train_inputs:
+            raise RuntimeError("stage=train: a training node needs the rendezvous and train_inputs parameters "
+                               "its parent run sends")
+        return train_child(cfg, store, rendezvous, train_inputs, logger)
     hit = store.find(data_stage, data_digest)
     if hit is None:
         raise RuntimeError(f"the data this slice reads ({data_stage}/{data_digest}) is not on {store.uri}: "

@@ -10,7 +10,7 @@ FLOPs are 2 x the target's active parameters per token, the MFU convention of be
 
 What runs where is the code's: extraction and regeneration are dealt over the nodes (`extract.nodes`;
 REGENERATE_FANS_OUT below), training reads its parts through the node-local part cache (NODE_PART_CACHE), and
-training and the benchmark run on one node. Cost is counted three ways: the nodes held for the whole
+training runs on `train.nodes` nodes (one in the presets), the benchmark on one. Cost is counted three ways: the nodes held for the whole
 wall-clock, a schedule that rents the nodes per stage, and the busy node-hours alone.
 
 `make_plan` is a plain function (config and rates in, numbers out); `render` prints the markdown that
@@ -430,8 +430,10 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     add("extract", nodes, tokens, "prefilled", tokens * bpt["bf16"], tokens * bpt["fp8"], tokens * bpt[dtype],
         nodes * start_h + ext_h, start_h + ext_h / nodes)
 
-    # training: one node (torchrun over its GPUs), as fast as the slower of its compute and its reads
-    ranks = cfg.train.gpus or gpus
+    # training: train.nodes nodes (torch's elastic launcher over each one's GPUs, one rendezvous; batch_tokens
+    # per rank), as fast as the slower of their compute and their reads (each node reads its ranks' share)
+    tnodes = int(getattr(cfg.train, "nodes", 1) or 1)
+    ranks = (cfg.train.gpus or gpus) * tnodes
     heads = cfg.train.heads
     head_steps = [h.max_steps or cfg.train.max_steps for h in heads]  # one train task per head, one after another
     steps = sum(head_steps)
@@ -441,7 +443,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
                        else "train.mfu_sdpa")
     mfu_t = r[train_rate_name]
     per_gpu = peak * mfu_t / shape.train_flops
-    node_rate = per_gpu * ranks * (r["train.multi_gpu_efficiency"] if ranks > 1 else 1.0)
+    node_rate = per_gpu * ranks * (r["train.multi_gpu_efficiency"] if ranks > 1 else 1.0)  # all nodes together
     compute_h = train_tokens / node_rate / 3600
     data_bytes = tokens * bpt[dtype]
     cache_bytes = r["node.cache_tb"] * 1e12
@@ -451,15 +453,15 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     from_store = train_tokens - from_cache
     read_rate = {"store": r["node.store_read_gb_s"] * 1e9 / bpt[dtype],
                  "node cache": r["node.cache_read_gb_s"] * 1e9 / bpt[dtype]}
-    read_h = {"store": from_store / read_rate["store"] / 3600,
-              "node cache": from_cache / read_rate["node cache"] / 3600}
+    read_h = {"store": from_store / read_rate["store"] / tnodes / 3600,
+              "node cache": from_cache / read_rate["node cache"] / tnodes / 3600}
     train_h = max(compute_h, sum(read_h.values()))
     binding = "compute" if compute_h >= sum(read_h.values()) else max(read_h, key=read_h.get) + " read"
     ckpt_size = shape.trainable * CHECKPOINT_BYTES_PER_PARAM
     keep = int(getattr(cfg.train, "keep_checkpoints", 0) or 0) or None  # read defensively: older configs lack it
     written = sum(s // cfg.train.checkpoint_every for s in head_steps) * ckpt_size
     kept = sum(min(s // cfg.train.checkpoint_every, keep or s) for s in head_steps) * ckpt_size
-    add("train", 1, train_tokens, "trained", written, written, kept, train_h, train_h)
+    add("train", tnodes, train_tokens, "trained", written, written, kept, tnodes * train_h, train_h)
 
     if cfg.benchmark.enabled:
         engines = len(cfg.benchmark.num_speculative_tokens) + 1

@@ -298,6 +298,11 @@ class TrainConfig(Section):
         None, ge=1, description="Training ranks started on this node by torch's elastic launcher (torchrun), one "
         "per GPU: default every visible GPU, 1 on a CPU. On a CPU, N > 1 starts N gloo ranks. batch_tokens is per "
         "rank. Not part of the artifact's address: a retry may resume on another count.")
+    nodes: int = Field(
+        1, ge=1, description="Nodes of the work pool training runs on (docs/DEPLOY.md): torch's elastic launcher on "
+        "the run's own node and on N-1 child flow runs of extract.deployment, one c10d rendezvous hosted by the "
+        "run's node, train.gpus ranks on each. A retry runs on the nodes there are. Not part of the artifact's "
+        "address.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Matmul precision of the training step: bf16 autocast (weights and optimizer stay "
         "float32) or float32. auto: bf16 on GPUs and on CPUs with native bf16 (AMX, AVX512-BF16), else fp32.")

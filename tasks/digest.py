@@ -122,7 +122,7 @@ def extract_shard(cfg, layer_ids: list[int], data_digest: str, shard: int) -> st
 # (a retry may resume on another count), kernels computing the same function (attention, loss), and the
 # node-local part cache's cap.
 TRAIN_SCHEDULING_KEYS = {"device", "gpus", "prefetch", "checkpoint_every", "keep_checkpoints", "loss_impl",
-                         "attn_impl", "cache_gib"}
+                         "attn_impl", "cache_gib", "nodes"}
 
 
 def train_inputs(cfg, vocab_ref, shard_refs) -> dict[str, str]:

@@ -1,5 +1,9 @@
 """Training on every GPU of the node: `train.gpus` ranks started by torch's elastic launcher from the
 train task, rank 0's metrics followed live, a failed rank named with its error.
+
+Over several nodes (train.nodes > 1, flows/nodes.py `train_nodes`) each node's launcher joins one c10d
+rendezvous that the run's own node hosts (`Rendezvous`); the ranks are renumbered so that the run's
+node holds ranks 0..gpus-1 (`host_first_rank`): rank 0, which checkpoints and exports, is always there.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
@@ -162,16 +167,69 @@ def describe_rank_failure(failures: dict[int, Any], world: int, log_dir: str) ->
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """One attempt's rendezvous over NODES nodes: torch's c10d rendezvous at ENDPOINT (host:port, hosted by
+    the run's own node, HOST there), RUN_ID unique per attempt, and CONTROL (host:port), a TCPStore of the
+    run's node through which the nodes agree on the node count, the host's group rank and heartbeats."""
+
+    endpoint: str
+    control: str
+    run_id: str
+    nodes: int = 1
+    host: bool = False
+
+    def store(self, timeout: float = 600.0, is_master: bool = False) -> Any:
+        import datetime as dt
+
+        from torch.distributed import TCPStore
+
+        addr, port = self.control.rsplit(":", 1)
+        return TCPStore(addr, int(port), is_master=is_master, wait_for_workers=False,
+                        timeout=dt.timedelta(seconds=timeout))
+
+
+def host_first_rank(group_rank: int, host_group: int, nodes: int, local_rank: int, local_world: int) -> int:
+    """The global rank of a process when the node groups are rotated so that the host node (the run's
+    own, group HOST_GROUP in torch's rendezvous order, which sorts by hostname and pid) comes first."""
+    if not (0 <= group_rank < nodes and 0 <= host_group < nodes and 0 <= local_rank < local_world):
+        raise ValueError(f"group {group_rank}/host {host_group} of {nodes} nodes, local rank {local_rank} of "
+                         f"{local_world}")
+    return ((group_rank - host_group) % nodes) * local_world + local_rank
+
+
+def _renumber_host_first(rdzv: dict[str, Any]) -> None:
+    """Set RANK so that the run's own node holds ranks 0..local_world-1 (see `host_first_rank`): its local
+    rank 0 publishes its group rank on the control store, every rank reads it. Every node must start the
+    same number of ranks (train.gpus)."""
+    spec = Rendezvous(**rdzv)
+    group, nodes = int(os.environ["GROUP_RANK"]), int(os.environ["GROUP_WORLD_SIZE"])
+    local, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
+    if world != nodes * local_world:
+        raise TrainError(f"{nodes} nodes started {world} ranks in all, not {nodes} x {local_world}: every node "
+                         "must start the same number of ranks; set train.gpus to a count every node has")
+    store = spec.store()
+    key = f"{spec.run_id}/host-group"
+    if spec.host and local == 0:
+        store.set(key, str(group))
+    os.environ["RANK"] = str(host_first_rank(group, int(store.get(key)), nodes, local, local_world))
+
+
 def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef],
-                 ranks: int, on_metrics: MetricsCallback | None = None) -> ArtifactRef:
+                 ranks: int, on_metrics: MetricsCallback | None = None,
+                 rendezvous: Rendezvous | None = None) -> ArtifactRef | None:
     """Train on `ranks` processes of this node started by torch's elastic launcher (what torchrun
     runs): each is a fresh Python that calls `run_train` as one DDP rank (NCCL on GPUs, gloo on a
     CPU). Rank 0 appends its metrics to a JSON-lines file that this process follows while they run.
     A rank that fails stops the others (the launcher's doing) and this call raises TrainError naming
-    the rank, with its error and traceback. Rank logs go to a temporary folder, kept on failure."""
+    the rank, with its error and traceback. Rank logs go to a temporary folder, kept on failure.
+    With RENDEZVOUS (several nodes) this node's `ranks` join the others' there; only the host node's
+    call returns the artifact (rank 0 is there), the others return None."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from tasks.owners import owned_tempdir
@@ -184,17 +242,24 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
     with open(paths["args"], "w") as fh:  # no secrets: the store's credentials come from each rank's environment
         json.dump({"cfg": cfg.model_dump(mode="json"), "store": store.uri, "vocab": vocab_ref.model_dump(mode="json"),
                    "extract": [r.model_dump(mode="json") for r in extract_refs], "metrics": paths["metrics"],
-                   "result": paths["result"]}, fh)
+                   "result": paths["result"],
+                   "rendezvous": asdict(rendezvous) if rendezvous is not None and rendezvous.nodes > 1 else None}, fh)
     # Ctrl-C and SIGTERM stay with the run's own handlers (flows/interrupts.py): they raise in this thread, and
     # the launcher stops the ranks on the way out. (It takes a signal nobody sends, restored below; torch < 2.8
     # has no such option and takes SIGTERM/SIGINT itself, which stops the ranks too.)
     quiet = {"signals_to_handle": "SIGUSR2"} if "signals_to_handle" in LaunchConfig.__dataclass_fields__ else {}
+    if rendezvous is None:  # torchrun --standalone: a private rendezvous
+        nodes, rdzv = 1, {"run_id": f"draftline-{digest[:12]}-{uuid.uuid4().hex[:8]}", "rdzv_endpoint": "127.0.0.1:0"}
+    else:  # every node's launcher: the same rendezvous, exactly `nodes` of them (no waiting for more)
+        nodes, rdzv = rendezvous.nodes, {
+            "run_id": rendezvous.run_id, "rdzv_endpoint": rendezvous.endpoint,
+            "rdzv_configs": {"is_host": rendezvous.host, "join_timeout": 600, "read_timeout": 300}}
     launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"draftline-{digest[:12]}-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # torchrun --standalone: a private rendezvous
+        min_nodes=nodes, max_nodes=nodes, nproc_per_node=ranks, rdzv_backend="c10d", **rdzv,
         max_restarts=0,  # a failed rank fails the task; the retry resumes from the checkpoint
         monitor_interval=0.5, logs_specs=DefaultLogsSpecs(log_dir=paths["logs"], redirects=Std.ALL), **quiet)
-    log.info("train %s: starting %d ranks with torch's elastic launcher; rank logs under %s", digest, ranks,
+    log.info("train %s: starting %d ranks with torch's elastic launcher%s; rank logs under %s", digest, ranks,
+             f" (one of {nodes} nodes, rendezvous {rendezvous.endpoint} id {rendezvous.run_id})" if nodes > 1 else "",
              paths["logs"])
     saved = {}  # the launcher sets handlers in the main thread only; whatever it set, ours come back after
     if threading.current_thread() is threading.main_thread():
@@ -209,12 +274,18 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
             raise TrainError(f"training on {ranks} ranks was stopped by {exc.sigval.name}; the ranks were "
                              f"terminated (logs under {paths['logs']}); a retry resumes from the last checkpoint"
                              ) from None
-        raise TrainError(describe_rank_failure(exc.failures, ranks, paths["logs"])) from None
+        raise TrainError(describe_rank_failure(exc.failures, ranks * nodes, paths["logs"])) from None
+    except RendezvousError as exc:  # a node that never joined (or left while the others waited)
+        raise TrainError(f"the {nodes} nodes' launchers did not meet at the rendezvous {rdzv['rdzv_endpoint']} "
+                         f"({type(exc).__name__}: {exc}); a retry runs on the nodes there are then") from None
     finally:
         for sig, handler in saved.items():
             if handler is not None:
                 signal.signal(sig, handler)
         tail.stop()
+    if rendezvous is not None and not rendezvous.host:
+        shutil.rmtree(folder, ignore_errors=True)
+        return None  # rank 0 is on the run's own node, which commits the artifact
     with open(paths["result"]) as fh:
         result = json.load(fh)
     ref = ArtifactRef.model_validate(result["ref"])
@@ -248,6 +319,8 @@ def _exit_with_parent() -> None:
 
 def _rank_main() -> None:
     args = json.loads(open(sys.argv[-1]).read())
+    if args.get("rendezvous"):
+        _renumber_host_first(args["rendezvous"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank {rank}/{world} %(levelname)s %(name)s: %(message)s")

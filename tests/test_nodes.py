@@ -68,17 +68,24 @@ def summary_rows(server, run_id: str) -> dict[str, dict]:
     return {r["stage"]: r for r in rows}
 
 
+def pool_env(prefect_server, s3_server, tmp_path: Path, prefix: str) -> tuple[str, dict, dict]:
+    """A fresh store on SeaweedFS, the nodes' environment (server, S3, DRAFTLINE_STORE_URI) and the
+    laptop's (its own Prefect home; no store: the nodes' environment names it)."""
+    store_uri = f"s3://draftline-test/{prefix}-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, **prefect_server.env(), **s3_server.env(), DRAFTLINE_STORE_URI=store_uri)
+    env.pop("PREFECT_UI_URL", None)
+    cli = dict(env, PREFECT_HOME=str(tmp_path / "laptop-home"), COLUMNS="200")
+    cli.pop("DRAFTLINE_STORE_URI")
+    return store_uri, env, cli
+
+
 @pytest.mark.slow
 @pytest.mark.s3
 def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_shards(
         prefect_server, s3_server, tmp_path):
     t0 = time.time()
     t: dict[str, float] = {}
-    store_uri = f"s3://draftline-test/nodes-{uuid.uuid4().hex[:8]}"
-    env = dict(os.environ, **prefect_server.env(), **s3_server.env(), DRAFTLINE_STORE_URI=store_uri)
-    env.pop("PREFECT_UI_URL", None)
-    cli = dict(env, PREFECT_HOME=str(tmp_path / "laptop-home"), COLUMNS="200")
-    cli.pop("DRAFTLINE_STORE_URI")  # the nodes' environment names the store
+    store_uri, env, cli = pool_env(prefect_server, s3_server, tmp_path, "nodes")
 
     # the guide's commands, run as shown (plus: a shorter crash delay, JSON output, the small config)
     deploy, worker_a, worker_b, submit, status_cmd, status_again, retry = guide_commands()

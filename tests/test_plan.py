@@ -368,3 +368,15 @@ def test_a_local_copy_of_a_known_target_plans_with_its_rates(tmp_path, kimi_shap
     assert out.exit_code == 0, out.output
     assert "has the shape of moonshotai/Kimi-K2.5" in " ".join(out.output.split())
     assert "| target.decode_tok_s | 8,472 |" in out.output and "18.67 GFLOP per token" in out.output
+
+
+def test_training_on_several_nodes_is_priced_on_that_many(kimi_shape):
+    rates = planner.load_rates()
+    one, two = (planner.make_plan(load_config(KIMI, sets), rates, nodes=4, shape=kimi_shape)
+                for sets in ([], ["train.nodes=2"]))
+    t1, t2 = (next(s for s in p.stages if s.stage == "train") for p in (one, two))
+    # batch_tokens is per rank: two nodes train twice the tokens in the same steps, in no more hours (each node
+    # reads its share; the one store read of the first epoch is a smaller fraction of the tokens)
+    assert (t1.nodes, t2.nodes) == (1, 2) and t2.tokens == 2 * t1.tokens
+    assert 0.9 * t1.wall_hours < t2.wall_hours <= t1.wall_hours
+    assert t2.node_hours == pytest.approx(2 * t2.wall_hours) and t1.node_hours == pytest.approx(t1.wall_hours)
