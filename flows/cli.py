@@ -21,8 +21,8 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftline")
 import typer
 from rich.table import Table
 
-from flows import deploy, doctor, plan, runs, weights
-from flows.console import JsonOpt, SetOpt, StoreOpt, console, err, fail, with_store
+from flows import deploy, doctor, export, plan, runs, weights
+from flows.console import load_cfg, open_store, JsonOpt, SetOpt, StoreOpt, console, err, fail, with_store
 from tasks.config import STAGES, ConfigError, check_stage, check_until, dump_config, load_config
 
 app = typer.Typer(help="Train EAGLE-3 draft heads for vLLM targets, as a resumable Prefect pipeline.",
@@ -46,25 +46,6 @@ def _version(value: bool) -> None:
 def _main(_v: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
                                   help="Print draftline's version and exit.")):
     pass
-
-
-def _load(config: Optional[Path], overrides: list[str], store: Optional[str] = None):
-    try:
-        return load_config(config, with_store(overrides, store))
-    except ConfigError as exc:
-        fail(str(exc))
-
-
-def _store(cfg, write: bool = True):
-    """The config's store, checked: `write=False` for commands that only read it (read-only keys pass)."""
-    from tasks.store import Store, StoreError
-
-    try:
-        store = Store.from_config(cfg.store)
-        store.check(write=write)
-        return store
-    except StoreError as exc:
-        fail(str(exc))
 
 
 def _check_inputs(cfg) -> None:
@@ -119,7 +100,7 @@ def config_show(config: Optional[Path] = typer.Argument(None, help="YAML config 
                 overrides: list[str] = SetOpt, store: Optional[str] = StoreOpt,
                 as_json: bool = typer.Option(False, "--json", help="Print JSON instead of YAML.")):
     """Print the resolved config (defaults, then the file, then --set overrides)."""
-    cfg = _load(config, overrides, store)
+    cfg = load_cfg(config, overrides, store)
     if as_json:
         print(cfg.model_dump_json(indent=2))
     else:
@@ -133,12 +114,12 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
         as_json: bool = typer.Option(False, "--json", help="Print the run summary as one JSON object.")):
     """Run the pipeline. Finished stages (and shards) are reused from the store."""
     overrides = with_store(overrides, store)
-    cfg = _load(config, overrides)
+    cfg = load_cfg(config, overrides)
     try:
         check_until(until)
     except ConfigError as exc:
         fail(str(exc))
-    _store(cfg)
+    open_store(cfg)
     _check_inputs(cfg)
     from flows.local_run import run_here
 
@@ -151,12 +132,12 @@ def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to
        stage: Optional[str] = typer.Option(None, help="Only this stage."),
        as_json: bool = JsonOpt):
     """List committed artifacts in the store (read-only keys are enough)."""
-    cfg = _load(config, overrides, store_uri)
+    cfg = load_cfg(config, overrides, store_uri)
     try:
         check_stage(stage, "--stage")
     except ConfigError as exc:
         fail(str(exc))
-    store = _store(cfg, write=False)
+    store = open_store(cfg, write=False)
     if as_json:
         print(json.dumps([{**m.model_dump(mode="json", exclude={"config"}), "uri": store.uri_of(m.stage, m.digest),
                            "bytes": sum(f.bytes for f in m.files)} for m in store.list(stage)], indent=2))
@@ -191,8 +172,8 @@ def gc(config: Optional[Path] = typer.Argument(None, help="Config whose store to
     store it asks before deleting, unless --yes."""
     from flows.leftovers import find, human_age
 
-    cfg = _load(config, overrides, store_uri)
-    store = _store(cfg, write=not dry_run)
+    cfg = load_cfg(config, overrides, store_uri)
+    store = open_store(cfg, write=not dry_run)
     found = find(store, min_age)
     title = f"leftovers of dead runs ({store.uri} and this machine's temp folders)"
     table = Table()
@@ -239,8 +220,8 @@ def report(config: Optional[Path] = typer.Argument(None, help="Config naming the
         config, target = old_config, str(config) if config is not None else target
     elif config is not None and config.suffix.lower() not in (".yaml", ".yml") and not config.is_file():
         config, target = None, str(config)  # `report DIGEST` on the default store
-    cfg = _load(config, overrides, store_uri)
-    store = _store(cfg, write=False)
+    cfg = load_cfg(config, overrides, store_uri)
+    store = open_store(cfg, write=False)
     if target in ("last", "latest"):
         newest = sorted(store.list("benchmark"), key=lambda m: m.created)
         target = newest[-1].digest if newest else target
@@ -253,35 +234,6 @@ def report(config: Optional[Path] = typer.Argument(None, help="Config naming the
         render_terminal(rep.get("benchmark", {}), console, rep)
 
 
-@app.command()
-def export(what: str = typer.Argument(..., help="A train digest (or 6+ first characters), a flow run id or "
-                                                   "name, `last`, or a YAML config (its first head's draft)."),
-           dest: str = typer.Argument(..., help="Folder or s3:// prefix to write the draft to."),
-           config: Optional[Path] = typer.Option(None, "--config", help="Config naming the store (default: WHAT "
-                                                                         "when it is a config)."),
-           overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt,
-           head: Optional[str] = typer.Option(None, help="With a config or run of several train.heads: which."),
-           as_json: bool = JsonOpt):
-    """Write a trained draft as vLLM loads it (draft/), its vocabulary maps and a README.md with the exact
-    `vllm serve` line, at the settings its benchmark measured."""
-    from tasks.export import ExportError, export_draft, export_serve, resolve_train
-
-    from_config = what.endswith((".yaml", ".yml")) or Path(what).is_file()
-    cfg = _load(Path(what) if from_config and config is None else config, overrides, store_uri)
-    store = _store(cfg, write=False)  # it reads the store only: read-only keys export
-    try:
-        digest, report, run_cfg = resolve_train(store, what, cfg if from_config else None, head)
-        out = export_draft(store, digest, dest, export_serve(store, digest, report, run_cfg))
-    except (ExportError, ValueError, LookupError) as exc:
-        fail(str(exc))
-    if as_json:
-        print(json.dumps(out, indent=2))
-        return
-    console.print(f"exported train artifact {digest} to {dest} ({len(out['files'])} files). Serve it:")
-    for line in out["serve"]["lines"]:
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
-
-
 @store_app.command("init")
 def store_init(config: Optional[Path] = typer.Argument(None, help="Config naming the store (or use --store)."),
                overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt, as_json: bool = JsonOpt):
@@ -289,7 +241,7 @@ def store_init(config: Optional[Path] = typer.Argument(None, help="Config naming
     list, write and delete under the store's prefix. Running it again changes nothing."""
     from tasks.store import Store, StoreError
 
-    cfg = _load(config, overrides, store_uri)
+    cfg = load_cfg(config, overrides, store_uri)
     try:
         store = Store.from_config(cfg.store)
         created = store.create()
@@ -305,7 +257,7 @@ def store_init(config: Optional[Path] = typer.Argument(None, help="Config naming
 
 
 for _command in (doctor.doctor, deploy.deploy, deploy.submit, runs.status, runs.retry, runs.ui, runs.logs,
-                 plan.plan, weights.weights):
+                 plan.plan, weights.weights, export.export):
     app.command(_command.__name__)(_command)
 
 

@@ -9,6 +9,7 @@ terminal): a URL or a path in a message stays on one line for `grep` and for cop
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.console import Console, ConsoleDimensions
@@ -56,3 +57,25 @@ StoreOpt = typer.Option(None, "--store", metavar="URI", help="The store: file://
 JsonOpt = typer.Option(False, "--json", help="Print the result as JSON (for scripts).")
 
 RunArg = typer.Argument("last", help="Flow run id (or its first 8+ characters), name, or `last` (the default).")
+
+
+def load_cfg(config: Optional[Path], overrides: list[str], store: Optional[str] = None):
+    """The config with --set and --store applied, or exit 2 with its problems."""
+    from tasks.config import ConfigError, load_config
+
+    try:
+        return load_config(config, with_store(overrides, store))
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def open_store(cfg, write: bool = True):
+    """The config's store, checked: `write=False` for commands that only read it (read-only keys pass)."""
+    from tasks.store import Store, StoreError
+
+    try:
+        store = Store.from_config(cfg.store)
+        store.check(write=write)
+        return store
+    except StoreError as exc:
+        fail(str(exc))

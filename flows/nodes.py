@@ -329,7 +329,7 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
 
     from prefect.client.orchestration import get_client
 
-    from flows.runs import submitting_worker
+    from flows.prefect_api import submitting_worker
     from tasks import digest as digests
     from tasks.train_common import STAGE, TrainError
     from tasks.train_inputs import resolve_inputs

@@ -319,3 +319,22 @@ def config_chain(path: Path) -> list[Path]:
         if nxt in chain:
             return chain
         chain.append(nxt)
+
+
+def submitting_worker(c: Any, run: Any) -> Any | None:
+    """The worker that started the run's current attempt (from its `submitted-flow-run` event)."""
+    pool = getattr(run, "work_pool_name", None)
+    if not pool:
+        return None
+    since = (run.expected_start_time or run.created or utcnow()) - dt.timedelta(minutes=5)
+    events = flow_run_events(c, run.id, "prefect.worker.submitted-flow-run", since, about="related", limit=5)
+    if not events:
+        return None
+    try:
+        name = max(events, key=lambda e: e.occurred).resource.get("prefect.resource.name")
+        for w in c.read_workers_for_work_pool(pool):
+            if w.name == name:
+                return w
+    except Exception:  # noqa: BLE001 - liveness evidence is best effort
+        return None
+    return None

@@ -43,6 +43,7 @@ from flows.prefect_api import (
     shard_of,
     stage_of,
     state_of,
+    submitting_worker,
     flow_run_events,
     task_runs,
     utcnow,
@@ -117,25 +118,6 @@ def assess(run: Any, tasks: list[Any], *, heartbeat: dt.datetime | None, worker:
     return Liveness(stale=bool(reasons), reasons=reasons,
                     last_progress=last.isoformat(timespec="seconds") if last else None,
                     last_heartbeat=heartbeat.isoformat(timespec="seconds") if heartbeat else None)
-
-
-def submitting_worker(c: Any, run: Any) -> Any | None:
-    """The worker that started the run's current attempt (from its `submitted-flow-run` event)."""
-    pool = getattr(run, "work_pool_name", None)
-    if not pool:
-        return None
-    since = (run.expected_start_time or run.created or utcnow()) - dt.timedelta(minutes=5)
-    events = flow_run_events(c, run.id, "prefect.worker.submitted-flow-run", since, about="related", limit=5)
-    if not events:
-        return None
-    try:
-        name = max(events, key=lambda e: e.occurred).resource.get("prefect.resource.name")
-        for w in c.read_workers_for_work_pool(pool):
-            if w.name == name:
-                return w
-    except Exception:  # noqa: BLE001 - liveness evidence is best effort
-        return None
-    return None
 
 
 def child_report(c: Any, run: Any, stale_after: float) -> dict[str, Any]:
