@@ -23,7 +23,7 @@ from rich.table import Table
 
 from flows import deploy, doctor, plan, runs, weights
 from flows.console import JsonOpt, SetOpt, StoreOpt, console, err, fail, with_store
-from tasks.config import STAGES, ConfigError, check_stage, check_until, dump_config, load_config
+from tasks.core.config import STAGES, ConfigError, check_stage, check_until, dump_config, load_config
 
 app = typer.Typer(help="Train EAGLE-3 draft heads for vLLM targets, as a resumable Prefect pipeline.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -57,7 +57,7 @@ def _load(config: Optional[Path], overrides: list[str], store: Optional[str] = N
 
 def _store(cfg, write: bool = True):
     """The config's store, checked: `write=False` for commands that only read it (read-only keys pass)."""
-    from tasks.store import Store, StoreError
+    from tasks.store.artifacts import Store, StoreError
 
     try:
         store = Store.from_config(cfg.store)
@@ -71,8 +71,8 @@ def _check_inputs(cfg) -> None:
     """What can be checked in seconds before a run starts, so a typo fails now and not after hours of
     earlier stages (each stage checks again): local paths, and the layer ids and draft vocabulary
     against the target's config."""
-    from tasks.target import TargetError, load_hf_config, resolve_layer_ids, text_config
-    from tasks.vocab import VocabError, draft_size
+    from tasks.engine.target import TargetError, load_hf_config, resolve_layer_ids, text_config
+    from tasks.data.vocab import VocabError, draft_size
 
     problems = []
     t = cfg.target
@@ -99,7 +99,7 @@ def _check_inputs(cfg) -> None:
             draft_size(cfg.vocab.draft_vocab_size, int(text.vocab_size))
         except VocabError as exc:
             problems.append(str(exc))
-    from tasks.drafts import DraftError, draft_folder_of
+    from tasks.formats.drafts import DraftError, draft_folder_of
 
     for key, spec in [("train.init_from", cfg.train.init_from)] + [
             (f"benchmark.drafts[{d.name}]", d.model) for d in cfg.benchmark.drafts]:
@@ -232,8 +232,8 @@ def report(config: Optional[Path] = typer.Argument(None, help="Config naming the
            as_json: bool = typer.Option(False, "--json")):
     """Re-render a benchmark report from the store (read-only keys are enough): `draftline report CONFIG
     [RUN|DIGEST]`."""
-    from tasks.benchmark import find_report
-    from tasks.benchmark_report import render_terminal
+    from tasks.benchmark.stage import find_report
+    from tasks.benchmark.report import render_terminal
 
     if old_config is not None:  # the old form, `report TARGET -c CONFIG`
         config, target = old_config, str(config) if config is not None else target
@@ -264,7 +264,7 @@ def export(what: str = typer.Argument(..., help="A train digest (or 6+ first cha
            as_json: bool = JsonOpt):
     """Write a trained draft as vLLM loads it (draft/), its vocabulary maps and a README.md with the exact
     `vllm serve` line, at the settings its benchmark measured."""
-    from tasks.export import ExportError, export_draft, export_serve, resolve_train
+    from tasks.benchmark.export import ExportError, export_draft, export_serve, resolve_train
 
     from_config = what.endswith((".yaml", ".yml")) or Path(what).is_file()
     cfg = _load(Path(what) if from_config and config is None else config, overrides, store_uri)
@@ -287,7 +287,7 @@ def store_init(config: Optional[Path] = typer.Argument(None, help="Config naming
                overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt, as_json: bool = JsonOpt):
     """Create the store's S3 bucket (or local folder) if it does not exist, then check that these keys can
     list, write and delete under the store's prefix. Running it again changes nothing."""
-    from tasks.store import Store, StoreError
+    from tasks.store.artifacts import Store, StoreError
 
     cfg = _load(config, overrides, store_uri)
     try:

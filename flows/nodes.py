@@ -16,9 +16,9 @@ from typing import Any, Callable
 from flows.prefect_api import EXTRACT_FLOW, child_stage, config_parameters, slice_deployment
 from flows.report_artifacts import Progress
 from flows.run_record import RunRecord
-from tasks import stopping
-from tasks.config import RunConfig
-from tasks.store import ArtifactRef, Store
+from tasks.core import stopping
+from tasks.core.config import RunConfig
+from tasks.store.artifacts import ArtifactRef, Store
 
 
 @dataclass(frozen=True)

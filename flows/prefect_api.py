@@ -16,7 +16,7 @@ from typing import Any
 
 
 from flows.console import ROOT
-from tasks.config import STAGES
+from tasks.core.config import STAGES
 
 FLOW_NAME = "draftline"
 
@@ -232,7 +232,7 @@ def config_parameters(config: Path, overrides: list[str], inline: bool | None) -
             raise OpsError(f"{config} is outside the checkout {ROOT}: the worker cannot read it; "
                            "drop --by-path to inline it")
         return {"config_path": rel.as_posix(), "overrides": list(overrides)}, None
-    from tasks.config import ConfigError, read_config_file
+    from tasks.core.config import ConfigError, read_config_file
 
     try:
         data = read_config_file(path)  # with its `base:` merged in: the worker may not have that file either

@@ -22,8 +22,8 @@ import typer
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tasks.config import StoreConfig
-from tasks.store import Store, StoreError
+from tasks.core.config import StoreConfig
+from tasks.store.artifacts import Store, StoreError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/demo.yaml"
@@ -164,7 +164,7 @@ def test_a_hub_id_without_the_hub_fails_at_once(tmp_path, monkeypatch):
     offline: tests/test_weights.py.)"""
     from huggingface_hub import constants
 
-    from tasks import weights
+    from tasks.engine import weights
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

@@ -29,18 +29,18 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks.config import RunConfig
-from tasks.digest import VERSIONS, stage_digest
-from tasks.engine import EngineError
-from tasks.engine_settings import engine_for_group
-from tasks.extract import extract_shard, plan_extract
-from tasks.parts import load_part
-from tasks.store import MANIFEST, ArtifactRef, Store
-from tasks.target import load_hf_config
-from tasks import digest as digests
-from tasks.train import run_train
-from tasks.train_common import TrainError
-from tasks.train_loop import checkpoint_digest
+from tasks.core.config import RunConfig
+from tasks.core.digest import VERSIONS, stage_digest
+from tasks.engine.process import EngineError
+from tasks.engine.settings import engine_for_group
+from tasks.extract.stage import extract_shard, plan_extract
+from tasks.formats.parts import load_part
+from tasks.store.artifacts import MANIFEST, ArtifactRef, Store
+from tasks.engine.target import load_hf_config
+from tasks.core import digest as digests
+from tasks.train.stage import run_train
+from tasks.train import TrainError
+from tasks.train.loop import checkpoint_digest
 from train_data import make_tiny_target, write_vocab
 from warm import WarmEngine, finish, fork_call, start_draftline
 
@@ -236,15 +236,15 @@ def test_corrupted_part_is_named_never_trained_on_and_reextracted(tmp_path, targ
     store, _cfg, data, plans, refs, vref = extracted(tmp_path, target, engine)
     cfg = config(target, max_steps=14, prefetch=0)  # > 1 epoch: every part is read; prefetch 0: no read-ahead
     loaded: list[str] = []
-    import tasks.parts
+    import tasks.formats.parts
 
-    real_load = tasks.parts.load_part
+    real_load = tasks.formats.parts.load_part
 
     def recording(path, **kw):
         loaded.append(str(path))
         return real_load(path, **kw)
 
-    monkeypatch.setattr(tasks.parts, "load_part", recording)
+    monkeypatch.setattr(tasks.formats.parts, "load_part", recording)
     bad: dict = {}
 
     def corrupt_an_unread_part(rec: dict) -> None:
@@ -293,7 +293,7 @@ def test_corrupted_part_is_named_never_trained_on_and_reextracted(tmp_path, targ
 
 def _train_and_die(args: dict) -> None:
     """Child process: train; SIGKILL itself inside the write of checkpoint `die_at`."""
-    import tasks.store as ts
+    import tasks.store.artifacts as ts
 
     tag = f"-s{args['die_at']:08d}"
     if args["where"] == "mid-file":
@@ -398,8 +398,8 @@ def _upload_across_an_outage(store: Store, server, digest: str, payload: bytes, 
 
 @pytest.mark.s3
 def test_s3_server_killed_mid_upload(own_s3, monkeypatch):
-    from tasks.config import StoreConfig
-    from tasks.store import resolve_credentials
+    from tasks.core.config import StoreConfig
+    from tasks.store.artifacts import resolve_credentials
 
     payload = os.urandom(12 << 20)
     cfg = StoreConfig(uri=f"s3://outage/{uuid.uuid4().hex[:8]}")
@@ -437,7 +437,7 @@ def test_s3_server_killed_mid_upload(own_s3, monkeypatch):
 
 
 def _prepare_child(cfg_json: dict, out: str) -> None:
-    from tasks.prepare import run_prepare
+    from tasks.data.prepare import run_prepare
 
     cfg = RunConfig.model_validate(cfg_json)
     ref = run_prepare(cfg, Store.from_config(cfg.store))
@@ -450,7 +450,7 @@ def test_two_runs_of_one_config_at_once(prefect_server, tmp_path):
     a local store) makes the second wait and reuse the first's artifact. Without a shared lock (two
     machines), both compute and both commit: the manifest that lands last names a complete set of
     files, and the two copies are identical."""
-    from tasks.config import load_config
+    from tasks.core.config import load_config
 
     store_uri = f"file://{tmp_path}/store"
     args = ["run", "tests/configs/deploy-small.yaml", "--until", "prepare", "--json", "--set", f"store.uri={store_uri}"]

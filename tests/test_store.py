@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tasks.config import StoreConfig
-from tasks.store import ArtifactCorrupt, ArtifactMissing, Store, StoreError, check_name
+from tasks.core.config import StoreConfig
+from tasks.store.artifacts import ArtifactCorrupt, ArtifactMissing, Store, StoreError, check_name
 
 
 def _write(store: Store, digest: str, payload: bytes, stage: str = "prepare") -> None:
@@ -58,7 +58,7 @@ def test_writer_killed_before_manifest_leaves_nothing_visible(store):
     """A real SIGKILL while a writer is mid-artifact: readers see nothing, gc cleans up."""
     script = textwrap.dedent(f"""
         import sys, time
-        from tasks.store import Store
+        from tasks.store.artifacts import Store
         s = Store({store.uri!r}, {store.storage_options!r})
         w = s.writer("extract", "dkill", "v1")
         w.write_bytes("part-00000.safetensors", b"x" * 100000)
@@ -87,7 +87,7 @@ def test_large_writes_are_hashed_while_written(store, monkeypatch):
     sha256 is still that of the whole file, and a failed write still fails (after its hash ends)."""
     import hashlib
 
-    from tasks import store as store_mod
+    from tasks.store import artifacts as store_mod
 
     payload = os.urandom(3 << 20) + b"tail"
     with store.write("prepare", "dbig", "v1") as w:
