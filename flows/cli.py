@@ -20,13 +20,28 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftline")
 
 import typer
 from rich.table import Table
+from typer.core import TyperGroup
 
 from flows import deploy, doctor, plan, runs, weights
 from flows.console import JsonOpt, SetOpt, StoreOpt, console, err, fail, with_store
-from tasks.core.config import STAGES, ConfigError, check_stage, check_until, dump_config, load_config
+from tasks.core.config import STAGES, check_stage, check_until, dump_config, load_config
+from tasks.core.errors import DraftlineError
+
+
+
+class _Commands(TyperGroup):
+    """Every command's mistakes end the same way: a `DraftlineError` (config, store, target, plan, ...) is
+    printed as one line naming the problem and the fix, exit code 2; caught here once, not per command."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DraftlineError as exc:
+            fail(str(exc))
+
 
 app = typer.Typer(help="Train EAGLE-3 draft heads for vLLM targets, as a resumable Prefect pipeline.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  cls=_Commands, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
 config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
@@ -49,22 +64,16 @@ def _main(_v: bool = typer.Option(False, "--version", "-V", callback=_version, i
 
 
 def _load(config: Optional[Path], overrides: list[str], store: Optional[str] = None):
-    try:
-        return load_config(config, with_store(overrides, store))
-    except ConfigError as exc:
-        fail(str(exc))
+    return load_config(config, with_store(overrides, store))
 
 
 def _store(cfg, write: bool = True):
     """The config's store, checked: `write=False` for commands that only read it (read-only keys pass)."""
-    from tasks.store.artifacts import Store, StoreError
+    from tasks.store.artifacts import Store
 
-    try:
-        store = Store.from_config(cfg.store)
-        store.check(write=write)
-        return store
-    except StoreError as exc:
-        fail(str(exc))
+    store = Store.from_config(cfg.store)
+    store.check(write=write)
+    return store
 
 
 def _check_inputs(cfg) -> None:
@@ -134,10 +143,7 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
     """Run the pipeline. Finished stages (and shards) are reused from the store."""
     overrides = with_store(overrides, store)
     cfg = _load(config, overrides)
-    try:
-        check_until(until)
-    except ConfigError as exc:
-        fail(str(exc))
+    check_until(until)
     _store(cfg)
     _check_inputs(cfg)
     from flows.local_run import run_here
@@ -152,10 +158,7 @@ def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to
        as_json: bool = JsonOpt):
     """List committed artifacts in the store (read-only keys are enough)."""
     cfg = _load(config, overrides, store_uri)
-    try:
-        check_stage(stage, "--stage")
-    except ConfigError as exc:
-        fail(str(exc))
+    check_stage(stage, "--stage")
     store = _store(cfg, write=False)
     if as_json:
         print(json.dumps([{**m.model_dump(mode="json", exclude={"config"}), "uri": store.uri_of(m.stage, m.digest),
@@ -264,7 +267,7 @@ def export(what: str = typer.Argument(..., help="A train digest (or 6+ first cha
            as_json: bool = JsonOpt):
     """Write a trained draft as vLLM loads it (draft/), its vocabulary maps and a README.md with the exact
     `vllm serve` line, at the settings its benchmark measured."""
-    from tasks.benchmark.export import ExportError, export_draft, export_serve, resolve_train
+    from tasks.benchmark.export import export_draft, export_serve, resolve_train
 
     from_config = what.endswith((".yaml", ".yml")) or Path(what).is_file()
     cfg = _load(Path(what) if from_config and config is None else config, overrides, store_uri)
@@ -272,7 +275,7 @@ def export(what: str = typer.Argument(..., help="A train digest (or 6+ first cha
     try:
         digest, report, run_cfg = resolve_train(store, what, cfg if from_config else None, head)
         out = export_draft(store, digest, dest, export_serve(store, digest, report, run_cfg))
-    except (ExportError, ValueError, LookupError) as exc:
+    except (ValueError, LookupError) as exc:  # also what pydantic, JSON and the store's readers raise
         fail(str(exc))
     if as_json:
         print(json.dumps(out, indent=2))
@@ -287,15 +290,12 @@ def store_init(config: Optional[Path] = typer.Argument(None, help="Config naming
                overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt, as_json: bool = JsonOpt):
     """Create the store's S3 bucket (or local folder) if it does not exist, then check that these keys can
     list, write and delete under the store's prefix. Running it again changes nothing."""
-    from tasks.store.artifacts import Store, StoreError
+    from tasks.store.artifacts import Store
 
     cfg = _load(config, overrides, store_uri)
-    try:
-        store = Store.from_config(cfg.store)
-        created = store.create()
-        store.check()
-    except StoreError as exc:
-        fail(str(exc))
+    store = Store.from_config(cfg.store)
+    created = store.create()
+    store.check()
     where = f"folder {store.root}" if store.is_local else f"bucket s3://{store.root.partition('/')[0]}"
     if as_json:
         print(json.dumps({"store": store.uri, "created": created}))

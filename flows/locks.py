@@ -35,6 +35,7 @@ from typing import Any
 
 from prefect.locking.protocol import LockManager
 
+from tasks.core.errors import DraftlineError
 from tasks.core import owners, stopping
 
 FORMAT = "draftline-lease-1"
@@ -42,7 +43,7 @@ DEFAULT_WAIT_S = 3600.0
 DEFAULT_LEASE_S = 60.0
 
 
-class LockWaitTimeout(RuntimeError):
+class LockWaitTimeout(DraftlineError, RuntimeError):
     """A live holder kept the lock longer than the waiter's bound."""
 
 

@@ -28,8 +28,9 @@ from typing import Any, Optional
 import typer
 import yaml
 
-from flows.console import ROOT, SetOpt, fail
-from tasks.core.config import ConfigError, RunConfig, load_config
+from tasks.core.errors import DraftlineError
+from flows.console import ROOT, SetOpt
+from tasks.core.config import RunConfig, load_config
 
 RATES_FILE = ROOT / "configs" / "rates.yaml"
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train/loop.py Trainer.save_checkpoint)
@@ -45,7 +46,7 @@ REGENERATE_FANS_OUT = True
 NODE_PART_CACHE = True
 
 
-class PlanError(ValueError):
+class PlanError(DraftlineError, ValueError):
     """A plan that cannot be made; the message says what to add or fix."""
 
 
@@ -659,22 +660,19 @@ def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi
                                                            "(repeatable; target.decode_tok_s=... for the target)."),
          as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object.")):
     """Time, store bytes and cost of a run, per stage, from the config and configs/rates.yaml."""
-    try:
-        cfg = load_config(config, overrides)
-        rates = load_rates(RATES_FILE, list(rate), machine or machine_for(cfg.name))
-        for value, key, unit, flag in ((gpu_hour_price, "node.gpu_hour_price", "USD per GPU-hour", "--gpu-hour-price"),
-                                       (storage_price, "storage.gb_month_price", "USD per GB-month kept on the store",
-                                        "--storage-price-gb-month")):
-            if value is None:
-                continue
-            if value <= 0:
-                raise PlanError(f"{flag} must be positive, got {value:g}")
-            rates["rates"][key] = Rate(key, value, unit, "command line", f"{flag} {value:g}")
-        lengths = run_lengths(cfg) if from_store else None
-        result = make_plan(cfg, rates, nodes=cfg.extract.nodes if nodes is None else nodes,
-                           config_name=str(config), lengths=lengths)
-    except (ConfigError, PlanError) as exc:
-        fail(str(exc))
+    cfg = load_config(config, overrides)
+    rates = load_rates(RATES_FILE, list(rate), machine or machine_for(cfg.name))
+    for value, key, unit, flag in ((gpu_hour_price, "node.gpu_hour_price", "USD per GPU-hour", "--gpu-hour-price"),
+                                   (storage_price, "storage.gb_month_price", "USD per GB-month kept on the store",
+                                    "--storage-price-gb-month")):
+        if value is None:
+            continue
+        if value <= 0:
+            raise PlanError(f"{flag} must be positive, got {value:g}")
+        rates["rates"][key] = Rate(key, value, unit, "command line", f"{flag} {value:g}")
+    lengths = run_lengths(cfg) if from_store else None
+    result = make_plan(cfg, rates, nodes=cfg.extract.nodes if nodes is None else nodes,
+                       config_name=str(config), lengths=lengths)
     if as_json:
         print(json.dumps(asdict(result), indent=2))
     else:

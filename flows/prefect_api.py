@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 
+from tasks.core.errors import DraftlineError
 from flows.console import ROOT
 from tasks.core.config import STAGES
 
@@ -41,7 +42,7 @@ def slice_deployment(cfg: Any, own_deployment: str | None) -> str | None:
     return name if "/" in name else f"{EXTRACT_FLOW}/{name}"
 
 
-class OpsError(RuntimeError):
+class OpsError(DraftlineError, RuntimeError):
     """An operation that cannot proceed; the message says what to do."""
 
 

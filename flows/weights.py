@@ -37,33 +37,24 @@ def weights(config: Path = typer.Argument(..., help="YAML config whose target to
             as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object.")):
     """Fetch the target's weights into this node's cache (once; resumable; HF_TOKEN from the environment) and
     print the path, commit, bytes and the disk needed/free. A local folder is only fingerprinted."""
-    from tasks.core.config import ConfigError, load_config
-    from tasks.engine.weights import WeightsError, disk_needed, ensure_snapshot
+    from tasks.core.config import load_config
+    from tasks.engine.weights import disk_needed, ensure_snapshot
 
-    try:
-        cfg = load_config(config, overrides)
-    except ConfigError as exc:
-        fail(str(exc))
+    cfg = load_config(config, overrides)
     t = cfg.target
     out = local_target(t)
     if out is None:
-        try:
-            need = disk_needed(t.model, t.revision, bool(t.trust_remote_code))
-            if need["missing_bytes"] > need["free"]:
-                fail(f"{t.model}@{need['commit'][:12]} needs {gb(need['missing_bytes'])} more, {gb(need['free'])} "
-                     f"free in {need['cache']}: free disk space or point HF_HOME at a larger disk")
-            snap = ensure_snapshot(t.model, t.revision, bool(t.trust_remote_code))  # resolved once (cached)
-        except WeightsError as exc:
-            fail(str(exc))
+        need = disk_needed(t.model, t.revision, bool(t.trust_remote_code))
+        if need["missing_bytes"] > need["free"]:
+            fail(f"{t.model}@{need['commit'][:12]} needs {gb(need['missing_bytes'])} more, {gb(need['free'])} "
+                 f"free in {need['cache']}: free disk space or point HF_HOME at a larger disk")
+        snap = ensure_snapshot(t.model, t.revision, bool(t.trust_remote_code))  # resolved once (cached)
         out = {"model": t.model, "path": snap.path, "commit": snap.commit, "bytes": snap.bytes,
                "fingerprint": snap.fingerprint, "needed_bytes": need["missing_bytes"]}
     elif not out["fingerprint"]:
-        from tasks.engine.target import TargetError, resolve_model
+        from tasks.engine.target import resolve_model
 
-        try:
-            out["path"] = resolve_model(t)  # the preset converts here, once
-        except TargetError as exc:
-            fail(str(exc))
+        out["path"] = resolve_model(t)  # the preset converts here, once
         out = local_target(t)
     out["free_bytes"] = shutil.disk_usage(out["path"]).free
     if as_json:

@@ -61,8 +61,9 @@ def test_tasks_is_packages_each_saying_what_lives_there():
         assert ast.get_docstring(tree), f"tasks/{pkg}/__init__.py says what lives in the package"
         heavy = {(n.module or "") if isinstance(n, ast.ImportFrom) else a.name
                  for n in import_nodes(init, False) for a in n.names}
-        heavy = {m for m in heavy if m.split(".")[0] not in sys.stdlib_module_names and m != "__future__"}
-        assert heavy == set(), f"tasks/{pkg}/__init__.py imports only the standard library"
+        heavy = {m for m in heavy if m.split(".")[0] not in sys.stdlib_module_names
+                 and m not in ("__future__", "tasks.core.errors")}
+        assert heavy == set(), f"tasks/{pkg}/__init__.py imports only the standard library and the error root"
 
 
 def test_no_stage_imports_another_stage():
@@ -129,3 +130,17 @@ def test_the_readme_layout_table_matches_the_tree():
         assert sorted(listed - present) == [], f"modules the README's tasks/{pkg}/ row names that do not exist"
     for stage in STAGES:
         assert f"`{stage.split('.', 1)[1].replace('.', '/')}.py`" in rows["tasks/"], stage
+
+
+def test_every_error_has_the_one_root():
+    """Every exception class the project defines derives `DraftlineError` (which the command line catches
+    once), keeping the built-in base callers catch; `Stopped` is a request to stop, not an error."""
+    builtin = {"Exception", "ValueError", "RuntimeError", "LookupError", "OSError", "KeyError"}
+    found = []
+    for m, p in modules().items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and node.name not in ("Stopped", "DraftlineError"):
+                bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
+                if bases & builtin and "DraftlineError" not in bases:
+                    found.append(f"{m}.{node.name}")
+    assert found == []

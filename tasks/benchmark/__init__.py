@@ -7,8 +7,10 @@ report.md, the plot and the terminal (`report.py`), and the served draft (`expor
 
 from __future__ import annotations
 
+from tasks.core.errors import DraftlineError
+
 STAGE = "benchmark"
 
 
-class BenchmarkError(ValueError):
+class BenchmarkError(DraftlineError, ValueError):
     """The benchmark cannot run as configured; the message says what to change."""

@@ -26,6 +26,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from tasks.core.errors import DraftlineError
+
 # vllm.LLM keyword -> `vllm serve` flag (booleans: the flag alone when true)
 SERVE_FLAGS = {
     "dtype": "--dtype", "max_model_len": "--max-model-len", "enforce_eager": "--enforce-eager",
@@ -36,7 +38,7 @@ SERVE_FLAGS = {
 DRAFT_FILES = ("draft/config.json", "draft/model.safetensors")
 
 
-class ExportError(ValueError):
+class ExportError(DraftlineError, ValueError):
     """An export that cannot be made; the message says what to give instead."""
 
 

@@ -8,12 +8,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from tasks.core.errors import DraftlineError
 from tasks.core.config import RunConfig
 from tasks.engine.process import engine_dtype
 from tasks.engine.settings import on_gpu_here
 
 
-class ReplayError(ValueError):
+class ReplayError(DraftlineError, ValueError):
     """The draft cannot be replayed offline (the benchmark records the error and goes on)."""
 
 def chain_lengths(preds: list[list[int]], seq: list[int], k: int) -> list[int]:

@@ -20,10 +20,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tasks.core.errors import DraftlineError
+
 STAGES = ("prepare", "regenerate", "vocab", "extract", "train", "benchmark")
 
 
-class ConfigError(ValueError):
+class ConfigError(DraftlineError, ValueError):
     """A config that cannot be used; the message names each field and the fix."""
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from tasks.core.errors import DraftlineError
 from tasks.store.artifacts import ArtifactRef
 
 
-class StatsError(ValueError):
+class StatsError(DraftlineError, ValueError):
     """An artifact's manifest lacks a stat the next stage needs."""
 
 

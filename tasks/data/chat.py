@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from tasks.core.errors import DraftlineError
 from tasks.core.config import DataConfig, RunConfig
 from tasks.data.sources import Conversation, has_thinking, strip_thinking
 from tasks.formats.samples import Sample
@@ -51,11 +52,11 @@ _GAP_NOISE = re.compile(r"\s+|</?think>")
 _PROBE_ANSWER = "Zebra quartz probe answer 7."
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(DraftlineError, ValueError):
     """The chat template cannot yield a verified assistant-only loss mask."""
 
 
-class SampleDropped(Exception):
+class SampleDropped(DraftlineError):
     """One conversation that cannot become a training row; `reason` keys the `dropped` stats."""
 
     def __init__(self, reason: str, detail: str = ""):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+from tasks.core.errors import DraftlineError
 from tasks.core.config import DataConfig, RunConfig
 from tasks.data.sources import (
     LoadedSource,
@@ -39,7 +40,7 @@ from tasks.store.artifacts import ArtifactRef, Store
 STAGE = "prepare"
 
 
-class PrepareError(ValueError):
+class PrepareError(DraftlineError, ValueError):
     """Bad input to prepare (config, sources, sizes); the message says what to change."""
 
 

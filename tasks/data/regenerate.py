@@ -40,6 +40,7 @@ from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel
 
+from tasks.core.errors import DraftlineError
 from tasks.core.config import RunConfig
 from tasks.data.sources import Conversation, strip_thinking, user_turns
 from tasks.core import digest as digests
@@ -60,7 +61,7 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-class RegenerateError(RuntimeError):
+class RegenerateError(DraftlineError, RuntimeError):
     pass
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from tasks.core.errors import DraftlineError
 from tasks.core.config import PROMPT_ONLY_PRESETS, SourceConfig
 
 ROLE_ALIASES = {
@@ -76,11 +77,11 @@ _PROMPT_KEYS = ("prompt", "instruction", "question", "query")
 _RESPONSE_KEYS = ("response", "output", "answer", "completion")
 
 
-class DataSourceError(ValueError):
+class DataSourceError(DraftlineError, ValueError):
     """A source that cannot be used at all; the message names the source and the fix."""
 
 
-class BadRow(ValueError):
+class BadRow(DraftlineError, ValueError):
     """One row that cannot be used; `reason` is a key of REASONS."""
 
     def __init__(self, reason: str, detail: str = ""):

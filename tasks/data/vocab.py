@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from tasks.core.errors import DraftlineError
 from tasks.core.config import RunConfig, VocabConfig
 from tasks.core import digest as digests
 from tasks.core.digest import VERSIONS
@@ -31,7 +32,7 @@ _DEFAULT_K = VocabConfig.model_fields["draft_vocab_size"].default
 _REPORT_SIZES = (1024, 2048, 4096, 8192, 16384, 32000, 65536)
 
 
-class VocabError(ValueError):
+class VocabError(DraftlineError, ValueError):
     """A vocabulary that cannot be built; the message says what to change."""
 
 

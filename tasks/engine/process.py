@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Literal
 
+from tasks.core.errors import DraftlineError
 from tasks.core import owners, stopping
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
@@ -53,7 +54,7 @@ HS_CONNECTOR_MODULE = "tasks.engine.vllm_connector"
 HS_CONNECTOR_ASYNC = "ExampleHiddenStatesConnector"
 
 
-class EngineError(RuntimeError):
+class EngineError(DraftlineError, RuntimeError):
     """The engine failed. `log_tail` holds the end of its log; `fatal` says whether it is gone."""
 
     def __init__(self, message: str, log_tail: str = "", fatal: bool = True):

@@ -19,13 +19,14 @@ import queue
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from tasks.core.errors import DraftlineError
 from tasks.core import stopping
 
 from tasks.core.config import RunConfig
 from tasks.engine.process import EngineProcess, engine_dtype, vllm_extract_kwargs
 
 
-class EngineSettingsError(ValueError):
+class EngineSettingsError(DraftlineError, ValueError):
     """GPUs or cores asked for that this machine does not have; the message says what to set."""
 
 

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tasks.core.errors import DraftlineError
 from tasks.core.config import TargetConfig
 from tasks.engine.weights import PRESETS, cache_home, file_lock
 
@@ -31,7 +32,7 @@ VERIFIER_KEYS = {
 }
 
 
-class TargetError(ValueError):
+class TargetError(DraftlineError, ValueError):
     pass
 
 

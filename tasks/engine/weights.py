@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from tasks.core.errors import DraftlineError
+
 log = logging.getLogger("draftline.weights")
 
 # The files that say what the model is (top level of the folder), in the fingerprint and fetched first.
@@ -45,7 +47,7 @@ WEIGHT_PATTERNS = ("*.safetensors",)
 CODE_PATTERNS = ("*.py",)  # the repository's own code: fetched and fingerprinted only with trust_remote_code
 
 
-class WeightsError(RuntimeError):
+class WeightsError(DraftlineError, RuntimeError):
     """The weights cannot be had here; the message says what to do."""
 
 

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
+from tasks.core.errors import DraftlineError
 from tasks.core import digest as digests
 from tasks.core.config import RunConfig
 from tasks.core.stats import StatsError, data_stats
@@ -24,7 +25,7 @@ DATA_STAGES = ("prepare", "regenerate")
 ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in the shard)
 
 
-class ExtractError(RuntimeError):
+class ExtractError(DraftlineError, RuntimeError):
     """Extraction cannot proceed; the message names the problem and the fix."""
 
 

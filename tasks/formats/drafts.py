@@ -22,10 +22,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tasks.core.errors import DraftlineError
+
 DRAFT_FILES = ("config.json", "model.safetensors")
 
 
-class DraftError(ValueError):
+class DraftError(DraftlineError, ValueError):
     """A draft that cannot be used here; the message says why and what to do."""
 
 

@@ -11,8 +11,10 @@ import math
 import struct
 from typing import Any, BinaryIO
 
+from tasks.core.errors import DraftlineError
 
-class PartFormatError(RuntimeError):
+
+class PartFormatError(DraftlineError, RuntimeError):
     """Hidden states or a part file that do not fit the part format (a bug upstream, or a damaged file)."""
 
 _ST_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32", "int32": "I32",

@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
+from tasks.core.errors import DraftlineError
 from tasks.store.artifacts import ArtifactMissing, ArtifactRef, Store
 
 FILE = "vocab.safetensors"
 
 
-class VocabFormatError(ValueError):
+class VocabFormatError(DraftlineError, ValueError):
     """A vocab artifact that is missing, incomplete or inconsistent; the message says what to rerun."""
 
 

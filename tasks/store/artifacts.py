@@ -39,6 +39,7 @@ from typing import IO, Any, Iterator
 import fsspec
 from pydantic import BaseModel, Field
 
+from tasks.core.errors import DraftlineError
 from tasks.core.config import StoreConfig
 from tasks.core.faults import kill_point
 
@@ -73,7 +74,7 @@ def _forget_hasher() -> None:
 os.register_at_fork(after_in_child=_forget_hasher)
 
 
-class StoreError(RuntimeError):
+class StoreError(DraftlineError, RuntimeError):
     """The store cannot be used (unreachable, credentials, bucket); the message says what to fix."""
 
 
@@ -81,11 +82,11 @@ class BucketMissing(StoreError):
     """The store's S3 bucket does not exist (`draftline store init` creates it)."""
 
 
-class ArtifactMissing(LookupError):
+class ArtifactMissing(DraftlineError, LookupError):
     pass
 
 
-class ArtifactCorrupt(RuntimeError):
+class ArtifactCorrupt(DraftlineError, RuntimeError):
     """A committed artifact whose files do not match its manifest."""
 
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
+from tasks.core.errors import DraftlineError
 from tasks.core import owners
 from tasks.core.faults import kill_point
 
@@ -58,7 +59,7 @@ _TMP_RE = re.compile(r"^([0-9a-f]{64})\.(\d+)-(\d+)\.tmp$")
 _HASH_CHUNK = 8 << 20
 
 
-class PartCacheError(RuntimeError):
+class PartCacheError(DraftlineError, RuntimeError):
     """The cache cannot hold a part (the message says what to change)."""
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from tasks.core.errors import DraftlineError
+
 MetricsCallback = Callable[[dict[str, Any]], None]
 log = logging.getLogger("draftline.train")
 
@@ -16,5 +18,5 @@ STAGE = "train"
 CKPT_STAGE = "checkpoint"  # what checkpoints are stored as (checkpoint/<train digest[:20]>-s<step>)
 
 
-class TrainError(ValueError):
+class TrainError(DraftlineError, ValueError):
     """Training cannot start or continue; the message names the problem and the fix."""
