@@ -8,7 +8,6 @@ database, decides what runs.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
@@ -82,27 +81,14 @@ def vocab_task(cfg: RunConfig, digest: str, data: ArtifactRef) -> ArtifactRef:
 
 @task(name="extract-shard", task_run_name="extract-shard-{shard}", retries=0)
 def extract_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) -> ArtifactRef:
+    from tasks.core.faults import fail_point
     from tasks.extract.stage import extract_shard
 
     store = Store.from_config(cfg.store)
     hit = store.find("extract", digest)
     if hit is not None:
         return hit.ref()  # never pay for a finished shard twice, even without Prefect's record
-    # Fault injection, for tests and recovery drills only (docs/DEPLOY.md): with
-    # DRAFTLINE_FAULT_EXTRACT_SHARDS=1,3 those shards raise on their first attempt, for real, before
-    # any work; a marker per shard digest (in DRAFTLINE_FAULT_DIR, default the temp folder) lets the
-    # next attempt through.
-    faulty = os.environ.get("DRAFTLINE_FAULT_EXTRACT_SHARDS", "")
-    if str(shard) in {s.strip() for s in faulty.split(",")}:
-        import tempfile
-        from pathlib import Path
-
-        marker = Path(os.environ.get("DRAFTLINE_FAULT_DIR") or tempfile.gettempdir()) / f"draftline-fault-extract-{digest}"
-        if not marker.exists():
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
-            raise RuntimeError(f"injected fault in extraction shard {shard} (DRAFTLINE_FAULT_EXTRACT_SHARDS={faulty}); "
-                               "a retry of the run succeeds")
+    fail_point("extract", shard, digest)  # DRAFTLINE_FAULT_EXTRACT_SHARDS: drills only (tasks/core/faults.py)
     with pool.engine() as engine:
         return extract_shard(cfg, store, plan, engine)
 

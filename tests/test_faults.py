@@ -485,3 +485,19 @@ def test_two_runs_of_one_config_at_once(prefect_server, tmp_path):
             assert (Path(nolock.root) / "prepare" / refs[0].digest / attempt / f.path).read_bytes() == art.read_bytes(f.path)
     nolock.gc(min_age_s=0)
     assert attempt_folders(nolock, "prepare", refs[0].digest) == [art.manifest.attempt]
+
+
+def test_an_injected_shard_fault_fails_the_first_attempt_only(tmp_path, monkeypatch):
+    """DRAFTLINE_FAULT_EXTRACT_SHARDS (the retry drills of docs/DEPLOY.md): a listed shard raises on its first
+    attempt and goes through on the next; an unlisted shard never raises."""
+    from tasks.core.errors import DraftlineError
+    from tasks.core.faults import InjectedFault, fail_point
+
+    monkeypatch.setenv("DRAFTLINE_FAULT_EXTRACT_SHARDS", "1,3")
+    monkeypatch.setenv("DRAFTLINE_FAULT_DIR", str(tmp_path))
+    fail_point("extract", 0, "d0")
+    with pytest.raises(InjectedFault, match=r"extraction shard 1 \(DRAFTLINE_FAULT_EXTRACT_SHARDS=1,3\)") as exc:
+        fail_point("extract", 1, "d1")
+    assert isinstance(exc.value, RuntimeError) and isinstance(exc.value, DraftlineError)
+    fail_point("extract", 1, "d1")  # the retry
+    assert (tmp_path / "draftline-fault-extract-d1").exists()

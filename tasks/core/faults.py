@@ -20,14 +20,25 @@ Ctrl-C); only the moment is chosen. Points, in the order a run meets them:
 With DRAFTLINE_FAULT_ONCE_DIR set, a point fires once across all processes (a marker file in that
 folder): an engine restarted after the kill does not kill itself again.
 
-Unset (always, outside drills), `kill_point` costs one dictionary lookup.
+The second kind of fault is an exception, not a kill: a shard that fails on its first attempt and
+succeeds on the next (a flaky worker node), for the retry drills of docs/DEPLOY.md:
+
+    DRAFTLINE_FAULT_EXTRACT_SHARDS=1,3    extraction shards 1 and 3 raise `InjectedFault` before any work,
+                                          once per shard digest (a marker in DRAFTLINE_FAULT_DIR, default
+                                          the temp folder, lets the next attempt through)
+
+Unset (always, outside drills), `kill_point` and `fail_point` cost one dictionary lookup.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
+from pathlib import Path
+
+from tasks.core.errors import DraftlineError
 
 _COUNTS: dict[str, int] = {}
 _LOCK = threading.Lock()
@@ -60,3 +71,23 @@ def kill_point(name: str) -> None:
         if spec[2] != signal.SIGKILL:
             return  # a catchable signal: the run's own handler takes it from here
         threading.Event().wait()  # SIGKILL is asynchronous: never run past the point
+
+
+class InjectedFault(DraftlineError, RuntimeError):
+    """A fault a drill asked for (`fail_point`); the next attempt succeeds."""
+
+
+def fail_point(stage: str, item: int, digest: str) -> None:
+    """Raise `InjectedFault` the first time item `item` of `stage` (addressed by `digest`) is attempted, when
+    DRAFTLINE_FAULT_<STAGE>_SHARDS lists it; every later attempt goes through."""
+    env = f"DRAFTLINE_FAULT_{stage.upper()}_SHARDS"
+    listed = os.environ.get(env, "")
+    if str(item) not in {s.strip() for s in listed.split(",")}:
+        return
+    marker = Path(os.environ.get("DRAFTLINE_FAULT_DIR") or tempfile.gettempdir()) / f"draftline-fault-{stage}-{digest}"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    raise InjectedFault(f"injected fault in {'extraction' if stage == 'extract' else stage} shard {item} "
+                        f"({env}={listed}); a retry of the run succeeds")
