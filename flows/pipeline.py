@@ -45,16 +45,17 @@ def regenerate_shard_task(cfg: RunConfig, digest: str, shard: int, plan: Any, po
     from tasks.data.regenerate import SHARD_STAGE, regenerate_shard
 
     store = Store.from_config(cfg.store)
-    hit = store.find(SHARD_STAGE, digest)
-    if hit is not None:
-        return hit.ref()  # never pay for a finished shard twice, even without Prefect's record
-    with pool.engine() as engine:
-        art = regenerate_shard(cfg, store, plan, engine)
-    st = art.stats
-    secs, gen = float(st.get("seconds") or 0.0), int(st.get("generated_tokens") or 0)
-    get_run_logger().info(f"regenerate: shard {shard} on {st.get('engine')}: {st.get('samples')} samples, {gen} "
-                          f"generated tokens in {secs:.0f}s" + (f", {gen / secs:.0f} tok/s" if secs > 0 else ""))
-    return art.ref()
+
+    def compute() -> ArtifactRef:
+        with pool.engine() as engine:
+            art = regenerate_shard(cfg, store, plan, engine)
+        st = art.stats
+        secs, gen = float(st.get("seconds") or 0.0), int(st.get("generated_tokens") or 0)
+        get_run_logger().info(f"regenerate: shard {shard} on {st.get('engine')}: {st.get('samples')} samples, {gen} "
+                              f"generated tokens in {secs:.0f}s" + (f", {gen / secs:.0f} tok/s" if secs > 0 else ""))
+        return art.ref()
+
+    return store.found_or_compute(SHARD_STAGE, digest, compute)
 
 
 @task(name="regenerate", task_run_name="regenerate")
@@ -85,12 +86,13 @@ def extract_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) 
     from tasks.extract.stage import extract_shard
 
     store = Store.from_config(cfg.store)
-    hit = store.find("extract", digest)
-    if hit is not None:
-        return hit.ref()  # never pay for a finished shard twice, even without Prefect's record
-    fail_point("extract", shard, digest)  # DRAFTLINE_FAULT_EXTRACT_SHARDS: drills only (tasks/core/faults.py)
-    with pool.engine() as engine:
-        return extract_shard(cfg, store, plan, engine)
+
+    def compute() -> ArtifactRef:
+        fail_point("extract", shard, digest)  # DRAFTLINE_FAULT_EXTRACT_SHARDS: drills only (tasks/core/faults.py)
+        with pool.engine() as engine:
+            return extract_shard(cfg, store, plan, engine)
+
+    return store.found_or_compute("extract", digest, compute)
 
 
 @task(name="train", task_run_name="train")

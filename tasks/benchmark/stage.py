@@ -214,11 +214,16 @@ def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tupl
     """
     digest = digests.benchmark(cfg, trained, data)
     heads = list(trained) if isinstance(trained, (list, tuple)) else [(cfg.train.heads[0].label, trained)]
-    label, trained = heads[0]
-    hit = store.find(STAGE, digest)
-    if hit is not None:
-        return hit.ref()
+    return store.found_or_compute(STAGE, digest, lambda: _benchmark(cfg, store, heads, data, digest, engine_factory,
+                                                                    flow_run_id, log))
+
+
+def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]], data: ArtifactRef, digest: str,
+               engine_factory: EngineFactory | None, flow_run_id: str | None,
+               log: Callable[[str], None] | None) -> ArtifactRef:
     from tasks.engine.target import load_hf_config, resolve_model
+
+    label, trained = heads[0]
 
     b = cfg.benchmark
     if not b.evals:

@@ -128,9 +128,10 @@ def build_samples(mixes: list[_Mix], masker: ChatMasker, data: DataConfig) -> No
 def run_prepare(cfg: RunConfig, store: Store) -> ArtifactRef:
     """Build (or find) the prepare artifact: `shard-*.parquet` + `heldout.parquet` (docs/ARTIFACTS.md)."""
     digest = digests.prepare(cfg)
-    hit = store.find(STAGE, digest)
-    if hit is not None:
-        return hit.ref()
+    return store.found_or_compute(STAGE, digest, lambda: _prepare(cfg, store, digest))
+
+
+def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
     t0 = time.time()
     data = cfg.data
     if data.max_length > cfg.target.max_model_len:

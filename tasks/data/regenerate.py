@@ -216,10 +216,12 @@ def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
     shard needs generating and closed before this returns. `on_shard(done, total, stats, reused)`
     is called after each shard.
     """
-    digest = digests.regenerate(cfg, prepared)
-    hit = store.find(STAGE, digest)
-    if hit is not None:
-        return hit.ref()
+    return store.found_or_compute(STAGE, digests.regenerate(cfg, prepared),
+                                  lambda: _regenerate(cfg, store, prepared, engine_factory, on_shard))
+
+
+def _regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef, engine_factory: Callable[[], Engine],
+                on_shard: Callable[[int, int, dict[str, Any], bool], None] | None) -> ArtifactRef:
     t0 = time.time()
     plans = plan_regenerate(cfg, prepared)
     masker = make_masker(cfg, template_kwargs={"enable_thinking": bool(cfg.regenerate.thinking)})
@@ -251,9 +253,12 @@ def assemble_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef, sha
     `reused`: how many of them were on the store before this run, `t0`: when this run's stage began
     (its `wall_seconds`: engine starts, every shard on every group and node, and this assembly)."""
     digest = digests.regenerate(cfg, prepared)
-    hit = store.find(STAGE, digest)
-    if hit is not None:
-        return hit.ref()
+    return store.found_or_compute(STAGE, digest,
+                                  lambda: _assemble(cfg, store, prepared, shard_arts, t0, reused, digest))
+
+
+def _assemble(cfg: RunConfig, store: Store, prepared: ArtifactRef, shard_arts: list[Artifact], t0: float,
+              reused: int, digest: str) -> ArtifactRef:
     prep_art = store.open(prepared.stage, prepared.digest)
     n = data_stats(prep_art.ref()).num_shards
     shard_arts = sorted(shard_arts, key=lambda a: int(a.stats.get("shard", 0)))

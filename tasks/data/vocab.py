@@ -143,12 +143,13 @@ def summary_markdown(stats: dict[str, Any], table: dict[int, float], source: str
 
 def run_vocab(cfg: RunConfig, store: Store, data_ref: ArtifactRef) -> ArtifactRef:
     """Build (or find) `vocab.safetensors` (d2t, t2d, token_counts) for the data artifact `data_ref`."""
+    digest = digests.vocab(cfg, data_ref)
+    return store.found_or_compute(STAGE, digest, lambda: _vocab(cfg, store, data_ref, digest))
+
+
+def _vocab(cfg: RunConfig, store: Store, data_ref: ArtifactRef, digest: str) -> ArtifactRef:
     from safetensors.numpy import save
 
-    digest = digests.vocab(cfg, data_ref)
-    hit = store.find(STAGE, digest)
-    if hit is not None:
-        return hit.ref()
     t0 = time.time()
     vocab_size = target_vocab_size(cfg)
     k = draft_size(cfg.vocab.draft_vocab_size, vocab_size)

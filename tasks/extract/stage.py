@@ -269,10 +269,11 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
     manifest is committed only after every part is written; a failure anywhere (the engine
     dying, a store error in the writer) raises that error and commits nothing.
     """
-    found = store.find(STAGE, plan.digest)
-    if found is not None:
-        return found.ref()
+    return store.found_or_compute(STAGE, plan.digest, lambda: _extract(cfg, store, plan, engine, progress_cb))
 
+
+def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProcess,
+             progress_cb: ProgressCallback | None) -> ArtifactRef:
     e = cfg.extract
     samples = _read_shard(store, plan)
     total = sum(len(s[1]) for s in samples)

@@ -34,7 +34,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import fsspec
 from pydantic import BaseModel, Field
@@ -617,6 +617,15 @@ class Store:
         art = Artifact(self, m)
         art.verify(checksums=checksums)
         return art
+
+    def found_or_compute(self, stage: str, digest: str, compute: Callable[[], ArtifactRef]) -> ArtifactRef:
+        """The one found-or-compute rule every stage and the flow's tasks follow: the committed artifact at
+        this address when there is one (finished work is never paid for twice, with or without Prefect's
+        record of it), else what `compute()` commits there."""
+        hit = self.find(stage, digest)
+        if hit is not None:
+            return hit.ref()
+        return compute()
 
     def find(self, stage: str, digest: str, checksums: bool = False) -> Artifact | None:
         """The committed, verified artifact or None (corrupt counts as missing)."""

@@ -64,9 +64,11 @@ def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs
     """
     train_head(cfg)  # one head per call
     digest = digests.train(cfg, vocab_ref, extract_refs)
-    found = store.find(STAGE, digest)
-    if found is not None:
-        return found.ref()
+    return store.found_or_compute(STAGE, digest, lambda: _train(cfg, store, vocab_ref, extract_refs, on_metrics, digest))
+
+
+def _train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef],
+           on_metrics: MetricsCallback | None, digest: str) -> ArtifactRef:
     if not launched_as_rank():
         ranks = train_ranks(cfg.train)
         if ranks > 1:
