@@ -97,7 +97,7 @@ def rank_main(a: dict, rank: int, barrier: Any, results: Any) -> None:
         barrier.wait()
         for p in range(a["passes"]):
             for spec in share:  # a cold disk: this rank's files out of the page cache
-                path = cache.path(art.manifest.file(spec.name).sha256) if cache else art._key(spec.name)
+                path = cache.path(art.manifest.file(spec.name).sha256) if cache else art.key(spec.name)
                 if Path(path).exists():
                     evict(str(path))
             stream = BatchStream(parts, reader, batch_tokens=a["batch_tokens"], seed=0, rank=rank, world=a["ranks"],

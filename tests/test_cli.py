@@ -193,7 +193,7 @@ def dead_leftover(store: Store) -> str:
     w = store.writer("prepare", uuid.uuid4().hex * 2, "v1")
     w.attempt = w.attempt.replace(f"-{os.getpid()}-", f"-{p.pid}-")
     w.write_bytes("part.bin", b"x" * 100)
-    return w._key("part.bin")
+    return w.key("part.bin")
 
 
 @pytest.mark.s3

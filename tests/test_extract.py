@@ -461,7 +461,7 @@ def writer_cfg(model_path: str, overlap: bool = True, queue: int = 1, workers: i
 
 def files_under(store: Store, digest: str) -> list[str]:
     """Files (not the empty prefix some S3 servers keep after a delete) under extract/DIGEST."""
-    key = store._key("extract", digest)
+    key = store.key("extract", digest)
     try:
         found = store.fs.find(key, detail=True)
     except FileNotFoundError:

@@ -253,7 +253,7 @@ def test_corrupted_part_is_named_never_trained_on_and_reextracted(tmp_path, targ
         for ref in refs:
             art = store.open("extract", ref.digest)
             for name in sorted(art.files("part-")):
-                key = art._key(name)
+                key = art.key(name)
                 if key not in loaded:
                     raw = bytearray(Path(key).read_bytes())
                     raw[len(raw) // 2] ^= 0xFF  # inside hidden_states

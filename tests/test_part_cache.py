@@ -241,7 +241,7 @@ def test_a_part_corrupted_on_the_store_is_never_cached(tmp_path, s3):
 
     art = blob_artifact(s3, [300_000])
     entry = art.manifest.file("f0.bin")
-    key = art._key("f0.bin")
+    key = art.key("f0.bin")
     raw = bytearray(s3.fs.cat_file(key))
     raw[123_456] ^= 0xFF
     s3.fs.pipe_file(key, bytes(raw))

@@ -132,7 +132,7 @@ def test_large_writes_are_hashed_while_written(store, monkeypatch):
 def test_corrupted_file_is_detected_and_uncommitted(store):
     _write(store, "d3", b"0123456789" * 100)
     art = store.open("prepare", "d3")
-    key = art._key("data/part-0.bin")
+    key = art.key("data/part-0.bin")
     raw = bytearray(store.fs.cat_file(key))
     raw[10] ^= 0xFF  # same size, different bytes: only the checksum can tell
     store.fs.pipe_file(key, bytes(raw))
@@ -141,14 +141,14 @@ def test_corrupted_file_is_detected_and_uncommitted(store):
         store.open("prepare", "d3").read_bytes("data/part-0.bin")
     # Un-committed so the stage runs again; the evidence is kept beside it.
     assert store.find("prepare", "d3") is None
-    names = [p.rsplit("/", 1)[-1] for p in store.fs.ls(store._key("prepare", "d3"), detail=False)]
+    names = [p.rsplit("/", 1)[-1] for p in store.fs.ls(store.key("prepare", "d3"), detail=False)]
     assert any(n.startswith("manifest.corrupt-") for n in names)
 
 
 def test_truncated_file_counts_as_missing(store):
     _write(store, "d4", b"z" * 5000)
     art = store.open("prepare", "d4")
-    store.fs.pipe_file(art._key("data/part-0.bin"), b"z" * 10)
+    store.fs.pipe_file(art.key("data/part-0.bin"), b"z" * 10)
     assert store.find("prepare", "d4") is None
 
 

@@ -92,7 +92,7 @@ def draft_path(store: Any, train_digest: str) -> str | None:
     if not store.is_local:
         return None
     art = store.open("train", train_digest)
-    return os.path.abspath(os.path.dirname(art._key("draft/config.json")))
+    return os.path.abspath(os.path.dirname(art.key("draft/config.json")))
 
 
 def export_command(train_digest: str, dest: str = "DRAFT_FOLDER") -> str:

@@ -38,7 +38,6 @@ import json
 import os
 import platform
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -101,18 +100,8 @@ def draft_folder(art: Artifact) -> Iterator[str]:
     if missing:
         raise BenchmarkError(f"{art.uri} has no {', '.join(missing)}: not a finished train artifact "
                              "(re-run the train stage)")
-    names = art.files("draft/")
-    if art.store.is_local:
-        for n in names:
-            art.verify_file(n)
-        yield os.path.dirname(art._key("draft/config.json"))
-        return
-    with tempfile.TemporaryDirectory(prefix="draftline-draft-") as tmp:
-        for n in names:
-            dest = Path(tmp, n)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(art.read_bytes(n))
-        yield str(Path(tmp, "draft"))
+    with art.local_folder("draft/") as folder:
+        yield folder
 
 
 def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:

@@ -250,14 +250,15 @@ class Artifact:
     def files(self, prefix: str = "") -> list[str]:
         return [f.path for f in self.manifest.files if f.path.startswith(prefix)]
 
-    def _key(self, name: str) -> str:
+    def key(self, name: str) -> str:
+        """Where file `name` of this artifact lives on the store (a local path on a file:// store)."""
         self.manifest.file(name)
-        return self.store._key(self.stage, self.digest, self.manifest.attempt, name)
+        return self.store.key(self.stage, self.digest, self.manifest.attempt, name)
 
     def read_bytes(self, name: str, verify: bool = True) -> bytes:
         entry = self.manifest.file(name)
         try:
-            data = self.store.fs.cat_file(self._key(name))
+            data = self.store.fs.cat_file(self.key(name))
         except FileNotFoundError:
             raise ArtifactCorrupt(f"{self.uri}: file {name} listed in the manifest is missing") from None
         if len(data) != entry.bytes:
@@ -279,7 +280,7 @@ class Artifact:
         """A local path holding the verified file (the file itself when the store is local; else a
         temporary copy streamed from the store, never the whole file in memory)."""
         if self.store.is_local:
-            path = self._key(name)
+            path = self.key(name)
             if verify:
                 self.verify_file(name)
             yield path
@@ -292,6 +293,26 @@ class Artifact:
                 self.copy_to(name, fh, verify=verify)
             yield local
 
+    @contextlib.contextmanager
+    def local_folder(self, prefix: str, verify: bool = True) -> Iterator[str]:
+        """A local folder holding every file under `prefix` (e.g. "draft/"), verified: the artifact's own
+        folder when the store is local, else a temporary copy streamed from the store."""
+        names = self.files(prefix)
+        if self.store.is_local:
+            if verify:
+                for n in names:
+                    self.verify_file(n)
+            yield self.store.key(self.stage, self.digest, self.manifest.attempt, prefix.rstrip("/"))
+            return
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="draftline-") as tmp:
+            for n in names:
+                os.makedirs(os.path.dirname(os.path.join(tmp, n)), exist_ok=True)
+                with open(os.path.join(tmp, n), "wb") as fh:
+                    self.copy_to(n, fh, verify=verify)
+            yield os.path.join(tmp, prefix).rstrip("/")
+
     def copy_to(self, name: str, fh: IO[bytes], verify: bool = True, chunk: int = _COPY_CHUNK,
                 inflight: int = _COPY_INFLIGHT) -> int:
         """Stream file `name` into `fh` (written in order): ranged reads of `chunk` bytes, up to `inflight`
@@ -299,7 +320,7 @@ class Artifact:
         or sha256 mismatch un-commits the artifact (ArtifactCorrupt) after what was written; the caller
         owns `fh` and discards it then. Returns the bytes written."""
         entry = self.manifest.file(name)
-        key = self._key(name)
+        key = self.key(name)
         fs = self.store.fs
         h = hashlib.sha256() if verify else None
         done = 0
@@ -335,7 +356,7 @@ class Artifact:
         h = hashlib.sha256()
         n = 0
         try:
-            with self.store.fs.open(self._key(name), "rb") as fh:
+            with self.store.fs.open(self.key(name), "rb") as fh:
                 while chunk := fh.read(_HASH_CHUNK):
                     h.update(chunk)
                     n += len(chunk)
@@ -349,7 +370,7 @@ class Artifact:
             if checksums:
                 self.verify_file(f.path)
             else:
-                key = self._key(f.path)
+                key = self.key(f.path)
                 try:
                     size = self.store.fs.size(key)
                 except FileNotFoundError:
@@ -391,13 +412,14 @@ class ArtifactWriter:
         self.stats: dict[str, Any] = {}
         self.committed: Artifact | None = None
 
-    def _key(self, name: str) -> str:
-        return self.store._key(self.stage, self.digest, self.attempt, check_relpath(name))
+    def key(self, name: str) -> str:
+        """Where file `name` of this attempt is written on the store."""
+        return self.store.key(self.stage, self.digest, self.attempt, check_relpath(name))
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[IO[bytes]]:
         """Stream a file into the attempt, hashing as it goes."""
-        key = self._key(name)
+        key = self.key(name)
         h = hashlib.sha256()
         count = 0
         mid_file = f"store.{self.stage}.mid-file"
@@ -462,7 +484,7 @@ class ArtifactWriter:
     def abort(self) -> None:
         # Best effort and quick (a store that is down must not hold the failure up): `gc` removes leftovers.
         with contextlib.suppress(Exception):
-            self.store.quick_fs().rm(self.store._key(self.stage, self.digest, self.attempt), recursive=True)
+            self.store.quick_fs().rm(self.store.key(self.stage, self.digest, self.attempt), recursive=True)
 
 
 class Store:
@@ -504,7 +526,8 @@ class Store:
         return fsspec.filesystem(self.scheme, skip_instance_cache=True, **opts)
 
     # ---------------------------------------------------------------- keys
-    def _key(self, *parts: str) -> str:
+    def key(self, *parts: str) -> str:
+        """The store's key (a path on a file:// store) of STAGE/DIGEST/... ."""
         return "/".join([self.root, *parts])
 
     def uri_of(self, stage: str, digest: str) -> str:
@@ -539,7 +562,7 @@ class Store:
             fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
             if write:
                 doing = f"writing a probe object under {self.uri}"
-                key = self._key(f".probe-{uuid.uuid4().hex}")
+                key = self.key(f".probe-{uuid.uuid4().hex}")
                 fs.pipe_file(key, b"ok")
                 doing = f"deleting the probe object {key}"
                 fs.rm_file(key)
@@ -599,7 +622,7 @@ class Store:
 
     # ---------------------------------------------------------------- read
     def manifest(self, stage: str, digest: str) -> Manifest | None:
-        key = self._key(check_name("stage", stage), check_name("digest", digest), MANIFEST)
+        key = self.key(check_name("stage", stage), check_name("digest", digest), MANIFEST)
         try:
             raw = self.fs.cat_file(key)
         except FileNotFoundError:
@@ -638,7 +661,7 @@ class Store:
         out: list[Manifest] = []
         stages = [stage] if stage else self._dirs(self.root)
         for s in stages:
-            for d in self._dirs(self._key(s)):
+            for d in self._dirs(self.key(s)):
                 m = self.manifest(s, d)
                 if m is not None:
                     out.append(m)
@@ -677,7 +700,7 @@ class Store:
             raise RuntimeError(f"{stage}/{digest}: writer closed without commit()")
 
     def _publish(self, manifest: Manifest) -> None:
-        key = self._key(manifest.stage, manifest.digest, MANIFEST)
+        key = self.key(manifest.stage, manifest.digest, MANIFEST)
         payload = manifest.model_dump_json(indent=2).encode()
         if self.is_local:
             tmp = f"{key}.tmp-{uuid.uuid4().hex}"
@@ -693,20 +716,20 @@ class Store:
             os.replace(tmp, key)  # atomic on POSIX
         else:
             self.fs.pipe_file(key, payload)  # one PUT: atomic on S3
-            self.fs.invalidate_cache(self._key(manifest.stage, manifest.digest))
+            self.fs.invalidate_cache(self.key(manifest.stage, manifest.digest))
 
     def quarantine(self, stage: str, digest: str, why: str) -> None:
         """Move a bad manifest aside (kept for inspection as manifest.corrupt-*.json)."""
-        key = self._key(stage, digest, MANIFEST)
+        key = self.key(stage, digest, MANIFEST)
         with contextlib.suppress(FileNotFoundError):
             raw = self.fs.cat_file(key)
-            self.fs.pipe_file(self._key(stage, digest, f"manifest.corrupt-{uuid.uuid4().hex[:8]}.json"),
+            self.fs.pipe_file(self.key(stage, digest, f"manifest.corrupt-{uuid.uuid4().hex[:8]}.json"),
                               json.dumps({"reason": why, "manifest": json.loads(raw)}).encode())
             self.fs.rm_file(key)
 
     def delete(self, stage: str, digest: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self._key(check_name("stage", stage), check_name("digest", digest)), recursive=True)
+            self.fs.rm(self.key(check_name("stage", stage), check_name("digest", digest)), recursive=True)
 
     # ---------------------------------------------------------------- gc
     def garbage(self, min_age_s: float = 3600) -> list[str]:
@@ -723,13 +746,13 @@ class Store:
         for s in self._dirs(self.root):
             if s.startswith("_"):
                 continue
-            for d in self._dirs(self._key(s)):
+            for d in self._dirs(self.key(s)):
                 m = self.manifest(s, d)
                 live = m.attempt if m else None
-                for a in self._dirs(self._key(s, d)):
+                for a in self._dirs(self.key(s, d)):
                     if a == live or not a.startswith("a"):
                         continue
-                    key = self._key(s, d, a)
+                    key = self.key(s, d, a)
                     found = self.fs.find(key, detail=True)
                     if not any(i.get("type") == "file" and k.rstrip("/") != key for k, i in found.items()):
                         continue  # an empty prefix some S3 servers keep after deletion: nothing to free
@@ -737,7 +760,7 @@ class Store:
                     if age >= min_age_s or writer.get("alive") is False:
                         out.append({"kind": "attempt", "key": key, "age_s": age, "owner": writer})
                 try:
-                    files = self.fs.ls(self._key(s, d), detail=False)
+                    files = self.fs.ls(self.key(s, d), detail=False)
                 except FileNotFoundError:
                     files = []
                 for f in files:

@@ -20,3 +20,14 @@ CKPT_STAGE = "checkpoint"  # what checkpoints are stored as (checkpoint/<train d
 
 class TrainError(DraftlineError, ValueError):
     """Training cannot start or continue; the message names the problem and the fix."""
+
+
+def wants_cuda(train: Any) -> bool:
+    """Whether training runs on GPUs (`train.device` cuda, or auto with a GPU visible); cuda where torch sees
+    no GPU is an error naming the fix. The one place both the ranks' count and each rank's device ask."""
+    import torch  # here, not at the top: this package's __init__ stays light
+
+    use = train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available())
+    if use and not torch.cuda.is_available():
+        raise TrainError("train.device is cuda but torch sees no GPU; set train.device: auto (or cpu)")
+    return use

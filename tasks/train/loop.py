@@ -24,7 +24,7 @@ from tasks.core.digest import VERSIONS
 from tasks.core.faults import kill_point
 from tasks.core.owners import owned_temporary_directory
 from tasks.store.artifacts import ArtifactCorrupt, ArtifactRef, Store
-from tasks.train import CKPT_STAGE, STAGE, MetricsCallback, TrainError, log
+from tasks.train import CKPT_STAGE, STAGE, MetricsCallback, TrainError, log, wants_cuda
 from tasks.train.inputs import TrainInputs, resolve_inputs, train_head
 from tasks.train.model import (
     attention_shape,
@@ -123,9 +123,7 @@ class DistEnv:
 
     @classmethod
     def from_env(cls, train: TrainConfig) -> "DistEnv":
-        use_cuda = train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available())
-        if use_cuda and not torch.cuda.is_available():
-            raise TrainError("train.device is cuda but torch sees no GPU; set train.device: auto (or cpu)")
+        use_cuda = wants_cuda(train)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))

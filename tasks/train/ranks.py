@@ -22,7 +22,7 @@ from tasks.core import digest as digests
 from tasks.core import stopping
 from tasks.core.config import RunConfig, TrainConfig
 from tasks.store.artifacts import ArtifactRef, Store
-from tasks.train import MetricsCallback, TrainError, log
+from tasks.train import MetricsCallback, TrainError, log, wants_cuda
 
 RANK_ENTRY = "import tasks.train.ranks as r; r.rank_main()"  # what each rank's `python -c` runs
 
@@ -30,17 +30,11 @@ RANK_ENTRY = "import tasks.train.ranks as r; r.rank_main()"  # what each rank's 
 RANK_LOG_TAIL_LINES = 25
 
 
-def _wants_cuda(train: TrainConfig) -> bool:
-    return train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available())
-
-
 def train_ranks(train: TrainConfig) -> int:
     """How many ranks `train.gpus` asks for here: every visible GPU by default, 1 on a CPU."""
-    if not _wants_cuda(train):
+    if not wants_cuda(train):
         return train.gpus or 1
     visible = torch.cuda.device_count()
-    if visible == 0:
-        raise TrainError("train.device is cuda but torch sees no GPU; set train.device: auto (or cpu)")
     n = visible if train.gpus is None else train.gpus
     if n > visible:
         raise TrainError(f"train.gpus={n} but only {visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES="
@@ -255,7 +249,7 @@ def _rank_main() -> None:
     with open(os.path.join(os.path.dirname(sys.argv[-1]), f"rank-{rank}.pid"), "w") as fh:
         fh.write(str(os.getpid()))
     cfg = RunConfig.model_validate(args["cfg"])
-    if not _wants_cuda(cfg.train) and "OMP_NUM_THREADS" not in os.environ:
+    if not wants_cuda(cfg.train) and "OMP_NUM_THREADS" not in os.environ:
         # ranks share the CPU: oversubscribed OpenMP threads spin against each other
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
