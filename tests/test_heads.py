@@ -81,7 +81,7 @@ def test_bad_heads_are_config_errors_that_say_what_to_do():
         heads("{kind: eagle3.1, block_size: 4}")
     with pytest.raises(ConfigError, match="at least one head"):
         load_config(None, ["train.heads=[]"])
-    with pytest.raises(ConfigError, match="distinct ascending"):
+    with pytest.raises(ConfigError, match="distinct and ascending"):
         heads("{kind: dflash, layer_ids: [9, 3]}")
 
 

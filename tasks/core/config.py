@@ -25,6 +25,25 @@ from tasks.core.errors import DraftlineError
 STAGES = ("prepare", "regenerate", "vocab", "extract", "train", "benchmark")
 
 
+def check_layer_ids(v: list[int] | None, too_few: str, at_least: int) -> list[int] | None:
+    """The one layer-id rule (extract.layer_ids, a head's layer_ids): distinct, ascending, from 1 (vLLM's
+    numbering: id k is the output of decoder layer k-1), at least `at_least` of them."""
+    if v is None:
+        return v
+    if len(v) < at_least:
+        raise ValueError(too_few)
+    if sorted(set(v)) != v:
+        raise ValueError(f"layer ids must be distinct and ascending, got {v}")
+    if v[0] < 1:
+        raise ValueError(f"layer ids start at 1 (id k = output of decoder layer k-1), got {v}")
+    return v
+
+
+def with_scheme(uri: str) -> str:
+    """A store uri with its scheme: a bare folder is `file://FOLDER` (the config's and the Store's one rule)."""
+    return uri if "://" in uri else "file://" + uri
+
+
 class ConfigError(DraftlineError, ValueError):
     """A config that cannot be used; the message names each field and the fix."""
 
@@ -107,9 +126,9 @@ class SourceConfig(Section):
 
     @property
     def prompt_only(self) -> bool:
-        """Prompts without answers (an offline preset of questions, or format `turns`): usable for
-        training only when the regenerate stage has the target answer them."""
-        return self.preset in PROMPT_ONLY_PRESETS or self.format == "turns"
+        """Prompts without answers (an offline preset of questions): usable for training only when the
+        regenerate stage has the target answer them."""
+        return self.preset in PROMPT_ONLY_PRESETS
 
 
 class DataConfig(Section):
@@ -202,18 +221,9 @@ class ExtractConfig(Section):
     @field_validator("layer_ids")
     @classmethod
     def _ascending(cls, v: list[int] | None) -> list[int] | None:
-        if v is None:
-            return v
-        if len(v) < 2:
-            raise ValueError("give at least one auxiliary id plus the last layer, e.g. [2, 15, 27, 30]")
-        if sorted(set(v)) != v:
-            raise ValueError(f"layer ids must be distinct and ascending, got {v}")
-        if v[0] < 1:
-            raise ValueError(f"layer ids start at 1 (id k = output of decoder layer k-1), got {v}")
-        return v
+        return check_layer_ids(v, "give at least one auxiliary id plus the last layer, e.g. [2, 15, 27, 30]", 2)
 
 
-HEAD_KINDS = ("eagle3", "eagle3.1", "dflash")
 DFLASH_ONLY = ("block_size", "max_anchors", "mask_token_id")
 DFLASH_BLOCK_SIZE = 8  # speculators' DFlashSpeculatorConfig default
 DFLASH_MAX_ANCHORS = 512  # speculators' training default
@@ -246,9 +256,7 @@ class HeadConfig(Section):
     @field_validator("layer_ids")
     @classmethod
     def _aux_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and (not v or sorted(set(v)) != v or v[0] < 1):
-            raise ValueError(f"layer_ids must be distinct ascending auxiliary ids >= 1, got {v}")
-        return v
+        return check_layer_ids(v, "give at least one auxiliary id, e.g. [2, 15]", 1)
 
     @model_validator(mode="after")
     def _kind_keys(self) -> "HeadConfig":
@@ -432,8 +440,7 @@ class StoreConfig(Section):
     @field_validator("uri")
     @classmethod
     def _scheme(cls, v: str) -> str:
-        if "://" not in v:
-            v = "file://" + v
+        v = with_scheme(v)
         scheme = v.split("://", 1)[0]
         if scheme not in ("file", "s3", "memory"):
             raise ValueError(f"store uri must start with file:// or s3://, got {scheme}://")

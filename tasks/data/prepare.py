@@ -44,12 +44,6 @@ class PrepareError(DraftlineError, ValueError):
     """Bad input to prepare (config, sources, sizes); the message says what to change."""
 
 
-# =========================================================================== the loss mask
-
-
-# =========================================================================== samples and shards
-
-
 def split_shards(samples: list[Sample], num_shards: int) -> list[list[Sample]]:
     if num_shards > len(samples):
         raise PrepareError(

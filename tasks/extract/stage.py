@@ -4,7 +4,7 @@ One artifact per shard (`extract/DIGEST/`), so a failed or killed shard is the
 only work repeated: every other shard is committed and found on the store.
 
     plans = plan_extract(cfg, data_ref, hf_config)           # one ShardPlan (and digest) per shard
-    for group in gpu_groups(cfg):                            # the flow fans shards over groups
+    for group in engine_groups(cfg):                         # the flow fans shards over groups
         with engine_for_group(cfg, model_path, group) as engine:
             refs = [extract_shard(cfg, store, p, engine) for p in my_plans]
 

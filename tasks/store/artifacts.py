@@ -40,7 +40,7 @@ import fsspec
 from pydantic import BaseModel, Field
 
 from tasks.core.errors import DraftlineError
-from tasks.core.config import StoreConfig
+from tasks.core.config import StoreConfig, with_scheme
 from tasks.core.faults import kill_point
 
 MANIFEST = "manifest.json"
@@ -491,8 +491,7 @@ class Store:
     """All artifact I/O. `Store.from_config(cfg.store)`; the same code for file:// and s3://."""
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None):
-        if "://" not in uri:
-            uri = "file://" + uri
+        uri = with_scheme(uri)
         self.scheme, rest = uri.split("://", 1)
         self.storage_options = storage_options or {}
         if self.scheme == "file":
