@@ -77,46 +77,10 @@ def _store(cfg, write: bool = True):
 
 
 def _check_inputs(cfg) -> None:
-    """What can be checked in seconds before a run starts, so a typo fails now and not after hours of
-    earlier stages (each stage checks again): local paths, and the layer ids and draft vocabulary
-    against the target's config."""
-    from tasks.engine.target import TargetError, load_hf_config, resolve_layer_ids, text_config
-    from tasks.data.vocab import VocabError, draft_size
+    """flows/preflight.py's checks, every problem at once."""
+    from flows.preflight import input_problems
 
-    problems = []
-    t = cfg.target
-    if t.chat_template and not Path(t.chat_template).expanduser().is_file():
-        problems.append(f"target.chat_template {t.chat_template!r} not found; give a path to a .jinja file")
-    for i, src in enumerate(cfg.data.sources):
-        if src.path and "://" not in src.path and not Path(src.path).expanduser().exists():
-            problems.append(f"data.sources[{i}].path {src.path!r} not found (relative paths start at {Path.cwd()}); "
-                            "fix the path")
-    try:
-        text = text_config(load_hf_config(t))  # a hub id: its config only (the weights come before an engine)
-    except TargetError as exc:
-        problems.append(str(exc))
-    except OSError as exc:  # a hub id that cannot be fetched (offline, typo, gated)
-        problems.append(f"target.model {t.model!r}: cannot read its config ({str(exc).splitlines()[0][:200]}); "
-                        "give a local model folder or a hub id this machine can download")
-    else:
-        if cfg.extract.layer_ids:  # the default for the target is valid by construction
-            try:
-                resolve_layer_ids(cfg, text)
-            except TargetError as exc:
-                problems.append(str(exc))
-        try:
-            draft_size(cfg.vocab.draft_vocab_size, int(text.vocab_size))
-        except VocabError as exc:
-            problems.append(str(exc))
-    from tasks.formats.drafts import DraftError, draft_folder_of
-
-    for key, spec in [("train.init_from", cfg.train.init_from)] + [
-            (f"benchmark.drafts[{d.name}]", d.model) for d in cfg.benchmark.drafts]:
-        try:
-            if spec:
-                draft_folder_of(spec)
-        except DraftError as exc:
-            problems.append(f"{key}: {exc}")
+    problems = input_problems(cfg)
     if problems:
         fail("\n".join(problems))
 

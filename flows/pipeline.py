@@ -261,19 +261,15 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         return skip_rest("vocab")
 
     # a head reading layers the extraction will not hold fails now, not after hours of extraction
-    if until != "extract" and any(h.layer_ids for h in cfg.train.heads):
-        from tasks.core.config import head_config
-        from tasks.engine.target import load_hf_config, resolve_layer_ids, resolve_model
+    if until != "extract":
+        from flows.preflight import check_head_layers
         from tasks.train import TrainError
-        from tasks.train.inputs import head_layer_ids
 
-        stored = resolve_layer_ids(cfg, load_hf_config(cfg.target, resolve_model(cfg.target)))
-        for head in cfg.train.heads:
-            try:
-                head_layer_ids(head_config(cfg, head), stored)
-            except TrainError as exc:
-                rec.stages["train"].status, rec.stages["train"].error = "failed", str(exc)
-                raise
+        try:
+            check_head_layers(cfg)
+        except TrainError as exc:
+            rec.stages["train"].status, rec.stages["train"].error = "failed", str(exc)
+            raise
 
     # extract: one task per shard, fanned out over GPU groups
     shards = _run_extract(cfg, store, rec, data, logger)
