@@ -1,7 +1,8 @@
 """The train stage (`stage.py`: find, resume or train a head) and its parts: checked inputs (`inputs.py`),
-the loop every rank runs (`loop.py`), the draft model (`model.py`), batches from the store
-(`stream.py`) and ranks over a node's GPUs (`ranks.py`). This file holds what they share: the stage's
-name, its error, the metrics callback and the logger.
+the loop every rank runs (`loop.py`) with its checkpoint cadence and retention (`checkpoints.py`), the
+draft model (`model.py`), batches from the store (`stream.py`) and ranks over a node's GPUs (`ranks.py`).
+This file holds what they share: the stage's name, its error, the metrics callback, the logger and
+whether training wants CUDA.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from tasks.core.faults import kill_point
 from tasks.core.owners import owned_temporary_directory
 from tasks.store.artifacts import ArtifactCorrupt, ArtifactRef, Store
 from tasks.train import CKPT_STAGE, STAGE, MetricsCallback, TrainError, log, wants_cuda
+from tasks.train.checkpoints import Checkpointer, checkpoint_digest
 from tasks.train.inputs import TrainInputs, resolve_inputs, train_head
 from tasks.train.model import (
     attention_shape,
@@ -225,10 +226,6 @@ class RunState:
     resumed_from: int | None = None
 
 
-def checkpoint_digest(digest: str, step: int) -> str:
-    return f"{digest[:20]}-s{step:08d}"
-
-
 class Trainer:
     """One training run over resolved inputs. Parts (see the module docstring):
     env, model (+ddp), optimizer, stream / eval batches, checkpoints, metrics."""
@@ -296,6 +293,7 @@ class Trainer:
             self.eval = eval_batches(tail, 0, t.batch_tokens, t.eval_batches)
         self.heldout_samples = held
         del last
+        self.checkpointer = Checkpointer(store, inputs.digest, t.checkpoint_every, t.keep_checkpoints, t.max_steps)
 
     # ---------------------------------------------------------------- helpers
     def passes_per_token(self) -> float:
@@ -322,14 +320,6 @@ class Trainer:
             self.on_metrics(rec)
 
     # ---------------------------------------------------------------- checkpoints
-    def _checkpoints(self) -> list[tuple[int, str]]:
-        prefix = self.inp.digest[:20] + "-s"
-        out = []
-        for m in self.store.list(CKPT_STAGE):
-            if m.digest.startswith(prefix) and m.inputs.get("train") == self.inp.digest:
-                out.append((int(m.stats.get("step", -1)), m.digest))
-        return sorted(out)
-
     def save_checkpoint(self, state: RunState, stream: BatchStream | None) -> str:
         from safetensors.torch import save_file
 
@@ -367,8 +357,7 @@ class Trainer:
                 w.put_file("optimizer.safetensors", os.path.join(tmp, "o.safetensors"))
                 w.write_json("state.json", meta)
                 w.commit({"step": state.step, "tokens_seen": state.tokens_seen})
-            for _step, old in self._checkpoints()[:-self.t.keep_checkpoints]:
-                self.store.delete(CKPT_STAGE, old)
+            self.checkpointer.prune()
         env.barrier()
         self._emit({"kind": "checkpoint", "step": state.step, "digest": digest})
         return digest
@@ -377,7 +366,7 @@ class Trainer:
         """The newest committed checkpoint of this run, loaded; a fresh state if there is none."""
         from safetensors.torch import load as st_load
 
-        for step, digest in reversed(self._checkpoints()):
+        for step, digest in reversed(self.checkpointer.checkpoints()):
             art = self.store.find(CKPT_STAGE, digest)
             if art is None:
                 continue
@@ -456,7 +445,8 @@ class Trainer:
                  "" if len(share) == len(self.parts) else " (parts dealt to ranks once; the deal holds across epochs)")
         session_t0 = time.perf_counter()
         seconds_before = state.train_seconds
-        last_saved = state.step if state.resumed_from is not None else -1
+        self.checkpointer.resumed_at(state.step if state.resumed_from is not None else None)
+        save = lambda: self.save_checkpoint(state, stream)  # noqa: E731 - what a checkpoint holds: this trainer's
         every = max(1, t.max_steps // 20)
         try:
             while state.step < t.max_steps:
@@ -511,13 +501,10 @@ class Trainer:
                 if state.step == 1 or state.step % every == 0 or state.step == t.max_steps:
                     log.info("step %d/%d loss %.4f acc %s lr %.3g %.0f tok/s wait %.3fs", state.step, t.max_steps,
                              rec["loss"], rec["acc_per_pos"], lr, tps, wait)
-                if state.step % t.checkpoint_every == 0 and state.step < t.max_steps:
-                    self.save_checkpoint(state, stream)
-                    last_saved = state.step
+                self.checkpointer.save(state.step, save)
             if state.stopped_reason is None:
                 state.stopped_reason = "max_steps"
-            if last_saved != state.step:
-                self.save_checkpoint(state, stream)  # so a crash during export never retrains
+            self.checkpointer.save(state.step, save, last_step=True)  # a crash during export never retrains
         finally:
             stream.close()
         return state
