@@ -1,7 +1,7 @@
 """What a run shows in the Prefect UI besides its task runs: each stage's progress bar, and the
 benchmark report as a table artifact and a markdown artifact with the plot.
 
-`publish_summary(report)` takes report.json (as `tasks.benchmark.load_report` returns it),
+`publish_summary(report)` takes report.json (as `tasks.benchmark.stage.load_report` returns it),
 so a cached benchmark publishes the same figures, with the run that measured them.
 """
 
@@ -16,8 +16,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from tasks.benchmark_report import plot_data_uri, report_markdown, report_table_rows
-from tasks.benchmark_results import head_table
+from tasks.benchmark.report import plot_data_uri, report_markdown, report_table_rows
+from tasks.benchmark.results import head_table
 
 TABLE_KEY = "benchmark"
 HEADS_KEY = "benchmark-heads"

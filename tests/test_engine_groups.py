@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.store import Store
+from tasks.store.artifacts import Store
 from warm import finish, start_draftline
 
 CONFIG = "tests/configs/deploy-small.yaml"
@@ -131,8 +131,8 @@ def test_a_regeneration_engine_sees_only_its_group(tmp_path):
     """The decision a GPU node makes (no GPU here to run it): a regeneration engine of a GPU group gets
     that group's CUDA_VISIBLE_DEVICES and the group's tensor-parallel size, one of a core group its cores;
     a decoding engine is vLLM without extraction settings whatever extract.backend says."""
-    from tasks.config import RunConfig
-    from tasks.engine_settings import EngineGroup, engine_for_group
+    from tasks.core.config import RunConfig
+    from tasks.engine.settings import EngineGroup, engine_for_group
     from train_data import make_tiny_target
 
     model = make_tiny_target(tmp_path / "llama")
