@@ -49,7 +49,7 @@ def serve_settings(cfg: Any, *, k: int, method: str = "eagle3", measured: bool =
     from tasks.engine.target import resolve_model
 
     model = resolve_model(cfg.target)
-    kw = vllm_kwargs(cfg, model)
+    kw = vllm_kwargs(cfg, model, purpose="benchmark")  # the engine the draft was measured in
     engine = {key: kw[key] for key in SERVE_FLAGS if key in kw}
     if cfg.target.chat_template:
         engine["chat_template"] = str(Path(cfg.target.chat_template).expanduser().resolve())
