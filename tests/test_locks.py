@@ -181,7 +181,7 @@ def test_pyproject_declares_only_what_exists():
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     for pkg in data["tool"]["setuptools"]["packages"]:
-        assert (ROOT / pkg / "__init__.py").is_file(), pkg
+        assert (ROOT / pkg.replace(".", "/") / "__init__.py").is_file(), pkg
     for pkg, globs in data["tool"]["setuptools"].get("package-data", {}).items():
         for g in globs:
             assert list((ROOT / pkg).glob(g)), f"package-data {pkg}: {g} matches nothing"
