@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -58,10 +59,15 @@ def progress_artifacts(run_id: str, key: str) -> list[tuple[float, str]]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterType, FlowRunFilter, FlowRunFilterId
 
-    with get_client(sync_client=True) as c:
-        arts = c.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])),
-                                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(run_id)])))
-    return [(float(a.data), a.description or "") for a in arts if a.key == key]
+    deadline = time.time() + 30  # what a run published reaches the API's listing a moment later under load
+    while True:
+        with get_client(sync_client=True) as c:
+            arts = c.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])),
+                                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(run_id)])))
+        found = [(float(a.data), a.description or "") for a in arts if a.key == key]
+        if found or time.time() > deadline:
+            return found
+        time.sleep(2)
 
 
 @two_cores
