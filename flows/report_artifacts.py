@@ -7,6 +7,8 @@ so a cached benchmark publishes the same figures, with the run that measured the
 
 from __future__ import annotations
 
+import time
+
 from typing import Any
 
 from prefect.artifacts import (
@@ -65,10 +67,13 @@ class Progress:
     def __init__(self, key: str, description: str):
         self.id = None
         self.last = -1.0
-        try:
-            self.id = create_progress_artifact(0.0, key=key, description=description)
-        except Exception:
-            pass
+        for attempt in range(3):  # a busy API may time out once; the bar is worth a second try, not a failed run
+            try:
+                self.id = create_progress_artifact(0.0, key=key, description=description)
+                return
+            except Exception:
+                if attempt < 2:
+                    time.sleep(1.0)
 
     def update(self, pct: float, description: str | None = None) -> None:
         if self.id is None or (pct - self.last < 1.0 and pct < 100.0):
