@@ -72,6 +72,10 @@ class Progress:
                 self.id = create_progress_artifact(0.0, key=key, description=description)
                 return
             except Exception:
+                from prefect.context import FlowRunContext
+
+                if FlowRunContext.get() is None:  # outside a flow: no bar to make
+                    return
                 if attempt < 2:
                     time.sleep(1.0)
 
