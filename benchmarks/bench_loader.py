@@ -9,9 +9,9 @@ node part cache from S3, bf16 and fp8 parts, beside the Kimi-shaped training ste
         --vocab 8192 --draft-vocab 2048 --step-steps 6
 
 Parts: `--ranks x --parts-per-rank` parts of `--part-tokens` tokens (by default one batch of positions each) (random hidden states in the extract
-stage's format, tasks.parts.PartBuffer), written once per dtype to a file:// store and to a SeaweedFS
+stage's format, tasks.formats.parts.PartBuffer), written once per dtype to a file:// store and to a SeaweedFS
 server (tests/s3server.py) on this machine. Every rank is its own process (as under torchrun), reads its
-share of the parts (the stream's deal, tasks/train_stream.py) with the training stream itself
+share of the parts (the stream's deal, tasks/train/stream.py) with the training stream itself
 (BatchStream over a PartReader: prefetch threads, packing into staging buffers, pinned on a GPU), and
 turns each batch into the step's device inputs (`Batch.model_inputs`: the stored bytes copied to the
 device, fp8 dequantized there; synchronized per batch on a GPU). Each rank runs `--passes` passes over its
@@ -19,7 +19,7 @@ share, each a fresh stream over exactly one epoch of batches:
 
 - disk: the parts' files in the local store, their pages evicted from the page cache before each pass
   (os.posix_fadvise POSIX_FADV_DONTNEED after a sync), so every pass reads a cold disk;
-- s3: through one node part cache (tasks/part_cache.py) shared by the ranks, empty before the first
+- s3: through one node part cache (tasks/store/part_cache.py) shared by the ranks, empty before the first
   pass (which therefore streams every part from S3 and hashes it), its files evicted from the page
   cache before each later pass (a cold local cache).
 
@@ -66,8 +66,8 @@ def evict(path: str) -> None:
 
 
 def open_store(uri: str, env: dict[str, str]):
-    from tasks.config import StoreConfig
-    from tasks.store import Store
+    from tasks.core.config import StoreConfig
+    from tasks.store.artifacts import Store
 
     os.environ.update(env)
     return Store.from_config(StoreConfig(uri=uri))
@@ -75,8 +75,8 @@ def open_store(uri: str, env: dict[str, str]):
 
 def rank_main(a: dict, rank: int, barrier: Any, results: Any) -> None:
     """One rank's loader: `a["passes"]` passes over its share; puts its timings on `results`."""
-    from tasks.part_cache import PartCache
-    from tasks.train_stream import BatchStream, PartReader, PartSpec
+    from tasks.store.part_cache import PartCache
+    from tasks.train.stream import BatchStream, PartReader, PartSpec
 
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // a["ranks"]))
@@ -97,7 +97,7 @@ def rank_main(a: dict, rank: int, barrier: Any, results: Any) -> None:
         barrier.wait()
         for p in range(a["passes"]):
             for spec in share:  # a cold disk: this rank's files out of the page cache
-                path = cache.path(art.manifest.file(spec.name).sha256) if cache else art._key(spec.name)
+                path = cache.path(art.manifest.file(spec.name).sha256) if cache else art.key(spec.name)
                 if Path(path).exists():
                     evict(str(path))
             stream = BatchStream(parts, reader, batch_tokens=a["batch_tokens"], seed=0, rank=rank, world=a["ranks"],
@@ -157,8 +157,8 @@ def step_rate(args, tmp: Path, arts: dict, parts: list, preloaded_reader) -> dic
     """speculators' Eagle3DraftModel step at this shape on one batch (bench_train.run_bare_step)."""
     from bench_train import random_target, run_bare_step
 
-    from tasks.config import RunConfig
-    from tasks.target import load_hf_config
+    from tasks.core.config import RunConfig
+    from tasks.engine.target import load_hf_config
 
     target = random_target(tmp / "target", args.hidden, args.layers, args.vocab, args.device)
     cfg = RunConfig.model_validate({
@@ -206,8 +206,8 @@ def main() -> None:
     from bench_part_cache import write_parts
     from s3server import S3Server
 
-    from tasks.store import Store
-    from tasks.train_stream import PartReader
+    from tasks.store.artifacts import Store
+    from tasks.train.stream import PartReader
 
     results: dict = {"config": vars(args), "machine": platform.processor() or platform.machine(),
                      "cpus": os.cpu_count(), "torch": torch.__version__, "date": dt.date.today().isoformat(),

@@ -4,11 +4,11 @@
     .venv/bin/python benchmarks/bench_part_cache.py --nodes 1 --ranks 8 --parts 32
 
 A real SeaweedFS server (tests/s3server.py) holds --parts extraction parts (random hidden states in
-the extract stage's format, tasks.parts.PartBuffer). Every rank runs the training stream
-(tasks.train_stream.BatchStream over a PartReader, the loop's own data path) until it has finished
+the extract stage's format, tasks.formats.parts.PartBuffer). Every rank runs the training stream
+(tasks.train.stream.BatchStream over a PartReader, the loop's own data path) until it has finished
 --epochs epochs of its share (its positions, counted; prefetch 0, so nothing is read ahead but
 the part the last batch runs into); the ranks of a node are threads of this process sharing one cache folder
-(tasks/part_cache.py), as a node's ranks share its disk. The bytes are counted on the client: every
+(tasks/store/part_cache.py), as a node's ranks share its disk. The bytes are counted on the client: every
 GET of a part's range (`fs.cat_file`, through which both the cache's fills and the uncached temporary
 copies read) adds the bytes it returned. Not counted: the manifests, and the held-out part the
 trainer reads once per rank at its start (the same with and without the cache).
@@ -34,10 +34,10 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
 
-from tasks.part_cache import PartCache  # noqa: E402
-from tasks.parts import PartBuffer  # noqa: E402
-from tasks.store import Artifact, Store  # noqa: E402
-from tasks.train_stream import BatchStream, PartReader, PartSpec  # noqa: E402
+from tasks.store.part_cache import PartCache  # noqa: E402
+from tasks.formats.parts import PartBuffer  # noqa: E402
+from tasks.store.artifacts import Artifact, Store  # noqa: E402
+from tasks.train.stream import BatchStream, PartReader, PartSpec  # noqa: E402
 
 
 def write_parts(store: Store, parts: int, tokens: int, hidden: int, layers: int, dtype: str = "bf16",
@@ -142,7 +142,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from s3server import S3Server
 
-    from tasks.config import StoreConfig
+    from tasks.core.config import StoreConfig
 
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-cache-")))

@@ -7,7 +7,7 @@ JSONL of `{"conversations": [{role, content}, ...]}`), the same target
 (SmolLM2-135M-Instruct, ChatML) and the same length limit (2,048), and each runs
 in its own fresh Python process on one worker:
 
-- draftline: `tasks.prepare.run_prepare` into a fresh file:// store (templating,
+- draftline: `tasks.data.prepare.run_prepare` into a fresh file:// store (templating,
   verified masks, dedupe, shuffle, Parquet shard written and committed);
 - speculators 0.9.0: `load_and_preprocess_dataset` + `save_to_disk`, i.e. what
   `speculators prepare-data --render-endpoint URL` does. It renders through a
@@ -42,9 +42,9 @@ PY = sys.executable
 OURS = textwrap.dedent("""
     import json, sys, time
     t0 = time.time()
-    from tasks.config import RunConfig
-    from tasks.store import Store
-    from tasks.prepare import run_prepare
+    from tasks.core.config import RunConfig
+    from tasks.store.artifacts import Store
+    from tasks.data.prepare import run_prepare
     rows, store_dir, max_len = sys.argv[1], sys.argv[2], int(sys.argv[3])
     t1 = time.time()
     out = {"import_s": t1 - t0}
@@ -102,8 +102,8 @@ def free_port() -> int:
 
 def write_rows(path: Path, n: int, first_turn: bool) -> int:
     sys.path.insert(0, str(ROOT))
-    from tasks.config import SourceConfig
-    from tasks.data_sources import load_sources
+    from tasks.core.config import SourceConfig
+    from tasks.data.sources import load_sources
 
     convs = load_sources([SourceConfig(preset="chitchat")], seed=0)[0].conversations[:n]
     with open(path, "w") as fh:
@@ -160,8 +160,8 @@ def main() -> None:
     a = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from tasks.config import TargetConfig
-    from tasks.target import resolve_model
+    from tasks.core.config import TargetConfig
+    from tasks.engine.target import resolve_model
 
     model = resolve_model(TargetConfig())
     work = Path(tempfile.mkdtemp(prefix="bench-prepare-"))

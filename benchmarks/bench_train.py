@@ -13,7 +13,7 @@ vocabulary, draft architecture (speculators' EAGLE-3 recipe, 1 layer, sdpa,
 eager KL loss), optimizer (AdamW, no weight decay), warm-up + cosine schedule,
 --batch-tokens packed tokens per step and --steps steps; both are evaluated on
 the same held-out samples with the same function (per-position accuracy and the
-simulated acceptance length, see tasks.acceptance.simulated_acceptance_length).
+simulated acceptance length, see tasks.formats.acceptance.simulated_acceptance_length).
 
 Measured:
 1. ours vs speculators' Trainer, tokens/s (median over steps after the first 2).
@@ -50,13 +50,13 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
 
-from tasks.config import RunConfig, TargetConfig  # noqa: E402
-from tasks.store import Store  # noqa: E402
-from tasks.target import load_tokenizer, resolve_model  # noqa: E402
-from tasks.train_inputs import resolve_inputs  # noqa: E402
-from tasks.train_loop import checkpoint_digest, DistEnv, evaluate_model, Trainer  # noqa: E402
-from tasks.train_model import build_draft_model, flops_per_token, resolve_precision  # noqa: E402
-from tasks.train_stream import BatchStream, PartReader  # noqa: E402
+from tasks.core.config import RunConfig, TargetConfig  # noqa: E402
+from tasks.store.artifacts import Store  # noqa: E402
+from tasks.engine.target import load_tokenizer, resolve_model  # noqa: E402
+from tasks.train.inputs import resolve_inputs  # noqa: E402
+from tasks.train.loop import checkpoint_digest, DistEnv, evaluate_model, Trainer  # noqa: E402
+from tasks.train.model import build_draft_model, flops_per_token, resolve_precision  # noqa: E402
+from tasks.train.stream import BatchStream, PartReader  # noqa: E402
 from train_data import generate_samples, write_extract, write_vocab  # noqa: E402
 
 LAYER_IDS = [2, 15, 27, 30]
@@ -215,7 +215,7 @@ def speculators_dataset(folder: Path, store: Store, inputs, held_ids: set[str]) 
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    from tasks.parts import load_part
+    from tasks.formats.parts import load_part
 
     rows: list[tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for spec in inputs.parts:
@@ -389,7 +389,7 @@ def main() -> None:
             stack.callback(server.stop)
             os.environ.update(server.env())
             server.make_bucket("bench")
-            from tasks.config import StoreConfig
+            from tasks.core.config import StoreConfig
 
             store = Store.from_config(StoreConfig(uri="s3://bench/train"))
         else:
@@ -440,7 +440,7 @@ def main() -> None:
         last = preloaded[(held.digest, held.name)]
         meta_ids = reader.artifacts[held.digest]
         with meta_ids.local_copy(held.name) as path:
-            from tasks.parts import load_part
+            from tasks.formats.parts import load_part
 
             sample_ids = load_part(path)["sample_ids"]
         held_ids = set(sample_ids[last.num_samples - held.holdout:])

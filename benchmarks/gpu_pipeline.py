@@ -172,8 +172,8 @@ def prepare(args) -> None:
 
 
 def report(args) -> None:
-    from tasks.config import load_config
-    from tasks.store import Store
+    from tasks.core.config import load_config
+    from tasks.store.artifacts import Store
 
     d = Path(args.dir)
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prepare": None}

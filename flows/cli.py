@@ -20,13 +20,28 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftline")
 
 import typer
 from rich.table import Table
+from typer.core import TyperGroup
 
 from flows import deploy, doctor, export, plan, runs, weights
 from flows.console import load_cfg, open_store, JsonOpt, SetOpt, StoreOpt, console, err, fail, with_store
-from tasks.config import STAGES, ConfigError, check_stage, check_until, dump_config, load_config
+from tasks.core.config import STAGES, check_stage, check_until, dump_config, load_config
+from tasks.core.errors import DraftlineError
+
+
+
+class _Commands(TyperGroup):
+    """Every command's mistakes end the same way: a `DraftlineError` (config, store, target, plan, ...) is
+    printed as one line naming the problem and the fix, exit code 2; caught here once, not per command."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DraftlineError as exc:
+            fail(str(exc))
+
 
 app = typer.Typer(help="Train EAGLE-3 draft heads for vLLM targets, as a resumable Prefect pipeline.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  cls=_Commands, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
 config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
@@ -49,46 +64,10 @@ def _main(_v: bool = typer.Option(False, "--version", "-V", callback=_version, i
 
 
 def _check_inputs(cfg) -> None:
-    """What can be checked in seconds before a run starts, so a typo fails now and not after hours of
-    earlier stages (each stage checks again): local paths, and the layer ids and draft vocabulary
-    against the target's config."""
-    from tasks.target import TargetError, load_hf_config, resolve_layer_ids, text_config
-    from tasks.vocab import VocabError, draft_size
+    """flows/preflight.py's checks, every problem at once."""
+    from flows.preflight import input_problems
 
-    problems = []
-    t = cfg.target
-    if t.chat_template and not Path(t.chat_template).expanduser().is_file():
-        problems.append(f"target.chat_template {t.chat_template!r} not found; give a path to a .jinja file")
-    for i, src in enumerate(cfg.data.sources):
-        if src.path and "://" not in src.path and not Path(src.path).expanduser().exists():
-            problems.append(f"data.sources[{i}].path {src.path!r} not found (relative paths start at {Path.cwd()}); "
-                            "fix the path")
-    try:
-        text = text_config(load_hf_config(t))  # a hub id: its config only (the weights come before an engine)
-    except TargetError as exc:
-        problems.append(str(exc))
-    except OSError as exc:  # a hub id that cannot be fetched (offline, typo, gated)
-        problems.append(f"target.model {t.model!r}: cannot read its config ({str(exc).splitlines()[0][:200]}); "
-                        "give a local model folder or a hub id this machine can download")
-    else:
-        if cfg.extract.layer_ids:  # the default for the target is valid by construction
-            try:
-                resolve_layer_ids(cfg, text)
-            except TargetError as exc:
-                problems.append(str(exc))
-        try:
-            draft_size(cfg.vocab.draft_vocab_size, int(text.vocab_size))
-        except VocabError as exc:
-            problems.append(str(exc))
-    from tasks.drafts import DraftError, draft_folder_of
-
-    for key, spec in [("train.init_from", cfg.train.init_from)] + [
-            (f"benchmark.drafts[{d.name}]", d.model) for d in cfg.benchmark.drafts]:
-        try:
-            if spec:
-                draft_folder_of(spec)
-        except DraftError as exc:
-            problems.append(f"{key}: {exc}")
+    problems = input_problems(cfg)
     if problems:
         fail("\n".join(problems))
 
@@ -115,10 +94,7 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
     """Run the pipeline. Finished stages (and shards) are reused from the store."""
     overrides = with_store(overrides, store)
     cfg = load_cfg(config, overrides)
-    try:
-        check_until(until)
-    except ConfigError as exc:
-        fail(str(exc))
+    check_until(until)
     open_store(cfg)
     _check_inputs(cfg)
     from flows.local_run import run_here
@@ -133,10 +109,7 @@ def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to
        as_json: bool = JsonOpt):
     """List committed artifacts in the store (read-only keys are enough)."""
     cfg = load_cfg(config, overrides, store_uri)
-    try:
-        check_stage(stage, "--stage")
-    except ConfigError as exc:
-        fail(str(exc))
+    check_stage(stage, "--stage")
     store = open_store(cfg, write=False)
     if as_json:
         print(json.dumps([{**m.model_dump(mode="json", exclude={"config"}), "uri": store.uri_of(m.stage, m.digest),
@@ -213,8 +186,8 @@ def report(config: Optional[Path] = typer.Argument(None, help="Config naming the
            as_json: bool = typer.Option(False, "--json")):
     """Re-render a benchmark report from the store (read-only keys are enough): `draftline report CONFIG
     [RUN|DIGEST]`."""
-    from tasks.benchmark import find_report
-    from tasks.benchmark_report import render_terminal
+    from tasks.benchmark.stage import find_report
+    from tasks.benchmark.report import render_terminal
 
     if old_config is not None:  # the old form, `report TARGET -c CONFIG`
         config, target = old_config, str(config) if config is not None else target
@@ -239,15 +212,12 @@ def store_init(config: Optional[Path] = typer.Argument(None, help="Config naming
                overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt, as_json: bool = JsonOpt):
     """Create the store's S3 bucket (or local folder) if it does not exist, then check that these keys can
     list, write and delete under the store's prefix. Running it again changes nothing."""
-    from tasks.store import Store, StoreError
+    from tasks.store.artifacts import Store
 
     cfg = load_cfg(config, overrides, store_uri)
-    try:
-        store = Store.from_config(cfg.store)
-        created = store.create()
-        store.check()
-    except StoreError as exc:
-        fail(str(exc))
+    store = Store.from_config(cfg.store)
+    created = store.create()
+    store.check()
     where = f"folder {store.root}" if store.is_local else f"bucket s3://{store.root.partition('/')[0]}"
     if as_json:
         print(json.dumps({"store": store.uri, "created": created}))

@@ -61,7 +61,7 @@ RunArg = typer.Argument("last", help="Flow run id (or its first 8+ characters), 
 
 def load_cfg(config: Optional[Path], overrides: list[str], store: Optional[str] = None):
     """The config with --set and --store applied, or exit 2 with its problems."""
-    from tasks.config import ConfigError, load_config
+    from tasks.core.config import ConfigError, load_config
 
     try:
         return load_config(config, with_store(overrides, store))
@@ -71,7 +71,7 @@ def load_cfg(config: Optional[Path], overrides: list[str], store: Optional[str] 
 
 def open_store(cfg, write: bool = True):
     """The config's store, checked: `write=False` for commands that only read it (read-only keys pass)."""
-    from tasks.store import Store, StoreError
+    from tasks.store.artifacts import Store, StoreError
 
     try:
         store = Store.from_config(cfg.store)

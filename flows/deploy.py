@@ -39,7 +39,7 @@ from flows.prefect_api import (
 )
 from flows.release import code_commit
 from flows.runs import HEARTBEAT_SECONDS, TimeoutOpt, wait_for
-from tasks.config import STAGES, STORE_URI_ENV, ConfigError, check_until, load_config
+from tasks.core.config import STAGES, STORE_URI_ENV, ConfigError, check_until, load_config
 
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
 
@@ -249,7 +249,7 @@ def save_credentials_block(name: str) -> None:
     from prefect_aws import AwsCredentials
     from prefect_aws.client_parameters import AwsClientParameters
 
-    from tasks.store import s3_endpoint
+    from tasks.store.artifacts import s3_endpoint
 
     endpoint = s3_endpoint()
     block = AwsCredentials(aws_access_key_id=key, aws_secret_access_key=secret,

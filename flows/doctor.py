@@ -23,7 +23,7 @@ from rich.table import Table
 
 from flows.console import ROOT, SetOpt, StoreOpt, console, fail, with_store
 from flows.prefect_api import api_url, client
-from tasks.config import STORE_URI_ENV, ConfigError, load_config
+from tasks.core.config import STORE_URI_ENV, ConfigError, load_config
 
 # The versions draftline is tested with (doctor compares against these).
 CORE_PACKAGES = ("vllm", "speculators", "torch", "transformers", "prefect")
@@ -259,8 +259,8 @@ def check_disk(name: str, path: Path, need_bytes: int, what: str, fix: str) -> C
 
 def check_weights(cfg: Any):
     """doctor's row: how much disk the target's weights need on this node and whether it has it."""
-    from flows.weights import _gb, local_target
-    from tasks.weights import WeightsError, disk_needed
+    from flows.weights import gb, local_target
+    from tasks.engine.weights import WeightsError, disk_needed
 
     t = cfg.target
     local = local_target(t)
@@ -269,19 +269,19 @@ def check_weights(cfg: Any):
             if t.model.startswith((".", "/", "~")):
                 return Check("weights", "fail", f"{t.model}: no config.json there", "fix target.model's path")
             return Check("weights", "ok", f"the offline preset {t.model}: converted at its first use")
-        return Check("weights", "ok", f"local folder {local['path']} ({_gb(local['bytes'])}): nothing to fetch")
+        return Check("weights", "ok", f"local folder {local['path']} ({gb(local['bytes'])}): nothing to fetch")
     try:
         d = disk_needed(t.model, t.revision, bool(t.trust_remote_code))
     except WeightsError as exc:
         return Check("weights", "warn", f"cannot size {t.model} here: {str(exc).split('. ')[0]}",
                      "`draftline weights CONFIG` on the node, where the hub is reachable")
-    where = f"{t.model}@{d['commit'][:12]}: {_gb(d['bytes'])}"
+    where = f"{t.model}@{d['commit'][:12]}: {gb(d['bytes'])}"
     if not d["missing_bytes"]:
         return Check("weights", "ok", f"{where} complete in {d['cache']}")
     if d["missing_bytes"] > d["free"]:
-        return Check("weights", "fail", f"{where}, {_gb(d['missing_bytes'])} still to fetch, {_gb(d['free'])} free "
+        return Check("weights", "fail", f"{where}, {gb(d['missing_bytes'])} still to fetch, {gb(d['free'])} free "
                      f"in {d['cache']}", "free disk space or point HF_HOME at a larger disk")
-    return Check("weights", "warn", f"{where}, {_gb(d['missing_bytes'])} to fetch, {_gb(d['free'])} free in {d['cache']}",
+    return Check("weights", "warn", f"{where}, {gb(d['missing_bytes'])} to fetch, {gb(d['free'])} free in {d['cache']}",
                  "`draftline weights CONFIG` fetches them now (else the run's first stage that needs them does)")
 
 
@@ -291,7 +291,7 @@ def cache_dirs() -> dict[str, Path]:
 
     from huggingface_hub import constants
 
-    from tasks.weights import cache_home
+    from tasks.engine.weights import cache_home
 
     return {"draftline cache": cache_home(), "hf cache": Path(constants.HF_HUB_CACHE),
             "temp": Path(tempfile.gettempdir())}
@@ -349,12 +349,12 @@ def _credentials_source(cfg: Any) -> str:
 def check_store(cfg: Any, timeout: float = 30.0) -> Check:
     import threading
 
-    from tasks.store import Store, StoreError
+    from tasks.store.artifacts import Store, StoreError
 
     uri = cfg.store.uri
     where = uri
     if uri.startswith("s3://"):
-        from tasks.store import s3_endpoint
+        from tasks.store.artifacts import s3_endpoint
 
         where = f"{uri} at {s3_endpoint(cfg.store) or 'AWS'}; keys: {_credentials_source(cfg)}"
     result: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """`draftline export WHAT DEST`: find the train artifact WHAT names (a train digest or a unique prefix, a flow run
 id or name or `last`, or a config whose run trained it) and write it where vLLM loads it, with the exact `vllm
-serve` line (tasks/export.py builds both)."""
+serve` line (tasks/benchmark/export.py builds both)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import typer
 
 from flows.console import JsonOpt, SetOpt, StoreOpt, console, fail, load_cfg, open_store
 from flows.prefect_api import OpsError, client, find_run
-from tasks.benchmark import find_report, load_report
-from tasks.export import ExportError, run_serve
+from tasks.benchmark.results import find_report, load_report
+from tasks.benchmark.export import ExportError, run_serve
 
 
 def resolve_train(store: Any, what: str, config: Any | None = None,
@@ -42,7 +42,7 @@ def resolve_train(store: Any, what: str, config: Any | None = None,
 def export_serve(store: Any, digest: str, report: dict | None, cfg: Any | None) -> dict[str, Any]:
     """The serve settings for an export: the benchmark's (measured), else the run's config's, else (a bare train
     digest) the target the draft's own config names with default engine settings."""
-    from tasks.config import RunConfig
+    from tasks.core.config import RunConfig
 
     ref = store.open("train", digest).ref()
     if report is not None or cfg is not None:
@@ -70,10 +70,10 @@ def report_for(store: Any, train_digest: str) -> dict[str, Any] | None:
 def config_train_digest(store: Any, cfg: Any, head: str | None = None) -> str:
     """The train address a config's run has (or would have): the data, vocab and extraction artifacts are read
     from the store, as the pipeline computes them."""
-    from tasks import digest as digests
-    from tasks.config import head_config
-    from tasks.extract import plan_extract
-    from tasks.target import load_hf_config, resolve_model
+    from tasks.core import digest as digests
+    from tasks.core.config import head_config
+    from tasks.extract.plan import plan_extract
+    from tasks.engine.target import load_hf_config, resolve_model
 
     def need(stage: str, digest: str) -> Any:
         art = store.find(stage, digest)
@@ -100,7 +100,7 @@ def config_train_digest(store: Any, cfg: Any, head: str | None = None) -> str:
 def run_train_digest(store: Any, run: str, head: str | None = None) -> tuple[str, Any]:
     """The train address of a flow run (id, name or `last`) and its config, from the config and overrides it
     ran with."""
-    from tasks.config import ConfigError, load_config
+    from tasks.core.config import ConfigError, load_config
 
     try:
         with client() as c:
@@ -129,7 +129,7 @@ def export(what: str = typer.Argument(..., help="A train digest (or 6+ first cha
            as_json: bool = JsonOpt):
     """Write a trained draft as vLLM loads it (draft/), its vocabulary maps and a README.md with the exact
     `vllm serve` line, at the settings its benchmark measured."""
-    from tasks.export import ExportError, export_draft
+    from tasks.benchmark.export import ExportError, export_draft
 
     from_config = what.endswith((".yaml", ".yml")) or Path(what).is_file()
     cfg = load_cfg(Path(what) if from_config and store_config is None else store_config, overrides, store_uri)

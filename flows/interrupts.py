@@ -1,6 +1,6 @@
 """Ctrl-C and SIGTERM stop a run within seconds and leave no process behind.
 
-On the first SIGINT or SIGTERM the run is told to stop (tasks/stopping.py: every wait for a lock,
+On the first SIGINT or SIGTERM the run is told to stop (tasks/core/stopping.py: every wait for a lock,
 an engine or a free engine group ends at once), its engines are killed (their whole process
 groups: vLLM's engine core too), and the main thread is interrupted, so Prefect records the flow
 run as Crashed. Nothing half-written is ever committed (manifest last), so finished work is
@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from tasks import stopping
+from tasks.core import stopping
 
 REDELIVERY_S = 3.0  # Prefect re-sends the SIGTERM it bridged: the same stop, not a second one
 _state: dict[str, Any] = {"signum": None, "t": 0.0, "say": None}
@@ -108,7 +108,7 @@ def begin_stop(signum: int) -> bool:
             return signum == signal.SIGTERM == _state["signum"] and time.monotonic() - _state["t"] < REDELIVERY_S
         _state.update(signum=signum, t=time.monotonic())
     stopping.request(name)
-    from tasks.engine import kill_all
+    from tasks.engine.process import kill_all
 
     killed = kill_all()
     grace = float(os.environ.get("DRAFTLINE_STOP_GRACE_S") or 15)

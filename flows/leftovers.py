@@ -1,12 +1,12 @@
 """What runs that died leave behind, for `draftline gc`.
 
-- on the store: attempt folders no manifest names and temp files (tasks/store.py `garbage_detail`);
+- on the store: attempt folders no manifest names and temp files (tasks/store/artifacts.py `garbage_detail`);
 - stale locks of a file:// store (flows/locks.py): a dead holder's, an expired lease's, or an older
   version's (which were never released when their run was killed);
-- on this machine: the node part cache's temp files whose filler died (tasks/part_cache.py; the next
+- on this machine: the node part cache's temp files whose filler died (tasks/store/part_cache.py; the next
   fill of that part removes them too), engine work folders (hidden-state files and ring buffers in /dev/shm, i.e. RAM),
   temporary checkpoint and export copies of a killed trainer (`draftline-*` under the temp folder),
-  whose recorded owner process is gone (tasks/owners.py). Folders without an owner record (older
+  whose recorded owner process is gone (tasks/core/owners.py). Folders without an owner record (older
   versions) go once older than the age limit.
 
 A leftover whose owner is provably dead is removed whatever its age; the age limit protects work
@@ -25,9 +25,9 @@ from pathlib import Path
 
 from flows.caching import lock_folder
 from flows.locks import lock_files
-from tasks import owners
-from tasks.engine import engine_tmp_base
-from tasks.store import Store
+from tasks.core import owners
+from tasks.engine.process import engine_tmp_base
+from tasks.store.artifacts import Store
 
 
 @dataclass
@@ -74,7 +74,7 @@ def find(store: Store, min_age_s: float) -> list[Leftover]:
             if why:
                 found.append(Leftover("lock", str(path), now - path.stat().st_mtime,
                                       owners.describe(info.get("owner")), why))
-    from tasks.part_cache import PartCache, default_root
+    from tasks.store.part_cache import PartCache, default_root
 
     if default_root().joinpath("tmp").is_dir():
         for path, age, owner in PartCache(default_root(), cap_gib=0).dead_temps():

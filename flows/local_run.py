@@ -16,7 +16,7 @@ from rich.table import Table
 
 from flows.console import console, err
 from flows.run_record import RunRecord, recording
-from tasks.config import load_config
+from tasks.core.config import load_config
 
 
 def run_here(config_path: str | None, overrides: list[str], until: str | None, *, as_json: bool) -> None:
@@ -56,14 +56,14 @@ def run_here(config_path: str | None, overrides: list[str], until: str | None, *
 def print_benchmark(summary: dict[str, Any], config_path: str | None, overrides: list[str]) -> None:
     """The benchmark's figures; the stored report names the run that measured them (a cached stage's
     figures are older than this run)."""
-    from tasks.benchmark import find_report
-    from tasks.benchmark_report import render_terminal
+    from tasks.benchmark.stage import find_report
+    from tasks.benchmark.report import render_terminal
 
     rep = None
     art = (summary.get("stages", {}).get("benchmark") or {}).get("artifact")
     if art:
         try:
-            from tasks.store import Store
+            from tasks.store.artifacts import Store
 
             rep = find_report(Store.from_config(load_config(config_path, list(overrides)).store), art)
         except Exception:  # noqa: BLE001 - the figures are printed either way

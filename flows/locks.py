@@ -7,7 +7,7 @@ per cache key, and the second run waits and then reuses the first one's result. 
 holds a lock (SIGKILL, OOM, a preempted node) leaves a lock nobody ever releases, and every
 later run of that config waits for it forever.
 
-Here a lock file records its owner (host, boot, pid, process start time: tasks/owners.py) and a
+Here a lock file records its owner (host, boot, pid, process start time: tasks/core/owners.py) and a
 lease that a thread of the holding process renews. A waiter takes a lock over at once when its
 owner is a dead process on this machine, and after the lease ran out (no renewal for
 `lease_s`) when the owner is elsewhere (a store folder shared between machines) or cannot be
@@ -17,7 +17,7 @@ store's manifest-last commit keeps concurrent writers apart (docs/RELIABILITY.md
 
 A waiter logs what it waits for, held by whom and since when, every `log_every_s`; gives up
 after `wait_s` (DRAFTLINE_LOCK_WAIT_S, default 1 h) with an error that says what to do; and
-stops within a poll interval when the run is asked to stop (tasks/stopping.py).
+stops within a poll interval when the run is asked to stop (tasks/core/stopping.py).
 """
 
 from __future__ import annotations
@@ -35,14 +35,15 @@ from typing import Any
 
 from prefect.locking.protocol import LockManager
 
-from tasks import owners, stopping
+from tasks.core.errors import DraftlineError
+from tasks.core import owners, stopping
 
 FORMAT = "draftline-lease-1"
 DEFAULT_WAIT_S = 3600.0
 DEFAULT_LEASE_S = 60.0
 
 
-class LockWaitTimeout(RuntimeError):
+class LockWaitTimeout(DraftlineError, RuntimeError):
     """A live holder kept the lock longer than the waiter's bound."""
 
 

@@ -22,9 +22,9 @@ from typing import Any, Callable
 from flows.prefect_api import EXTRACT_FLOW, child_stage, config_parameters, slice_deployment
 from flows.report_artifacts import Progress
 from flows.run_record import RunRecord
-from tasks import stopping
-from tasks.config import RunConfig
-from tasks.store import ArtifactRef, Store
+from tasks.core import stopping
+from tasks.core.config import RunConfig
+from tasks.store.artifacts import ArtifactRef, Store
 
 
 @dataclass(frozen=True)
@@ -248,10 +248,7 @@ def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard:
                 last_note = time.time()
                 logger.info(f"{stage}: waiting for child runs " + ", ".join(
                     f"{c.name} ({client.read_flow_run(c.id).state.name})" for c, _ in pending.values()))
-            deadline = time.time() + poll
-            while time.time() < deadline:
-                stopping.check(f"waiting for the {stage} child runs")
-                time.sleep(0.5)
+            stopping.wait(poll, f"waiting for the {stage} child runs")
     return errors
 
 
@@ -330,10 +327,10 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
     from prefect.client.orchestration import get_client
 
     from flows.prefect_api import submitting_worker
-    from tasks import digest as digests
-    from tasks.train_common import STAGE, TrainError
-    from tasks.train_inputs import resolve_inputs
-    from tasks.train_ranks import Rendezvous, launch_ranks, train_ranks
+    from tasks.core import digest as digests
+    from tasks.train import STAGE, TrainError
+    from tasks.train.inputs import resolve_inputs
+    from tasks.train.ranks import Rendezvous, launch_ranks, train_ranks
 
     digest = digests.train(cfg, vocab, shards)
     found = store.find(STAGE, digest)
@@ -416,7 +413,7 @@ def train_child(cfg: RunConfig, store: Store, rendezvous: dict[str, Any], inputs
 
     from prefect.runtime import flow_run
 
-    from tasks.train_ranks import Rendezvous, launch_ranks, train_ranks
+    from tasks.train.ranks import Rendezvous, launch_ranks, train_ranks
 
     spec = Rendezvous(**rendezvous)
     control = spec.store()

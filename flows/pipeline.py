@@ -8,7 +8,6 @@ database, decides what runs.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
@@ -23,8 +22,8 @@ from flows.caching import stage_options
 from flows.prefect_api import EXTRACT_FLOW
 from flows.report_artifacts import Progress
 from flows.run_record import RunRecord, announce, finish_stage
-from tasks.config import STAGES, RunConfig, check_until, load_config
-from tasks.store import ArtifactRef, Store
+from tasks.core.config import STAGES, RunConfig, check_until, load_config
+from tasks.store.artifacts import ArtifactRef, Store
 
 
 def as_ref(value: Any) -> ArtifactRef:
@@ -36,33 +35,34 @@ def as_ref(value: Any) -> ArtifactRef:
 
 @task(name="prepare", task_run_name="prepare")
 def prepare_task(cfg: RunConfig, digest: str) -> ArtifactRef:
-    from tasks.prepare import run_prepare
+    from tasks.data.prepare import run_prepare
 
     return run_prepare(cfg, Store.from_config(cfg.store))
 
 
 @task(name="regenerate-shard", task_run_name="regenerate-shard-{shard}", retries=0)
 def regenerate_shard_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) -> ArtifactRef:
-    from tasks.regenerate import SHARD_STAGE, regenerate_shard
+    from tasks.data.regenerate import SHARD_STAGE, regenerate_shard
 
     store = Store.from_config(cfg.store)
-    hit = store.find(SHARD_STAGE, digest)
-    if hit is not None:
-        return hit.ref()  # never pay for a finished shard twice, even without Prefect's record
-    with pool.engine() as engine:
-        art = regenerate_shard(cfg, store, plan, engine)
-    st = art.stats
-    secs, gen = float(st.get("seconds") or 0.0), int(st.get("generated_tokens") or 0)
-    get_run_logger().info(f"regenerate: shard {shard} on {st.get('engine')}: {st.get('samples')} samples, {gen} "
-                          f"generated tokens in {secs:.0f}s" + (f", {gen / secs:.0f} tok/s" if secs > 0 else ""))
-    return art.ref()
+
+    def compute() -> ArtifactRef:
+        with pool.engine() as engine:
+            art = regenerate_shard(cfg, store, plan, engine)
+        st = art.stats
+        secs, gen = float(st.get("seconds") or 0.0), int(st.get("generated_tokens") or 0)
+        get_run_logger().info(f"regenerate: shard {shard} on {st.get('engine')}: {st.get('samples')} samples, {gen} "
+                              f"generated tokens in {secs:.0f}s" + (f", {gen / secs:.0f} tok/s" if secs > 0 else ""))
+        return art.ref()
+
+    return store.found_or_compute(SHARD_STAGE, digest, compute)
 
 
 @task(name="regenerate", task_run_name="regenerate")
 def regenerate_task(cfg: RunConfig, digest: str, prepared: ArtifactRef, shards: list[ArtifactRef],
                     reused: int = 0, started: float | None = None) -> ArtifactRef:
-    """The regenerate artifact from its shards' artifacts (tasks.regenerate.assemble_regenerate)."""
-    from tasks.regenerate import SHARD_STAGE, assemble_regenerate
+    """The regenerate artifact from its shards' artifacts (tasks.data.regenerate.assemble_regenerate)."""
+    from tasks.data.regenerate import SHARD_STAGE, assemble_regenerate
 
     store = Store.from_config(cfg.store)
     arts = [store.open(SHARD_STAGE, as_ref(x).digest) for x in shards]
@@ -71,7 +71,7 @@ def regenerate_task(cfg: RunConfig, digest: str, prepared: ArtifactRef, shards: 
 
 @task(name="vocab", task_run_name="vocab")
 def vocab_task(cfg: RunConfig, digest: str, data: ArtifactRef) -> ArtifactRef:
-    from tasks.vocab import run_vocab
+    from tasks.data.vocab import run_vocab
 
     ref = run_vocab(cfg, Store.from_config(cfg.store), data)
     summary = ref.stats.get("summary_md")
@@ -82,36 +82,24 @@ def vocab_task(cfg: RunConfig, digest: str, data: ArtifactRef) -> ArtifactRef:
 
 @task(name="extract-shard", task_run_name="extract-shard-{shard}", retries=0)
 def extract_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) -> ArtifactRef:
-    from tasks.extract import extract_shard
+    from tasks.core.faults import fail_point
+    from tasks.extract.stage import extract_shard
 
     store = Store.from_config(cfg.store)
-    hit = store.find("extract", digest)
-    if hit is not None:
-        return hit.ref()  # never pay for a finished shard twice, even without Prefect's record
-    # Fault injection, for tests and recovery drills only (docs/DEPLOY.md): with
-    # DRAFTLINE_FAULT_EXTRACT_SHARDS=1,3 those shards raise on their first attempt, for real, before
-    # any work; a marker per shard digest (in DRAFTLINE_FAULT_DIR, default the temp folder) lets the
-    # next attempt through.
-    faulty = os.environ.get("DRAFTLINE_FAULT_EXTRACT_SHARDS", "")
-    if str(shard) in {s.strip() for s in faulty.split(",")}:
-        import tempfile
-        from pathlib import Path
 
-        marker = Path(os.environ.get("DRAFTLINE_FAULT_DIR") or tempfile.gettempdir()) / f"draftline-fault-extract-{digest}"
-        if not marker.exists():
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
-            raise RuntimeError(f"injected fault in extraction shard {shard} (DRAFTLINE_FAULT_EXTRACT_SHARDS={faulty}); "
-                               "a retry of the run succeeds")
-    with pool.engine() as engine:
-        return extract_shard(cfg, store, plan, engine)
+    def compute() -> ArtifactRef:
+        fail_point("extract", shard, digest)  # DRAFTLINE_FAULT_EXTRACT_SHARDS: drills only (tasks/core/faults.py)
+        with pool.engine() as engine:
+            return extract_shard(cfg, store, plan, engine)
+
+    return store.found_or_compute("extract", digest, compute)
 
 
 @task(name="train", task_run_name="train")
 def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[ArtifactRef],
                children: dict[str, Any] | None = None) -> ArtifactRef:
     """CHILDREN: with train.nodes > 1, the run's config for the other nodes' child runs (flows/nodes.py)."""
-    from tasks.train import run_train
+    from tasks.train.stage import run_train
 
     logger = get_run_logger()
     progress = Progress("train-progress", "Training steps")
@@ -147,7 +135,7 @@ def _head_key(cfg: RunConfig) -> str:
     """'' for the default EAGLE-3 head, else '-' + its label as a Prefect artifact key allows."""
     import re
 
-    from tasks.config import HeadConfig
+    from tasks.core.config import HeadConfig
 
     head = cfg.train.head
     return "" if head == HeadConfig() else "-" + re.sub(r"[^a-z0-9-]+", "-", head.label.lower())
@@ -182,7 +170,7 @@ def benchmark_task(cfg: RunConfig, digest: str, trained: ArtifactRef | list[tupl
                    data: ArtifactRef) -> ArtifactRef:
     from prefect.runtime import flow_run
 
-    from tasks.benchmark import run_benchmark
+    from tasks.benchmark.stage import run_benchmark
 
     # The report names the flow run that measured it (PREFECT__FLOW_RUN_ID is set only in deployed runs).
     ref = run_benchmark(cfg, Store.from_config(cfg.store), trained, data, flow_run_id=flow_run.id)
@@ -230,7 +218,7 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
 
 
 def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None, logger) -> None:
-    from tasks import digest as digests
+    from tasks.core import digest as digests
 
     def run_single(name: str, fn: Callable[[], ArtifactRef]) -> ArtifactRef:
         r = rec.stages[name]
@@ -280,19 +268,15 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         return skip_rest("vocab")
 
     # a head reading layers the extraction will not hold fails now, not after hours of extraction
-    if until != "extract" and any(h.layer_ids for h in cfg.train.heads):
-        from tasks.config import head_config
-        from tasks.target import load_hf_config, resolve_layer_ids, resolve_model
-        from tasks.train_common import TrainError
-        from tasks.train_inputs import head_layer_ids
+    if until != "extract":
+        from flows.preflight import check_head_layers
+        from tasks.train import TrainError
 
-        stored = resolve_layer_ids(cfg, load_hf_config(cfg.target, resolve_model(cfg.target)))
-        for head in cfg.train.heads:
-            try:
-                head_layer_ids(head_config(cfg, head), stored)
-            except TrainError as exc:
-                rec.stages["train"].status, rec.stages["train"].error = "failed", str(exc)
-                raise
+        try:
+            check_head_layers(cfg)
+        except TrainError as exc:
+            rec.stages["train"].status, rec.stages["train"].error = "failed", str(exc)
+            raise
 
     # extract: one task per shard, fanned out over GPU groups
     shards = _run_extract(cfg, store, rec, data, logger)
@@ -300,7 +284,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         return skip_rest("extract")
 
     # train: one cached task per head of train.heads, each at its own address, from the same shards
-    from tasks.config import head_config
+    from tasks.core.config import head_config
 
     from flows.nodes import child_config
 
@@ -321,7 +305,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         r.stats = {"heads": ", ".join(f"{label} {ref.digest[:8]} ({ref.stats.get('steps')} steps)"
                                       for label, ref in heads)}
     trained = heads[0][1] if len(heads) == 1 else heads
-    from tasks.export import run_serve
+    from tasks.benchmark.export import run_serve
 
     try:
         rec.serve = run_serve(head_config(cfg, cfg.train.heads[0]), store, heads[0][1])
@@ -336,7 +320,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
     d = digests.benchmark(cfg, trained, data)
     bench = run_single("benchmark", lambda: benchmark_task.with_options(**opts("benchmark"))(cfg, d, trained, data))
     from flows.report_artifacts import publish_summary
-    from tasks.benchmark import load_report
+    from tasks.benchmark.stage import load_report
 
     report = load_report(store, bench)
     rec.benchmark = report.get("benchmark")
@@ -354,7 +338,7 @@ def _run_regenerate(cfg: RunConfig, store: Store, rec: RunRecord, prepared: Arti
                     logger) -> ArtifactRef:
     """Regeneration's shards as tasks over this node's engine groups (and other nodes), then the stage
     artifact assembled from them; the run record counts shards, as extraction's does."""
-    from tasks.target import resolve_model
+    from tasks.engine.target import resolve_model
 
     r = rec.stages["regenerate"]
     t0 = time.time()
@@ -378,17 +362,17 @@ def _run_regenerate(cfg: RunConfig, store: Store, rec: RunRecord, prepared: Arti
 def _shard_plans(stage: str, cfg: RunConfig, data: ArtifactRef, model: str) -> list:
     """The shards of STAGE (`regenerate` or `extract`) that read DATA, each with its own address."""
     if stage == "regenerate":
-        from tasks.regenerate import plan_regenerate
+        from tasks.data.regenerate import plan_regenerate
 
         return plan_regenerate(cfg, data)
-    from tasks.extract import plan_extract
-    from tasks.target import load_hf_config
+    from tasks.extract.stage import plan_extract
+    from tasks.engine.target import load_hf_config
 
     return plan_extract(cfg, data, load_hf_config(cfg.target, model))
 
 
 def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, logger) -> list[ArtifactRef]:
-    from tasks.target import resolve_model
+    from tasks.engine.target import resolve_model
 
     rec.stages["extract"].status = "running"
     return _run_sharded("extract", cfg, store, rec, data, resolve_model(cfg.target), logger)
@@ -429,7 +413,7 @@ def _shards_here(stage: str, cfg: RunConfig, store: Store, model: str, plans: li
                  progress: Progress) -> tuple[list[ArtifactRef], list[str]]:
     """One task per shard of PLANS in this flow run, fanned out over this node's engine groups."""
     from flows.nodes import SHARDED
-    from tasks.engine_settings import EnginePool
+    from tasks.engine.settings import EnginePool
 
     kind = SHARDED[stage]
     shard_task = regenerate_shard_task if stage == "regenerate" else extract_task
@@ -477,7 +461,7 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     (train.nodes > 1): one node of the run's training, joining RENDEZVOUS with TRAIN_INPUTS."""
     from flows.interrupts import chain_into_flow
     from flows.nodes import SHARDED
-    from tasks.target import resolve_model
+    from tasks.engine.target import resolve_model
 
     chain_into_flow()
     if stage not in SHARDED and stage != "train":
@@ -514,8 +498,8 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
 
 
 def _pin_target(cfg: RunConfig, overrides: list[str]) -> list[str]:
-    """The run's target pinned once (a hub id's commit) and recorded in every manifest (tasks/weights.py)."""
-    from tasks.weights import WeightsError, pin_run
+    """The run's target pinned once (a hub id's commit) and recorded in every manifest (tasks/engine/weights.py)."""
+    from tasks.engine.weights import WeightsError, pin_run
 
     try:
         return pin_run(cfg, overrides)

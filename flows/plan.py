@@ -4,7 +4,7 @@ Everything comes from two places: the config (samples, lengths, layer ids, regen
 sizes) and the rates in configs/rates.yaml, each of which names its source and kind (a run in
 benchmarks/RESULTS.md, a cited published figure, or an assumption). The rates that depend on the hardware
 come from a machine profile (`--machine`: a rented B300 NVL8 node, or the user's own 8 x RTX PRO 6000
-workstation). Training FLOPs per token are `tasks.train_model.flops_per_token` of the draft this config
+workstation). Training FLOPs per token are `tasks.train.model.flops_per_token` of the draft this config
 would train (speculators' Eagle3DraftModel, built on the meta device: no memory, no weights); extraction
 FLOPs are 2 x the target's active parameters per token, the MFU convention of benchmarks/RESULTS.md.
 
@@ -28,11 +28,12 @@ from typing import Any, Optional
 import typer
 import yaml
 
-from flows.console import ROOT, SetOpt, fail
-from tasks.config import ConfigError, RunConfig, load_config
+from tasks.core.errors import DraftlineError
+from flows.console import ROOT, SetOpt
+from tasks.core.config import RunConfig, load_config
 
 RATES_FILE = ROOT / "configs" / "rates.yaml"
-CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train_loop.py Trainer.save_checkpoint)
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train/loop.py Trainer.save_checkpoint)
 DEFAULT_MACHINE = "b300-node"
 KINDS = ("measured", "cited", "assumption")
 TARGET_RATES = ("engine_start_minutes", "decode_tok_s", "decode_tok_s_batch1")  # per target and machine
@@ -40,12 +41,12 @@ TARGET_RATES = ("engine_start_minutes", "decode_tok_s", "decode_tok_s_batch1")  
 # What the code does, as switches so a plan can show what each is worth (tests flip them): regeneration shards
 # are dealt over the nodes like extraction's (flows/nodes.py run_nodes); False prices regeneration on one node.
 REGENERATE_FANS_OUT = True
-# Training reads its parts through the node-local part cache (tasks/part_cache.py), so epochs after the first
+# Training reads its parts through the node-local part cache (tasks/store/part_cache.py), so epochs after the first
 # read from the node's NVMe what the cache holds; False prices every epoch downloading every part again.
 NODE_PART_CACHE = True
 
 
-class PlanError(ValueError):
+class PlanError(DraftlineError, ValueError):
     """A plan that cannot be made; the message says what to add or fix."""
 
 
@@ -184,7 +185,7 @@ def _same_shape(hf: Any, targets: dict[str, Any]) -> str:
     workstation's /models/kimi-k2.5), or ""."""
     from transformers import AutoConfig
 
-    from tasks.target import text_config
+    from tasks.engine.target import text_config
 
     mine = [getattr(text_config(hf), k, None) for k in SHAPE_KEYS]
     for model, entry in targets.items():
@@ -210,7 +211,7 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
     its rates on the plan's machine from the entry's `machines:`."""
     from transformers import AutoConfig
 
-    from tasks.target import TargetError, load_hf_config, text_config
+    from tasks.engine.target import TargetError, load_hf_config, text_config
 
     model = cfg.target.model
     entry = rates["targets"].get(model)
@@ -246,14 +247,14 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
 
 def draft_model(cfg: RunConfig, target: Target, layer_ids: list[int]):
     """The Eagle3DraftModel this config trains, on the meta device (shapes only), built from the same
-    layer config as tasks.train_model.build_draft_model."""
+    layer config as tasks.train.model.build_draft_model."""
     import torch
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
-    from tasks.target import text_config
-    from tasks.train_model import draft_layer_config
+    from tasks.engine.target import text_config
+    from tasks.train.model import draft_layer_config
 
     layer_cfg = draft_layer_config(cfg.train, cfg.target.model_copy(update={"trust_remote_code": False}),
                                    target.folder, target.hf_config)
@@ -299,8 +300,8 @@ class Lengths:
 def run_lengths(cfg: RunConfig) -> Lengths:
     """Read this config's prepare artifact and its regenerate artifact (or the regenerate shards committed so
     far) on cfg.store; what is not there stays None, and `source` says what was found."""
-    from tasks import digest as digests
-    from tasks.store import Store, StoreError
+    from tasks.core import digest as digests
+    from tasks.store.artifacts import Store, StoreError
 
     try:
         store = Store.from_config(cfg.store)
@@ -355,8 +356,8 @@ class Shape:
 
 
 def make_shape(cfg: RunConfig, rates: dict[str, Any]) -> Shape:
-    from tasks.target import configured_layer_ids, text_config
-    from tasks.train_model import flops_per_token
+    from tasks.engine.target import configured_layer_ids, text_config
+    from tasks.train.model import flops_per_token
 
     with tempfile.TemporaryDirectory() as tmp:
         target = load_target(cfg, rates, Path(tmp))
@@ -438,7 +439,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     head_steps = [h.max_steps or cfg.train.max_steps for h in heads]  # one train task per head, one after another
     steps = sum(head_steps)
     train_tokens = steps * cfg.train.batch_tokens * ranks
-    # auto is flex_attention on a GPU where it compiles (tasks.train_model.resolve_attn_impl)
+    # auto is flex_attention on a GPU where it compiles (tasks.train.model.resolve_attn_impl)
     train_rate_name = ("train.mfu_flex_attention" if cfg.train.attn_impl in ("auto", "flex_attention")
                        else "train.mfu_sdpa")
     mfu_t = r[train_rate_name]
@@ -521,7 +522,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         f"{bound}-bound. With {other}: {_count(rate[other])} tok/s, "
         f"{tokens / rate[other] / 3600:,.1f} node-hours.",
         f"Training: the draft has {_count(shape.trainable)} trainable parameters, {shape.train_flops / 1e9:.2f} GFLOP "
-        f"per token (tasks.train_model.flops_per_token, {cfg.train.ttt_steps} TTT steps): {_count(per_gpu)} tok/s "
+        f"per token (tasks.train.model.flops_per_token, {cfg.train.ttt_steps} TTT steps): {_count(per_gpu)} tok/s "
         f"per GPU at MFU {mfu_t:g}, {_count(node_rate)} tok/s per node = {compute_h:,.2f} h of compute. It reads "
         f"{_bytes(totals['train_read_bytes'])} ({dtype}; {_bytes(data_bytes)} per epoch): "
         f"{_bytes(from_store * bpt[dtype])} from the store at {_count(read_rate['store'])} tok/s "
@@ -661,22 +662,19 @@ def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi
                                                            "(repeatable; target.decode_tok_s=... for the target)."),
          as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object.")):
     """Time, store bytes and cost of a run, per stage, from the config and configs/rates.yaml."""
-    try:
-        cfg = load_config(config, overrides)
-        rates = load_rates(RATES_FILE, list(rate), machine or machine_for(cfg.name))
-        for value, key, unit, flag in ((gpu_hour_price, "node.gpu_hour_price", "USD per GPU-hour", "--gpu-hour-price"),
-                                       (storage_price, "storage.gb_month_price", "USD per GB-month kept on the store",
-                                        "--storage-price-gb-month")):
-            if value is None:
-                continue
-            if value <= 0:
-                raise PlanError(f"{flag} must be positive, got {value:g}")
-            rates["rates"][key] = Rate(key, value, unit, "command line", f"{flag} {value:g}")
-        lengths = run_lengths(cfg) if from_store else None
-        result = make_plan(cfg, rates, nodes=cfg.extract.nodes if nodes is None else nodes,
-                           config_name=str(config), lengths=lengths)
-    except (ConfigError, PlanError) as exc:
-        fail(str(exc))
+    cfg = load_config(config, overrides)
+    rates = load_rates(RATES_FILE, list(rate), machine or machine_for(cfg.name))
+    for value, key, unit, flag in ((gpu_hour_price, "node.gpu_hour_price", "USD per GPU-hour", "--gpu-hour-price"),
+                                   (storage_price, "storage.gb_month_price", "USD per GB-month kept on the store",
+                                    "--storage-price-gb-month")):
+        if value is None:
+            continue
+        if value <= 0:
+            raise PlanError(f"{flag} must be positive, got {value:g}")
+        rates["rates"][key] = Rate(key, value, unit, "command line", f"{flag} {value:g}")
+    lengths = run_lengths(cfg) if from_store else None
+    result = make_plan(cfg, rates, nodes=cfg.extract.nodes if nodes is None else nodes,
+                       config_name=str(config), lengths=lengths)
     if as_json:
         print(json.dumps(asdict(result), indent=2))
     else:

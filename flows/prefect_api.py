@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 
+from tasks.core.errors import DraftlineError
 from flows.console import ROOT
-from tasks.config import STAGES
+from tasks.core.config import STAGES
 
 FLOW_NAME = "draftline"
 
@@ -41,7 +42,7 @@ def slice_deployment(cfg: Any, own_deployment: str | None) -> str | None:
     return name if "/" in name else f"{EXTRACT_FLOW}/{name}"
 
 
-class OpsError(RuntimeError):
+class OpsError(DraftlineError, RuntimeError):
     """An operation that cannot proceed; the message says what to do."""
 
 
@@ -232,7 +233,7 @@ def config_parameters(config: Path, overrides: list[str], inline: bool | None) -
             raise OpsError(f"{config} is outside the checkout {ROOT}: the worker cannot read it; "
                            "drop --by-path to inline it")
         return {"config_path": rel.as_posix(), "overrides": list(overrides)}, None
-    from tasks.config import ConfigError, read_config_file
+    from tasks.core.config import ConfigError, read_config_file
 
     try:
         data = read_config_file(path)  # with its `base:` merged in: the worker may not have that file either

@@ -1,11 +1,13 @@
 """What a run shows in the Prefect UI besides its task runs: each stage's progress bar, and the
 benchmark report as a table artifact and a markdown artifact with the plot.
 
-`publish_summary(report)` takes report.json (as `tasks.benchmark.load_report` returns it),
+`publish_summary(report)` takes report.json (as `tasks.benchmark.stage.load_report` returns it),
 so a cached benchmark publishes the same figures, with the run that measured them.
 """
 
 from __future__ import annotations
+
+import time
 
 from typing import Any
 
@@ -16,8 +18,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from tasks.benchmark_report import plot_data_uri, report_markdown, report_table_rows
-from tasks.benchmark_results import head_table
+from tasks.benchmark.report import plot_data_uri, report_markdown, report_table_rows
+from tasks.benchmark.results import head_table
 
 TABLE_KEY = "benchmark"
 HEADS_KEY = "benchmark-heads"
@@ -65,10 +67,17 @@ class Progress:
     def __init__(self, key: str, description: str):
         self.id = None
         self.last = -1.0
-        try:
-            self.id = create_progress_artifact(0.0, key=key, description=description)
-        except Exception:
-            pass
+        for attempt in range(3):  # a busy API may time out once; the bar is worth a second try, not a failed run
+            try:
+                self.id = create_progress_artifact(0.0, key=key, description=description)
+                return
+            except Exception:
+                from prefect.context import FlowRunContext
+
+                if FlowRunContext.get() is None:  # outside a flow: no bar to make
+                    return
+                if attempt < 2:
+                    time.sleep(1.0)
 
     def update(self, pct: float, description: str | None = None) -> None:
         if self.id is None or (pct - self.last < 1.0 and pct < 100.0):

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from tasks.config import STAGES
-from tasks.store import ArtifactRef
+from tasks.core.config import STAGES
+from tasks.store.artifacts import ArtifactRef
 
 
 @dataclass
@@ -39,7 +39,7 @@ class RunRecord:
     state: str = "RUNNING"
     stages: dict[str, StageRecord] = field(default_factory=lambda: {s: StageRecord() for s in STAGES})
     benchmark: dict[str, Any] | None = None
-    serve: dict[str, Any] | None = None  # the trained draft's `vllm serve` line (tasks/export.py run_serve)
+    serve: dict[str, Any] | None = None  # the trained draft's `vllm serve` line (tasks/benchmark/export.py run_serve)
     store: str = ""
     started: float = field(default_factory=time.time)
 

@@ -48,8 +48,8 @@ from flows.prefect_api import (
     task_runs,
     utcnow,
 )
-from tasks.config import STAGES
-from tasks.owners import pid_running
+from tasks.core.config import STAGES
+from tasks.core.owners import pid_running
 
 # Flow-run heartbeats come every 30 s (job templates); this much silence means the process is gone.
 HEARTBEAT_SECONDS = 30

@@ -1,4 +1,4 @@
-"""`draftline weights CONFIG`: put the target's weights on this node ahead of a run (tasks/weights.py). The
+"""`draftline weights CONFIG`: put the target's weights on this node ahead of a run (tasks/engine/weights.py). The
 disk check `draftline doctor` runs for them is flows/doctor.py `check_weights`."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import typer
 from flows.console import SetOpt, console, fail
 
 
-def _gb(n: int) -> str:
+def gb(n: int) -> str:
     return f"{n / 1e9:,.1f} GB"
 
 
 def local_target(t) -> dict[str, Any] | None:
     """A folder target (or the converted preset): its path, bytes and fingerprint, nothing fetched."""
-    from tasks.weights import PRESETS, cache_home
-    from tasks.weights import folder_fingerprint, is_hub_id
+    from tasks.engine.weights import PRESETS, cache_home
+    from tasks.engine.weights import folder_fingerprint, is_hub_id
 
     if is_hub_id(t.model):
         return None
@@ -37,33 +37,24 @@ def weights(config: Path = typer.Argument(..., help="YAML config whose target to
             as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object.")):
     """Fetch the target's weights into this node's cache (once; resumable; HF_TOKEN from the environment) and
     print the path, commit, bytes and the disk needed/free. A local folder is only fingerprinted."""
-    from tasks.config import ConfigError, load_config
-    from tasks.weights import WeightsError, disk_needed, ensure_snapshot
+    from tasks.core.config import load_config
+    from tasks.engine.weights import disk_needed, ensure_snapshot
 
-    try:
-        cfg = load_config(config, overrides)
-    except ConfigError as exc:
-        fail(str(exc))
+    cfg = load_config(config, overrides)
     t = cfg.target
     out = local_target(t)
     if out is None:
-        try:
-            need = disk_needed(t.model, t.revision, bool(t.trust_remote_code))
-            if need["missing_bytes"] > need["free"]:
-                fail(f"{t.model}@{need['commit'][:12]} needs {_gb(need['missing_bytes'])} more, {_gb(need['free'])} "
-                     f"free in {need['cache']}: free disk space or point HF_HOME at a larger disk")
-            snap = ensure_snapshot(t.model, t.revision, bool(t.trust_remote_code))  # resolved once (cached)
-        except WeightsError as exc:
-            fail(str(exc))
+        need = disk_needed(t.model, t.revision, bool(t.trust_remote_code))
+        if need["missing_bytes"] > need["free"]:
+            fail(f"{t.model}@{need['commit'][:12]} needs {gb(need['missing_bytes'])} more, {gb(need['free'])} "
+                 f"free in {need['cache']}: free disk space or point HF_HOME at a larger disk")
+        snap = ensure_snapshot(t.model, t.revision, bool(t.trust_remote_code))  # resolved once (cached)
         out = {"model": t.model, "path": snap.path, "commit": snap.commit, "bytes": snap.bytes,
                "fingerprint": snap.fingerprint, "needed_bytes": need["missing_bytes"]}
     elif not out["fingerprint"]:
-        from tasks.target import TargetError, resolve_model
+        from tasks.engine.target import resolve_model
 
-        try:
-            out["path"] = resolve_model(t)  # the preset converts here, once
-        except TargetError as exc:
-            fail(str(exc))
+        out["path"] = resolve_model(t)  # the preset converts here, once
         out = local_target(t)
     out["free_bytes"] = shutil.disk_usage(out["path"]).free
     if as_json:
@@ -72,6 +63,6 @@ def weights(config: Path = typer.Argument(..., help="YAML config whose target to
     console.print(f"path:        {out['path']}")
     if out.get("commit"):
         console.print(f"commit:      {out['commit']}")
-    console.print(f"bytes:       {out['bytes']:,} ({_gb(out['bytes'])})")
+    console.print(f"bytes:       {out['bytes']:,} ({gb(out['bytes'])})")
     console.print(f"fingerprint: {out['fingerprint']}")
-    console.print(f"disk:        {_gb(out.get('needed_bytes', 0))} needed (fetched now), {_gb(out['free_bytes'])} free")
+    console.print(f"disk:        {gb(out.get('needed_bytes', 0))} needed (fetched now), {gb(out['free_bytes'])} free")

@@ -21,13 +21,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from prefect_server import PrefectServer  # noqa: E402
 from s3server import S3Server  # noqa: E402
 
-from tasks.config import StoreConfig  # noqa: E402
-from tasks.store import Store  # noqa: E402
+from tasks.core.config import StoreConfig  # noqa: E402
+from tasks.store.artifacts import Store  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
 def part_cache_dir(tmp_path_factory):
-    """The node-local part cache (tasks/part_cache.py) of every run a test starts, in the session's temp
+    """The node-local part cache (tasks/store/part_cache.py) of every run a test starts, in the session's temp
     folder instead of the user's cache."""
     path = tmp_path_factory.mktemp("part-cache")
     old = os.environ.get("DRAFTLINE_CACHE_DIR")

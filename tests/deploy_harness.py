@@ -76,7 +76,7 @@ class Node:
         self.name, self.tmp, self.server = name, tmp / name, server
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.log_path = self.tmp / "bootstrap.log"
-        from tasks.weights import cache_home
+        from tasks.engine.weights import cache_home
 
         self.env = dict(env, PREFECT_HOME=str(self.tmp / "prefect-home"), DRAFTLINE_RELEASE=f"v{version()}",
                         DRAFTLINE_SOURCE_DIR=str(ROOT), DRAFTLINE_VENV=sys.prefix, DRAFTLINE_EXPECT_GPUS="0",
@@ -182,7 +182,7 @@ def kill_pid(pid: int) -> None:
 
 def gone(pid: int, timeout: float) -> None:
     """Wait until PID has exited (as `draftline status` judges it: no process, or a zombie)."""
-    from tasks.owners import pid_running
+    from tasks.core.owners import pid_running
 
     deadline = time.time() + timeout
     while pid_running(pid):

@@ -26,7 +26,7 @@ class StandInHub:
         listing = "".join(f"{n}:{hashlib.sha256((self.folder / n).read_bytes()).hexdigest()}" for n in self.files)
         self.sha = hashlib.sha1(listing.encode()).hexdigest()  # a 40-hex commit of this content
         self.requests: list[dict] = []
-        # draftline's liveness probe (tasks/weights.py hub_reachable: a HEAD of the endpoint's root, before it
+        # draftline's liveness probe (tasks/engine/weights.py hub_reachable: a HEAD of the endpoint's root, before it
         # would call the hub at all): kept apart from the hub calls the tests count
         self.probes: list[dict] = []
         # stall(NAME): the next GET of NAME sends half its bytes, then holds the connection until release()

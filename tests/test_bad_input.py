@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tasks.config import RunConfig, load_config
-from tasks.data_sources import DataSourceError
-from tasks.prepare import ChatTemplateError, PrepareError, run_prepare
-from tasks.store import Store, StoreError
+from tasks.core.config import RunConfig, load_config
+from tasks.data.sources import DataSourceError
+from tasks.data.prepare import ChatTemplateError, PrepareError, run_prepare
+from tasks.store.artifacts import Store, StoreError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "tests/configs/deploy-small.yaml"  # SmolLM2 (30 layers, vocab 49,152), 24 local conversations

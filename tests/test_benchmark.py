@@ -9,17 +9,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks import digest as digests
-from tasks.acceptance import simulated_acceptance_length
-from tasks.benchmark import check_draft, draft_folder, find_report, load_report, run_benchmark
-from tasks.benchmark_common import BenchmarkError
-from tasks.benchmark_measure import acceptance_figures, histogram_delta, measure, RunResult, SpecCounters
-from tasks.benchmark_prompts import load_eval_prompts, select_evenly
-from tasks.benchmark_results import assemble_report, report_stats
-from tasks.benchmark_replay import chain_lengths, position_average, replay, replay_average
-from tasks.benchmark_report import plot_report, render_terminal, report_markdown, report_table_rows
-from tasks.config import BenchmarkConfig, EvalConfig, RunConfig, SourceConfig
-from tasks.store import Store
+from tasks.core import digest as digests
+from tasks.formats.acceptance import simulated_acceptance_length
+from tasks.benchmark.stage import check_draft, draft_folder, find_report, load_report, run_benchmark
+from tasks.benchmark import BenchmarkError
+from tasks.benchmark.measure import acceptance_figures, histogram_delta, measure, RunResult, SpecCounters
+from tasks.benchmark.prompts import load_eval_prompts, select_evenly
+from tasks.benchmark.results import assemble_report, report_stats
+from tasks.benchmark.replay import chain_lengths, position_average, replay, replay_average
+from tasks.benchmark.report import plot_report, render_terminal, report_markdown, report_table_rows
+from tasks.core.config import BenchmarkConfig, EvalConfig, RunConfig, SourceConfig
+from tasks.store.artifacts import Store
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -50,7 +50,7 @@ def fabricated_report(cfg: RunConfig, acc=(0.5, 0.4, 0.3), k3_diverges: bool = T
 
     base_outs / k3_outs: greedy outputs per batch size of the baseline / the k=3 engine (default OUTS, and
     OUTS with a token changed when k3_diverges); controls: extra baseline decodes (label -> outputs)."""
-    from tasks.benchmark_prompts import EvalPrompts
+    from tasks.benchmark.prompts import EvalPrompts
 
     evals = [EvalPrompts(e.name, e.name, [[1, 2]] * 2, ["a", "b"], 2, requested=2) for e in cfg.benchmark.evals]
     bo = base_outs or {1: OUTS, 4: OUTS}
@@ -265,7 +265,7 @@ def test_greedy_identity_parting_where_the_baseline_parts_is_noise_elsewhere_a_b
 
 
 def test_control_decodes_stay_few():
-    from tasks.benchmark_identity import control_batch_sizes
+    from tasks.benchmark.identity import control_batch_sizes
 
     assert control_batch_sizes([1, 8], 8) == [8]          # the measured sizes already differ: one repeat
     assert control_batch_sizes([4], 4) == [4, 1]          # one measured size: a repeat and batch 1
@@ -288,7 +288,7 @@ def test_mismatch_beyond_threshold_is_warned_with_causes():
 def test_an_out_of_distribution_gap_is_reported_as_such_not_as_a_bug():
     """The demo's case: MT-Bench (not in the chitchat training mix) far below the estimate, the held-out eval
     matching it. The estimate-vs-measured check judges the held-out eval; MT-Bench's gap is distribution shift."""
-    from tasks.benchmark_results import in_distribution
+    from tasks.benchmark.results import in_distribution
 
     cfg = bench_cfg()
     assert in_distribution(cfg, "heldout") and not in_distribution(cfg, "mtbench")
@@ -302,7 +302,7 @@ def test_an_out_of_distribution_gap_is_reported_as_such_not_as_a_bug():
                                                                                    num_prompts=2)],
                                       num_speculative_tokens=[1, 3]), k3_diverges=False)
     rep["benchmark"]["heldout"].pop("3")  # only k=1 measured on held-out: no in-distribution mismatch
-    from tasks.benchmark_results import compare
+    from tasks.benchmark.results import compare
 
     rows, warnings = compare(rep)
     shifted = [r for r in rows if r["distribution_shift"]]
@@ -433,7 +433,7 @@ def commit(store: Store, stage: str, digest: str, files: dict[str, bytes], stats
 
 
 def heldout_parquet(convs: list[list[dict]]) -> bytes:
-    from tasks.prepare import Sample, parquet_bytes
+    from tasks.data.prepare import Sample, parquet_bytes
 
     return parquet_bytes([Sample(f"s{i}", "chitchat", m, np.array([1, 2], np.int32), np.array([0, 1], np.int8))
                           for i, m in enumerate(convs)])
@@ -466,7 +466,7 @@ def test_cached_benchmark_returns_without_starting_an_engine(tmp_path):
 
 
 def test_heldout_prompts_are_first_user_turns_with_the_generation_prompt(tmp_path):
-    from tasks.prepare import make_masker
+    from tasks.data.prepare import make_masker
 
     store = Store(f"file://{tmp_path}/store")
     cfg = bench_cfg()
@@ -538,7 +538,7 @@ def make_random_draft(model: str, out: Path, **norms: bool) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_real_benchmark_baseline_and_eagle3(tmp_path):
-    from tasks.target import resolve_model
+    from tasks.engine.target import resolve_model
 
     store = Store(f"file://{tmp_path}/store")
     cfg = bench_cfg(evals=[EvalConfig(name="mtbench", source=SourceConfig(preset="mtbench"), num_prompts=3),

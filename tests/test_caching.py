@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from prefect_server import PrefectServer
 
-from tasks.digest import stage_digest
-from tasks.config import RunConfig
-from tasks import digest as digests
+from tasks.core.digest import stage_digest
+from tasks.core.config import RunConfig
+from tasks.core import digest as digests
 
 TOY = Path(__file__).parent / "toy_flow.py"
 
@@ -56,7 +56,7 @@ def test_fresh_prefect_home_against_same_s3_store_runs_no_stage_body(s3_server, 
 
     # The store is the truth: remove the committed prepare artifact; its Prefect record
     # still exists, but the stage runs again (and vocab, whose input is unchanged, does not).
-    from tasks.store import Store
+    from tasks.store.artifacts import Store
 
     Store(uri).delete("prepare", stage_digest("prepare", {"x": 1}))
     third = run_toy(uri, marker, prefect_server)
@@ -98,7 +98,7 @@ def test_stored_artifacts_keep_their_addresses():
     """An address that changes silently recomputes finished work (a day of extraction, a trained draft).
     These are the demo's addresses as stored by earlier versions (with stand-in input digests); a change
     here must come with a VERSIONS bump and a note, never by accident (new scheduling keys, refactors)."""
-    from tasks.config import load_config
+    from tasks.core.config import load_config
 
     class Ref:
         def __init__(self, d, shard=0):

@@ -23,8 +23,8 @@ import typer
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tasks.config import StoreConfig
-from tasks.store import Store, StoreError
+from tasks.core.config import StoreConfig
+from tasks.store.artifacts import Store, StoreError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/demo.yaml"
@@ -165,7 +165,7 @@ def test_a_hub_id_without_the_hub_fails_at_once(tmp_path, monkeypatch):
     offline: tests/test_weights.py.)"""
     from huggingface_hub import constants
 
-    from tasks import weights
+    from tasks.engine import weights
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -194,7 +194,7 @@ def dead_leftover(store: Store) -> str:
     w = store.writer("prepare", uuid.uuid4().hex * 2, "v1")
     w.attempt = w.attempt.replace(f"-{os.getpid()}-", f"-{p.pid}-")
     w.write_bytes("part.bin", b"x" * 100)
-    return w._key("part.bin")
+    return w.key("part.bin")
 
 
 @pytest.mark.s3

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.config import ConfigError, RunConfig, load_config
+from tasks.core.config import ConfigError, RunConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ import yaml
 
 import deploy_harness as harness
 from flows import deploy, doctor, prefect_api, release, runs
-from tasks.config import load_config
+from tasks.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOTSTRAP = ROOT / "infra" / "node-bootstrap.sh"
@@ -445,8 +445,8 @@ def test_retry_reruns_only_the_failed_shards(scenario):
 @pytest.mark.slow
 @pytest.mark.s3
 def test_artifacts_are_complete_on_the_shared_store(scenario, s3_server):
-    from tasks.config import StoreConfig
-    from tasks.store import Store
+    from tasks.core.config import StoreConfig
+    from tasks.store.artifacts import Store
 
     store = Store.from_config(StoreConfig(uri=scenario["store_uri"]))
     shards = store.list("extract")

@@ -123,7 +123,7 @@ def test_every_head_is_trained_in_its_own_task_and_measured_in_one_table(small_r
     # the EAGLE-3 rows are the report's own figures
     main = {r["eval"]: r for r in rows if r["head"] == "eagle3"}
     assert main["heldout"]["acceptance_length"] == s["benchmark"]["heldout"]["2"]["mean_acceptance_length"]
-    from tasks.store import Store
+    from tasks.store.artifacts import Store
 
     digest = s["stages"]["benchmark"]["artifact"].rstrip("/").rsplit("/", 1)[1]
     md = Store(f"file://{small_run['store']}").open("benchmark", digest).read_bytes("report.md").decode()
@@ -144,7 +144,7 @@ def test_report_names_its_flow_run_and_judges_greedy_identity_against_a_control(
         verdict = gi["verdicts"][ev]["2"]["4"]
         assert verdict["verdict"] in ("identical", "within_noise"), verdict["sentence"]
     assert not any("likely a bug" in w for w in rep["warnings"]), rep["warnings"]
-    from tasks.store import Store
+    from tasks.store.artifacts import Store
 
     art = Store(f"file://{small_run['store']}").open("benchmark", rep["digest"])
     text = art.read_bytes("report.md").decode()
@@ -198,7 +198,7 @@ def test_export_writes_the_vllm_draft_its_maps_and_the_serve_line(small_run, exp
     assert s["serve"]["command"] == serve["command"]
     digest = serve["train_digest"]
     dest = exported["dest"]
-    from tasks.store import Store
+    from tasks.store.artifacts import Store
 
     art = Store(_store_uri(small_run)).open("train", digest)
     for name in ("config.json", "model.safetensors"):  # the committed draft, byte for byte
@@ -238,8 +238,8 @@ def test_export_to_s3_by_train_digest(small_run, s3_server):
     out = draftline("export", digest[:10], "s3://draftline-test/exports/e2e", "--json", "--set",
                     f"store.uri={_store_uri(small_run)}", env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
     assert out.returncode == 0, out.stderr
-    from tasks.config import StoreConfig
-    from tasks.store import Store
+    from tasks.core.config import StoreConfig
+    from tasks.store.artifacts import Store
 
     fs = Store.from_config(StoreConfig(uri="s3://draftline-test/exports")).fs
     names = sorted(p.rsplit("/", 1)[1] for p in fs.find("draftline-test/exports/e2e"))
@@ -326,7 +326,7 @@ def test_vllm_serve_with_the_printed_line_speculates_with_the_draft(small_run, t
 
 
 def _train_metrics(small_run, digest: str) -> tuple[dict, dict]:
-    from tasks.store import Store
+    from tasks.store.artifacts import Store
 
     art = Store(_store_uri(small_run)).open("train", digest)
     return art.stats, art.read_json("metrics.json")
@@ -356,7 +356,7 @@ def test_warm_start_from_an_exported_draft_starts_from_its_loss(small_run, expor
     stats, warm = _train_metrics(small_run, warm_digest)
     init = stats["init_from"]
     assert init["vocab"] == "same" and init["draft_vocab_rows_copied"] == 2048
-    from tasks.drafts import content_digest
+    from tasks.formats.drafts import content_digest
 
     assert init["digest"] == content_digest(str(exported["dest"] / "draft"))
     first_fresh, first_warm = fresh["steps"][0]["loss"], warm["steps"][0]["loss"]
@@ -381,7 +381,7 @@ def test_an_exported_draft_is_measured_beside_the_trained_head(small_run, warm_r
     measured_first = _summary(small_run["first"])["benchmark"]["heldout"]["2"]["mean_acceptance_length"]
     assert exported_rows["heldout"]["acceptance_length"] == pytest.approx(measured_first, abs=0.15)
     assert exported_rows["heldout"]["acceptance_length"] >= UNTRAINED_BOUND
-    from tasks.store import Store
+    from tasks.store.artifacts import Store
 
     digest = s["stages"]["benchmark"]["artifact"].rstrip("/").rsplit("/", 1)[1]
     art = Store(_store_uri(small_run)).open("benchmark", digest)
@@ -409,7 +409,7 @@ def test_warm_start_with_another_draft_vocabulary_is_remapped(small_run, exporte
     init = stats["init_from"]
     from safetensors.torch import load as st_load
 
-    from tasks.store import Store
+    from tasks.store.artifacts import Store
 
     art = Store(_store_uri(small_run)).open("train", s["serve"]["train_digest"])
     new_tokens = set(st_load(art.read_bytes("draft/model.safetensors"))["t2d"].nonzero().flatten().tolist())

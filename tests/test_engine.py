@@ -1,4 +1,4 @@
-"""The engine child process (tasks/engine.py) with the transformers backend on tiny random models.
+"""The engine child process (tasks/engine/process.py) with the transformers backend on tiny random models.
 
 What a user relies on: the engine answers many requests from one load; its hidden
 states are the layers EAGLE-3 needs (id k = output of decoder layer k-1, the last
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks import owners
-from tasks.engine import EngineError, EngineProcess
-from tasks.engine_child import find_decoder_layers
+from tasks.core import owners
+from tasks.engine.process import EngineError, EngineProcess
+from tasks.engine.child import find_decoder_layers
 
 LAYER_IDS = [1, 3, 4, 6]  # 6-layer tiny model: three auxiliary layers + the last
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tasks.store import Store
+from tasks.store.artifacts import Store
 from warm import finish, start_draftline
 
 CONFIG = "tests/configs/deploy-small.yaml"
@@ -58,10 +59,15 @@ def progress_artifacts(run_id: str, key: str) -> list[tuple[float, str]]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterType, FlowRunFilter, FlowRunFilterId
 
-    with get_client(sync_client=True) as c:
-        arts = c.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])),
-                                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(run_id)])))
-    return [(float(a.data), a.description or "") for a in arts if a.key == key]
+    deadline = time.time() + 30  # what a run published reaches the API's listing a moment later under load
+    while True:
+        with get_client(sync_client=True) as c:
+            arts = c.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])),
+                                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(run_id)])))
+        found = [(float(a.data), a.description or "") for a in arts if a.key == key]
+        if found or time.time() > deadline:
+            return found
+        time.sleep(2)
 
 
 @two_cores
@@ -131,8 +137,8 @@ def test_a_regeneration_engine_sees_only_its_group(tmp_path):
     """The decision a GPU node makes (no GPU here to run it): a regeneration engine of a GPU group gets
     that group's CUDA_VISIBLE_DEVICES and the group's tensor-parallel size, one of a core group its cores;
     a decoding engine is vLLM without extraction settings whatever extract.backend says."""
-    from tasks.config import RunConfig
-    from tasks.engine_settings import EngineGroup, engine_for_group
+    from tasks.core.config import RunConfig
+    from tasks.engine.settings import EngineGroup, engine_for_group
     from train_data import make_tiny_target
 
     model = make_tiny_target(tmp_path / "llama")

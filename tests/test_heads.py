@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from tasks import digest as digests
-from tasks.config import ConfigError, HeadConfig, RunConfig, head_config, load_config
-from tasks.store import Store
-from tasks.train import run_train
-from tasks.train_common import TrainError
-from tasks.train_inputs import head_layer_ids
-from tasks.train_model import speculators_kind
+from tasks.core import digest as digests
+from tasks.core.config import ConfigError, HeadConfig, RunConfig, head_config, load_config
+from tasks.store.artifacts import Store
+from tasks.train.stage import run_train
+from tasks.train import TrainError
+from tasks.train.inputs import head_layer_ids
+from tasks.train.model import speculators_kind
 from train_data import generate_samples, make_tiny_target, write_extract, write_vocab
 
 LAYER_IDS = [1, 2, 3, 4]
@@ -81,7 +81,7 @@ def test_bad_heads_are_config_errors_that_say_what_to_do():
         heads("{kind: eagle3.1, block_size: 4}")
     with pytest.raises(ConfigError, match="at least one head"):
         load_config(None, ["train.heads=[]"])
-    with pytest.raises(ConfigError, match="distinct ascending"):
+    with pytest.raises(ConfigError, match="distinct and ascending"):
         heads("{kind: dflash, layer_ids: [9, 3]}")
 
 
@@ -160,19 +160,26 @@ def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_
     conf, weights = exported(tiny, ref)
     assert conf["aux_hidden_state_layer_ids"] == [1, 3] and weights["fc.weight"].shape == (64, 2 * 64)
     # a head reading layers the extraction does not hold is told which extract.layer_ids to set: today the
-    # extract stage takes three auxiliary ids (tasks/target.py), so the heads must share one set of three
+    # extract stage takes three auxiliary ids (tasks/engine/target.py), so the heads must share one set of three
     cfg = head_cfg(tiny, {"kind": "eagle3.1", "layer_ids": [2, 3]})
     with pytest.raises(TrainError, match=r"eagle3.1 reads target layers \[2, 3\], but the extract stage's hidden "
                                          r"states hold \[1, 3, 20\] .*\[2\] are not there. The extract stage cannot store them "
                                          r"beside the others"):
         head_layer_ids(cfg, [1, 3, 20, 30])
-    monkeypatch.setattr("tasks.train_inputs.validate_layer_ids", lambda ids, n: ids)  # an extract stage taking more
+    monkeypatch.setattr("tasks.train.inputs.validate_layer_ids", lambda ids, n: ids)  # an extract stage taking more
     with pytest.raises(TrainError, match=r"\[2\] are not there. Set extract.layer_ids: \[1, 2, 3, 20, 30\]"):
         head_layer_ids(cfg, [1, 3, 20, 30])
     assert head_layer_ids(cfg, [2, 3, 20, 30]) == [2, 3, 30]
     cfg.train.heads = [HeadConfig(kind="eagle3.1", layer_ids=[1, 4])]
     with pytest.raises(TrainError, match="4 is this target's last layer"):
         head_layer_ids(cfg, LAYER_IDS)
+    # the flow asks the same before extraction (flows/preflight.py), from the target's own config
+    from flows.preflight import check_head_layers
+
+    with pytest.raises(TrainError, match="4 is this target's last layer"):
+        check_head_layers(cfg)
+    cfg.train.heads = [HeadConfig(kind="eagle3.1", layer_ids=[1, 3])]
+    check_head_layers(cfg)
 
 
 # ============================================================================ one benchmark, every head
@@ -184,10 +191,10 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
     the way vLLM fails: its row is offline-only with vLLM's own error, the others are measured."""
     from test_benchmark import FakeEngine, bench_cfg, commit, heldout_parquet
 
-    import tasks.benchmark
-    from tasks.benchmark import load_report, run_benchmark
-    from tasks.benchmark_report import report_markdown
-    from tasks.engine import EngineError
+    import tasks.benchmark.stage
+    from tasks.benchmark.stage import load_report, run_benchmark
+    from tasks.benchmark.report import report_markdown
+    from tasks.engine.process import EngineError
 
     class Engine(FakeEngine):
         def __init__(self, name):
@@ -205,7 +212,7 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
 
     started: list[str] = []
     # the machine's description imports vLLM for its version (~10 s); these engines are not vLLM's
-    monkeypatch.setattr(tasks.benchmark, "_machine", lambda: {"machine": "test", "load_avg_1m": None})
+    monkeypatch.setattr(tasks.benchmark.stage, "_machine", lambda: {"machine": "test", "load_avg_1m": None})
 
     def factory(name, kwargs):
         started.append(f"{name}:{(kwargs.get('speculative_config') or {}).get('method')}")
@@ -245,7 +252,7 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
     assert "NotImplementedError: DFlash needs non-causal attention" in md
     from rich.console import Console
 
-    from tasks.benchmark_report import render_terminal
+    from tasks.benchmark.report import render_terminal
 
     console = Console(record=True, width=160)
     render_terminal(rep["benchmark"], console, rep)

@@ -1,6 +1,6 @@
 """A run killed at any point never wedges the next one, tried the way it happens.
 
-`draftline run` is killed for real at points across the DAG (tasks/faults.py names them): the whole
+`draftline run` is killed for real at points across the DAG (tasks/core/faults.py names them): the whole
 process group gets SIGKILL, as from a preempted node or the OOM killer. Then the SAME command runs
 again and must complete, executing exactly the work the dead run had not committed (the run
 summary's counts are checked against what the store held after the kill), with every manifest's
@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.store import Store
+from tasks.store.artifacts import Store
 from warm import finish, start_draftline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def engines_of(pid: int) -> list[str]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info.get("cmdline") or [])
-        if "tasks.engine" in cmd and f"--parent {pid}" in cmd:
+        if "tasks.engine.process" in cmd and f"--parent {pid}" in cmd:
             found.append(f"{p.pid}: {cmd}")
     return found
 
@@ -67,7 +67,7 @@ def wait_engines_gone(pid: int, within: float = 10.0) -> None:
 
 
 def killed_run(args: list[str], point: str, folder: Path, name: str) -> int:
-    """`draftline ARGS` in its own session, killed at `point` (tasks/faults.py); returns its pid."""
+    """`draftline ARGS` in its own session, killed at `point` (tasks/core/faults.py); returns its pid."""
     p = start_draftline(args, folder, name, env={**os.environ, "DRAFTLINE_FAULT_KILL": point}, session=True)
     code, out, err = finish(p, folder, name, timeout=600)
     assert code == -signal.SIGKILL, f"{name}: expected a SIGKILL at {point}, got exit {code}\n{err[-4000:]}"

@@ -26,12 +26,12 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save_file
 
-from tasks.config import RunConfig
-from tasks.engine_settings import engine_for_group
-from tasks.extract import extract_shard, plan_extract
-from tasks.target import resolve_layer_ids
-from tasks.store import Store
-from tasks.target import (
+from tasks.core.config import RunConfig
+from tasks.engine.settings import engine_for_group
+from tasks.extract.stage import extract_shard, plan_extract
+from tasks.engine.target import resolve_layer_ids
+from tasks.store.artifacts import Store
+from tasks.engine.target import (
     TargetError,
     default_layer_ids,
     load_hf_config,
@@ -179,7 +179,7 @@ def test_default_layer_ids_come_from_the_text_config(kimi):
     assert validate_layer_ids(ids, LAYERS) == ids == resolve_layer_ids(kimi.cfg, kimi.hf)
     assert [(p.layer_ids, p.hidden_size, p.num_layers) for p in kimi.plans] == [(ids, HIDDEN, LAYERS)] * 2
     # the real model's shape (61 decoder layers under text_config) gives the preset's ids
-    from tasks.config import load_config
+    from tasks.core.config import load_config
     from transformers.models.kimi_k25 import Kimi_K25Config
 
     real = Kimi_K25Config(text_config={"model_type": "kimi_k2", "num_hidden_layers": 61, "hidden_size": 7168})
@@ -242,8 +242,8 @@ def test_verifier_weights_load_from_the_prefixed_layout(kimi):
 
 def test_draft_trained_on_its_parts_names_the_verifier_and_layers(kimi):
     """vocab -> train (3 steps on CPU) -> exported draft, all on the parts the extract stage wrote."""
-    from tasks.train import run_train
-    from tasks.vocab import run_vocab
+    from tasks.train.stage import run_train
+    from tasks.data.vocab import run_vocab
 
     vref = run_vocab(kimi.cfg, kimi.store, kimi.data)
     assert vref.stats["draft_vocab_size"] == 256 and vref.stats["target_vocab_size"] == VOCAB

@@ -1,30 +1,44 @@
-"""The code's layout as the README promises it: stages build on shared parts, never on each other; no
-import cycle among the project's modules; and the README's layout table names exactly the modules
-that exist."""
+"""The code's layout as the README promises it: tasks/ in packages by what things are, each saying what
+lives there; stages build on shared parts, never on each other; no import cycle among the project's
+modules; no module reaching for another's private names; and the README's layout table names exactly
+the modules that exist."""
 
 from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("prepare", "regenerate", "vocab", "extract", "train", "benchmark")
-PACKAGES = ("tasks", "flows")
+# the six stages of the DAG, each a module of its package
+STAGES = ("tasks.data.prepare", "tasks.data.regenerate", "tasks.data.vocab", "tasks.extract.stage",
+          "tasks.train.stage", "tasks.benchmark.stage")
+TASK_PACKAGES = ("core", "store", "formats", "engine", "data", "extract", "train", "benchmark")
 
 
 def modules() -> dict[str, Path]:
-    return {f"{pkg}.{p.stem}": p for pkg in PACKAGES for p in sorted((ROOT / pkg).glob("*.py"))
-            if p.stem != "__init__"}
+    """Every project module by its dotted name; a package's `__init__.py` is the package itself."""
+    out = {f"flows.{p.stem}": p for p in sorted((ROOT / "flows").glob("*.py")) if p.stem != "__init__"}
+    for p in sorted((ROOT / "tasks").rglob("*.py")):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if name != "tasks":
+            out[name] = p
+    return out
+
+
+def import_nodes(path: Path, top_level_only: bool) -> list[ast.stmt]:
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    return [n for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
 def imports(path: Path, top_level_only: bool) -> set[str]:
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
     out = set()
-    for node in nodes:
+    for node in import_nodes(path, top_level_only):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.add(node.module)
             out.update(f"{node.module}.{a.name}" for a in node.names)
@@ -33,11 +47,35 @@ def imports(path: Path, top_level_only: bool) -> set[str]:
     return out
 
 
+def package_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_tasks_is_packages_each_saying_what_lives_there():
+    found = sorted(p.name for p in (ROOT / "tasks").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert found == sorted(TASK_PACKAGES)
+    assert sorted(p.name for p in (ROOT / "tasks").glob("*.py")) == ["__init__.py"], "a module outside the packages"
+    for pkg in TASK_PACKAGES:
+        init = ROOT / "tasks" / pkg / "__init__.py"
+        tree = ast.parse(init.read_text())
+        assert ast.get_docstring(tree), f"tasks/{pkg}/__init__.py says what lives in the package"
+        heavy = {(n.module or "") if isinstance(n, ast.ImportFrom) else a.name
+                 for n in import_nodes(init, True) for a in n.names}
+        heavy = {m for m in heavy if m.split(".")[0] not in sys.stdlib_module_names
+                 and m not in ("__future__", "tasks.core.errors")}
+        assert heavy == set(), f"tasks/{pkg}/__init__.py imports (at its top) only the standard library and the error root"
+
+
 def test_no_stage_imports_another_stage():
-    """What `grep -rn "from tasks\\.\\(prepare\\|...\\) import" tasks/` checks, by file."""
-    pattern = re.compile(r"from tasks\.(" + "|".join(STAGES) + r") import")
-    found = [f"{p.name}:{i}: {line.strip()}" for p in sorted((ROOT / "tasks").glob("*.py"))
-             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    """A stage module is imported only by the flow and by its own package's helpers (never by another
+    stage, nor by a shared package), at module or function level."""
+    found = []
+    for m, p in modules().items():
+        if not m.startswith("tasks."):
+            continue
+        for i in imports(p, top_level_only=False):
+            if i in STAGES and i != m and (m in STAGES or package_of(m) != package_of(i)):
+                found.append(f"{m} imports {i}")
     assert found == []
 
 
@@ -65,10 +103,44 @@ def test_no_import_cycle_among_project_modules(top_level_only):
     assert cycles == []
 
 
+def test_no_module_imports_a_private_name_of_another():
+    """`from tasks.x import _helper` couples two modules through what one of them calls internal: the
+    helper is either public (renamed) or stays where it is used."""
+    mods = modules()
+    found = [f"{m}: from {n.module} import {a.name}"
+             for m, p in mods.items() for n in import_nodes(p, False)
+             if isinstance(n, ast.ImportFrom) and n.module in mods
+             for a in n.names if a.name.startswith("_")]
+    assert found == []
+
+
 def test_the_readme_layout_table_matches_the_tree():
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("## Layout"):]
-    named = set(re.findall(r"`([a-z_]+)\.py`", table))
-    present = {p.stem for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py") if p.stem != "__init__"}
-    assert sorted(present - named) == [], "modules the README's layout table does not name"
-    assert sorted(named - present) == [], "modules the README's layout table names that do not exist"
+    table = table[table.index("| path"):].split("\n\n")[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([a-z/]+)` \| (.*)$", table, re.M)}
+    flows = set(re.findall(r"`([a-z_]+)\.py`", rows["flows/"]))
+    assert flows == {p.stem for p in (ROOT / "flows").glob("*.py") if p.stem != "__init__"}
+    named = {row.split("/")[1] for row in rows if row.startswith("tasks/") and row != "tasks/"}
+    assert sorted(named) == sorted(TASK_PACKAGES), "a package the README's layout table has no row for"
+    for pkg in TASK_PACKAGES:
+        listed = set(re.findall(r"`([a-z_]+)\.py`", rows[f"tasks/{pkg}/"]))
+        present = {p.stem for p in (ROOT / "tasks" / pkg).glob("*.py") if p.stem != "__init__"}
+        assert sorted(present - listed) == [], f"modules of tasks/{pkg}/ the README's layout table does not name"
+        assert sorted(listed - present) == [], f"modules the README's tasks/{pkg}/ row names that do not exist"
+    for stage in STAGES:
+        assert f"`{stage.split('.', 1)[1].replace('.', '/')}.py`" in rows["tasks/"], stage
+
+
+def test_every_error_has_the_one_root():
+    """Every exception class the project defines derives `DraftlineError` (which the command line catches
+    once), keeping the built-in base callers catch; `Stopped` is a request to stop, not an error."""
+    builtin = {"Exception", "ValueError", "RuntimeError", "LookupError", "OSError", "KeyError"}
+    found = []
+    for m, p in modules().items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and node.name not in ("Stopped", "DraftlineError"):
+                bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
+                if bases & builtin and "DraftlineError" not in bases:
+                    found.append(f"{m}.{node.name}")
+    assert found == []

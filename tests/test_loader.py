@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from tasks.store import Store
-from tasks.train_stream import BatchStream, PartReader
+from tasks.store.artifacts import Store
+from tasks.train.stream import BatchStream, PartReader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_part_cache import write_parts  # noqa: E402
@@ -78,7 +78,7 @@ def test_a_part_is_mapped_from_its_file_not_read_into_memory(tmp_path):
 def test_a_staging_buffer_is_reused_only_after_its_copies_to_the_device_are_done():
     """On a GPU, model_inputs hands the buffer back with a CUDA event recorded after its copies; the packer
     waits on that event before packing into the buffer again. (A stand-in for the event: no GPU here.)"""
-    from tasks.train_stream import StagingPool
+    from tasks.train.stream import StagingPool
 
     class Event:
         waited = 0

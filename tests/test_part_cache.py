@@ -1,5 +1,5 @@
-"""The node-local part cache (tasks/part_cache.py) against the real S3 server, and the deal of parts to
-ranks that makes it pay (tasks/train_stream.py): each byte over the network once per node."""
+"""The node-local part cache (tasks/store/part_cache.py) against the real S3 server, and the deal of parts to
+ranks that makes it pay (tasks/train/stream.py): each byte over the network once per node."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.config import StoreConfig
-from tasks.part_cache import PartCache, PartCacheError, cached_copy
-from tasks.store import Store
-from tasks.train_stream import BatchStream, PartReader, PartSpec, deal
+from tasks.core.config import StoreConfig
+from tasks.store.part_cache import PartCache, PartCacheError, cached_copy
+from tasks.store.artifacts import Store
+from tasks.train.stream import BatchStream, PartReader, PartSpec, deal
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -41,9 +41,9 @@ def blob_artifact(store: Store, sizes: list[int], seed: int = 0):
 
 CHILD = """
 import json, sys
-from tasks.config import StoreConfig
-from tasks.part_cache import PartCache
-from tasks.store import Store
+from tasks.core.config import StoreConfig
+from tasks.store.part_cache import PartCache
+from tasks.store.artifacts import Store
 a = json.loads(sys.argv[1])
 store = Store.from_config(StoreConfig(uri=a["store"]))
 art = store.open("extract", a["digest"])
@@ -237,11 +237,11 @@ def test_cached_copy_without_a_cache_streams_a_temporary_copy(tmp_path, s3):
 def test_a_part_corrupted_on_the_store_is_never_cached(tmp_path, s3):
     """The fill hashes while it streams: a store copy whose bytes changed (same size) raises ArtifactCorrupt
     naming the file, un-commits the artifact (so the stage runs again), and leaves no entry and no temp file."""
-    from tasks.store import ArtifactCorrupt
+    from tasks.store.artifacts import ArtifactCorrupt
 
     art = blob_artifact(s3, [300_000])
     entry = art.manifest.file("f0.bin")
-    key = art._key("f0.bin")
+    key = art.key("f0.bin")
     raw = bytearray(s3.fs.cat_file(key))
     raw[123_456] ^= 0xFF
     s3.fs.pipe_file(key, bytes(raw))

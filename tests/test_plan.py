@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from flows import plan as planner
 from flows.cli import app
-from tasks.config import load_config
+from tasks.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNBOOK = ROOT / "docs" / "kimi-k2.5.md"
@@ -88,7 +88,7 @@ def _shape_only_target(rates: dict, name: str, config: dict) -> None:
 
 
 def _draft_flops(rates: dict, cfg, layer_ids: list[int], tmp_path: Path) -> tuple[float, int]:
-    from tasks.train_model import flops_per_token
+    from tasks.train.model import flops_per_token
 
     target = planner.load_target(cfg, rates, tmp_path)
     draft = planner.draft_model(cfg, target, layer_ids)
@@ -99,7 +99,7 @@ def test_the_formulas_give_back_the_measured_figures(tmp_path):
     # bytes per token of an extract part: RESULTS measured 4,613 (bf16) and 2,325 (fp8) on SmolLM2's 4 x 576
     assert planner.hidden_bytes_per_token(4, 576, "bf16") == 4613
     assert planner.hidden_bytes_per_token(4, 576, "fp8") == 2325
-    # the 8B-shaped draft of RESULTS' H200 training runs: 6.52 GFLOP per token (tasks.train_model.flops_per_token)
+    # the 8B-shaped draft of RESULTS' H200 training runs: 6.52 GFLOP per token (tasks.train.model.flops_per_token)
     rates = planner.load_rates()
     _shape_only_target(rates, "llama-3.1-8b-shape", {
         "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -236,11 +236,11 @@ def test_regeneration_on_one_node_when_the_fan_out_assumption_is_flipped(kimi_sh
 
 def test_the_runs_own_stats_on_the_store_replace_the_assumed_lengths(tmp_path, monkeypatch):
     monkeypatch.delenv("DRAFTLINE_STORE_URI", raising=False)  # it would sit above --set store.uri
-    from tasks import digest as digests
-    from tasks.store import Store
+    from tasks.core import digest as digests
+    from tasks.store.artifacts import Store
 
     uri = f"file://{tmp_path}/store"
-    # the addresses hash what the target is (tasks/weights.py): a local folder holding Kimi's config stands in
+    # the addresses hash what the target is (tasks/engine/weights.py): a local folder holding Kimi's config stands in
     # for the hub snapshot, which this offline machine cannot fingerprint
     model = tmp_path / "kimi-k2.5"
     planner.make_shape(load_config(KIMI), planner.load_rates()).target.hf_config.save_pretrained(model)

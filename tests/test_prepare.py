@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import digest as digests
-from tasks.config import ConfigError, RunConfig, SourceConfig, TargetConfig, load_config
-from tasks.data_sources import DataSourceError, load_source, normalize_row, BadRow
-from tasks.prepare import (
+from tasks.core import digest as digests
+from tasks.core.config import ConfigError, RunConfig, SourceConfig, TargetConfig, load_config
+from tasks.data.sources import DataSourceError, load_source, normalize_row, BadRow
+from tasks.data.prepare import (
     HELDOUT,
     ChatMasker,
     ChatTemplateError,
@@ -30,7 +30,7 @@ from tasks.prepare import (
     run_prepare,
     shard_name,
 )
-from tasks.store import Store
+from tasks.store.artifacts import Store
 
 # --------------------------------------------------------------------------- templates
 
@@ -97,7 +97,7 @@ CONVERSATION = [
 
 @pytest.fixture(scope="session")
 def smol_tok():
-    from tasks.target import load_tokenizer
+    from tasks.engine.target import load_tokenizer
 
     return load_tokenizer(TargetConfig())
 

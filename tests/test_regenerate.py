@@ -8,11 +8,11 @@ import os
 
 import pytest
 
-from tasks.config import RunConfig
-from tasks.prepare import HELDOUT, read_samples, run_prepare, shard_name
-from tasks import digest as digests
-from tasks.regenerate import SHARD_STAGE, run_regenerate
-from tasks.store import Store
+from tasks.core.config import RunConfig
+from tasks.data.prepare import HELDOUT, read_samples, run_prepare, shard_name
+from tasks.core import digest as digests
+from tasks.data.regenerate import SHARD_STAGE, run_regenerate
+from tasks.store.artifacts import Store
 
 
 class StubEngine:
@@ -66,7 +66,7 @@ def setup(tmp_path):
 
 
 def _tok(cfg):
-    from tasks.prepare import make_masker
+    from tasks.data.prepare import make_masker
 
     return make_masker(cfg).tok
 
@@ -162,8 +162,8 @@ def test_multi_turn_answers_each_turn_with_its_own_history(setup):
 
 @pytest.mark.slow
 def test_smollm2_in_vllm_answers_prompts(tmp_path):
-    from tasks.engine import EngineProcess
-    from tasks.target import resolve_model
+    from tasks.engine.process import EngineProcess
+    from tasks.engine.target import resolve_model
 
     src = tmp_path / "q.jsonl"
     questions = ["What is the capital of France?", "Name three colors.", "What is 2+2?",

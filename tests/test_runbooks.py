@@ -32,7 +32,7 @@ import typer
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tasks.config import load_config
+from tasks.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/DEPLOY.md", "docs/kimi-k2.5.md")

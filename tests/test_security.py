@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from tasks.config import RunConfig
+from tasks.core.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "tests/configs/deploy-small.yaml"
@@ -30,7 +30,7 @@ def test_no_secret_reaches_the_store_prefect_or_the_logs(s3_server, prefect_serv
     from s3server import CANARY_ACCESS_KEY
     from warm import finish, start_draftline
 
-    from tasks.store import Store
+    from tasks.store.artifacts import Store
 
     aws_secret = s3_server.canary_secret  # an identity of the S3 server that only this test uses
     hf_token = "hf_canary" + uuid.uuid4().hex

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from flows.locks import FORMAT, LeaseLockManager, LockWaitTimeout, lock_files, read_lock
-from tasks import owners, stopping
+from tasks.core import owners, stopping
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,7 +162,7 @@ def test_gc_lists_and_removes_what_dead_runs_left_and_spares_the_living(tmp_path
     whose process is gone. `draftline gc` removes exactly those; a live process's are kept."""
     from prefect.locking.filesystem import FileSystemLockManager
 
-    from tasks.store import Store
+    from tasks.store.artifacts import Store
 
     store_dir = tmp_path / "store"
     store = Store(f"file://{store_dir}")
@@ -173,7 +173,7 @@ def test_gc_lists_and_removes_what_dead_runs_left_and_spares_the_living(tmp_path
     temp = tmp_path / "tmp"
     temp.mkdir()
     # A real process that wrote part of an artifact and made two temp folders, then died.
-    script = ("import tempfile, sys; from tasks.store import Store; from tasks.owners import owned_tempdir; "
+    script = ("import tempfile, sys; from tasks.store.artifacts import Store; from tasks.core.owners import owned_tempdir; "
               f"w = Store({store.uri!r}).writer('extract', 'd0', 'v1'); w.write_bytes('part-00000.safetensors', b'x' * 9); "
               "print(owned_tempdir('draftline-ckpt-'), owned_tempdir('draftline-gctest-', '/dev/shm'))")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(temp)}

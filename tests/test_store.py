@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tasks.config import StoreConfig
-from tasks.store import ArtifactCorrupt, ArtifactMissing, Store, StoreError, check_name
+from tasks.core.config import StoreConfig
+from tasks.store.artifacts import ArtifactCorrupt, ArtifactMissing, Store, StoreError, check_name
 
 
 def _write(store: Store, digest: str, payload: bytes, stage: str = "prepare") -> None:
@@ -58,7 +58,7 @@ def test_writer_killed_before_manifest_leaves_nothing_visible(store):
     """A real SIGKILL while a writer is mid-artifact: readers see nothing, gc cleans up."""
     script = textwrap.dedent(f"""
         import sys, time
-        from tasks.store import Store
+        from tasks.store.artifacts import Store
         s = Store({store.uri!r}, {store.storage_options!r})
         w = s.writer("extract", "dkill", "v1")
         w.write_bytes("part-00000.safetensors", b"x" * 100000)
@@ -87,7 +87,7 @@ def test_large_writes_are_hashed_while_written(store, monkeypatch):
     sha256 is still that of the whole file, and a failed write still fails (after its hash ends)."""
     import hashlib
 
-    from tasks import store as store_mod
+    from tasks.store import artifacts as store_mod
 
     payload = os.urandom(3 << 20) + b"tail"
     with store.write("prepare", "dbig", "v1") as w:
@@ -132,7 +132,7 @@ def test_large_writes_are_hashed_while_written(store, monkeypatch):
 def test_corrupted_file_is_detected_and_uncommitted(store):
     _write(store, "d3", b"0123456789" * 100)
     art = store.open("prepare", "d3")
-    key = art._key("data/part-0.bin")
+    key = art.key("data/part-0.bin")
     raw = bytearray(store.fs.cat_file(key))
     raw[10] ^= 0xFF  # same size, different bytes: only the checksum can tell
     store.fs.pipe_file(key, bytes(raw))
@@ -141,14 +141,14 @@ def test_corrupted_file_is_detected_and_uncommitted(store):
         store.open("prepare", "d3").read_bytes("data/part-0.bin")
     # Un-committed so the stage runs again; the evidence is kept beside it.
     assert store.find("prepare", "d3") is None
-    names = [p.rsplit("/", 1)[-1] for p in store.fs.ls(store._key("prepare", "d3"), detail=False)]
+    names = [p.rsplit("/", 1)[-1] for p in store.fs.ls(store.key("prepare", "d3"), detail=False)]
     assert any(n.startswith("manifest.corrupt-") for n in names)
 
 
 def test_truncated_file_counts_as_missing(store):
     _write(store, "d4", b"z" * 5000)
     art = store.open("prepare", "d4")
-    store.fs.pipe_file(art._key("data/part-0.bin"), b"z" * 10)
+    store.fs.pipe_file(art.key("data/part-0.bin"), b"z" * 10)
     assert store.find("prepare", "d4") is None
 
 

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 import deploy_harness as harness
 from flows import deploy, release
 from flows.prefect_api import RELEASE_STEP
-from tasks.config import load_config
+from tasks.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "configs/demo.yaml"

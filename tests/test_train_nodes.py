@@ -23,8 +23,8 @@ import time
 import pytest
 
 import deploy_harness as harness
-from tasks.config import StoreConfig
-from tasks.store import Store
+from tasks.core.config import StoreConfig
+from tasks.store.artifacts import Store
 from test_nodes import ROOT, guide_commands, pool_env, summary_rows
 from test_train_ranks import project  # noqa: F401  (the tiny target, its data and config)
 
@@ -38,7 +38,7 @@ def guide_section_commands() -> list[list[str]]:
 
 
 def test_the_run_node_holds_rank_0_and_every_rank_is_dealt_once():
-    from tasks.train_ranks import host_first_rank
+    from tasks.train.ranks import host_first_rank
 
     for nodes, local_world in itertools.product((1, 2, 3, 4), (1, 2, 8)):
         for host in range(nodes):
@@ -52,8 +52,8 @@ def test_the_run_node_holds_rank_0_and_every_rank_is_dealt_once():
 
 
 def test_each_node_reads_only_its_ranks_share_and_the_deal_follows_the_world_size():
-    from tasks.train_ranks import host_first_rank
-    from tasks.train_stream import deal
+    from tasks.train.ranks import host_first_rank
+    from tasks.train.stream import deal
 
     parts, seed = 23, 7
     for nodes, local_world in ((2, 1), (2, 4), (3, 2)):
@@ -68,8 +68,8 @@ def test_each_node_reads_only_its_ranks_share_and_the_deal_follows_the_world_siz
 
 
 def test_train_nodes_is_scheduling_not_part_of_the_address():
-    from tasks import digest
-    from tasks.config import load_config
+    from tasks.core import digest
+    from tasks.core.config import load_config
 
     one = load_config(harness.CONFIG)
     two = load_config(harness.CONFIG, ["train.nodes=2"])
@@ -77,7 +77,7 @@ def test_train_nodes_is_scheduling_not_part_of_the_address():
 
 
 def _ref(stage: str):
-    from tasks.store import ArtifactRef
+    from tasks.store.artifacts import ArtifactRef
 
     return ArtifactRef(stage=stage, digest=stage[0] * 64, uri=f"file:///x/{stage}", stats={"shard": 0})
 

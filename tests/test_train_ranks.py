@@ -6,7 +6,7 @@ flow, as a user runs it:
 
 - the two-rank run commits its draft at the same address (digest) as the one-rank run;
 - rank 1 SIGKILLed after its third step (a real kill, chosen with DRAFTLINE_FAULT_KILL, see
-  tasks/faults.py) fails the train task with a message that names rank 1 and the signal;
+  tasks/core/faults.py) fails the train task with a message that names rank 1 and the signal;
 - `draftline retry` of that run resumes from the step-2 checkpoint on two ranks and finishes.
 
 The target is a 4-layer random Llama (hidden 64) with a byte-level tokenizer and a ChatML template,
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tasks.store import Store
+from tasks.store.artifacts import Store
 from train_data import make_tiny_target
 from warm import finish, start_draftline
 

@@ -1,7 +1,7 @@
 """The two hidden-states connectors write the same files under the same lock protocol.
 
 On CUDA, extraction engines use vLLM's own `ExampleHiddenStatesConnector` (asynchronous: a copy stream,
-pinned memory, writer threads); without CUDA, ours (`tasks.vllm_connector.SyncHiddenStatesConnector`,
+pinned memory, writer threads); without CUDA, ours (`tasks.engine.vllm_connector.SyncHiddenStatesConnector`,
 the same class with the copy-and-write done inline). The stock class cannot run on a CPU as is, so each
 is driven here through its real methods, scheduler side then worker side (`build_connector_meta`,
 `wait_for_save`, `request_finished`, `get_finished`: its real constructor, lock files, slot arithmetic,
@@ -28,9 +28,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     ExampleHiddenStatesConnector,
 )
 
-from tasks.engine import read_safetensors  # noqa: E402
-from tasks.engine_child import _wait_written  # noqa: E402
-from tasks.vllm_connector import SyncHiddenStatesConnector  # noqa: E402
+from tasks.engine.process import read_safetensors  # noqa: E402
+from tasks.engine.child import _wait_written  # noqa: E402
+from tasks.engine.vllm_connector import SyncHiddenStatesConnector  # noqa: E402
 
 BLOCK, LAYERS, HIDDEN, BLOCKS = 16, 4, 64, 8
 # request id -> (prompt token ids, its blocks of the hidden-states cache)
@@ -89,8 +89,8 @@ def locked(path: str) -> bool:
 def drive(cls: type, folder: str, cache: torch.Tensor) -> tuple[dict[str, str], set[str], dict[str, bool]]:
     """One engine step's worth of the connector protocol for REQUESTS; returns (request -> file, requests
     reported done sending, request -> whether its file was locked before the write)."""
-    # The config keys draftline's kv_transfer_config gives (tasks.engine.vllm_extract_kwargs, then the engine
-    # fills shared_storage_path: tasks/engine_child.py).
+    # The config keys draftline's kv_transfer_config gives (tasks.engine.process.vllm_extract_kwargs, then the engine
+    # fills shared_storage_path: tasks/engine/child.py).
     kv = KVTransferConfig(kv_connector=cls.__name__, kv_role="kv_producer",
                           kv_connector_extra_config={"shared_storage_path": folder})
     spec = NS(draft_model_config=NS(hf_config=NS(eagle_aux_hidden_state_layer_ids=[1, 2, 3, 4])))
@@ -113,7 +113,7 @@ def drive(cls: type, folder: str, cache: torch.Tensor) -> tuple[dict[str, str], 
     conn.bind_connector_metadata(conn.build_connector_meta(NS(scheduled_new_reqs=[])))
     done, _ = conn.get_finished(set(REQUESTS))
     for p in paths.values():
-        _wait_written(p, timeout_s=60)  # what the engine's reader does (tasks/engine_child.py)
+        _wait_written(p, timeout_s=60)  # what the engine's reader does (tasks/engine/child.py)
     conn._executor.shutdown(wait=True)
     return paths, set(done or ()), was_locked
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.config import RunConfig
-from tasks.prepare import HELDOUT, read_samples, run_prepare, shard_name
-from tasks.store import Store
-from tasks.vocab import FILE, VocabError, build_maps, draft_size, run_vocab
-from tasks.vocab_maps import read_maps
+from tasks.core.config import RunConfig
+from tasks.data.prepare import HELDOUT, read_samples, run_prepare, shard_name
+from tasks.store.artifacts import Store
+from tasks.data.vocab import FILE, VocabError, build_maps, draft_size, run_vocab
+from tasks.formats.vocab_maps import read_maps
 
 
 def speculators_maps(counts: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +86,7 @@ def test_run_vocab_counts_loss_masked_training_tokens(prepared):
     assert torch.equal(maps["d2t"], d2t) and torch.equal(maps["t2d"], t2d)
     # few distinct answer tokens: 64 cover them all; the prompt's words ("Please", "list") are never counted
     assert vref.stats["coverage"] == 1.0
-    from tasks.prepare import make_masker
+    from tasks.data.prepare import make_masker
 
     tok = make_masker(cfg).tok
     assert expected[tok.encode(" Please", add_special_tokens=False)[0]] == 0

@@ -1,4 +1,4 @@
-"""The target's weights on the node once, and addresses that say what the model is (tasks/weights.py).
+"""The target's weights on the node once, and addresses that say what the model is (tasks/engine/weights.py).
 
 A stand-in hub on loopback (tests/hub_server.py) serves the tiny test model through the routes
 huggingface_hub's `snapshot_download` calls; the `draftline` processes reach it through HF_ENDPOINT,
@@ -21,10 +21,10 @@ from hub_server import StandInHub
 from test_train_ranks import byte_tokenizer
 from train_data import make_tiny_target
 
-from tasks import digest as digests
-from tasks.config import load_config
-from tasks.store import Store
-from tasks.weights import folder_fingerprint
+from tasks.core import digest as digests
+from tasks.core.config import load_config
+from tasks.store.artifacts import Store
+from tasks.engine.weights import folder_fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = "tiny-org/tiny-chat"
@@ -265,7 +265,7 @@ def test_a_run_resumes_after_the_model_folder_moves_and_on_another_prefect_home(
 
 def test_a_base_config_is_layered_under_the_file_and_travels_inlined(tmp_path, monkeypatch):
     from flows.prefect_api import config_parameters
-    from tasks.config import ConfigError
+    from tasks.core.config import ConfigError
 
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "base.yaml").write_text("name: base\ntrain: {max_steps: 7, lr: 0.01}\nvocab: {draft_vocab_size: 99}\n")
@@ -323,10 +323,10 @@ def test_a_download_killed_halfway_keeps_the_finished_files(hub, tmp_path):
 
 def test_a_run_pins_an_unpinned_hub_id_for_its_tasks_and_children(hub, tmp_path):
     """pin_run, what the flow (and each child run) calls at its start: the commit goes into the cfg the tasks
-    get and into the overrides the run's children get (tasks/weights.py; flows/nodes.py child_config sends
+    get and into the overrides the run's children get (tasks/engine/weights.py; flows/nodes.py child_config sends
     the run's overrides), and a child with those overrides does not ask the hub again."""
     cfg = write_config(tmp_path, REPO, f"file://{tmp_path}/store")
-    code = ("import json, os; from tasks.config import load_config; from tasks.weights import pin_run; "
+    code = ("import json, os; from tasks.core.config import load_config; from tasks.engine.weights import pin_run; "
             f"cfg = load_config({str(cfg)!r}, ['vocab.draft_vocab_size=32']); o = pin_run(cfg, ['vocab.draft_vocab_size=32']); "
             "print(json.dumps({'overrides': o, 'revision': cfg.target.revision, "
             "'provenance': json.loads(os.environ['DRAFTLINE_TARGET_PROVENANCE'])}))")

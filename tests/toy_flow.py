@@ -11,8 +11,8 @@ import sys
 from prefect import flow, task
 
 from flows.caching import stage_options
-from tasks.digest import stage_digest
-from tasks.store import ArtifactRef, Store
+from tasks.core.digest import stage_digest
+from tasks.store.artifacts import ArtifactRef, Store
 
 STORE_URI, MARKER = sys.argv[1], sys.argv[2]
 

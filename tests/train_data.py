@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
-from tasks.digest import VERSIONS, stage_digest
-from tasks.store import ArtifactRef, Store
+from tasks.core.digest import VERSIONS, stage_digest
+from tasks.store.artifacts import ArtifactRef, Store
 
 
 def make_tiny_target(folder: str | Path, layers: int = 4, hidden: int = 64, vocab: int = 256,

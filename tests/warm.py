@@ -12,9 +12,9 @@ for how it was launched.
 - `start_draftline(args, folder, name)` / `finish(...)`: `draftline ARGS` in a child (Prefect
   is imported there, with the caller's environment: in-process flow runs would bind Prefect's
   settings and log handlers to whatever the first test left behind).
-- `WarmEngine`: `tasks.engine.EngineProcess` whose engine child is forked from the
-  server instead of exec'ing `python -m tasks.engine_child`; the child runs the production
-  `tasks.engine_child.serve` loop and backend, and the parent side (requests, death
+- `WarmEngine`: `tasks.engine.process.EngineProcess` whose engine child is forked from the
+  server instead of exec'ing `python -m tasks.engine.child`; the child runs the production
+  `tasks.engine.child.serve` loop and backend, and the parent side (requests, death
   detection, killing the process group) is the production class unchanged.
 """
 
@@ -29,13 +29,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
-from tasks.engine import ROOT, EngineProcess, _LIVE, engine_tmp_base
+from tasks.engine.process import ROOT, EngineProcess, _LIVE, engine_tmp_base
 
 PRELOAD = [
     "torch", "numpy", "pyarrow.parquet", "safetensors.torch", "transformers",
     "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
     "transformers.models.llama.modeling_llama", "speculators.models.eagle3",
-    "tasks.engine", "tasks.engine_child", "tasks.extract", "tasks.store", "tasks.train", "tasks.prepare", "warm",
+    "tasks.engine.process", "tasks.engine.child", "tasks.extract.stage", "tasks.store.artifacts", "tasks.train.stage", "tasks.data.prepare", "warm",
 ]
 _CTX: Any = None
 
@@ -129,7 +129,7 @@ def finish(p, folder: Path, name: str = "draftline", timeout: float = 900) -> tu
 
 
 def _engine_child(sock: socket.socket, env: dict[str, str], log: str) -> None:
-    from tasks import engine_child
+    from tasks.engine import child as engine_child
 
     _enter(env, str(ROOT), log)
     os.setsid()  # its own process group, as EngineProcess gives its engines (start_new_session)

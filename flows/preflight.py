@@ -1,0 +1,65 @@
+"""Preflight: what can be checked in seconds before a run's work starts, so a typo fails now and not after
+hours of earlier stages (each stage checks again). `draftline run` asks `input_problems` before it starts
+the flow (local paths, the target's config, layer ids, the draft vocabulary, drafts from outside the run);
+the flow asks `check_head_layers` once the data stages are done, before extraction.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def input_problems(cfg: Any) -> list[str]:
+    """Every problem found in the config's inputs, each naming the fix; [] when there is none."""
+    from tasks.data.vocab import VocabError, draft_size
+    from tasks.engine.target import TargetError, load_hf_config, resolve_layer_ids, text_config
+    from tasks.formats.drafts import DraftError, draft_folder_of
+
+    problems = []
+    t = cfg.target
+    if t.chat_template and not Path(t.chat_template).expanduser().is_file():
+        problems.append(f"target.chat_template {t.chat_template!r} not found; give a path to a .jinja file")
+    for i, src in enumerate(cfg.data.sources):
+        if src.path and "://" not in src.path and not Path(src.path).expanduser().exists():
+            problems.append(f"data.sources[{i}].path {src.path!r} not found (relative paths start at {Path.cwd()}); "
+                            "fix the path")
+    try:
+        text = text_config(load_hf_config(t))  # a hub id: its config only (the weights come before an engine)
+    except TargetError as exc:
+        problems.append(str(exc))
+    except OSError as exc:  # a hub id that cannot be fetched (offline, typo, gated)
+        problems.append(f"target.model {t.model!r}: cannot read its config ({str(exc).splitlines()[0][:200]}); "
+                        "give a local model folder or a hub id this machine can download")
+    else:
+        if cfg.extract.layer_ids:  # the default for the target is valid by construction
+            try:
+                resolve_layer_ids(cfg, text)
+            except TargetError as exc:
+                problems.append(str(exc))
+        try:
+            draft_size(cfg.vocab.draft_vocab_size, int(text.vocab_size))
+        except VocabError as exc:
+            problems.append(str(exc))
+    for key, spec in [("train.init_from", cfg.train.init_from)] + [
+            (f"benchmark.drafts[{d.name}]", d.model) for d in cfg.benchmark.drafts]:
+        try:
+            if spec:
+                draft_folder_of(spec)
+        except DraftError as exc:
+            problems.append(f"{key}: {exc}")
+    return problems
+
+
+def check_head_layers(cfg: Any) -> None:
+    """A head reading layers the extraction will not hold fails now (a TrainError naming extract.layer_ids),
+    not after hours of extraction."""
+    if not any(h.layer_ids for h in cfg.train.heads):
+        return
+    from tasks.core.config import head_config
+    from tasks.engine.target import load_hf_config, resolve_layer_ids, resolve_model
+    from tasks.train.inputs import head_layer_ids
+
+    stored = resolve_layer_ids(cfg, load_hf_config(cfg.target, resolve_model(cfg.target)))
+    for head in cfg.train.heads:
+        head_layer_ids(head_config(cfg, head), stored)

@@ -1,0 +1,207 @@
+"""From a trained draft to a served one: the exact `vllm serve` line, and the vLLM-ready folder.
+
+    serve = serve_settings(cfg, k=3, method="eagle3")             # target, k and the engine settings
+    serve_command(serve, "/path/to/draft")                         # the one line every report prints
+    export_draft(store, train_digest, "out/", serve)               # draft/ + vocab maps + README.md
+    export_draft(store, train_digest, "s3://bucket/drafts/x", serve)
+
+The line names the target as vLLM loads it (a preset's local folder, a folder's absolute path, or the hub id),
+the draft with `--speculative-config '{"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}'`, and
+the engine settings the benchmark measured it at (dtype, max_model_len, eager mode, seed, ...): the flags of
+`vllm serve` for the `vllm.LLM` keyword arguments tasks/engine/settings.py gives every engine. K is the best k
+the benchmark measured (highest mean speedup over evals and batch sizes, then highest acceptance length), or
+the draft's trained speculative tokens when it was not measured.
+
+`serve_command` is the only place the line is built: the run summary (flows/local_run.py), report.md and the
+terminal table (tasks/benchmark/report.py), the UI's benchmark artifact (flows/report_artifacts.py), the
+export's README.md and `draftline export` all print what it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tasks.core.errors import DraftlineError
+
+# vllm.LLM keyword -> `vllm serve` flag (booleans: the flag alone when true)
+SERVE_FLAGS = {
+    "dtype": "--dtype", "max_model_len": "--max-model-len", "enforce_eager": "--enforce-eager",
+    "tensor_parallel_size": "--tensor-parallel-size", "seed": "--seed", "revision": "--revision",
+    "trust_remote_code": "--trust-remote-code", "attention_backend": "--attention-backend",
+    "chat_template": "--chat-template",
+}
+DRAFT_FILES = ("draft/config.json", "draft/model.safetensors")
+
+
+class ExportError(DraftlineError, ValueError):
+    """An export that cannot be made; the message says what to give instead."""
+
+
+def serve_settings(cfg: Any, *, k: int, method: str = "eagle3", measured: bool = True) -> dict[str, Any]:
+    """What the serve line needs besides the draft's path: the target as vLLM loads it, the method, k, and the
+    engine settings of tasks/engine/settings.py (defaults left out: tensor_parallel_size 1, booleans off)."""
+    from tasks.engine.settings import vllm_kwargs
+    from tasks.engine.target import resolve_model
+
+    model = resolve_model(cfg.target)
+    kw = vllm_kwargs(cfg, model, purpose="benchmark")  # the engine the draft was measured in
+    engine = {key: kw[key] for key in SERVE_FLAGS if key in kw}
+    if cfg.target.chat_template:
+        engine["chat_template"] = str(Path(cfg.target.chat_template).expanduser().resolve())
+    engine = {key: v for key, v in engine.items()
+              if not (v is False or v is None or (key == "tensor_parallel_size" and v == 1))}
+    return {"target": model, "method": method, "k": int(k), "engine": engine, "measured": measured}
+
+
+def serve_command(serve: dict[str, Any], draft: str) -> str:
+    """`vllm serve TARGET --speculative-config '{...}' FLAGS`: one line, shell-quoted, ready to paste."""
+    spec = json.dumps({"method": serve["method"], "model": draft, "num_speculative_tokens": int(serve["k"])})
+    words = ["vllm", "serve", serve["target"], "--speculative-config", spec]
+    for key, value in (serve.get("engine") or {}).items():
+        flag = SERVE_FLAGS.get(key, "--" + key.replace("_", "-"))
+        words += [flag] if value is True else [flag, str(value)]
+    return shlex.join(words)
+
+
+def best_k(report: dict[str, Any]) -> int | None:
+    """The k that served best in this report: highest mean speedup over its evals and batch sizes, then
+    highest mean acceptance length; None when nothing was measured."""
+    scores: dict[int, list[tuple[float, float]]] = {}
+    for ks in (report.get("benchmark") or {}).values():
+        for k, fig in ks.items():
+            for f in (fig.get("by_batch_size") or {"": fig}).values():
+                scores.setdefault(int(k), []).append((float(f.get("speedup") or 0.0),
+                                                      float(f.get("mean_acceptance_length") or 0.0)))
+    if not scores:
+        return None
+
+    def mean(k: int, i: int) -> float:
+        return sum(s[i] for s in scores[k]) / len(scores[k])
+
+    return max(scores, key=lambda k: (round(mean(k, 0), 6), round(mean(k, 1), 6)))
+
+
+def draft_path(store: Any, train_digest: str) -> str | None:
+    """The draft folder of a train artifact as a local path (a file:// store), or None (an s3:// store: export
+    it first)."""
+    if not store.is_local:
+        return None
+    art = store.open("train", train_digest)
+    return os.path.abspath(os.path.dirname(art.key("draft/config.json")))
+
+
+def export_command(train_digest: str, dest: str = "DRAFT_FOLDER") -> str:
+    return shlex.join(["draftline", "export", train_digest, dest])
+
+
+def serve_lines(serve: dict[str, Any]) -> list[str]:
+    """The lines a report prints: the serve line, preceded by the export command when the draft is on S3."""
+    draft = serve.get("draft")
+    if draft:
+        return [serve_command(serve, draft)]
+    folder = f"./draft-{serve['train_digest'][:8]}"
+    return [export_command(serve["train_digest"], folder) + "   # the draft is on S3: bring it here first",
+            serve_command(serve, os.path.abspath(folder))]
+
+
+def run_serve(cfg: Any, store: Any, train_ref: Any, report: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The serve settings of a run's (first) trained draft: measured ones from its benchmark report, else the
+    config's with the draft's trained speculative tokens."""
+    serve = dict((report or {}).get("serve") or {})
+    if not serve:
+        k = int(cfg.train.ttt_steps)
+        serve = serve_settings(cfg, k=k, measured=False)
+    serve["train_digest"] = train_ref.digest
+    serve["draft"] = draft_path(store, train_ref.digest)
+    serve["lines"] = serve_lines(serve)
+    serve["command"] = serve["lines"][-1]
+    return serve
+
+
+# =========================================================================== draftline export
+
+README = """# EAGLE-3 draft {digest}
+
+Trained by draftline for `{target}`: train artifact `{uri}`.
+
+- `draft/`: the draft as vLLM loads it (`config.json`, `model.safetensors` with the vocabulary maps `d2t`/`t2d`)
+- `vocab/d2t.json`, `vocab/t2d.json`: its vocabulary maps (draft index i -> target token i + d2t[i]; the
+  target tokens in the draft vocabulary), {draft_vocab} of {vocab} target tokens
+- `serve.json`: the settings below, as data
+
+Serve it {how}:
+
+```
+{command}
+```
+"""
+
+
+def _vocab_maps(folder: str) -> tuple[list[int], list[int], int]:
+    from safetensors.torch import load_file
+
+    w = load_file(os.path.join(folder, "model.safetensors"))
+    d2t, t2d = w.get("d2t"), w.get("t2d")
+    if d2t is None or t2d is None:  # a draft over the whole target vocabulary
+        n = int(json.loads(Path(folder, "config.json").read_text())["transformer_layer_config"]["vocab_size"])
+        return [0] * n, list(range(n)), n
+    return [int(x) for x in d2t.tolist()], [int(i) for i in t2d.nonzero().flatten().tolist()], int(t2d.shape[0])
+
+
+def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]) -> dict[str, Any]:
+    """Write DEST/draft/{config.json, model.safetensors} (verified against the manifest), DEST/vocab/*.json,
+    DEST/serve.json and DEST/README.md with the serve line for DEST/draft. DEST: a local folder or an fsspec
+    URL (s3://...). Files are written to a temporary folder first, so a failed export leaves no half draft."""
+    import tempfile
+
+    import fsspec
+
+    art = store.open("train", train_digest)
+    missing = [f for f in DRAFT_FILES if f not in art.files()]
+    if missing:
+        raise ExportError(f"{art.uri} has no {', '.join(missing)}: not a finished train artifact (re-run the "
+                          "train stage)")
+    remote = "://" in dest and not dest.startswith("file://")
+    local_dest = dest.removeprefix("file://")
+    draft_at = f"{dest.rstrip('/')}/draft" if remote else os.path.abspath(os.path.join(local_dest, "draft"))
+    serve = {**serve, "draft": draft_at}
+    if remote:  # vLLM loads a local folder: the line names where the export lands once copied here
+        serve["lines"] = [f"# copy {draft_at}/ to a local folder first (aws s3 cp --recursive ...), then:",
+                          serve_command(serve, "./draft")]
+    else:
+        serve["lines"] = [serve_command(serve, draft_at)]
+    serve["command"] = serve["lines"][-1]
+    with tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp:
+        os.makedirs(os.path.join(tmp, "draft"))
+        os.makedirs(os.path.join(tmp, "vocab"))
+        for name in art.files("draft/"):
+            with art.local_copy(name) as src, open(src, "rb") as fh, open(os.path.join(tmp, name), "wb") as out:
+                while chunk := fh.read(8 << 20):
+                    out.write(chunk)
+        d2t, t2d, vocab = _vocab_maps(os.path.join(tmp, "draft"))
+        Path(tmp, "vocab", "d2t.json").write_text(json.dumps(d2t))
+        Path(tmp, "vocab", "t2d.json").write_text(json.dumps(t2d))
+        Path(tmp, "serve.json").write_text(json.dumps({k: v for k, v in serve.items() if k != "lines"}, indent=2))
+        how = ("at the settings its benchmark measured (k = the best speedup measured)" if serve.get("measured")
+               else "(not benchmarked: k = its trained speculative tokens, the run's engine settings)")
+        Path(tmp, "README.md").write_text(README.format(
+            digest=train_digest, target=serve["target"], uri=art.uri, draft_vocab=len(d2t), vocab=vocab,
+            how=how, command="\n".join(serve["lines"])))
+        names = sorted(str(p.relative_to(tmp)) for p in Path(tmp).rglob("*") if p.is_file())
+        if remote:
+            same = dest.split("://")[0] == store.uri.split("://")[0]
+            fs, root = fsspec.core.url_to_fs(dest, **(store.fs.storage_options if same else {}))
+            for n in sorted(names, key=lambda n: n == "README.md"):  # the README last: it marks a whole export
+                fs.put_file(os.path.join(tmp, n), f"{root.rstrip('/')}/{n}")
+        else:
+            for n in sorted(names, key=lambda n: n == "README.md"):
+                target = os.path.join(local_dest, n)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copyfile(os.path.join(tmp, n), target + ".part")
+                os.replace(target + ".part", target)
+    return {"train_digest": train_digest, "dest": dest, "files": names, "serve": serve}

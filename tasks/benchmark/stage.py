@@ -1,0 +1,392 @@
+"""The benchmark stage: the target in vLLM without and with the trained draft.
+
+    ref = run_benchmark(cfg, store, trained, data)     # report.json, report.md, report.png on the store
+    report = load_report(store, ref)                   # the figures, with the run that measured them
+
+One session on one machine measures everything that is compared: a baseline
+engine (no draft) and one engine per `num_speculative_tokens` k, each serving
+every eval and batch size before it is closed (a CPU engine costs 30-40 s to
+start; a 1T target many minutes). Per eval, k and batch size:
+
+- mean acceptance length = 1 + accepted / drafts, from the deltas of vLLM's
+  spec-decode counters around the measured requests (warm-up excluded);
+- per-position acceptance = accepted at position i / drafts (the share of
+  drafts whose first i+1 tokens were all accepted), and the draft acceptance
+  rate = accepted / draft tokens;
+- output tokens/s = output tokens / wall time of the generate calls (at batch
+  size 1 that is one stream's speed; batched, the engine's throughput);
+- TTFT and TPOT per request from vLLM's own histograms (deltas), with a
+  client-side fallback for engines without them;
+- speedup = tokens/s with the draft / baseline tokens/s at the same batch size,
+  in the same session: reported as measured, also when it is below 1;
+- greedy identity with a control: at temperature 0 the outputs must equal the baseline's. The engine
+  is not bit-stable across batch shapes itself (vLLM's CPU bf16 decode of a lone sequence rounds
+  differently from a batched one), so the baseline engine decodes the same prompts once more (a
+  repeat, and another batch shape when only one is measured) and each speculative run is judged
+  against that floor: identical, within the engine's own numeric noise, or beyond it (likely a bug).
+
+Beside the measured acceptance length sits the offline estimate from the train
+artifact's `val_acc_per_pos` (see `simulated_acceptance_length`); a relative gap
+beyond `benchmark.mismatch_threshold` becomes a warning with the usual causes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from tasks.core import digest as digests
+from tasks.formats.acceptance import simulated_acceptance_length
+from tasks.benchmark import STAGE, BenchmarkError
+from tasks.benchmark.identity import control_batch_sizes
+from tasks.benchmark.measure import RunResult, measure, spec_figures
+from tasks.benchmark.prompts import EvalPrompts, load_eval_prompts
+from tasks.benchmark.replay import offline_replay
+from tasks.benchmark.report import plot_report, report_markdown
+from tasks.benchmark.results import (
+    assemble_report,
+    greedy_identity,
+    head_entry,
+    head_table,
+    load_report,
+    report_stats,
+)
+from tasks.benchmark.results import find_report  # noqa: F401  (the stage's readers, re-exported)
+from tasks.core.config import RunConfig
+from tasks.engine.settings import engine_env, vllm_kwargs
+from tasks.core.faults import kill_point
+from tasks.store.artifacts import Artifact, ArtifactRef, Store
+
+DRAFT_FILES = ("draft/config.json", "draft/model.safetensors")
+# speculators_model_type of a draft -> the `method` of vLLM's speculative_config that decodes it
+VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}
+
+
+# =========================================================================== engines and the draft
+
+def engine_kwargs(cfg: RunConfig, speculative: dict | None, model_path: str | None = None) -> dict[str, Any]:
+    """The decoding engines' settings: the target's (tasks/engine/settings.py), plus the draft."""
+    from tasks.engine.target import resolve_model
+
+    extra: dict[str, Any] = {"disable_log_stats": False}  # the spec-decode counters and latency histograms
+    if speculative is not None:
+        extra["speculative_config"] = speculative
+    return vllm_kwargs(cfg, model_path or resolve_model(cfg.target), purpose="benchmark", **extra)
+
+
+EngineFactory = Callable[[str, dict], Any]  # (name, llm_kwargs) -> an unstarted EngineProcess
+
+
+def default_engine_factory(cfg: RunConfig, model: str) -> EngineFactory:
+    from tasks.engine.process import EngineProcess
+
+    def make(name: str, llm_kwargs: dict) -> Any:
+        return EngineProcess(kind="vllm", model=model, llm_kwargs=llm_kwargs, env=engine_env(cfg), name=name)
+
+    return make
+
+
+@contextlib.contextmanager
+def draft_folder(art: Artifact) -> Iterator[str]:
+    """A local folder holding the train artifact's draft/ (verified; a temp copy when the store is remote)."""
+    missing = [f for f in DRAFT_FILES if f not in art.files()]
+    if missing:
+        raise BenchmarkError(f"{art.uri} has no {', '.join(missing)}: not a finished train artifact "
+                             "(re-run the train stage)")
+    with art.local_folder("draft/") as folder:
+        yield folder
+
+
+def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
+    """The draft's identity, and a clear error when it cannot serve this target."""
+    from tasks.engine.target import text_config
+
+    conf = json.loads(Path(draft_dir, "config.json").read_text())
+    algo = conf.get("speculators_model_type")
+    if algo not in VLLM_METHODS:
+        raise BenchmarkError(f"{draft_dir}/config.json is not an EAGLE-3 or DFlash draft "
+                             f"(speculators_model_type={algo!r})")
+    text = text_config(target_hf_config)
+    layer = conf.get("transformer_layer_config") or {}
+    if layer.get("hidden_size") not in (None, text.hidden_size):
+        raise BenchmarkError(f"the draft was trained for hidden size {layer.get('hidden_size')}, the target has "
+                             f"{text.hidden_size}: it belongs to another target (check target.model)")
+    if layer.get("vocab_size") not in (None, text.vocab_size):
+        raise BenchmarkError(f"the draft maps a {layer.get('vocab_size')}-token vocabulary, the target has "
+                             f"{text.vocab_size}: it belongs to another target (check target.model)")
+    proposals = (conf.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return {
+        "kind": "dflash" if algo == "dflash" else "eagle3.1" if conf.get("fc_norm") else "eagle3",
+        "vllm_method": VLLM_METHODS[algo],
+        "draft_vocab_size": conf.get("draft_vocab_size"),
+        "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids") or conf.get("aux_hidden_state_layer_ids"),
+        "block_size": conf.get("block_size"),
+        "mask_token_id": conf.get("mask_token_id"),
+        "num_layers": layer.get("num_hidden_layers"),
+        "trained_speculative_tokens": proposals[0].get("speculative_tokens"),
+        "norm_before_residual": conf.get("norm_before_residual"),
+        # EAGLE-3.1's options: one norm over the concatenated layers, or one per layer, before the fc;
+        # the normed output fed back across steps. vLLM reads them from this config.json.
+        "norm_before_fc": conf.get("norm_before_fc"),
+        "fc_norm": conf.get("fc_norm"),
+        "norm_output": conf.get("norm_output"),
+    }
+
+
+# =========================================================================== the stage
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 0
+    gpus: list[str] = []
+    with contextlib.suppress(Exception):
+        import torch
+
+        if torch.cuda.is_available():
+            gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    load = None
+    with contextlib.suppress(OSError, AttributeError):
+        load = round(os.getloadavg()[0], 2)
+    desc = f"{platform.node()}: {cores} x {cpu}" + (f", {len(gpus)} x {gpus[0]}" if gpus else ", no GPU")
+    versions = {}
+    for mod in ("vllm", "torch", "speculators"):
+        with contextlib.suppress(Exception):
+            versions[mod] = __import__(mod).__version__
+    return {"machine": desc, "hostname": platform.node(), "cpu": cpu, "cpus": cores, "gpus": gpus,
+            "load_avg_1m": load, "versions": versions}
+
+
+def _log(log: Callable[[str], None] | None, msg: str) -> None:
+    if log is not None:
+        log(msg)
+
+
+def engine_error_text(exc: BaseException) -> str:
+    """An engine failure as the report shows it: the message, and the root cause from the engine's log
+    (the last exception line of vLLM's traceback), verbatim."""
+    text = str(exc)
+    head = text.split("\n--- engine log", 1)[0].strip()
+    tail = getattr(exc, "log_tail", "") or ""
+    causes = [ln.strip() for ln in tail.splitlines()
+              if re.match(r"^(\(\w+ pid=\d+\) )?[\w.]*(Error|Exception)\b", ln.strip())]
+    cause = causes[-1] if causes else ""
+    return f"{type(exc).__name__}: {head}" + (f" | root cause: {cause}" if cause and cause not in head else "")
+
+
+def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tuple[str, ArtifactRef]],
+                  data: ArtifactRef, *, engine_factory: EngineFactory | None = None, flow_run_id: str | None = None,
+                  log: Callable[[str], None] | None = None) -> ArtifactRef:
+    """Measure the draft(s) against the baseline in vLLM and commit report.json/.md/.png.
+
+    `trained`: the train artifact of the one head, or (label, artifact) per head of train.heads. The first
+    head is the report's main draft (`benchmark`, the replay, the warnings); every head gets its rows in
+    `heads` and the heads table, measured in the same session against the same baseline. A head whose
+    engine vLLM cannot start or run keeps its offline figures, marked offline-only, with the exact error.
+
+    Returns at once when the benchmark for these inputs is already committed. `flow_run_id`
+    (default: env PREFECT__FLOW_RUN_ID / DRAFTLINE_FLOW_RUN_ID) is recorded as the run that measured.
+    """
+    digest = digests.benchmark(cfg, trained, data)
+    heads = list(trained) if isinstance(trained, (list, tuple)) else [(cfg.train.heads[0].label, trained)]
+    return store.found_or_compute(STAGE, digest, lambda: _benchmark(cfg, store, heads, data, digest, engine_factory,
+                                                                    flow_run_id, log))
+
+
+def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]], data: ArtifactRef, digest: str,
+               engine_factory: EngineFactory | None, flow_run_id: str | None,
+               log: Callable[[str], None] | None) -> ArtifactRef:
+    from tasks.engine.target import load_hf_config, resolve_model
+
+    label, trained = heads[0]
+
+    b = cfg.benchmark
+    if not b.evals:
+        raise BenchmarkError("benchmark.evals is empty: add e.g. {name: mtbench, source: {preset: mtbench}}")
+    names = [e.name for e in b.evals]
+    if len(set(names)) != len(names):
+        raise BenchmarkError(f"benchmark.evals names must be unique, got {names}")
+    started = time.time()
+    measured_by = {"flow_run_id": flow_run_id or os.environ.get("PREFECT__FLOW_RUN_ID")
+                   or os.environ.get("DRAFTLINE_FLOW_RUN_ID"),
+                   "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **_machine()}
+    model = resolve_model(cfg.target)
+    hf_config = load_hf_config(cfg.target, model)
+    train_art = store.open("train", trained.digest)
+
+    from tasks.data.chat import make_masker
+
+    # Render prompts exactly as the training answers were asked for (regenerate passes enable_thinking).
+    masker = make_masker(cfg, template_kwargs={"enable_thinking": bool(cfg.regenerate.thinking)}
+                         if cfg.regenerate.enabled else None)
+    evals = [load_eval_prompts(cfg, store, data, ev, masker.prompt_ids) for ev in b.evals]
+    for ev in evals:
+        _log(log, f"benchmark: eval {ev.name}: {len(ev.prompts)} prompts from {ev.source}")
+    sampling = {"max_tokens": b.max_tokens, "temperature": b.temperature, "seed": cfg.data.seed}
+    factory = engine_factory or default_engine_factory(cfg, model)
+    warmup = evals[0].prompts[0]
+    timing: dict[str, Any] = {"engine_start_s": {}, "measure_s": {}}
+    controls: dict[str, dict[str, RunResult]] = {}
+
+    def serve(name: str, kwargs: dict, control: bool = False) -> dict[str, dict[int, RunResult]]:
+        engine = factory(name, kwargs)
+        t0 = time.time()
+        try:
+            engine.start()
+            timing["engine_start_s"][name] = round(time.time() - t0, 1)
+            engine.generate([warmup], {"max_tokens": 8, "temperature": 0.0})  # first-call costs stay out
+            t1 = time.time()
+            res: dict[str, dict[int, RunResult]] = {}
+            for ev in evals:
+                res[ev.name] = {bs: measure(engine, ev.prompts, sampling, bs) for bs in b.batch_sizes}
+            timing["measure_s"][name] = round(time.time() - t1, 1)
+            if control:  # the same prompts again, on the same engine: the baseline's own divergence
+                t1 = time.time()
+                for ev in evals:
+                    controls[ev.name] = {f"batch {bs} (repeat)" if bs in b.batch_sizes else f"batch {bs}":
+                                         measure(engine, ev.prompts, sampling, bs)
+                                         for bs in control_batch_sizes(b.batch_sizes, len(ev.prompts))}
+                timing["control_s"] = round(time.time() - t1, 1)
+            return res
+        finally:
+            engine.close()
+
+    with draft_folder(train_art) as draft_dir:
+        draft_info = check_draft(draft_dir, hf_config)
+        from tasks.engine.target import resolve_layer_ids, text_config
+
+        draft_info["target_num_layers"] = int(text_config(hf_config).num_hidden_layers)
+        draft_info["extract_layer_ids"] = resolve_layer_ids(cfg, hf_config)
+        _log(log, "benchmark: baseline engine (no draft)")
+        baseline = serve("baseline", engine_kwargs(cfg, None, model), control=b.temperature == 0)
+        kill_point("benchmark.baseline-measured")
+        spec: dict[int, dict[str, dict[int, RunResult]]] = {}
+        method = draft_info["vllm_method"]
+        for k in b.num_speculative_tokens:
+            _log(log, f"benchmark: {label} engine ({method}), k={k}")
+            spec[k] = serve(f"{label}-k{k}", engine_kwargs(
+                cfg, {"method": method, "model": draft_dir, "num_speculative_tokens": k}, model))
+        replayed: dict[str, Any] | None = None
+        if b.offline_replay and b.temperature == 0 and method == "eagle3":
+            smallest = min(b.batch_sizes)
+            t1 = time.time()
+            try:
+                replayed = offline_replay(cfg, model, draft_dir, draft_info, evals,
+                                          {ev.name: baseline[ev.name][smallest].outputs for ev in evals}, log)
+                replayed["batch_size"] = smallest
+            except Exception as exc:  # a diagnosis must not cost the measured figures
+                replayed = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            timing["replay_s"] = round(time.time() - t1, 1)
+    others: list[dict[str, Any]] = []
+    # the further heads of train.heads, then benchmark.drafts (published or exported drafts), same baseline
+    sources: list[tuple[str, ArtifactRef, Any, str]] = [
+        (other_label, ref, store.open("train", ref.digest), "trained") for other_label, ref in heads[1:]]
+    for d in b.drafts:
+        from tasks.formats.drafts import content_digest, draft_folder_of
+
+        sources.append((d.name, ArtifactRef(stage="draft", digest=content_digest(d.model), uri=d.model), d.model,
+                        "benchmark.drafts"))
+    for other_label, ref, art, origin in sources:
+        entry: dict[str, Any] = {"label": other_label, "ref": ref, "spec": {}, "errors": {}, "draft": {},
+                                 "train_stats": art.stats if origin == "trained" else {}, "origin": origin}
+        others.append(entry)
+        folder = draft_folder(art) if origin == "trained" else contextlib.nullcontext(draft_folder_of(art))
+        with folder as other_dir:
+            entry["draft"] = info = check_draft(other_dir, hf_config)
+            for k in b.num_speculative_tokens:
+                _log(log, f"benchmark: {other_label} engine ({info['vllm_method']}), k={k}")
+                try:
+                    entry["spec"][k] = serve(f"{other_label}-k{k}", engine_kwargs(
+                        cfg, {"method": info["vllm_method"], "model": other_dir, "num_speculative_tokens": k}, model))
+                except Exception as exc:  # noqa: BLE001 - vLLM cannot decode this head: keep the error, go on
+                    entry["errors"][k] = engine_error_text(exc)
+                    _log(log, f"benchmark: {other_label} k={k} could not be measured in vLLM: {entry['errors'][k]}")
+    timing["total_s"] = round(time.time() - started, 1)
+    with contextlib.suppress(OSError, AttributeError):
+        timing["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+
+    report = assemble_report(cfg, evals, baseline, spec, train_art.stats, draft_info, measured_by, timing,
+                             replayed, controls)
+    report["heads"] = {label: head_entry(report, label, trained, train_art.stats, draft_info)}
+    for entry in others:
+        report["heads"][entry["label"]] = other_head(cfg, evals, baseline, controls, entry)
+    report["head_table"] = head_table(report)
+    for other, h in list(report["heads"].items())[1:]:
+        for k, e in h["errors"].items():
+            report["warnings"].append(f"{other} ({h['kind']}) k={k}: not measured in vLLM, its figures are offline-only: "
+                                      f"{e}")
+    from tasks.benchmark.export import best_k, run_serve, serve_settings
+
+    report["serve"] = run_serve(cfg, store, trained, {"serve": serve_settings(
+        cfg, k=best_k(report) or b.num_speculative_tokens[0], method=method)})
+    report.update({"digest": digest, "uri": store.uri_of(STAGE, digest),
+                   "target": {"model": cfg.target.model, "path": model},
+                   "draft": {"train_digest": trained.digest, "uri": trained.uri, **draft_info},
+                   "data": {"stage": data.stage, "digest": data.digest, "uri": data.uri}})
+    png = plot_report(report)
+    md = report_markdown(report)
+    inputs = {"train": trained.digest, "data": data.digest}
+    with store.write(STAGE, digest, digests.VERSIONS[STAGE], inputs,
+                     config=json.loads(cfg.benchmark.model_dump_json())) as w:
+        w.write_bytes("report.json", json.dumps(report, indent=2, sort_keys=False).encode())
+        w.write_bytes("report.md", md.encode())
+        w.write_bytes("report.png", png)
+        art = w.commit(stats=report_stats(report), run={"flow_run_id": measured_by["flow_run_id"]})
+    _log(log, f"benchmark: committed {art.uri} in {timing['total_s']}s")
+    return art.ref()
+
+
+# =========================================================================== several heads
+
+
+def other_head(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str, dict[int, RunResult]],
+               controls: dict[str, dict[str, RunResult]], entry: dict[str, Any]) -> dict[str, Any]:
+    """report['heads'][label] of a further head: the same figures against the same baseline for each k vLLM
+    ran; for a k it could not run, the error and the offline estimate only."""
+    b = cfg.benchmark
+    largest = max(b.batch_sizes)
+    st, info = entry["train_stats"], entry["draft"]
+    acc = st.get("val_acc_per_pos") or None
+    sim_by_k = {str(k): simulated_acceptance_length(acc, k) for k in b.num_speculative_tokens} if acc else {}
+    errors = {str(k): e for k, e in entry["errors"].items()}
+    bench: dict[str, Any] = {ev.name: {} for ev in evals}
+    for k, runs in entry["spec"].items():
+        try:
+            for ev in evals:
+                figs = {str(bs): spec_figures(runs[ev.name][bs], baseline[ev.name][bs], k, b.temperature,
+                                              sim_by_k.get(str(k))) for bs in b.batch_sizes}
+                bench[ev.name][str(k)] = {**figs[str(largest)], "by_batch_size": figs}
+        except BenchmarkError as exc:  # vLLM ran it but drafted nothing: as good as not decoding it
+            errors[str(k)] = f"BenchmarkError: {exc}"
+            for ev in evals:
+                bench[ev.name].pop(str(k), None)
+    measured = {k: runs for k, runs in entry["spec"].items() if str(k) not in errors}
+    if b.temperature == 0 and measured:
+        gi = greedy_identity(cfg, evals, baseline, measured, controls)
+        for ev, ks in gi["verdicts"].items():
+            for k, by_bs in ks.items():
+                fig = bench[ev][k]
+                for bs, j in by_bs.items():
+                    fig["by_batch_size"][bs]["greedy_identity"] = j["verdict"]
+                fig["greedy_identity"] = fig["by_batch_size"][str(largest)]["greedy_identity"]
+    ref = entry["ref"]
+    return {"kind": info.get("kind"), "vllm_method": info.get("vllm_method"), "train_digest": ref.digest,
+            "origin": entry.get("origin", "trained"),
+            "uri": ref.uri, "measured": "vllm" if measured and not errors else "partly" if measured else "offline only",
+            "layer_ids": info.get("layer_ids"), "block_size": info.get("block_size"), "steps": st.get("steps"),
+            "val_acc_per_pos": acc, "simulated_acceptance_length": st.get("simulated_acceptance_length"),
+            "simulated_by_k": sim_by_k, "errors": errors, "benchmark": bench}

@@ -1,0 +1,682 @@
+"""The run's typed configuration: one pydantic model per stage, loaded from YAML.
+
+Every section is strict (unknown keys are errors) so a typo never silently
+falls back to a default. `load_config` applies `--set a.b=c` overrides before
+validation, and `ConfigError` carries one line per problem naming the field
+and what to do about it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import typing
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tasks.core.errors import DraftlineError
+
+STAGES = ("prepare", "regenerate", "vocab", "extract", "train", "benchmark")
+
+
+def check_layer_ids(v: list[int] | None, too_few: str, at_least: int) -> list[int] | None:
+    """The one layer-id rule (extract.layer_ids, a head's layer_ids): distinct, ascending, from 1 (vLLM's
+    numbering: id k is the output of decoder layer k-1), at least `at_least` of them."""
+    if v is None:
+        return v
+    if len(v) < at_least:
+        raise ValueError(too_few)
+    if sorted(set(v)) != v:
+        raise ValueError(f"layer ids must be distinct and ascending, got {v}")
+    if v[0] < 1:
+        raise ValueError(f"layer ids start at 1 (id k = output of decoder layer k-1), got {v}")
+    return v
+
+
+def with_scheme(uri: str) -> str:
+    """A store uri with its scheme: a bare folder is `file://FOLDER` (the config's and the Store's one rule)."""
+    return uri if "://" in uri else "file://" + uri
+
+
+class ConfigError(DraftlineError, ValueError):
+    """A config that cannot be used; the message names each field and the fix."""
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """` (did you mean X?)` for the closest of CHOICES (a typo's distance), or nothing."""
+    near = closest(word, choices)
+    return f" (did you mean {near}?)" if near else ""
+
+
+def check_stage(stage: str | None, option: str) -> str | None:
+    """A stage named on the command line (`--until`, `ls --stage`): one of STAGES, or None for all."""
+    if stage is not None and stage not in STAGES:
+        raise ConfigError(f"{option} {stage!r}: use one of {', '.join(STAGES)}{did_you_mean(stage, STAGES)}")
+    return stage
+
+
+def check_until(until: str | None) -> str | None:
+    """`--until STAGE` (run, submit, the flow's parameter): a stage name, or None for the whole pipeline."""
+    return check_stage(until, "--until")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    """The verifier model the draft is trained for."""
+
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="Hub id, local folder, or the offline preset 'smollm2-135m-instruct'.",
+    )
+    revision: str | None = Field(None, description="Hub revision (commit, tag or branch).")
+    trust_remote_code: bool = Field(
+        False, description="Run the model repository's own Python code. Only when you trust it."
+    )
+    chat_template: str | None = Field(
+        None, description="Path to a Jinja chat template that replaces the tokenizer's own."
+    )
+    max_model_len: int = Field(2048, ge=64, description="Longest sequence (tokens) any stage feeds the target.")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+PROMPT_ONLY_PRESETS = ("mtbench", "instruct")  # user turns only: someone (regenerate, benchmark) answers them
+
+
+class SourceConfig(Section):
+    """One data source. Exactly one of `preset`, `path`, `hub` names it."""
+
+    name: str | None = Field(None, description="Label stored in the `source` column; defaults to the source id.")
+    preset: Literal["chitchat", "mtbench", "instruct"] | None = None
+    path: str | None = Field(None, description="Local (or fsspec) JSONL, JSON or Parquet file.")
+    hub: str | None = Field(None, description="Hugging Face dataset id.")
+    split: str = "train"
+    subset: str | None = None
+    revision: str | None = None
+    format: Literal["auto", "sharegpt", "messages", "perfectblend", "prompt_response"] = "auto"
+    weight: float = Field(1.0, gt=0, description="Relative share of this source in the mix.")
+    max_samples: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> "SourceConfig":
+        given = [k for k in ("preset", "path", "hub") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(
+                f"a source needs exactly one of preset/path/hub, got {given or 'none'}; "
+                "e.g. `{preset: chitchat}` or `{path: data.jsonl}` or `{hub: org/dataset}`"
+            )
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.preset or self.hub or Path(self.path or "").stem
+
+    @property
+    def prompt_only(self) -> bool:
+        """Prompts without answers (an offline preset of questions): usable for training only when the
+        regenerate stage has the target answer them."""
+        return self.preset in PROMPT_ONLY_PRESETS
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(preset="chitchat")])
+    max_samples: int | None = Field(None, ge=1, description="Cap on training samples after mixing.")
+    max_length: int = Field(1024, ge=16, description="Longest sample in tokens.")
+    overflow: Literal["truncate", "drop"] = "truncate"
+    num_shards: int = Field(4, ge=1)
+    heldout: int = Field(32, ge=0, description="Samples kept out of training for in-distribution evaluation.")
+    dedupe: bool = True
+    seed: int = 0
+    keep_thinking: bool = True
+    system_prompt: str | None = None
+
+
+class RegenerateConfig(Section):
+    enabled: bool = True
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    thinking: bool = Field(True, description="Keep the target's reasoning in regenerated answers.")
+    batch_size: int = Field(64, ge=1, description="Prompts per engine call (checkpointed per shard).")
+    max_turns: int = Field(
+        1, ge=1,
+        description="User turns answered per conversation, in order (later turns of the source are dropped: "
+                    "they reply to the original answer, not to the target's).",
+    )
+
+
+class VocabConfig(Section):
+    draft_vocab_size: int = Field(32000, ge=16)
+
+
+class ExtractConfig(Section):
+    backend: Literal["vllm", "transformers"] = "vllm"
+    layer_ids: list[int] | None = Field(
+        None, description="Auxiliary layer ids (vLLM numbering); default = EAGLE-3 convention."
+    )
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpus: int | None = Field(None, ge=0, description="GPUs to use; default all visible (0 = CPU).")
+    cpu_groups: int = Field(
+        1, ge=1,
+        description="On a CPU (no GPU in use): engines side by side, each pinned to its own share of the cores, "
+                    "through the same pool that runs one engine per GPU group on a GPU node (regeneration and "
+                    "extraction alike).",
+    )
+    nodes: int = Field(
+        1, ge=1,
+        description="Nodes of a work pool the run's regeneration shards, then its extraction shards, spread over "
+                    "(docs/DEPLOY.md): the run's own node runs one slice, child flow runs of extract.deployment the "
+                    "others, all on the shared store.",
+    )
+    deployment: str | None = Field(
+        None,
+        description="With extract.nodes > 1: the deployment the child flow runs (regeneration and extraction "
+                    "slices) go to (draftline-extract/NAME, or "
+                    "NAME). Default: draftline-extract/ plus the name of the run's own deployment.",
+    )
+    storage_dtype: Literal["bf16", "fp8"] = "bf16"
+    batch_tokens: int = Field(16384, ge=64, description="Tokens per engine call.")
+    part_tokens: int = Field(
+        262144, ge=64,
+        description="Tokens per safetensors part (whole samples). batch_tokens > part_tokens: at most part_tokens "
+                    "(a single longer sample alone); else a part closes after the engine batch that brings it to "
+                    "part_tokens: at most part_tokens - 1 + batch_tokens (tasks.extract.stage.part_rule).")
+    kv_cache_gib: float = Field(
+        2.0, gt=0,
+        description="KV cache of every vLLM engine on a CPU (VLLM_CPU_KVCACHE_SPACE, whole GiB rounded up). vLLM on a "
+                    "GPU ignores it: there the KV cache is what gpu_memory_utilization leaves (or kv_cache_memory_bytes); "
+                    "set those in engines.engine_args.")
+    enforce_eager: bool = Field(
+        True, description="Extraction engines without CUDA graphs / torch.compile (starts faster; on a CPU compiling "
+                          "gains nothing). The decoding engines have their own: engines.regenerate/benchmark.")
+    write_overlap: bool = Field(
+        True,
+        description="Write parts (serialize, sha256, upload) on a background thread while the engine computes "
+                    "the next batches; false writes each part inline (serial; for comparison and debugging).",
+    )
+    write_queue: int = Field(
+        2, ge=1, le=8,
+        description="Finished parts waiting for or in the background writers, at most; hidden states in RAM are "
+                    "bounded by write_queue + 1 parts (plus the engine call in flight).",
+    )
+    write_workers: int = Field(
+        2, ge=1, le=8,
+        description="Background threads writing parts at once (each serializes, hashes and uploads one part; "
+                    "one stream does ~1 GB/s, less than a GPU extracts). At most write_queue are used.",
+    )
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _ascending(cls, v: list[int] | None) -> list[int] | None:
+        return check_layer_ids(v, "give at least one auxiliary id plus the last layer, e.g. [2, 15, 27, 30]", 2)
+
+
+DFLASH_ONLY = ("block_size", "max_anchors", "mask_token_id")
+DFLASH_BLOCK_SIZE = 8  # speculators' DFlashSpeculatorConfig default
+DFLASH_MAX_ANCHORS = 512  # speculators' training default
+
+
+class HeadConfig(Section):
+    """One draft head trained from the stored hidden states (train.heads). Keys left unset take the train
+    section's values; a head set to anything but the defaults gets its own train address."""
+
+    kind: Literal["eagle3", "eagle3.1", "dflash"] = Field(
+        "eagle3", description="eagle3: speculators' EAGLE-3 recipe (norm_before_fc: one RMSNorm over the "
+        "concatenated target layers, norm_output). eagle3.1: EAGLE-3.1's per-layer fc_norm with norm_output. "
+        "dflash: speculators' DFlash (a block of mask tokens drafted in one forward pass; vLLM method dflash).")
+    name: str | None = Field(None, description="Label in task names and the benchmark table; default the kind. "
+                                                "Not part of the address.")
+    layer_ids: list[int] | None = Field(
+        None, description="Auxiliary target layers this head reads (vLLM numbering), a subset of those the extract "
+        "stage stores; default all of them. A head that needs others: add them to extract.layer_ids.")
+    num_layers: int | None = Field(None, ge=1, description="Draft decoder layers; default train.num_layers.")
+    max_steps: int | None = Field(None, ge=1, description="Training steps; default train.max_steps.")
+    block_size: int | None = Field(
+        None, ge=2, description="dflash: tokens per drafted block, the anchor plus block_size - 1 drafted tokens "
+        "(vLLM's num_speculative_tokens at most block_size - 1). Default 8, speculators' default.")
+    max_anchors: int | None = Field(
+        None, ge=1, description="dflash: blocks trained per packed batch (sampled anchor positions). Default 512.")
+    mask_token_id: int | None = Field(
+        None, ge=0, description="dflash: the token fed at masked positions. Default: resolved from the target's "
+        "tokenizer as speculators does (its mask token, else a new <|MASK|> in a free embedding row, else pad/eos).")
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _aux_ids(cls, v: list[int] | None) -> list[int] | None:
+        return check_layer_ids(v, "give at least one auxiliary id, e.g. [2, 15]", 1)
+
+    @model_validator(mode="after")
+    def _kind_keys(self) -> "HeadConfig":
+        stray = [k for k in DFLASH_ONLY if getattr(self, k) is not None and self.kind != "dflash"]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} apply to dflash heads only; this head is {self.kind}")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.kind
+
+    def recipe(self) -> dict[str, Any]:
+        """What this head adds to the train address beyond the train section: nothing for the default
+        EAGLE-3 head (so drafts stored before heads existed keep their addresses)."""
+        out = self.model_dump(mode="json", exclude_defaults=True, exclude={"name", "num_layers", "max_steps"})
+        if self.kind == "dflash":  # unset and written-out defaults: one address
+            out.update({k: v for k, v in self.dflash_settings().items() if k != "mask_token_id"})
+        return out
+
+    def dflash_settings(self) -> dict[str, Any]:
+        """block_size, max_anchors, mask_token_id (None: resolve from the tokenizer) with defaults applied."""
+        return {"block_size": self.block_size or DFLASH_BLOCK_SIZE, "max_anchors": self.max_anchors or
+                DFLASH_MAX_ANCHORS, "mask_token_id": self.mask_token_id}
+
+
+class TrainConfig(Section):
+    heads: list[HeadConfig] = Field(
+        default_factory=lambda: [HeadConfig()],
+        description="Draft heads trained from the same stored hidden states, one cached train task each, all "
+        "measured in one benchmark table. Default: one EAGLE-3 head.")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_steps: int = Field(200, ge=1)
+    max_minutes: float | None = Field(None, gt=0, description="Stop at this wall-clock budget (still exports).")
+    batch_tokens: int = Field(4096, ge=16, description="Packed tokens per step per device.")
+    lr: float = Field(3e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    ttt_steps: int = Field(3, ge=1)
+    ttt_step_loss_decay: float = Field(1.0, gt=0)
+    num_layers: int = Field(1, ge=1)
+    attn_impl: Literal["auto", "sdpa", "flex_attention", "eager"] = Field(
+        "auto", description="Draft attention kernel (the same attention either way, so not part of the artifact's "
+        "address). auto: flex_attention on a GPU where it compiles (else sdpa, with the reason in the log), sdpa on "
+        "a CPU (flex_attention has no backward pass there).")
+    gpus: int | None = Field(
+        None, ge=1, description="Training ranks started on this node by torch's elastic launcher (torchrun), one "
+        "per GPU: default every visible GPU, 1 on a CPU. On a CPU, N > 1 starts N gloo ranks. batch_tokens is per "
+        "rank. Not part of the artifact's address: a retry may resume on another count.")
+    nodes: int = Field(
+        1, ge=1, description="Nodes of the work pool training runs on (docs/DEPLOY.md): torch's elastic launcher on "
+        "the run's own node and on N-1 child flow runs of extract.deployment, one c10d rendezvous hosted by the "
+        "run's node, train.gpus ranks on each. A retry runs on the nodes there are. Not part of the artifact's "
+        "address.")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Matmul precision of the training step: bf16 autocast (weights and optimizer stay "
+        "float32) or float32. auto: bf16 on GPUs and on CPUs with native bf16 (AMX, AVX512-BF16), else fp32.")
+    checkpoint_every: int = Field(100, ge=1)
+    eval_batches: int = Field(4, ge=0)
+    seed: int = 0
+    prefetch: int = Field(2, ge=0, description="Parts fetched ahead of the training loop.")
+    cache_gib: float | None = Field(
+        None, ge=0, description="Cap of the node-local part cache (GiB) that an s3:// store's parts are read "
+        "through, so each byte crosses the network once per node (folder: DRAFTLINE_CACHE_DIR, default "
+        "parts/ under DRAFTLINE_HOME or ~/.cache/draftline). Default: DRAFTLINE_CACHE_GIB, else 90% of that "
+        "disk's free space. 0: no cache. Not part of the artifact's address.")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on the store; older ones are deleted.")
+    loss_impl: Literal["eager", "fused"] = Field(
+        "eager", description="speculators' loss kernels: eager (any device) or fused (Triton, GPU only)."
+    )
+    init_from: str | None = Field(
+        None, description="A published EAGLE-3 draft (a local folder as `draftline export` writes it, or a hub "
+        "id) whose weights start training instead of a fresh draft: its hidden size, target vocabulary, depth "
+        "and auxiliary layer ids must match this run's (refused with the reason otherwise); another draft "
+        "vocabulary is remapped (lm_head rows of tokens in both are copied). Its content digest, not its path, "
+        "enters the train address.")
+
+    @field_validator("heads")
+    @classmethod
+    def _distinct_heads(cls, v: list[HeadConfig]) -> list[HeadConfig]:
+        if not v:
+            raise ValueError("train.heads needs at least one head, e.g. [{kind: eagle3}]")
+        labels = [h.label for h in v]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise ValueError(f"head labels must be unique, {twice} appear more than once; give them a name")
+        return v
+
+    def for_head(self, head: HeadConfig) -> "TrainConfig":
+        """This section as one head trains it: the head's overrides applied, `heads` = [head]."""
+        update: dict[str, Any] = {"heads": [head]}
+        if head.num_layers is not None:
+            update["num_layers"] = head.num_layers
+        if head.max_steps is not None:
+            update["max_steps"] = head.max_steps
+        return self.model_copy(update=update)
+
+    @property
+    def head(self) -> HeadConfig:
+        """The one head of a per-head section (`for_head`); a section with several has none."""
+        if len(self.heads) != 1:
+            raise ValueError(f"train has {len(self.heads)} heads; train each through train.for_head(head)")
+        return self.heads[0]
+
+
+class EvalConfig(Section):
+    name: str
+    source: SourceConfig | Literal["heldout"] = "heldout"
+    num_prompts: int = Field(16, ge=1)
+
+
+class DraftConfig(Section):
+    """A draft measured beside the trained heads (benchmark.drafts): a published one, or one exported earlier."""
+
+    name: str = Field(..., description="Its label in every report table.")
+    model: str = Field(..., description="A local draft folder (config.json + model.safetensors) or a hub id.")
+
+
+class BenchmarkConfig(Section):
+    enabled: bool = True
+    evals: list[EvalConfig] = Field(
+        default_factory=lambda: [
+            EvalConfig(name="mtbench", source=SourceConfig(preset="mtbench")),
+            EvalConfig(name="heldout", source="heldout"),
+        ]
+    )
+    num_speculative_tokens: list[int] = Field(default_factory=lambda: [1, 3, 5])
+    temperature: float = Field(0.0, ge=0)
+    max_tokens: int = Field(128, ge=1)
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 16])
+    mismatch_threshold: float = Field(0.15, ge=0)
+    offline_replay: bool = Field(
+        True,
+        description="At temperature 0, also replay the draft offline (transformers) on the baseline's own "
+        "outputs: splits a measured/simulated acceptance gap into distribution shift, draft-start sampling "
+        "and engine effects.",
+    )
+    drafts: list[DraftConfig] = Field(
+        default_factory=list,
+        description="Other drafts (published, or exported by an earlier run) measured in the same session against "
+        "the same baseline as the trained heads, a row each in every report table. Their content digests enter "
+        "the benchmark address.")
+    replay_backend: Literal["auto", "vllm", "transformers"] = Field(
+        "auto",
+        description="Engine that computes the replay's hidden states. auto: transformers on a machine without "
+        "GPUs (cheaper to start than another vLLM engine), else the extract stage's backend.",
+    )
+
+    @field_validator("drafts")
+    @classmethod
+    def _distinct_drafts(cls, v: list[DraftConfig]) -> list[DraftConfig]:
+        names = [d.name for d in v]
+        twice = sorted({x for x in names if names.count(x) > 1})
+        if twice:
+            raise ValueError(f"benchmark.drafts names must be unique, {twice} appear more than once")
+        return v
+
+    @field_validator("num_speculative_tokens", "batch_sizes")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 1:
+            raise ValueError(f"need a non-empty list of positive integers, got {v}")
+        return sorted(set(v))
+
+
+def head_config(cfg: "RunConfig", head: HeadConfig) -> "RunConfig":
+    """The run's config as one head's train task (and its ranks) sees it."""
+    return cfg.model_copy(update={"train": cfg.train.for_head(head)})
+
+
+class StoreConfig(Section):
+    uri: str = Field(
+        "file://.draftline/store",
+        description="file://FOLDER or s3://BUCKET/PREFIX. Credentials come from the environment, never from here.",
+    )
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint for non-AWS servers (or env AWS_ENDPOINT_URL). Not a secret."
+    )
+    region: str | None = None
+    credentials_block: str | None = Field(
+        None, description="Name of a prefect-aws AwsCredentials block holding the keys."
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        v = with_scheme(v)
+        scheme = v.split("://", 1)[0]
+        if scheme not in ("file", "s3", "memory"):
+            raise ValueError(f"store uri must start with file:// or s3://, got {scheme}://")
+        if scheme == "s3" and "@" in v[len("s3://"):].split("/", 1)[0]:
+            raise ValueError("credentials must not be embedded in the store uri; use AWS_* environment variables")
+        return v
+
+
+class DecodeEngineConfig(Section):
+    """One decoding purpose's vLLM engines (regeneration, the benchmark's)."""
+
+    enforce_eager: bool | None = Field(
+        None, description="null: CUDA graphs on a GPU (as engines are served), eager on a CPU (compiling there costs "
+                          "minutes and gains nothing); true/false forces it.")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="vllm.EngineArgs for this purpose's engines, over engines.engine_args.")
+
+
+class ExtractEngineConfig(Section):
+    """The extraction engines' vLLM settings (their CUDA-graph switch is extract.enforce_eager)."""
+
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="vllm.EngineArgs for the extraction engines, over engines.engine_args.")
+
+
+class EnginesConfig(Section):
+    """vLLM engine arguments passed through as given (names of vllm.EngineArgs; checked against the installed
+    vLLM). They change where and how fast engines run, never what is stored: no artifact address holds them."""
+
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="vllm.EngineArgs for every vLLM engine of the run, e.g. "
+        "{gpu_memory_utilization: 0.9, max_num_seqs: 256}. Keys draftline sets itself are refused with the key to use.")
+    regenerate: DecodeEngineConfig = Field(default_factory=DecodeEngineConfig)
+    extract: ExtractEngineConfig = Field(default_factory=ExtractEngineConfig)
+    benchmark: DecodeEngineConfig = Field(default_factory=DecodeEngineConfig)
+
+
+class RunConfig(Section):
+    name: str = "draftline"
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+    vocab: VocabConfig = Field(default_factory=VocabConfig)
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    engines: EnginesConfig = Field(default_factory=EnginesConfig)
+
+    @model_validator(mode="after")
+    def _prompts_need_answers(self) -> "RunConfig":
+        prompt_only = [s.label for s in self.data.sources if s.prompt_only]
+        if prompt_only and not self.regenerate.enabled:
+            raise ValueError(
+                f"data source(s) {prompt_only} hold prompts without answers, and regenerate is off: nothing "
+                "to train on. Set regenerate.enabled: true (the target answers them) or use sources with answers")
+        return self
+
+
+# --------------------------------------------------------------------------- loading
+
+_HINTS = {
+    "extra_forbidden": "remove it or check the spelling (see `draftline config show` for valid keys)",
+    "missing": "add it",
+    "literal_error": "use one of the allowed values",
+    "int_parsing": "use a whole number",
+    "int_from_float": "use a whole number",
+    "float_parsing": "use a number",
+    "bool_parsing": "use true or false",
+    "list_type": "use a YAML list, e.g. [1, 3, 5]",
+    "greater_than_equal": "raise the value",
+    "greater_than": "raise the value",
+    "less_than_equal": "lower the value",
+    "model_type": "use a mapping (key: value lines) here",
+}
+
+
+def _section_fields(loc: tuple) -> list[str]:
+    """The keys valid where LOC's last key sits (RunConfig's fields, a section's, a list item's)."""
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        todo, model = [field.annotation], None
+        while todo:  # unwrap Optional[...], list[...], unions: the first model class inside
+            t = todo.pop(0)
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                model = t
+                break
+            todo += list(typing.get_args(t))
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def _format_errors(err: ValidationError, origin: str, overrides: list[str] | None = None) -> str:
+    lines = [f"{origin}: {err.error_count()} problem(s) in the config:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        hint = _HINTS.get(e["type"], "")
+        if e["type"] == "extra_forbidden" and e["loc"]:
+            near = closest(str(e["loc"][-1]), _section_fields(tuple(e["loc"])))
+            if near:
+                hint = f"rename it to {near}"
+                msg += f" (did you mean {near}?)"
+        setby = [o for o in overrides or [] if f"{o.split('=', 1)[0].strip()}.".startswith(f"{loc}.")]
+        got = e.get("input")
+        got_s = "" if isinstance(got, dict) or e["type"] == "missing" or f"got {got!r}" in msg else f" (got {got!r})"
+        got_s = re.sub(r"://[^/@\s]*@", "://***@", got_s)  # never echo credentials put in a URI
+        from_set = re.sub(r"://[^/@\s]*@", "://***@", f" (from --set {setby[-1]})") if setby else ""
+        lines.append(f"  - {loc}: {msg}{got_s}{from_set}" + (f"; fix: {hint}" if hint else ""))
+    return "\n".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (['a','b'], value) with the value parsed as YAML (so 3, true, [1,2] work)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.max_steps=50")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        if raw.lstrip()[:1] in ("[", "{", "'", '"'):  # meant as a YAML list, mapping or quoted string
+            mark = getattr(exc, "problem_mark", None)
+            why = f"{getattr(exc, 'problem', None) or exc}" + (f" at character {mark.column + 1}" if mark else "")
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({why}); fix: close the brackets or "
+                              "quotes, and quote the whole option for the shell: --set 'key=[1, 2]'") from None
+        value = raw  # anything else is a plain string (a path, a template with ': ' in it)
+    return path, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for p in path[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: {p} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+# Set by deployments (job variable `store_uri`): overrides the file's store.uri; --set still wins.
+STORE_URI_ENV = "DRAFTLINE_STORE_URI"
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, section by section (a list or a value replaces; a mapping merges)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_config_file(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict:
+    """A config file's sections, on top of its `base:` file (a path relative to the including file) if it
+    names one, recursively: a preset holds only what differs from the one it builds on."""
+    p = Path(path)
+    if not p.is_file():
+        hint = f" (the `base:` of {_seen[-1]})" if _seen else ""
+        raise ConfigError(f"config file {p} not found{hint}; pass a YAML file such as configs/demo.yaml")
+    if p.resolve() in _seen:
+        raise ConfigError(f"{p}: `base:` files include each other ({' -> '.join(map(str, _seen))}); remove the loop")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections (target:, data:, ...)")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{p}: `base:` must be a path to another config file, e.g. base: kimi-k2.5-b300.yaml")
+    return _merge(read_config_file(p.parent / base, (*_seen, p.resolve())), data)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
+    data: dict = {}
+    origin = "defaults"
+    if path is not None:
+        origin = str(path)
+        data = read_config_file(path)  # the file over its `base:`, then the environment, then --set
+    env_uri = os.environ.get(STORE_URI_ENV, "").strip()
+    if env_uri:  # a deployment's job variable: above the file, below --set
+        if data.get("store") is None:
+            data["store"] = {}
+        if isinstance(data["store"], dict):  # (anything else fails validation below)
+            data["store"]["uri"] = env_uri
+            origin += f" (store.uri from ${STORE_URI_ENV})"
+    data = apply_overrides(data, overrides or [])
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, origin, overrides)) from None
+    problems = fit_problems(cfg)
+    if problems:
+        raise ConfigError("\n".join([f"{origin}: {len(problems)} problem(s) in the config:", *problems]))
+    return cfg
+
+
+def fit_problems(cfg: RunConfig) -> list[str]:
+    """Settings that pass each section's checks but would fail a stage hours in: one line each, with the fix."""
+    from tasks.core.engine_args import engine_args_problems
+
+    out = []
+    t, d, e = cfg.target, cfg.data, cfg.engines
+    for where, args in (("engines.engine_args", e.engine_args), ("engines.regenerate.engine_args",
+                        e.regenerate.engine_args), ("engines.extract.engine_args", e.extract.engine_args),
+                        ("engines.benchmark.engine_args", e.benchmark.engine_args)):
+        out += [f"  - {p}" for p in engine_args_problems(args, where)]
+    if d.max_length >= t.max_model_len:
+        # Extraction sends a sample as a prompt of max_length tokens and asks for one new token: vLLM needs
+        # max_length + 1 <= max_model_len, else every shard holding a sample of max_length tokens fails.
+        out.append(f"  - data.max_length: {d.max_length} leaves no room in target.max_model_len ({t.max_model_len}): "
+                   f"extraction feeds a sample of up to max_length tokens plus one generated token; fix: lower "
+                   f"data.max_length to at most {t.max_model_len - 1}, or raise target.max_model_len to at least "
+                   f"{d.max_length + 1} (regeneration also wants room for a prompt plus regenerate.max_tokens)")
+    return out
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False)

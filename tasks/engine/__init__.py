@@ -1,0 +1,4 @@
+"""An engine in its own process (`process.py`, `child.py`), config to engine settings and groups
+(`settings.py`), the target model and its layer-id rule (`target.py`), its weights on the node once
+(`weights.py`) and vLLM's KV connector that captures hidden states (`vllm_connector.py`).
+"""

@@ -1,0 +1,409 @@
+"""The target's weights on the node once, and what the model IS (its content fingerprint).
+
+A hub id is fetched with huggingface_hub's `snapshot_download` into the node's Hugging Face cache
+(`HF_HOME` / `HF_HUB_CACHE`) before any engine starts: the pinned revision, only the files a run
+reads (config, tokenizer, weight index, `*.safetensors`; the repository's Python code only with
+`trust_remote_code`), resumable by file (an interrupted fetch keeps every finished file; huggingface_hub
+2.4 restarts a file cut mid-way, so its partial temp file is removed), `HF_TOKEN` read from the
+environment by huggingface_hub itself (never passed, logged or stored here). A file lock in
+draftline's cache makes a second process on the node (another engine group, a train rank, another
+run) wait and reuse the first one's download. Once a snapshot is complete a marker records it
+(`DRAFTLINE_HOME/weights/ORG--NAME/COMMIT.json`) and every later call is local: no request reaches
+the hub again, online or offline.
+
+The fingerprint is what addresses hash for any target but the offline preset (tasks/core/digest.py):
+sha256 over the small files that say what the model is (config, generation config, tokenizer
+files, chat templates, the weight index) and the (name, size) of every weight file, never a path.
+A hub snapshot and a plain copy of it (the same files in any folder) have one fingerprint. For a
+hub id the fingerprint needs only the small files (fetched first) and the weight sizes from the
+hub's file listing, so a run that stops before extraction never downloads the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import fnmatch
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from tasks.core.errors import DraftlineError
+
+log = logging.getLogger("draftline.weights")
+
+# The files that say what the model is (top level of the folder), in the fingerprint and fetched first.
+IDENTITY_PATTERNS = ("config.json", "generation_config.json", "model.safetensors.index.json",
+                     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                     "tokenizer.model", "tiktoken.model", "*.tiktoken", "vocab.json", "vocab.txt", "merges.txt",
+                     "chat_template.json", "chat_template.jinja", "*.jinja")
+WEIGHT_PATTERNS = ("*.safetensors",)
+CODE_PATTERNS = ("*.py",)  # the repository's own code: fetched and fingerprinted only with trust_remote_code
+
+
+class WeightsError(DraftlineError, RuntimeError):
+    """The weights cannot be had here; the message says what to do."""
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def identity_patterns(trust_remote_code: bool) -> tuple[str, ...]:
+    return IDENTITY_PATTERNS + (CODE_PATTERNS if trust_remote_code else ())
+
+
+def run_patterns(trust_remote_code: bool) -> list[str]:
+    """`allow_patterns` of a run's download: the identity files and the safetensors weights."""
+    return list(identity_patterns(trust_remote_code) + WEIGHT_PATTERNS)
+
+
+def _digest(small: dict[str, bytes], weights: dict[str, int]) -> str:
+    """sha256 over (name, sha256 of content) of the identity files and (name, size) of the weight files."""
+    payload = {"files": {n: hashlib.sha256(b).hexdigest() for n, b in sorted(small.items())},
+               "weights": dict(sorted(weights.items()))}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _top_files(folder: Path) -> list[os.DirEntry]:
+    with os.scandir(folder) as it:
+        return [e for e in it if e.is_file()]  # follows symlinks: a hub snapshot's files link to blobs
+
+
+@functools.lru_cache(maxsize=64)
+def _folder_fingerprint(folder: str, trust_remote_code: bool, _stamp: tuple) -> str:
+    entries = _top_files(Path(folder))
+    pats = identity_patterns(trust_remote_code)
+    small = {e.name: Path(e.path).read_bytes() for e in entries if _matches(e.name, pats)}
+    weights = {e.name: e.stat().st_size for e in entries if _matches(e.name, WEIGHT_PATTERNS)}
+    if "config.json" not in small:
+        raise WeightsError(f"{folder} has no config.json; point target.model at a Hugging Face model folder")
+    return _digest(small, weights)
+
+
+def folder_fingerprint(folder: str | os.PathLike, trust_remote_code: bool = False) -> str:
+    """The fingerprint of a local model folder: its small files are read, its weights only stat'ed (a 600 GB
+    folder costs milliseconds); cached per process while no file's name, size or time changes."""
+    p = Path(folder).resolve()
+    try:
+        stamp = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in _top_files(p)))
+    except OSError as exc:
+        raise WeightsError(f"target.model {folder}: cannot read the folder ({exc})") from None
+    return _folder_fingerprint(str(p), bool(trust_remote_code), stamp)
+
+
+# --------------------------------------------------------------------------- the node's cache
+
+# Targets shipped offline by a package (tasks/engine/target.py converts them once): named, not fingerprinted.
+PRESETS = {"smollm2-135m-instruct"}
+
+
+def cache_home() -> Path:
+    root = os.environ.get("DRAFTLINE_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "draftline")
+    p = Path(root)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+
+# --------------------------------------------------------------------------- hub ids
+
+def is_hub_id(model: str) -> bool:
+    """Not the offline preset, not a path that exists or is written as one: an `org/name` hub id."""
+    return (model not in PRESETS and not model.startswith((".", "/", "~"))
+            and not Path(model).expanduser().exists())
+
+
+def _repo_dir(repo: str) -> Path:
+    return cache_home() / "weights" / repo.replace("/", "--")
+
+
+@functools.lru_cache(maxsize=None)
+def hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether the model hub answers at all (one quick request). Without it, huggingface_hub and transformers
+    retry each file for ~25 s before they say the hub cannot be reached."""
+    import httpx
+
+    try:
+        httpx.head(endpoint, timeout=timeout)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def _offline() -> bool:
+    """HF_HUB_OFFLINE is set, or the hub does not answer from here: only complete local snapshots count."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or not hub_reachable(constants.ENDPOINT)
+
+
+@dataclass
+class Snapshot:
+    """A complete snapshot on this node (the marker's content)."""
+
+    repo: str
+    commit: str
+    path: str
+    fingerprint: str
+    bytes: int
+    patterns: list[str]
+
+    def provenance(self) -> dict[str, Any]:
+        """What a manifest records about the target (no path: it differs per node; no token)."""
+        return {"model": self.repo, "commit": self.commit, "fingerprint": self.fingerprint}
+
+
+def _marker(repo: str, commit: str) -> Path:
+    return _repo_dir(repo) / f"{commit}.json"
+
+
+def _ref(repo: str, name: str) -> Path:
+    return _repo_dir(repo) / "refs" / name.replace("/", "--")
+
+
+def complete_snapshot(repo: str, revision: str | None, trust_remote_code: bool = False) -> Snapshot | None:
+    """The marker of a complete snapshot of `repo` at `revision` (a commit, or a branch/tag this node
+    resolved before), if its files are still there. Local only: never calls the hub."""
+    commit = revision or "main"
+    ref = _ref(repo, commit)
+    if ref.is_file():
+        commit = ref.read_text().strip()
+    m = _marker(repo, commit)
+    if not m.is_file():
+        return None
+    snap = Snapshot(**json.loads(m.read_text()))
+    if not set(run_patterns(trust_remote_code)) <= set(snap.patterns):
+        return None  # fetched without the repository's code; this run needs it
+    if not (Path(snap.path) / "config.json").is_file():
+        return None  # the cache was cleaned: fetch again
+    return snap
+
+
+def _api():
+    from huggingface_hub import HfApi
+
+    return HfApi()  # endpoint and token from the environment (HF_ENDPOINT, HF_TOKEN), as huggingface_hub reads them
+
+
+def _why_offline() -> str:
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE=1 forbids fetching it"
+    return f"the model hub ({constants.ENDPOINT}) does not answer from this machine"
+
+
+def _offline_error(repo: str, revision: str | None) -> WeightsError:
+    at = f"@{revision}" if revision else ""
+    return WeightsError(
+        f"target.model {repo}{at}: no complete snapshot on this node, and {_why_offline()}. "
+        f"Run `draftline weights CONFIG` where the hub can be reached (HF_HUB_OFFLINE=0, HF_TOKEN for gated models), "
+        "or set target.model to a local folder holding the model")
+
+
+@functools.lru_cache(maxsize=32)
+def resolve_commit(repo: str, revision: str | None) -> str:
+    """The commit `revision` (None: main) of `repo` names now: a complete snapshot's marker when there is
+    one for a commit, else one call to the hub (cached per process)."""
+    import re
+
+    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    if _offline():
+        snap = complete_snapshot(repo, revision)
+        if snap is None:
+            raise _offline_error(repo, revision)
+        return snap.commit
+    try:
+        sha = _api().model_info(repo, revision=revision or "main").sha
+    except Exception as exc:
+        raise WeightsError(f"target.model {repo}: cannot resolve revision {revision or 'main'} on the hub "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); check the id and revision, "
+                           "HF_TOKEN for a gated model, or give a local folder") from None
+    assert sha, f"the hub answered no commit for {repo}@{revision}"
+    return sha
+
+
+@functools.lru_cache(maxsize=32)
+def _listing(repo: str, commit: str, trust_remote_code: bool) -> dict[str, int]:
+    """name -> size of the top-level files a run fetches, from the hub's file listing."""
+    pats = tuple(run_patterns(trust_remote_code))
+    return {f.path: int(f.size or 0) for f in _api().list_repo_tree(repo, revision=commit, recursive=True)
+            if hasattr(f, "size") and "/" not in f.path and _matches(f.path, pats)}
+
+
+def _download(repo: str, commit: str, patterns: list[str]) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo, revision=commit, allow_patterns=patterns)
+    except Exception as exc:
+        if _offline():
+            raise _offline_error(repo, commit) from None
+        raise WeightsError(f"target.model {repo}@{commit}: download failed ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0][:300]}); run again to resume, or check HF_TOKEN and disk space"
+                           ) from None
+
+
+@functools.lru_cache(maxsize=32)
+def hub_fingerprint(repo: str, commit: str, trust_remote_code: bool = False) -> str:
+    """The same fingerprint `folder_fingerprint` gives the complete snapshot, from the small files (fetched
+    first, cheap) and the weight sizes in the hub's listing: the weights are not needed for it."""
+    snap = complete_snapshot(repo, commit, trust_remote_code)
+    if snap is not None:
+        return snap.fingerprint
+    if _offline():
+        raise _offline_error(repo, commit)
+    sizes = _listing(repo, commit, trust_remote_code)
+    path = Path(_download(repo, commit, list(identity_patterns(trust_remote_code))))
+    pats = identity_patterns(trust_remote_code)
+    small = {n: (path / n).read_bytes() for n in sizes if _matches(n, pats) and (path / n).is_file()}
+    return _digest(small, {n: s for n, s in sizes.items() if _matches(n, WEIGHT_PATTERNS)})
+
+
+def small_files(repo: str, commit: str, trust_remote_code: bool = False) -> str:
+    """A local folder with the snapshot's config and tokenizer (the weights may not be there yet)."""
+    snap = complete_snapshot(repo, commit, trust_remote_code)
+    if snap is not None:
+        return snap.path
+    if _offline():
+        raise _offline_error(repo, commit)
+    return _download(repo, commit, list(identity_patterns(trust_remote_code)))
+
+
+def ensure_snapshot(repo: str, revision: str | None, trust_remote_code: bool = False) -> Snapshot:
+    """The complete snapshot of `repo` at `revision` on this node, fetched once: the first process on the node
+    downloads under a file lock, the others wait and reuse it; a marker makes every later call local."""
+    commit = resolve_commit(repo, revision)  # no request when pinned to a commit, or offline
+    snap = complete_snapshot(repo, commit, trust_remote_code)
+    if snap is not None:
+        return snap
+    with file_lock(cache_home() / "locks" / f"weights-{repo.replace('/', '--')}.lock"):
+        snap = complete_snapshot(repo, commit, trust_remote_code)  # another process finished while we waited
+        if snap is not None:
+            return snap
+        if _offline():
+            raise _offline_error(repo, revision)
+        # A download killed mid-file leaves a process-unique `*.incomplete` temp file that huggingface_hub
+        # never resumes: under the node's lock no other draftline process is writing one, so they go.
+        junk = list((_hub_cache() / f"models--{repo.replace('/', '--')}" / "blobs").glob("*.incomplete"))
+        if junk:
+            log.info(f"weights: removing {len(junk)} partial file(s) of an interrupted download "
+                     f"({sum(j.stat().st_size for j in junk) / 1e9:.1f} GB)")
+            for j in junk:
+                j.unlink(missing_ok=True)
+        patterns = run_patterns(trust_remote_code)
+        sizes = _listing(repo, commit, trust_remote_code)
+        need = sum(sizes.values())
+        free = shutil.disk_usage(_hub_cache()).free
+        log.info(f"weights: fetching {repo}@{commit[:12]} ({need / 1e9:.1f} GB, {len(sizes)} files; "
+                 f"{free / 1e9:.0f} GB free in {_hub_cache()})")
+        path = _download(repo, commit, patterns)
+        fp = folder_fingerprint(path, trust_remote_code)
+        snap = Snapshot(repo=repo, commit=commit, path=str(Path(path)), fingerprint=fp,
+                        bytes=sum(e.stat().st_size for e in _top_files(Path(path))), patterns=patterns)
+        m = _marker(repo, commit)
+        m.parent.mkdir(parents=True, exist_ok=True)
+        tmp = m.with_name(m.name + ".tmp")
+        tmp.write_text(json.dumps(asdict(snap), indent=2))
+        os.replace(tmp, m)  # the marker appears whole, after every file
+        if (revision or "main") != commit:  # offline, an unpinned id finds what this node resolved
+            ref = _ref(repo, revision or "main")
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            ref.write_text(commit)
+        log.info(f"weights: {repo}@{commit[:12]} complete at {path}")
+        return snap
+
+
+def _hub_cache() -> Path:
+    from huggingface_hub import constants
+
+    p = Path(constants.HF_HUB_CACHE)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def disk_needed(repo: str, revision: str | None, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Bytes the run's files take, what is already there, and the free space of the cache's disk."""
+    free = shutil.disk_usage(_hub_cache()).free
+    commit = resolve_commit(repo, revision)
+    snap = complete_snapshot(repo, commit, trust_remote_code)
+    if snap is not None:
+        return {"commit": snap.commit, "bytes": snap.bytes, "missing_bytes": 0, "free": free, "cache": str(_hub_cache())}
+    sizes = _listing(repo, commit, trust_remote_code)
+    from huggingface_hub import constants
+
+    folder = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "snapshots" / commit
+    have = sum(s for n, s in sizes.items() if (folder / n).is_file() and (folder / n).stat().st_size == s)
+    return {"commit": commit, "bytes": sum(sizes.values()), "missing_bytes": sum(sizes.values()) - have,
+            "free": free, "cache": str(_hub_cache())}
+
+
+# --------------------------------------------------------------------------- what addresses and manifests use
+
+def target_fingerprint(t) -> str:
+    """The fingerprint of a TargetConfig's model (not the preset): its folder's, or its hub snapshot's at the
+    pinned (or once resolved) commit."""
+    if is_hub_id(t.model):
+        return hub_fingerprint(t.model, resolve_commit(t.model, t.revision), bool(t.trust_remote_code))
+    folder = Path(t.model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise WeightsError(f"target.model {t.model!r} is not a model folder (no config.json there); fix the path "
+                           "or give a hub id")
+    return folder_fingerprint(str(folder.resolve()), bool(t.trust_remote_code))
+
+
+def pin_revision(t) -> str | None:
+    """A hub id without `target.revision`: the commit its main branch names now (resolved once per run, then
+    pinned for every task and child run). None for anything else."""
+    if not is_hub_id(t.model) or t.revision and len(t.revision) == 40:
+        return None
+    return resolve_commit(t.model, t.revision)
+
+
+def provenance(t) -> dict[str, Any]:
+    """What every manifest a run commits records about its target: the hub id, the commit and the fingerprint
+    (or the folder's fingerprint; the preset's name)."""
+    if t.model in PRESETS:
+        return {"model": t.model}
+    if is_hub_id(t.model):
+        commit = resolve_commit(t.model, t.revision)
+        return {"model": t.model, "commit": commit,
+                "fingerprint": hub_fingerprint(t.model, commit, bool(t.trust_remote_code))}
+    return {"fingerprint": target_fingerprint(t)}
+
+
+PROVENANCE_ENV = "DRAFTLINE_TARGET_PROVENANCE"  # read by every manifest commit (tasks/store/artifacts.py), ranks included
+
+
+def pin_run(cfg, overrides: list[str]) -> list[str]:
+    """At a run's start (the flow, or a child run): a hub id without a commit is resolved ONCE and pinned in
+    `cfg` and in the overrides the run's children and records get, so every task and node of the run reads one
+    model; the target's provenance goes into every manifest this process (and its children) commits."""
+    commit = pin_revision(cfg.target)
+    if commit is not None:
+        if cfg.target.revision:
+            log.info(f"weights: {cfg.target.model} revision {cfg.target.revision} is commit {commit}")
+        cfg.target.revision = commit
+        overrides = [*overrides, f"target.revision={commit}"]
+    os.environ[PROVENANCE_ENV] = json.dumps(provenance(cfg.target), sort_keys=True)
+    return overrides

@@ -1,0 +1,71 @@
+"""Planning the extract stage: one ShardPlan (and the digest its artifact lives under) per data shard.
+
+Apart from the stage so that what only needs the addresses (`draftline export`, the flow's fan-out) reads
+them without the engine and part-writing machinery.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pydantic import BaseModel, Field
+
+from tasks.core.errors import DraftlineError
+from tasks.core import digest as digests
+from tasks.core.config import RunConfig
+from tasks.core.stats import StatsError, data_stats
+from tasks.engine.target import resolve_layer_ids, text_config, validate_for_vllm
+from tasks.store.artifacts import ArtifactRef
+
+STAGE = "extract"
+# Keys that decide where and how fast extraction runs, not what it produces.
+SCHEDULING_KEYS = digests.EXTRACT_SCHEDULING_KEYS
+DATA_STAGES = ("prepare", "regenerate")
+
+ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in the shard)
+
+
+class ExtractError(DraftlineError, RuntimeError):
+    """Extraction cannot proceed; the message names the problem and the fix."""
+
+
+class ShardPlan(BaseModel):
+    """Everything one shard's extraction needs, and the digest its artifact lives under."""
+
+    shard: int
+    digest: str
+    data_stage: str
+    data_digest: str
+    data_file: str
+    layer_ids: list[int]
+    hidden_size: int
+    num_layers: int
+    config: dict[str, Any] = Field(default_factory=dict, description="the extract section that made the digest")
+
+    @property
+    def inputs(self) -> dict[str, str]:
+        return {"data": self.data_digest, "shard": str(self.shard)}
+
+
+def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[ShardPlan]:
+    if data_ref.stage not in DATA_STAGES:
+        raise ExtractError(f"extract reads a prepare or regenerate artifact, got stage {data_ref.stage!r}")
+    try:
+        num_shards = data_stats(data_ref).num_shards
+    except StatsError as exc:
+        raise ExtractError(str(exc)) from None
+    if num_shards < 1:
+        raise ExtractError(f"{data_ref.uri}: its stats list {num_shards} shards; re-run the prepare stage")
+    text = text_config(hf_config)
+    layer_ids = resolve_layer_ids(cfg, hf_config)
+    if cfg.extract.backend == "vllm":  # refuse what vLLM would refuse (or misread) before any engine loads
+        validate_for_vllm(hf_config, layer_ids, cfg.target.model)
+    section = digests.extract_section(cfg, layer_ids)
+    plans = []
+    for i in range(num_shards):
+        digest = digests.extract_shard(cfg, layer_ids, data_ref.digest, i)
+        plans.append(ShardPlan(shard=i, digest=digest, data_stage=data_ref.stage, data_digest=data_ref.digest,
+                               data_file=f"shard-{i:05d}.parquet", layer_ids=layer_ids,
+                               hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
+                               config=section))
+    return plans

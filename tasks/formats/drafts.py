@@ -1,0 +1,179 @@
+"""Drafts that did not come out of this run: a published EAGLE-3 draft (a local folder or a hub id), read,
+identified by its content, checked against this run's target, and used as a warm start.
+
+    folder = draft_folder_of("AQ-MedAI/Kimi-K2-Instruct-eagle3")   # a local folder (hub ids are downloaded)
+    content_digest(folder)                                         # sha256 of config.json + model.safetensors
+    warm_start(model, folder, layer_ids, d2t, t2d, num_layers)     # train.init_from: weights in, vocab remapped
+
+A draft's identity is its content, never its path: the same files under another folder (or fetched again
+from the hub) give the same digest, so `train.init_from` and `benchmark.drafts` address artifacts by what
+the draft IS. The on-disk format is speculators' (tasks/train/loop.py export_draft): `config.json`
+(`speculators_model_type`, `eagle_aux_hidden_state_layer_ids`, `draft_vocab_size`,
+`transformer_layer_config`) and `model.safetensors` with the draft's weights plus `d2t` (draft index i ->
+target id i + d2t[i]) and `t2d` (a bool mask over the target vocabulary).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tasks.core.errors import DraftlineError
+
+DRAFT_FILES = ("config.json", "model.safetensors")
+
+
+class DraftError(DraftlineError, ValueError):
+    """A draft that cannot be used here; the message says why and what to do."""
+
+
+def draft_folder_of(spec: str) -> str:
+    """A local folder holding config.json + model.safetensors: `spec` itself, or a hub id's snapshot (only
+    those two files are fetched, as a target's files would be, through huggingface_hub and its cache)."""
+    p = Path(spec).expanduser()
+    if p.exists() or spec.startswith((".", "/", "~")):
+        if not p.is_dir():
+            raise DraftError(f"draft {spec!r}: no such folder; give a folder with config.json and "
+                             "model.safetensors, or a hub id")
+        missing = [f for f in DRAFT_FILES if not (p / f).is_file()]
+        if missing:
+            raise DraftError(f"draft {spec!r} has no {', '.join(missing)}: an EAGLE-3 draft folder holds "
+                             "config.json and model.safetensors (what `draftline export` writes)")
+        return str(p.resolve())
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(spec, allow_patterns=list(DRAFT_FILES))
+    except Exception as exc:  # noqa: BLE001 - offline, a typo, a gated repo: one clear message
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise DraftError(f"draft {spec!r} is neither a local folder nor a hub id this machine can download "
+                         f"({first}); give a local draft folder, or fetch it first with "
+                         f"`huggingface-cli download {spec}`") from None
+    return draft_folder_of(folder)
+
+
+@functools.lru_cache(maxsize=32)
+def _digest_of(folder: str, stamp: tuple) -> str:
+    h = hashlib.sha256()
+    for name in DRAFT_FILES:
+        h.update(name.encode() + b"\0")
+        with open(os.path.join(folder, name), "rb") as fh:
+            while chunk := fh.read(8 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def content_digest(spec: str) -> str:
+    """sha256 over config.json and model.safetensors of the draft `spec` names (its address, not its path)."""
+    folder = draft_folder_of(spec)
+    stamp = tuple((os.stat(os.path.join(folder, n)).st_size, os.stat(os.path.join(folder, n)).st_mtime_ns)
+                  for n in DRAFT_FILES)
+    return _digest_of(folder, stamp)
+
+
+def read_config(folder: str) -> dict[str, Any]:
+    return json.loads(Path(folder, "config.json").read_text())
+
+
+def layer_ids_of(conf: dict[str, Any]) -> list[int] | None:
+    ids = conf.get("eagle_aux_hidden_state_layer_ids") or conf.get("aux_hidden_state_layer_ids")
+    return list(ids) if ids else None
+
+
+# =========================================================================== warm start (train.init_from)
+
+def check_compatible(conf: dict[str, Any], spec: str, *, hidden: int, vocab: int, layer_ids: list[int],
+                     num_layers: int, kind: str) -> None:
+    """Refuse, with the reason, a draft whose weights cannot seed this run's: another hidden size or target
+    vocabulary (another target), another depth, other auxiliary layers (its fc reads other hidden states),
+    another architecture."""
+    problems = []
+    algo = conf.get("speculators_model_type")
+    if algo != "eagle3" or kind not in ("eagle3", "eagle3.1"):
+        problems.append(f"it is a {algo!r} draft and this head is {kind}: a warm start needs an EAGLE-3 draft for "
+                        "an eagle3/eagle3.1 head")
+    layer = conf.get("transformer_layer_config") or {}
+    if layer.get("hidden_size") != hidden:
+        problems.append(f"its hidden size is {layer.get('hidden_size')}, the target's {hidden}: it was trained "
+                        "for another target model")
+    if layer.get("vocab_size") != vocab:
+        problems.append(f"it maps a {layer.get('vocab_size')}-token target vocabulary, the target has {vocab}: "
+                        "it was trained for another target model (another tokenizer)")
+    if layer.get("num_hidden_layers") != num_layers:
+        problems.append(f"it has {layer.get('num_hidden_layers')} decoder layer(s), this run trains "
+                        f"{num_layers}: set train.num_layers: {layer.get('num_hidden_layers')}")
+    theirs = layer_ids_of(conf)
+    if theirs != list(layer_ids[:-1]):
+        problems.append(f"it reads target layers {theirs}, this run feeds {list(layer_ids[:-1])}: its fc weights "
+                        f"belong to those layers; set extract.layer_ids: {(theirs or []) + [layer_ids[-1]]}")
+    if problems:
+        raise DraftError(f"train.init_from {spec!r} cannot seed this draft: " + "; ".join(problems))
+
+
+def remap_rows(old_d2t: Any, old_t2d: Any, new_d2t: Any, vocab: int) -> tuple[Any, Any]:
+    """For each row of the new draft vocabulary: the row of the old one holding the same target token (or
+    -1). A draft without maps (draft vocabulary = target vocabulary) maps row i to token i."""
+    import torch
+
+    def tokens(d2t: Any, size: int) -> Any:
+        return torch.arange(size, dtype=torch.long) + (d2t.long() if d2t is not None else 0)
+
+    new_tokens = tokens(new_d2t, int(new_d2t.shape[0]) if new_d2t is not None else vocab)
+    old_size = int(old_d2t.shape[0]) if old_d2t is not None else vocab
+    old_row = torch.full((vocab,), -1, dtype=torch.long)
+    old_row[tokens(old_d2t, old_size)] = torch.arange(old_size, dtype=torch.long)
+    rows = old_row[new_tokens]
+    return rows, new_tokens
+
+
+def warm_start(model: Any, spec: str, *, layer_ids: list[int], kind: str, num_layers: int) -> dict[str, Any]:
+    """Load the draft `spec` names into `model` (built for this run: its d2t/t2d, the target's verifier
+    weights), after `check_compatible`. Every draft weight of the same name and shape is copied. The vocabulary
+    maps stay this run's: with the same maps lm_head is copied whole; with another draft vocabulary the rows of
+    tokens in both are copied and the rest keep a fresh draft's values (the target's lm_head rows). Returns
+    what was done, for the logs and the train artifact's stats."""
+    import torch
+    from safetensors.torch import load_file
+
+    folder = draft_folder_of(spec)
+    conf = read_config(folder)
+    check_compatible(conf, spec, hidden=int(model.hidden_size), vocab=int(model.verifier_vocab_size),
+                     layer_ids=layer_ids, num_layers=num_layers, kind=kind)
+    theirs = load_file(os.path.join(folder, "model.safetensors"))
+    old_d2t, old_t2d = theirs.pop("d2t", None), theirs.pop("t2d", None)
+    own = dict(model.named_parameters())
+    frozen_from_target = {"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight", "lm_head.weight"}
+    wanted = [n for n in own if n not in frozen_from_target]
+    missing = [n for n in wanted if n not in theirs]
+    wrong = [f"{n} {list(theirs[n].shape)} vs {list(own[n].shape)}" for n in wanted
+             if n in theirs and tuple(theirs[n].shape) != tuple(own[n].shape)]
+    if missing or wrong:
+        raise DraftError(f"train.init_from {spec!r} cannot seed this draft: "
+                         + (f"it lacks {missing[:6]} (another EAGLE-3 variant: norms before the fc differ, check "
+                            "train.heads' kind)" if missing else "")
+                         + ("; " if missing and wrong else "") + (f"shapes differ: {wrong[:6]}" if wrong else ""))
+    vocab = int(model.verifier_vocab_size)
+    new_d2t = model.d2t.detach().cpu() if model.use_draft_vocab else None
+    rows, _ = remap_rows(old_d2t, old_t2d, new_d2t, vocab)
+    same_maps = (old_d2t is None and new_d2t is None) or (
+        old_d2t is not None and new_d2t is not None and old_d2t.shape == new_d2t.shape
+        and bool(torch.equal(old_d2t.long(), new_d2t.long())))
+    with torch.no_grad():
+        for n in wanted:
+            own[n].copy_(theirs[n].to(own[n].dtype))
+        if "lm_head.weight" in theirs:
+            lm = theirs["lm_head.weight"].to(model.lm_head.weight.dtype)
+            hit = rows >= 0
+            model.lm_head.weight[hit.to(lm.device)] = lm[rows[hit]].to(model.lm_head.weight.device)
+    kept = int((rows >= 0).sum())
+    size = int(rows.shape[0])
+    return {"source": spec, "digest": content_digest(spec), "weights": len(wanted),
+            "vocab": "same" if same_maps else "remapped", "draft_vocab_rows_copied": kept,
+            "draft_vocab_size": size,
+            "note": ("the same draft vocabulary: every weight copied" if same_maps else
+                     f"another draft vocabulary: lm_head rows of the {kept} of {size} tokens in both copied, "
+                     f"the other {size - kept} initialised as a fresh draft's (the target's lm_head rows)")}

@@ -1,0 +1,59 @@
+"""The draft vocabulary's file: `vocab.safetensors` in a vocab artifact (docs/ARTIFACTS.md).
+
+`d2t` (int64 [K], offsets: draft id i is target id i + d2t[i], the convention of speculators and vLLM),
+`t2d` (bool [V], which target ids the draft vocabulary holds) and `token_counts` (int64 [V], the
+loss-masked token counts it was chosen from). The vocab stage writes it; training and the tests read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tasks.core.errors import DraftlineError
+from tasks.store.artifacts import ArtifactMissing, ArtifactRef, Store
+
+FILE = "vocab.safetensors"
+
+
+class VocabFormatError(DraftlineError, ValueError):
+    """A vocab artifact that is missing, incomplete or inconsistent; the message says what to rerun."""
+
+
+def read_maps(store: Store, vocab_ref: ArtifactRef) -> dict[str, Any]:
+    """Every tensor of the file, unchecked (d2t, t2d, token_counts)."""
+    from safetensors.torch import load
+
+    art = store.open(vocab_ref.stage or "vocab", vocab_ref.digest)
+    return load(art.read_bytes(FILE))
+
+
+def read_vocab(store: Store, vocab_ref: ArtifactRef, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t offsets int64 [K], t2d bool [V]) from the vocab artifact, checked against each other."""
+    from safetensors.torch import load as st_load
+
+    try:
+        art = store.open(vocab_ref.stage or "vocab", vocab_ref.digest)
+    except ArtifactMissing:
+        raise VocabFormatError(f"vocab artifact {vocab_ref.uri} is not committed on {store.uri}; run the vocab stage "
+                               "first (or pass the ref it returned)") from None
+    if FILE not in art.files():
+        raise VocabFormatError(f"{art.uri} has no {FILE} (files: {art.files()}); it is not a vocab artifact")
+    maps = st_load(art.read_bytes(FILE))
+    if "d2t" not in maps or "t2d" not in maps:
+        raise VocabFormatError(f"{art.uri}/{FILE} lacks d2t/t2d (has {sorted(maps)}); rebuild the vocab stage")
+    d2t, t2d = maps["d2t"].to(torch.int64), maps["t2d"].to(torch.bool)
+    if t2d.ndim != 1 or t2d.shape[0] != vocab_size:
+        raise VocabFormatError(f"{art.uri}: t2d has shape {list(t2d.shape)} but the target's vocabulary has {vocab_size} "
+                               "ids; the vocab artifact was built for another target: rerun the vocab stage")
+    k = int(d2t.shape[0])
+    ids = torch.nonzero(t2d).squeeze(1)  # ascending target ids in the draft vocabulary
+    if ids.numel() != k:
+        raise VocabFormatError(f"{art.uri}: t2d marks {ids.numel()} ids but d2t has {k} entries; the maps disagree")
+    arange = torch.arange(k, dtype=torch.int64)
+    if torch.equal(d2t + arange, ids):
+        return d2t, t2d  # offsets, the convention of speculators and vLLM
+    if torch.equal(torch.sort(d2t).values, ids):
+        return ids - arange, t2d  # absolute ids: convert (sorted, as the draft lm_head rows follow t2d)
+    raise VocabFormatError(f"{art.uri}: d2t is neither offsets (i + d2t[i]) nor ids matching t2d; rerun the vocab stage")

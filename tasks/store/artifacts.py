@@ -1,0 +1,787 @@
+"""The artifact store: one fsspec filesystem, `file://` or `s3://`.
+
+An artifact is the prefix `STAGE/DIGEST/`. Its data files live under an
+attempt folder `STAGE/DIGEST/<attempt>/...` and are published by
+`STAGE/DIGEST/manifest.json`, written LAST and atomically (S3 PUT; rename on a
+local disk). The manifest lists every file with its size and sha256, so:
+
+- a writer that dies before its manifest leaves nothing visible (`gc` removes
+  the attempt folder later);
+- two writers of one digest each write their own attempt; whichever manifest
+  lands names a complete set of files, so readers always see one valid artifact;
+- readers check sizes on open and sha256 when they read a file, and treat a
+  mismatch as "not there" (`ArtifactCorrupt`), which makes the stage run again.
+
+Credentials never pass through here as arguments: s3fs/botocore read
+AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN / AWS_PROFILE from
+the environment (or a prefect-aws block fills them in, see `resolve_credentials`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import errno
+import hashlib
+import io
+import json
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator
+
+import fsspec
+from pydantic import BaseModel, Field
+
+from tasks.core.errors import DraftlineError
+from tasks.core.config import StoreConfig, with_scheme
+from tasks.core.faults import kill_point
+
+MANIFEST = "manifest.json"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HASH_CHUNK = 8 << 20
+_COPY_CHUNK = 16 << 20  # ranged GETs of a streamed copy (Artifact.copy_to)
+_COPY_INFLIGHT = 4  # ... in flight at once
+# botocore "standard" retries per S3 request (backoff: random up to 1, 2, 4, ... 20 s between attempts).
+S3_MAX_ATTEMPTS = 8
+_KILL_MID_FILE_BYTES = 4096  # tasks/core/faults.py: `store.STAGE.mid-file` fires once a file holds this much
+_PARALLEL_HASH_MIN = 1 << 20  # writes this big are hashed on a helper thread while they are written
+_HASHER: ThreadPoolExecutor | None = None
+_HASHER_LOCK = threading.Lock()
+
+
+def _hasher() -> ThreadPoolExecutor:
+    """Threads that hash large writes while the writing thread writes them (shared by all writers;
+    each write waits for its own hash, so a file's hash is updated in order)."""
+    global _HASHER
+    with _HASHER_LOCK:
+        if _HASHER is None:
+            _HASHER = ThreadPoolExecutor(4, thread_name_prefix="draftline-sha256")
+        return _HASHER
+
+
+def _forget_hasher() -> None:
+    global _HASHER, _HASHER_LOCK
+    _HASHER, _HASHER_LOCK = None, threading.Lock()  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_hasher)
+
+
+class StoreError(DraftlineError, RuntimeError):
+    """The store cannot be used (unreachable, credentials, bucket); the message says what to fix."""
+
+
+class BucketMissing(StoreError):
+    """The store's S3 bucket does not exist (`draftline store init` creates it)."""
+
+
+class ArtifactMissing(DraftlineError, LookupError):
+    pass
+
+
+class ArtifactCorrupt(DraftlineError, RuntimeError):
+    """A committed artifact whose files do not match its manifest."""
+
+
+@contextlib.contextmanager
+def _space_errors(store_uri: str, key: str) -> Iterator[None]:
+    """A full disk (or a file-size limit) while writing to the store becomes a StoreError that says so."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        raise StoreError(
+            f"writing {key} failed: {exc.strerror} (the store's disk is full or over a size limit); nothing was "
+            f"committed: free space on {store_uri} or point store.uri at a bigger store, then retry the run "
+            "(finished work is reused)"
+        ) from None
+
+
+def check_name(kind: str, value: str) -> str:
+    """Names that become store keys (stages, digests, file names from data) must be plain."""
+    if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
+        raise ValueError(
+            f"invalid {kind} {value!r}: use letters, digits, '.', '_' and '-' only "
+            "(no '/', no '..'), at most 128 characters"
+        )
+    return value
+
+
+def check_relpath(value: str) -> str:
+    parts = value.split("/")
+    if not parts or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"invalid artifact file path {value!r}: relative, no '..' or empty parts")
+    for p in parts:
+        check_name("file name", p)
+    return value
+
+
+class FileEntry(BaseModel):
+    path: str
+    bytes: int
+    sha256: str
+
+
+class Manifest(BaseModel):
+    stage: str
+    digest: str
+    version: str
+    attempt: str
+    created: str
+    inputs: dict[str, str] = Field(default_factory=dict)
+    files: list[FileEntry] = Field(default_factory=list)
+    stats: dict[str, Any] = Field(default_factory=dict)
+    config: dict[str, Any] = Field(default_factory=dict)
+    run: dict[str, Any] = Field(default_factory=dict)
+
+    def file(self, name: str) -> FileEntry:
+        for f in self.files:
+            if f.path == name:
+                return f
+        raise KeyError(f"{self.stage}/{self.digest} has no file {name!r}")
+
+
+class ArtifactRef(BaseModel):
+    """What a stage returns: enough to find and check its artifact anywhere."""
+
+    stage: str
+    digest: str
+    uri: str
+    attempt: str = ""
+    created: str = ""
+    stats: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def executed_here(self) -> bool:
+        """True when this process computed the artifact (False: reused from the store or cache)."""
+        return self.attempt in COMMITTED_HERE
+
+
+# Attempts committed by this process: how a run tells work it did from work it reused.
+COMMITTED_HERE: set[str] = set()
+
+
+def s3_endpoint(cfg: StoreConfig | None = None) -> str | None:
+    """The S3 endpoint: `store.endpoint_url`, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL; None means AWS."""
+    return ((cfg.endpoint_url if cfg is not None else None) or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL"))
+
+
+def resolve_credentials(cfg: StoreConfig) -> dict[str, Any]:
+    """storage_options for s3fs. Keys only from the environment or a Prefect block."""
+    opts: dict[str, Any] = {}
+    endpoint = s3_endpoint(cfg)
+    client_kwargs: dict[str, Any] = {}
+    if endpoint:
+        client_kwargs["endpoint_url"] = endpoint
+    region = cfg.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        client_kwargs["region_name"] = region
+    if client_kwargs:
+        opts["client_kwargs"] = client_kwargs
+    if cfg.credentials_block:
+        try:
+            from prefect_aws import AwsCredentials
+        except ImportError as exc:  # pragma: no cover - prefect-aws is a dependency
+            raise StoreError("store.credentials_block needs prefect-aws: pip install prefect-aws") from exc
+        try:
+            block = AwsCredentials.load(cfg.credentials_block)
+        except Exception as exc:
+            raise StoreError(
+                f"cannot load AwsCredentials block {cfg.credentials_block!r}: {exc}; "
+                "create it in the Prefect UI or unset store.credentials_block and use AWS_* variables"
+            ) from None
+        opts["key"] = block.aws_access_key_id
+        if block.aws_secret_access_key is not None:
+            opts["secret"] = block.aws_secret_access_key.get_secret_value()
+        if block.aws_session_token is not None:
+            opts["token"] = block.aws_session_token
+    if endpoint and "amazonaws.com" not in endpoint:
+        # Non-AWS servers (SeaweedFS, MinIO, Ceph) reject the newer default checksums.
+        os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+        os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+    if not (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")):
+        # Ride out a store that is briefly gone or busy (restart, failover, 503 SlowDown): every request
+        # (each multipart part, the manifest PUT) is retried with exponential backoff, ~30 s in all,
+        # before the stage fails. AWS_MAX_ATTEMPTS / AWS_RETRY_MODE in the environment override this.
+        opts["config_kwargs"] = {"retries": {"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"}}
+    return opts
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class Artifact:
+    """A committed artifact opened for reading."""
+
+    store: "Store"
+    manifest: Manifest
+
+    @property
+    def stage(self) -> str:
+        return self.manifest.stage
+
+    @property
+    def digest(self) -> str:
+        return self.manifest.digest
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.manifest.stats
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri_of(self.stage, self.digest)
+
+    def ref(self) -> ArtifactRef:
+        return ArtifactRef(stage=self.stage, digest=self.digest, uri=self.uri, attempt=self.manifest.attempt,
+                           created=self.manifest.created, stats=self.stats)
+
+    def files(self, prefix: str = "") -> list[str]:
+        return [f.path for f in self.manifest.files if f.path.startswith(prefix)]
+
+    def key(self, name: str) -> str:
+        """Where file `name` of this artifact lives on the store (a local path on a file:// store)."""
+        self.manifest.file(name)
+        return self.store.key(self.stage, self.digest, self.manifest.attempt, name)
+
+    def read_bytes(self, name: str, verify: bool = True) -> bytes:
+        entry = self.manifest.file(name)
+        try:
+            data = self.store.fs.cat_file(self.key(name))
+        except FileNotFoundError:
+            raise ArtifactCorrupt(f"{self.uri}: file {name} listed in the manifest is missing") from None
+        if len(data) != entry.bytes:
+            self._corrupt(f"{name} has {len(data)} bytes, manifest says {entry.bytes}")
+        if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
+            self._corrupt(f"{name} fails its sha256 check (corrupted on the store)")
+        return data
+
+    def _corrupt(self, why: str) -> None:
+        """Un-commit the artifact so the stage that made it runs again, then raise."""
+        self.store.quarantine(self.stage, self.digest, why)
+        raise ArtifactCorrupt(f"{self.uri}: {why}; the artifact was un-committed and will be recomputed on retry")
+
+    def read_json(self, name: str) -> Any:
+        return json.loads(self.read_bytes(name))
+
+    @contextlib.contextmanager
+    def local_copy(self, name: str, verify: bool = True) -> Iterator[str]:
+        """A local path holding the verified file (the file itself when the store is local; else a
+        temporary copy streamed from the store, never the whole file in memory)."""
+        if self.store.is_local:
+            path = self.key(name)
+            if verify:
+                self.verify_file(name)
+            yield path
+            return
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="draftline-") as tmp:
+            local = os.path.join(tmp, os.path.basename(name))
+            with open(local, "wb") as fh:
+                self.copy_to(name, fh, verify=verify)
+            yield local
+
+    @contextlib.contextmanager
+    def local_folder(self, prefix: str, verify: bool = True) -> Iterator[str]:
+        """A local folder holding every file under `prefix` (e.g. "draft/"), verified: the artifact's own
+        folder when the store is local, else a temporary copy streamed from the store."""
+        names = self.files(prefix)
+        if self.store.is_local:
+            if verify:
+                for n in names:
+                    self.verify_file(n)
+            yield self.store.key(self.stage, self.digest, self.manifest.attempt, prefix.rstrip("/"))
+            return
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="draftline-") as tmp:
+            for n in names:
+                os.makedirs(os.path.dirname(os.path.join(tmp, n)), exist_ok=True)
+                with open(os.path.join(tmp, n), "wb") as fh:
+                    self.copy_to(n, fh, verify=verify)
+            yield os.path.join(tmp, prefix).rstrip("/")
+
+    def copy_to(self, name: str, fh: IO[bytes], verify: bool = True, chunk: int = _COPY_CHUNK,
+                inflight: int = _COPY_INFLIGHT) -> int:
+        """Stream file `name` into `fh` (written in order): ranged reads of `chunk` bytes, up to `inflight`
+        of them in flight on helper threads (memory: inflight x chunk), sha256 computed on the fly. A size
+        or sha256 mismatch un-commits the artifact (ArtifactCorrupt) after what was written; the caller
+        owns `fh` and discards it then. Returns the bytes written."""
+        entry = self.manifest.file(name)
+        key = self.key(name)
+        fs = self.store.fs
+        h = hashlib.sha256() if verify else None
+        done = 0
+
+        def get(start: int) -> bytes:
+            return fs.cat_file(key, start=start, end=min(start + chunk, entry.bytes))
+
+        try:
+            with ThreadPoolExecutor(max(1, inflight), thread_name_prefix="draftline-get") as pool:
+                pending: list[Any] = []
+                for start in range(0, entry.bytes, chunk):
+                    pending.append(pool.submit(get, start))
+                    if len(pending) >= inflight:
+                        done += self._take(pending.pop(0), fh, h)
+                while pending:
+                    done += self._take(pending.pop(0), fh, h)
+        except FileNotFoundError:
+            self._corrupt(f"file {name} listed in the manifest is missing")
+        if done != entry.bytes or (h is not None and h.hexdigest() != entry.sha256):
+            self._corrupt(f"{name} fails its size/sha256 check (corrupted on the store)")
+        return done
+
+    @staticmethod
+    def _take(fut: Any, fh: IO[bytes], h: Any) -> int:
+        data = fut.result()
+        if h is not None:
+            h.update(data)
+        fh.write(data)
+        return len(data)
+
+    def verify_file(self, name: str) -> None:
+        entry = self.manifest.file(name)
+        h = hashlib.sha256()
+        n = 0
+        try:
+            with self.store.fs.open(self.key(name), "rb") as fh:
+                while chunk := fh.read(_HASH_CHUNK):
+                    h.update(chunk)
+                    n += len(chunk)
+        except FileNotFoundError:
+            self._corrupt(f"file {name} listed in the manifest is missing")
+        if n != entry.bytes or h.hexdigest() != entry.sha256:
+            self._corrupt(f"{name} fails its size/sha256 check (corrupted on the store)")
+
+    def verify(self, checksums: bool = True) -> None:
+        for f in self.manifest.files:
+            if checksums:
+                self.verify_file(f.path)
+            else:
+                key = self.key(f.path)
+                try:
+                    size = self.store.fs.size(key)
+                except FileNotFoundError:
+                    raise ArtifactCorrupt(f"{self.uri}: file {f.path} is missing") from None
+                if size != f.bytes:
+                    raise ArtifactCorrupt(f"{self.uri}: {f.path} has {size} bytes, manifest says {f.bytes}")
+
+
+_WRITER = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:16] or "host"
+_ATTEMPT_RE = re.compile(r"^a\d{8}T\d{6}-([A-Za-z0-9]+)-(\d+)-[0-9a-f]{8}$")
+
+
+def attempt_writer(attempt: str) -> dict[str, Any]:
+    """The host and pid an attempt folder's name records, and whether that writer still runs
+    (None: another host, or a name from an older version that records no writer)."""
+    m = _ATTEMPT_RE.match(attempt)
+    if not m:
+        return {}
+    host, pid = m.group(1), int(m.group(2))
+    from tasks.core.owners import pid_running
+
+    return {"host": host, "pid": pid, "alive": pid_running(pid) if host == _WRITER else None}
+
+
+class ArtifactWriter:
+    """Collects the files of one attempt, then publishes them with the manifest."""
+
+    def __init__(self, store: "Store", stage: str, digest: str, version: str, inputs: dict[str, str],
+                 config: dict[str, Any] | None = None):
+        self.store = store
+        self.stage = check_name("stage", stage)
+        self.digest = check_name("digest", digest)
+        self.version = version
+        self.inputs = dict(inputs)
+        self.config = config or {}
+        # The writer's host and pid in the name: `draftline gc` removes a dead writer's attempt at once.
+        self.attempt = f"a{time.strftime('%Y%m%dT%H%M%S')}-{_WRITER}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.files: list[FileEntry] = []
+        self.stats: dict[str, Any] = {}
+        self.committed: Artifact | None = None
+
+    def key(self, name: str) -> str:
+        """Where file `name` of this attempt is written on the store."""
+        return self.store.key(self.stage, self.digest, self.attempt, check_relpath(name))
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[IO[bytes]]:
+        """Stream a file into the attempt, hashing as it goes."""
+        key = self.key(name)
+        h = hashlib.sha256()
+        count = 0
+        mid_file = f"store.{self.stage}.mid-file"
+        with _space_errors(self.store.uri, key), self.store.fs.open(key, "wb") as raw:
+
+            class _Hashing(io.RawIOBase):
+                def writable(self) -> bool:
+                    return True
+
+                def write(self, b) -> int:  # type: ignore[override]
+                    nonlocal count
+                    mv = memoryview(b).cast("B")
+                    if mv.nbytes >= _PARALLEL_HASH_MIN:
+                        # Hash on a helper thread while this one writes the same bytes (both
+                        # release the GIL): a part costs max(hash, write), not their sum.
+                        hashed = _hasher().submit(h.update, mv)
+                        try:
+                            raw.write(mv)
+                        finally:
+                            hashed.result()
+                    else:
+                        h.update(mv)
+                        raw.write(mv)
+                    count += mv.nbytes
+                    if count >= _KILL_MID_FILE_BYTES > count - mv.nbytes:  # once per file, bytes still to come
+                        kill_point(mid_file)
+                    return mv.nbytes
+
+            yield _Hashing()  # type: ignore[misc]
+        self.files.append(FileEntry(path=name, bytes=count, sha256=h.hexdigest()))
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        with self.open(name) as fh:
+            fh.write(data)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        self.write_bytes(name, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+    def put_file(self, name: str, local_path: str | os.PathLike) -> None:
+        with open(local_path, "rb") as src, self.open(name) as dst:
+            while chunk := src.read(_HASH_CHUNK):
+                dst.write(chunk)
+
+    def commit(self, stats: dict[str, Any] | None = None, run: dict[str, Any] | None = None) -> Artifact:
+        if stats:
+            self.stats.update(stats)
+        run = dict(run or {})
+        target = os.environ.get("DRAFTLINE_TARGET_PROVENANCE")  # set at the run's start (tasks/engine/weights.py pin_run)
+        if target and "target" not in run:
+            run["target"] = json.loads(target)
+        manifest = Manifest(
+            stage=self.stage, digest=self.digest, version=self.version, attempt=self.attempt,
+            created=_now(), inputs=self.inputs, files=self.files, stats=self.stats,
+            config=self.config, run=run,
+        )
+        kill_point(f"commit.{self.stage}.before-manifest")
+        self.store._publish(manifest)
+        COMMITTED_HERE.add(self.attempt)
+        self.committed = Artifact(self.store, manifest)
+        return self.committed
+
+    def abort(self) -> None:
+        # Best effort and quick (a store that is down must not hold the failure up): `gc` removes leftovers.
+        with contextlib.suppress(Exception):
+            self.store.quick_fs().rm(self.store.key(self.stage, self.digest, self.attempt), recursive=True)
+
+
+class Store:
+    """All artifact I/O. `Store.from_config(cfg.store)`; the same code for file:// and s3://."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None):
+        uri = with_scheme(uri)
+        self.scheme, rest = uri.split("://", 1)
+        self.storage_options = storage_options or {}
+        if self.scheme == "file":
+            root = str(Path(rest).expanduser().resolve())
+            self.fs = fsspec.filesystem("file", auto_mkdir=True)
+        else:
+            root = rest.rstrip("/")
+            try:
+                # No instance cache: credentials in the environment may change between stores.
+                self.fs = fsspec.filesystem(self.scheme, skip_instance_cache=True, **self.storage_options)
+            except ImportError as exc:
+                raise StoreError(f"{self.scheme}:// needs {exc.name}: pip install s3fs") from None
+        self.root = root
+        self.uri = f"{self.scheme}://{root}"
+
+    @classmethod
+    def from_config(cls, cfg: StoreConfig) -> "Store":
+        opts = resolve_credentials(cfg) if cfg.uri.startswith("s3://") else {}
+        return cls(cfg.uri, opts)
+
+    @property
+    def is_local(self) -> bool:
+        return self.scheme == "file"
+
+    def quick_fs(self) -> Any:
+        """The filesystem with few retries, for calls that should answer in seconds (health checks,
+        best-effort cleanup) rather than wait out an outage like data transfers do."""
+        if "config_kwargs" not in self.storage_options:
+            return self.fs
+        opts = {**self.storage_options, "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}}
+        return fsspec.filesystem(self.scheme, skip_instance_cache=True, **opts)
+
+    # ---------------------------------------------------------------- keys
+    def key(self, *parts: str) -> str:
+        """The store's key (a path on a file:// store) of STAGE/DIGEST/... ."""
+        return "/".join([self.root, *parts])
+
+    def uri_of(self, stage: str, digest: str) -> str:
+        return f"{self.uri}/{stage}/{digest}"
+
+    # ---------------------------------------------------------------- health
+    def check(self, write: bool = True) -> None:
+        """Fail early with a message that says what to fix (bucket, credentials, endpoint). Only the store's
+        own prefix is touched: keys scoped to s3://BUCKET/PREFIX pass. `write=False` (ls, report, export)
+        lists and writes nothing, so read-only keys pass; `write=True` also writes and deletes a probe."""
+        if self.is_local:
+            root = Path(self.root)
+            if not write:
+                if root.exists() and not os.access(root, os.R_OK | os.X_OK):
+                    raise StoreError(f"store folder {self.root} is not readable; fix store.uri or the folder's "
+                                     "permissions")
+                return  # a folder not made yet is an empty store
+            probe = root / f".probe-{uuid.uuid4().hex}"
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                probe.write_bytes(b"ok")
+                probe.unlink()
+            except OSError as exc:
+                raise StoreError(f"store folder {self.root} is not writable ({exc.strerror}); fix store.uri or "
+                                 "the folder's permissions") from None
+            return
+        bucket, _, prefix = self.root.partition("/")
+        fs = self.quick_fs()
+        doing = f"listing {self.uri}"
+        try:
+            fs.invalidate_cache()
+            fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
+            if write:
+                doing = f"writing a probe object under {self.uri}"
+                key = self.key(f".probe-{uuid.uuid4().hex}")
+                fs.pipe_file(key, b"ok")
+                doing = f"deleting the probe object {key}"
+                fs.rm_file(key)
+        except FileNotFoundError:
+            raise BucketMissing(
+                f"bucket {bucket!r} does not exist at {self._endpoint()}; create it with "
+                f"`draftline store init --store s3://{self.root}` (or your provider's console) or fix store.uri"
+            ) from None
+        except PermissionError as exc:
+            if re.search(r"signature|InvalidAccessKeyId|does not exist in our records", str(exc), re.I):
+                raise StoreError(
+                    f"S3 credentials rejected {doing} ({exc}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                    "(or store.credentials_block)") from None
+            need = ("read and list (s3:ListBucket on the prefix, s3:GetObject)" if doing.startswith("listing") else
+                    "write and delete objects (s3:PutObject, s3:DeleteObject) there; commands that only read "
+                    "(ls, report) need no more than read and list")
+            raise StoreError(
+                f"access denied {doing} ({exc}): the keys (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or "
+                f"store.credentials_block) must be allowed to {need}"
+                + (f"; or bucket {bucket!r} does not exist (many servers deny rather than say so: "
+                   f"`draftline store init` with keys that may create it)" if doing.startswith("listing") else "")
+            ) from None
+        except Exception as exc:  # botocore raises many types; name the common causes
+            text = str(exc)
+            if "credentials" in text.lower() or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
+                raise StoreError(
+                    f"S3 credentials rejected or missing for {self._endpoint()}: set AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY in the environment (never in the config)"
+                ) from None
+            raise StoreError(
+                f"store {self.uri} unreachable at {self._endpoint()}: {type(exc).__name__}: {text[:200]}; "
+                "check store.endpoint_url / AWS_ENDPOINT_URL and that the server is up"
+            ) from None
+
+    def create(self) -> bool:
+        """Make the store usable: its S3 bucket (or local folder) if missing. True when one was created."""
+        if self.is_local:
+            existed = Path(self.root).is_dir()
+            Path(self.root).mkdir(parents=True, exist_ok=True)
+            return not existed
+        bucket = self.root.partition("/")[0]
+        try:
+            self.check(write=False)
+            return False
+        except BucketMissing:
+            pass
+        try:
+            self.quick_fs().mkdir(bucket, create_parents=True)
+        except Exception as exc:  # noqa: BLE001 - the provider's reason, with the fix
+            raise StoreError(f"cannot create bucket {bucket!r} at {self._endpoint()} ({type(exc).__name__}: "
+                             f"{str(exc)[:200]}): these keys may not create buckets; ask for one, or create it "
+                             "in your provider's console") from None
+        return True
+
+    def _endpoint(self) -> str:
+        return self.storage_options.get("client_kwargs", {}).get("endpoint_url", "AWS S3")
+
+    # ---------------------------------------------------------------- read
+    def manifest(self, stage: str, digest: str) -> Manifest | None:
+        key = self.key(check_name("stage", stage), check_name("digest", digest), MANIFEST)
+        try:
+            raw = self.fs.cat_file(key)
+        except FileNotFoundError:
+            return None
+        try:
+            return Manifest.model_validate_json(raw)
+        except Exception:
+            return None  # an unreadable manifest is not a committed artifact
+
+    def open(self, stage: str, digest: str, checksums: bool = False) -> Artifact:
+        """The committed artifact, with sizes (and optionally checksums) verified."""
+        m = self.manifest(stage, digest)
+        if m is None:
+            raise ArtifactMissing(f"no committed artifact {self.uri_of(stage, digest)}")
+        art = Artifact(self, m)
+        art.verify(checksums=checksums)
+        return art
+
+    def found_or_compute(self, stage: str, digest: str, compute: Callable[[], ArtifactRef]) -> ArtifactRef:
+        """The one found-or-compute rule every stage and the flow's tasks follow: the committed artifact at
+        this address when there is one (finished work is never paid for twice, with or without Prefect's
+        record of it), else what `compute()` commits there."""
+        hit = self.find(stage, digest)
+        if hit is not None:
+            return hit.ref()
+        return compute()
+
+    def find(self, stage: str, digest: str, checksums: bool = False) -> Artifact | None:
+        """The committed, verified artifact or None (corrupt counts as missing)."""
+        try:
+            return self.open(stage, digest, checksums=checksums)
+        except (ArtifactMissing, ArtifactCorrupt):
+            return None
+
+    def list(self, stage: str | None = None) -> list[Manifest]:
+        out: list[Manifest] = []
+        stages = [stage] if stage else self._dirs(self.root)
+        for s in stages:
+            for d in self._dirs(self.key(s)):
+                m = self.manifest(s, d)
+                if m is not None:
+                    out.append(m)
+        return sorted(out, key=lambda m: (m.stage, m.created))
+
+    def _dirs(self, key: str) -> list[str]:
+        try:
+            entries = self.fs.ls(key, detail=True, refresh=True) if not self.is_local else self.fs.ls(key, detail=True)
+        except FileNotFoundError:
+            return []
+        names = []
+        for e in entries:
+            if e.get("type") == "directory":
+                name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+                if _NAME_RE.match(name):
+                    names.append(name)
+        return sorted(names)
+
+    # ---------------------------------------------------------------- write
+    def writer(self, stage: str, digest: str, version: str, inputs: dict[str, str] | None = None,
+               config: dict[str, Any] | None = None) -> ArtifactWriter:
+        return ArtifactWriter(self, stage, digest, version, inputs or {}, config)
+
+    @contextlib.contextmanager
+    def write(self, stage: str, digest: str, version: str, inputs: dict[str, str] | None = None,
+              config: dict[str, Any] | None = None) -> Iterator[ArtifactWriter]:
+        """`with store.write(...) as w: ...; w.commit(stats)`; an exception removes the attempt."""
+        w = self.writer(stage, digest, version, inputs, config)
+        try:
+            yield w
+        except BaseException:
+            w.abort()
+            raise
+        if w.committed is None:
+            w.abort()
+            raise RuntimeError(f"{stage}/{digest}: writer closed without commit()")
+
+    def _publish(self, manifest: Manifest) -> None:
+        key = self.key(manifest.stage, manifest.digest, MANIFEST)
+        payload = manifest.model_dump_json(indent=2).encode()
+        if self.is_local:
+            tmp = f"{key}.tmp-{uuid.uuid4().hex}"
+            try:
+                with _space_errors(self.uri, key), open(tmp, "wb") as fh:
+                    fh.write(payload)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise
+            os.replace(tmp, key)  # atomic on POSIX
+        else:
+            self.fs.pipe_file(key, payload)  # one PUT: atomic on S3
+            self.fs.invalidate_cache(self.key(manifest.stage, manifest.digest))
+
+    def quarantine(self, stage: str, digest: str, why: str) -> None:
+        """Move a bad manifest aside (kept for inspection as manifest.corrupt-*.json)."""
+        key = self.key(stage, digest, MANIFEST)
+        with contextlib.suppress(FileNotFoundError):
+            raw = self.fs.cat_file(key)
+            self.fs.pipe_file(self.key(stage, digest, f"manifest.corrupt-{uuid.uuid4().hex[:8]}.json"),
+                              json.dumps({"reason": why, "manifest": json.loads(raw)}).encode())
+            self.fs.rm_file(key)
+
+    def delete(self, stage: str, digest: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.key(check_name("stage", stage), check_name("digest", digest)), recursive=True)
+
+    # ---------------------------------------------------------------- gc
+    def garbage(self, min_age_s: float = 3600) -> list[str]:
+        """Keys of uncommitted attempt folders and temp files: a dead writer's at once, others once
+        older than min_age_s (a writer that may still be running is protected by the age)."""
+        return [g["key"] for g in self.garbage_detail(min_age_s)]
+
+    def garbage_detail(self, min_age_s: float = 3600) -> list[dict[str, Any]]:
+        """`garbage` with each leftover's age in seconds and its writer (host, pid, alive?)."""
+        out: list[dict[str, Any]] = []
+        now = time.time()
+        if not self.is_local:
+            self.fs.invalidate_cache()
+        for s in self._dirs(self.root):
+            if s.startswith("_"):
+                continue
+            for d in self._dirs(self.key(s)):
+                m = self.manifest(s, d)
+                live = m.attempt if m else None
+                for a in self._dirs(self.key(s, d)):
+                    if a == live or not a.startswith("a"):
+                        continue
+                    key = self.key(s, d, a)
+                    found = self.fs.find(key, detail=True)
+                    if not any(i.get("type") == "file" and k.rstrip("/") != key for k, i in found.items()):
+                        continue  # an empty prefix some S3 servers keep after deletion: nothing to free
+                    age, writer = self._age(key, now), attempt_writer(a)
+                    if age >= min_age_s or writer.get("alive") is False:
+                        out.append({"kind": "attempt", "key": key, "age_s": age, "owner": writer})
+                try:
+                    files = self.fs.ls(self.key(s, d), detail=False)
+                except FileNotFoundError:
+                    files = []
+                for f in files:
+                    if ".tmp-" in f.rsplit("/", 1)[-1] and (age := self._age(f, now)) >= min_age_s:
+                        out.append({"kind": "temp-file", "key": f, "age_s": age, "owner": {}})
+        return out
+
+    def _age(self, key: str, now: float) -> float:
+        try:
+            newest = 0.0
+            for _path, info in self.fs.find(key, detail=True, withdirs=False).items() if self.fs.isdir(key) else [(key, self.fs.info(key))]:
+                t = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
+                if hasattr(t, "timestamp"):
+                    t = t.timestamp()
+                newest = max(newest, float(t))
+            return now - newest if newest else float("inf")
+        except FileNotFoundError:
+            return float("inf")
+
+    def gc(self, min_age_s: float = 3600) -> list[str]:
+        removed = self.garbage(min_age_s)
+        for key in removed:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(key, recursive=True)
+        return removed
