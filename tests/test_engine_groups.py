@@ -93,8 +93,11 @@ def test_two_engine_groups_match_one_and_a_killed_engine_fails_only_its_shard(pr
     assert "regenerate-cpu1 died" in rg["error"] and "killed by SIGKILL" in rg["error"], rg["error"]
     assert s["stages"]["extract"]["status"] == "pending", s["stages"]
     got = manifests(two, "regenerate-shard")
-    assert len(got) == 3 and {m.stats["engine"] for m in got.values()} == {"regenerate-cpu0", "regenerate-cpu1"}, \
-        {k: m.stats["engine"] for k, m in got.items()}  # both engines served shards, the restarted one too
+    # the other group's engine went on serving; whether group 1's restarted engine took one of the remaining shards
+    # depends on its start time against group 0's pace (the pool hands a shard to the first free engine)
+    engines = {m.stats["engine"] for m in got.values()}
+    assert len(got) == 3 and "regenerate-cpu0" in engines and engines <= {"regenerate-cpu0", "regenerate-cpu1"}, \
+        {k: m.stats["engine"] for k, m in got.items()}
     assert Store(two).list("regenerate") == []  # no stage artifact from 3 of 4 shards
     no_engine_left(s["pid"])
     run_id = s["flow_run_id"]
