@@ -4,6 +4,8 @@ node part cache from S3, bf16 and fp8 parts, beside the Kimi-shaped training ste
     # on a GPU node (the default shape is Kimi-K2.5's draft: hidden 7168, 3 aux layers + the last, 16,384
     # tokens per batch; 8 ranks x 3 parts = 22.5 GB of bf16 parts, twice that at the peak with S3 + cache):
     python benchmarks/bench_loader.py --device cuda --ranks 8 --workdir /local/nvme --out loader.json
+    # RESULTS.md's H200 entry: the cold disk and the step, then the ceilings with the step's rate given
+    python benchmarks/bench_loader.py --device cuda --ranks 8 --sources disk,raw,warm --step-steps 0 --step-tok-s 30778
     # on a CPU, small, so it is known to work:
     .venv/bin/python benchmarks/bench_loader.py --ranks 2 --hidden 512 --batch-tokens 2048 --parts-per-rank 8 \\
         --vocab 8192 --draft-vocab 2048 --step-steps 6
@@ -19,6 +21,10 @@ share, each a fresh stream over exactly one epoch of batches:
 
 - disk: the parts' files in the local store, their pages evicted from the page cache before each pass
   (os.posix_fadvise POSIX_FADV_DONTNEED after a sync), so every pass reads a cold disk;
+- raw: the same files, evicted the same way, read plainly (8 MiB sequential reads, nothing else): the disk's
+  ceiling, the baseline the disk row is divided by;
+- warm: the loader with the files left in the page cache (the first pass reads what the earlier sources left;
+  later passes read memory): the loader's own ceiling (CPU copies, pinned staging, PCIe);
 - s3: through one node part cache (tasks/store/part_cache.py) shared by the ranks, empty before the first
   pass (which therefore streams every part from S3 and hashes it), its files evicted from the page
   cache before each later pass (a cold local cache).
@@ -96,10 +102,21 @@ def rank_main(a: dict, rank: int, barrier: Any, results: Any) -> None:
         passes = []
         barrier.wait()
         for p in range(a["passes"]):
-            for spec in share:  # a cold disk: this rank's files out of the page cache
-                path = cache.path(art.manifest.file(spec.name).sha256) if cache else art.key(spec.name)
-                if Path(path).exists():
-                    evict(str(path))
+            paths = [cache.path(art.manifest.file(spec.name).sha256) if cache else art.key(spec.name) for spec in share]
+            if a["evict"]:  # a cold disk: this rank's files out of the page cache
+                for path in paths:
+                    if Path(path).exists():
+                        evict(str(path))
+            if a["raw"]:  # the baseline: the same files read whole, sequentially, in 8 MiB reads, nothing else
+                buf, n = bytearray(8 << 20), 0
+                t0 = time.perf_counter()
+                for path in paths:
+                    with open(path, "rb", buffering=0) as f:
+                        while (k := f.readinto(buf)):
+                            n += k
+                passes.append({"tokens": n / a["bytes_per_token"], "seconds": time.perf_counter() - t0,
+                               "first_batch_s": None, "fills": None})
+                continue
             stream = BatchStream(parts, reader, batch_tokens=a["batch_tokens"], seed=0, rank=rank, world=a["ranks"],
                                  prefetch=a["prefetch"], pin_memory=device.type == "cuda")
             tokens, first = 0, None
@@ -190,7 +207,10 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--dtypes", default="bf16,fp8")
-    ap.add_argument("--sources", default="disk,s3")
+    ap.add_argument("--sources", default="disk,raw,warm,s3",
+                    help="disk: the loader on a cold local disk; raw: the same files read plainly on the same cold "
+                         "disk (the disk's ceiling, the loader's baseline); warm: the loader on parts in the page "
+                         "cache (its own ceiling: CPU, copies, PCIe); s3: through the node part cache from S3")
     ap.add_argument("--vocab", type=int, default=163840, help="target vocabulary (the step)")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--attn-impl", choices=["sdpa", "flex_attention"], default=None,
@@ -199,6 +219,9 @@ def main() -> None:
                     "cuda, 0 on cpu)")
     ap.add_argument("--workdir", default=None, help="where the parts, the S3 server's data and the cache go")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--step-tok-s", type=float, default=None,
+                    help="a step rate measured by an earlier call on the same machine (skips timing the step; the "
+                         "output says so)")
     args = ap.parse_args()
     args.part_tokens = args.part_tokens or args.batch_tokens + args.samples_per_part
     args.attn_impl = args.attn_impl or ("flex_attention" if args.device == "cuda" else "sdpa")
@@ -230,23 +253,28 @@ def main() -> None:
             os.environ.update(env)
             server.make_bucket("bench")
         for dtype in args.dtypes.split(","):
+            written: dict = {}  # the file store's parts, shared by the disk, raw and warm sources
             for source in sources:
-                uri = f"file://{tmp}/store-{dtype}" if source == "disk" else f"s3://bench/{dtype}"
+                uri = f"s3://bench/{dtype}" if source == "s3" else f"file://{tmp}/store-{dtype}"
                 store = open_store(uri, env)
-                t0 = time.perf_counter()
-                arts, parts, positions = write_parts(store, n_parts, args.part_tokens, args.hidden, args.layers,
-                                                     dtype, args.samples_per_part, vocab=args.vocab)
-                os.sync()
+                if uri not in written:
+                    t0 = time.perf_counter()
+                    written[uri] = write_parts(store, n_parts, args.part_tokens, args.hidden, args.layers,
+                                               dtype, args.samples_per_part, vocab=args.vocab)
+                    os.sync()
+                    arts, parts, positions = written[uri]
+                    (digest, art), = arts.items()
+                    stored = sum(art.manifest.file(p.name).bytes for p in parts)
+                    print(f"{dtype} parts on {'s3' if source == 's3' else 'disk'}: {n_parts} x {args.part_tokens} "
+                          f"tokens, {stored / 1e9:.2f} GB ({time.perf_counter() - t0:.0f} s to write)", flush=True)
+                arts, parts, positions = written[uri]
                 (digest, art), = arts.items()
-                stored = sum(art.manifest.file(p.name).bytes for p in parts)
-                print(f"{dtype} parts on {source}: {n_parts} x {args.part_tokens} tokens, {stored / 1e9:.2f} GB "
-                      f"({time.perf_counter() - t0:.0f} s to write)", flush=True)
                 cache = str(tmp / f"cache-{dtype}") if source == "s3" else None
                 a = {"store": uri, "env": env, "digest": digest, "names": [p.name for p in parts],
                      "positions": positions, "cache": cache, "layer_ids": layer_ids, "hidden": args.hidden,
                      "ranks": args.ranks, "batch_tokens": args.batch_tokens, "passes": args.passes,
-                     "prefetch": args.prefetch, "device": args.device,
-                     "bytes_per_token": stored / (n_parts * args.part_tokens)}
+                     "prefetch": args.prefetch, "device": args.device, "evict": source != "warm",
+                     "raw": source == "raw", "bytes_per_token": stored / (n_parts * args.part_tokens)}
                 res = run_loaders(a)
                 results["runs"][f"{source}/{dtype}"] = res
                 save()
@@ -263,9 +291,14 @@ def main() -> None:
                     save()
                     print(f"training step at this shape ({args.attn_impl}, {args.batch_tokens} tokens): "
                           f"{step['tokens_per_s']:,.0f} tok/s", flush=True)
-                store.delete("extract", digest)  # room on the disk for the next runs
                 if cache:
                     shutil.rmtree(cache, ignore_errors=True)
+            for uri in written:  # room on the disk for the next dtype
+                (digest, _), = written[uri][0].items()
+                open_store(uri, env).delete("extract", digest)
+        if "step" not in results and args.step_tok_s:
+            results["step"] = {"tokens_per_s": args.step_tok_s, "measured": "by an earlier call (--step-tok-s)"}
+            print(f"training step at this shape: {args.step_tok_s:,.0f} tok/s (given: --step-tok-s)")
         if "step" in results:
             step = results["step"]
             for key, res in results["runs"].items():
@@ -275,6 +308,14 @@ def main() -> None:
                         ratio = res[label]["per_rank_over_step"]
                         print(f"  {key} {label}: slowest rank's loader / step = {ratio:.2f}x")
             save()
+        for dtype in args.dtypes.split(","):  # the loader against the plain read of the same cold files
+            disk, raw = results["runs"].get(f"disk/{dtype}"), results["runs"].get(f"raw/{dtype}")
+            if disk and raw:
+                label = "later passes" if "later passes" in disk else "first pass"
+                disk[label]["all_ranks_over_raw"] = disk[label]["tok_s_all_ranks"] / raw[label]["tok_s_all_ranks"]
+                print(f"  {dtype}: the loader on a cold disk / a plain read of the same files = "
+                      f"{disk[label]['all_ranks_over_raw']:.2f}x ({label}, all ranks)")
+        save()
 
 
 if __name__ == "__main__":

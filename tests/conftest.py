@@ -66,10 +66,15 @@ def store(request, tmp_path) -> Store:
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """One real Prefect server for the session; flows in this process and children report to it."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
     server = PrefectServer(tmp_path_factory.mktemp("prefect-a")).start()
     old = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
-    yield server
+    os.environ.update(server.env())  # for the runs a test starts as processes
+    # Prefect reads its settings once, when first imported (a test module's collection imports it): the clients
+    # this process opens point at the server only through its settings context
+    with temporary_settings(updates={PREFECT_API_URL: server.api_url, PREFECT_HOME: str(server.home)}):
+        yield server
     server.stop()
     for k, v in old.items():
         if v is None:
