@@ -68,7 +68,7 @@ import torch  # noqa: E402
 
 import tasks.train.loop as train_mod  # noqa: E402
 from bench_train import clear_checkpoints, free_memory, run_speculators  # noqa: E402
-from tasks.core import digest as digests  # noqa: E402
+from tasks.address import digests  # noqa: E402
 from tasks.core.config import EvalConfig, RunConfig, load_config  # noqa: E402
 from tasks.store.artifacts import Store  # noqa: E402
 from tasks.train.inputs import resolve_inputs  # noqa: E402

@@ -1,7 +1,7 @@
 """Prefect caching keyed by artifact digests, with keys and results on the store.
 
 The cache key of a stage task is `STAGE-DIGEST`, where DIGEST is the artifact
-address from tasks/core/digest.py. The policy only hands Prefect a key when the
+address from tasks/address/digests.py. The policy only hands Prefect a key when the
 store holds a committed artifact at that address that still verifies: a cache
 record whose artifact vanished or was corrupted is ignored, and the task runs.
 Cache records and results live under `STORE/_prefect/`, so a machine with an

@@ -291,7 +291,7 @@ def cache_dirs() -> dict[str, Path]:
 
     from huggingface_hub import constants
 
-    from tasks.engine.weights import cache_home
+    from tasks.core.home import cache_home
 
     return {"draftline cache": cache_home(), "hf cache": Path(constants.HF_HUB_CACHE),
             "temp": Path(tempfile.gettempdir())}

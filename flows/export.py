@@ -70,7 +70,7 @@ def report_for(store: Any, train_digest: str) -> dict[str, Any] | None:
 def config_train_digest(store: Any, cfg: Any, head: str | None = None) -> str:
     """The train address a config's run has (or would have): the data, vocab and extraction artifacts are read
     from the store, as the pipeline computes them."""
-    from tasks.core import digest as digests
+    from tasks.address import digests
     from tasks.core.config import head_config
     from tasks.extract.plan import plan_extract
     from tasks.engine.target import load_hf_config, resolve_model

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from flows.prefect_api import EXTRACT_FLOW, child_stage, config_parameters, slice_deployment
 from flows.report_artifacts import Progress
-from flows.run_record import RunRecord
+from flows.run_record import RunRecord, StageRecord, finish_stage
 from tasks.core import stopping
 from tasks.core.config import RunConfig
 from tasks.store.artifacts import ArtifactRef, Store
@@ -43,6 +43,31 @@ SHARDED = {
                                "generated tok/s"),
     "extract": ShardedStage("extract", "extraction", "Extraction", "tokens", "tok/s"),
 }
+
+
+def finish_sharded(stage: str, record: StageRecord, store: Store, plans: list, refs: list[ArtifactRef],
+                   errors: list[str], t0: float, logger, *, executed: int | None = None,
+                   nodes: int | None = None) -> list[ArtifactRef]:
+    """The end of a sharded stage, on one node or several: REFS (the shards there are) sorted, the record's
+    counts, status, figures and error; raises naming the shards not finished, which `draftline retry` runs."""
+    kind = SHARDED[stage]
+    refs.sort(key=lambda x: int(x.stats.get("shard", 0)))
+    done = {int(x.stats.get("shard", 0)) for x in refs}
+    lost = sorted(p.shard for p in plans if p.shard not in done)
+    finish_stage(record, t0, refs, failed=len(lost), executed=executed)
+    record.artifact = f"{store.uri}/{kind.store_stage}/"
+    record.stats = {"shards": len(plans), kind.tokens: sum(int(x.stats.get(kind.tokens, 0)) for x in refs)}
+    where = ""
+    if nodes is not None:
+        record.stats["nodes"] = nodes
+        where = f" (on {nodes} nodes)"
+    if lost:
+        record.error = errors[0] if errors else f"shards {lost} are not on {store.uri}"
+        logger.error(f"{stage}: {len(lost)} of {len(plans)} shards not finished ({lost}); " + "; ".join(errors))
+        raise RuntimeError(f"{len(lost)} of {len(plans)} {kind.label} shards not finished ({lost}): "
+                           f"{record.error}; `draftline retry` this run: it runs only those, on any node")
+    logger.info(f"{stage}: {record.executed} shards ran{where}, {record.cached} cached, in {record.seconds}s")
+    return refs
 
 
 def child_deployment(cfg: RunConfig) -> str:
@@ -112,22 +137,8 @@ def run_nodes(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: Ar
     found = {s: store.find(kind.store_stage, by_shard[s].digest) for s in missing}
     have = {int(x.stats.get("shard", 0)) for x in refs}
     refs += [a.ref() for s, a in found.items() if a is not None and s not in have]
-    refs.sort(key=lambda x: int(x.stats.get("shard", 0)))
-    r.executed = sum(1 for a in found.values() if a is not None)
-    r.cached = len(cached)
-    r.failed = len(plans) - len(refs)
-    r.seconds = round(time.time() - t0, 1)
-    r.status = ("failed" if not refs else "partial") if r.failed else ("ran" if r.executed else "cached")
-    r.artifact = f"{store.uri}/{kind.store_stage}/"
-    r.stats = {"shards": len(plans), kind.tokens: sum(int(x.stats.get(kind.tokens, 0)) for x in refs),
-               "nodes": 1 + len(children)}
-    if r.failed:
-        lost = sorted(s for s, a in found.items() if a is None)
-        r.error = errors[0] if errors else f"shards {lost} are not on {store.uri}"
-        logger.error(f"{stage}: {r.failed} of {len(plans)} shards not finished ({lost}); " + "; ".join(errors))
-        raise RuntimeError(f"{r.failed} of {len(plans)} {kind.label} shards not finished ({lost}): {r.error}; "
-                           f"`draftline retry` this run: it runs only those, on any node")
-    logger.info(f"{stage}: {r.executed} shards ran (on {1 + len(children)} nodes), {r.cached} cached, in {r.seconds}s")
+    return finish_sharded(stage, r, store, plans, refs, errors, t0, logger,
+                          executed=sum(1 for a in found.values() if a is not None), nodes=1 + len(children))
     return refs
 
 
@@ -327,7 +338,7 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
     from prefect.client.orchestration import get_client
 
     from flows.prefect_api import submitting_worker
-    from tasks.core import digest as digests
+    from tasks.address import digests
     from tasks.train import STAGE, TrainError
     from tasks.train.inputs import resolve_inputs
     from tasks.train.ranks import Rendezvous, launch_ranks, train_ranks

@@ -218,7 +218,7 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
 
 
 def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None, logger) -> None:
-    from tasks.core import digest as digests
+    from tasks.address import digests
 
     def run_single(name: str, fn: Callable[[], ArtifactRef]) -> ArtifactRef:
         r = rec.stages[name]
@@ -227,8 +227,8 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         try:
             ref = as_ref(fn())
         except Exception as exc:
-            r.status, r.failed, r.error = "failed", 1, f"{type(exc).__name__}: {exc}"
-            r.seconds = round(time.time() - t0, 1)
+            finish_stage(r, t0, [], failed=1)
+            r.error = f"{type(exc).__name__}: {exc}"
             raise
         finish_stage(r, t0, [ref])
         r.artifact, r.stats = ref.uri, _brief(ref.stats)
@@ -299,9 +299,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
             **opts("train"), name=task_name, task_run_name=task_name)(hcfg, d, vocab, shards, children))))
     if len(heads) > 1:
         r = rec.stages["train"]
-        r.executed = sum(1 for _, ref in heads if ref.executed_here)
-        r.cached = len(heads) - r.executed
-        r.status, r.seconds = ("ran" if r.executed else "cached"), round(time.time() - t0, 1)
+        finish_stage(r, t0, [ref for _, ref in heads])
         r.stats = {"heads": ", ".join(f"{label} {ref.digest[:8]} ({ref.stats.get('steps')} steps)"
                                       for label, ref in heads)}
     trained = heads[0][1] if len(heads) == 1 else heads
@@ -383,10 +381,9 @@ def _run_sharded(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data:
     """STAGE's shards (regenerate or extract), one task each, over this node's engine groups and, with
     extract.nodes > 1, over other nodes (flows/nodes.py); the stage's record counts them. Raises when
     a shard failed: `draftline retry` runs only the shards not on the store."""
-    from flows.nodes import SHARDED, run_nodes
+    from flows.nodes import SHARDED, finish_sharded, run_nodes
 
     kind = SHARDED[stage]
-    r = rec.stages[stage]
     t0 = time.time()
     plans = _shard_plans(stage, cfg, data, model)
 
@@ -395,18 +392,8 @@ def _run_sharded(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data:
 
     if cfg.extract.nodes > 1:
         return run_nodes(stage, cfg, store, rec, data, plans, logger, t0, here)
-    progress = Progress(f"{stage}-progress", f"{kind.title}: 0/{len(plans)} shards")
-    refs, errors = here(plans, progress)
-    finish_stage(r, t0, refs, failed=len(errors))
-    r.artifact = f"{store.uri}/{kind.store_stage}/"
-    r.stats = {"shards": len(plans), kind.tokens: sum(int(x.stats.get(kind.tokens, 0)) for x in refs)}
-    if errors:
-        r.error = errors[0]
-        logger.error(f"{stage}: {len(errors)} of {len(plans)} shards failed; first error: {errors[0]}")
-        raise RuntimeError(f"{len(errors)} of {len(plans)} {kind.label} shards failed (retry runs only those): "
-                           f"{errors[0]}")
-    logger.info(f"{stage}: {r.executed} shards ran, {r.cached} cached, in {r.seconds}s")
-    return refs
+    refs, errors = here(plans, Progress(f"{stage}-progress", f"{kind.title}: 0/{len(plans)} shards"))
+    return finish_sharded(stage, rec.stages[stage], store, plans, refs, errors, t0, logger)
 
 
 def _shards_here(stage: str, cfg: RunConfig, store: Store, model: str, plans: list, logger,

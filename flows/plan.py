@@ -300,7 +300,7 @@ class Lengths:
 def run_lengths(cfg: RunConfig) -> Lengths:
     """Read this config's prepare artifact and its regenerate artifact (or the regenerate shards committed so
     far) on cfg.store; what is not there stays None, and `source` says what was found."""
-    from tasks.core import digest as digests
+    from tasks.address import digests
     from tasks.store.artifacts import Store, StoreError
 
     try:

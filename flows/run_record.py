@@ -66,8 +66,14 @@ def count_stage(record: StageRecord, refs: list[ArtifactRef]) -> None:
     record.cached = len(refs) - record.executed
 
 
-def finish_stage(record: StageRecord, t0: float, refs: list[ArtifactRef], failed: int = 0) -> None:
+def finish_stage(record: StageRecord, t0: float, refs: list[ArtifactRef], failed: int = 0,
+                 executed: int | None = None) -> None:
+    """The one status rule: failed when nothing came out, partial when some of it did, else ran or cached.
+    EXECUTED: how many of REFS were computed by this run when not all of them ran in this process (other
+    nodes' shards); by default the refs say it themselves."""
     count_stage(record, refs)
+    if executed is not None:
+        record.executed, record.cached = executed, len(refs) - executed
     record.failed = failed
     record.seconds = round(time.time() - t0, 1)
     if failed:

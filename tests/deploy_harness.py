@@ -76,7 +76,7 @@ class Node:
         self.name, self.tmp, self.server = name, tmp / name, server
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.log_path = self.tmp / "bootstrap.log"
-        from tasks.engine.weights import cache_home
+        from tasks.core.home import cache_home
 
         self.env = dict(env, PREFECT_HOME=str(self.tmp / "prefect-home"), DRAFTLINE_RELEASE=f"v{version()}",
                         DRAFTLINE_SOURCE_DIR=str(ROOT), DRAFTLINE_VENV=sys.prefix, DRAFTLINE_EXPECT_GPUS="0",

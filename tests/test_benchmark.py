@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.formats.acceptance import simulated_acceptance_length
 from tasks.benchmark.stage import check_draft, draft_folder, find_report, load_report, run_benchmark
 from tasks.benchmark import BenchmarkError

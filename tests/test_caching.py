@@ -19,7 +19,7 @@ from prefect_server import PrefectServer
 
 from tasks.core.digest import stage_digest
 from tasks.core.config import RunConfig
-from tasks.core import digest as digests
+from tasks.address import digests
 
 TOY = Path(__file__).parent / "toy_flow.py"
 

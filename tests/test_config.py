@@ -40,6 +40,8 @@ def test_demo_config_loads_and_sets_override_types():
     ("store.uri=s3://KEY:SECRET@bucket/x", "credentials must not be embedded"),
     ("benchmark.num_speculative_tokens=[]", "non-empty list of positive integers"),
     ("data.sources=[{preset: chitchat, path: x.jsonl}]", "exactly one of preset/path/hub"),
+    ("benchmark.evals=[]", "benchmark.evals is empty"),
+    ("benchmark.evals=[{name: a, source: heldout}, {name: a, source: heldout}]", "['a'] appear more than once"),
 ])
 def test_bad_values_name_the_field_and_the_fix(override, needle):
     with pytest.raises(ConfigError) as exc:

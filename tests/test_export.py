@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.core.config import RunConfig, load_config
 from tasks.formats.drafts import DraftError, check_compatible, content_digest, remap_rows
 from tasks.benchmark.export import best_k, export_draft, run_serve, serve_command

@@ -37,7 +37,7 @@ from tasks.extract.stage import extract_shard, plan_extract
 from tasks.formats.parts import load_part
 from tasks.store.artifacts import MANIFEST, ArtifactRef, Store
 from tasks.engine.target import load_hf_config
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.train.stage import run_train
 from tasks.train import TrainError
 from tasks.train.loop import checkpoint_digest

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.core.config import ConfigError, HeadConfig, RunConfig, head_config, load_config
 from tasks.store.artifacts import Store
 from tasks.train.stage import run_train

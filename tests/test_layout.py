@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # the six stages of the DAG, each a module of its package
 STAGES = ("tasks.data.prepare", "tasks.data.regenerate", "tasks.data.vocab", "tasks.extract.stage",
           "tasks.train.stage", "tasks.benchmark.stage")
-TASK_PACKAGES = ("core", "store", "formats", "engine", "data", "extract", "train", "benchmark")
+# the packages from the bottom up: each imports only those before it (the README's layout table lists them so)
+TASK_PACKAGES = ("core", "store", "formats", "engine", "address", "data", "extract", "train", "benchmark")
 
 
 def modules() -> dict[str, Path]:
@@ -64,6 +65,20 @@ def test_tasks_is_packages_each_saying_what_lives_there():
         heavy = {m for m in heavy if m.split(".")[0] not in sys.stdlib_module_names
                  and m not in ("__future__", "tasks.core.errors")}
         assert heavy == set(), f"tasks/{pkg}/__init__.py imports (at its top) only the standard library and the error root"
+
+
+def test_each_package_imports_only_the_packages_below_it():
+    """core < store < formats < engine < address < data < extract < train < benchmark, at module or
+    function level: a shared room that reaches up into one built on it is the layering gone wrong."""
+    rank = {f"tasks.{p}": i for i, p in enumerate(TASK_PACKAGES)}
+    mods = modules()
+    found = [f"{m} imports {i}" for m, p in mods.items() if package_of(m) in rank
+             for i in sorted(imports(p, top_level_only=False))
+             if i in mods and package_of(i) in rank and rank[package_of(i)] > rank[package_of(m)]]
+    assert found == []
+    readme = (ROOT / "README.md").read_text()
+    listed = [m.group(1) for m in re.finditer(r"^\| `tasks/(\w+)/` \|", readme, re.M)]
+    assert listed == list(TASK_PACKAGES), "the README's layout table lists the packages from the bottom up"
 
 
 def test_no_stage_imports_another_stage():

@@ -182,7 +182,7 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
 
 
 def test_nodes_and_deployment_are_scheduling_keys_that_change_no_address():
-    from tasks.core import digest
+    from tasks.address import digests as digest
     from tasks.core.config import load_config
 
     one = load_config(harness.CONFIG)

@@ -236,7 +236,7 @@ def test_regeneration_on_one_node_when_the_fan_out_assumption_is_flipped(kimi_sh
 
 def test_the_runs_own_stats_on_the_store_replace_the_assumed_lengths(tmp_path, monkeypatch):
     monkeypatch.delenv("DRAFTLINE_STORE_URI", raising=False)  # it would sit above --set store.uri
-    from tasks.core import digest as digests
+    from tasks.address import digests
     from tasks.store.artifacts import Store
 
     uri = f"file://{tmp_path}/store"

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.core.config import ConfigError, RunConfig, SourceConfig, TargetConfig, load_config
 from tasks.data.sources import DataSourceError, load_source, normalize_row, BadRow
 from tasks.data.prepare import (

@@ -10,7 +10,7 @@ import pytest
 
 from tasks.core.config import RunConfig
 from tasks.data.prepare import HELDOUT, read_samples, run_prepare, shard_name
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.data.regenerate import SHARD_STAGE, run_regenerate
 from tasks.store.artifacts import Store
 

@@ -23,7 +23,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
 from tasks.core.config import RunConfig
-from tasks.core.digest import train as digest_of_train
+from tasks.address.digests import train as digest_of_train
 from tasks.store.artifacts import ArtifactRef, Store
 from tasks.formats.acceptance import simulated_acceptance_length
 from tasks.train.stage import run_train

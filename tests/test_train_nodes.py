@@ -68,7 +68,7 @@ def test_each_node_reads_only_its_ranks_share_and_the_deal_follows_the_world_siz
 
 
 def test_train_nodes_is_scheduling_not_part_of_the_address():
-    from tasks.core import digest
+    from tasks.address import digests as digest
     from tasks.core.config import load_config
 
     one = load_config(harness.CONFIG)

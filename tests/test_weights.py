@@ -21,7 +21,7 @@ from hub_server import StandInHub
 from test_train_ranks import byte_tokenizer
 from train_data import make_tiny_target
 
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.core.config import load_config
 from tasks.store.artifacts import Store
 from tasks.engine.weights import folder_fingerprint

@@ -407,6 +407,17 @@ class BenchmarkConfig(Section):
         "GPUs (cheaper to start than another vLLM engine), else the extract stage's backend.",
     )
 
+    @model_validator(mode="after")
+    def _evals(self) -> "BenchmarkConfig":
+        if self.enabled and not self.evals:
+            raise ValueError("benchmark.evals is empty: add e.g. {name: mtbench, source: {preset: mtbench}}, or "
+                             "set benchmark.enabled: false")
+        names = [e.name for e in self.evals]
+        twice = sorted({x for x in names if names.count(x) > 1})
+        if twice:
+            raise ValueError(f"benchmark.evals names must be unique, {twice} appear more than once")
+        return self
+
     @field_validator("drafts")
     @classmethod
     def _distinct_drafts(cls, v: list[DraftConfig]) -> list[DraftConfig]:

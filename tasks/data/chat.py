@@ -362,7 +362,7 @@ _MASKERS: dict[str, ChatMasker] = {}
 
 def make_masker(cfg: RunConfig, template_kwargs: dict | None = None) -> ChatMasker:
     """The target's tokenizer + template, checked; cached per process (loading takes seconds)."""
-    from tasks.core.digest import target_identity
+    from tasks.address.digests import target_identity
     from tasks.engine.target import load_tokenizer
 
     key = json.dumps([target_identity(cfg), cfg.target.trust_remote_code, template_kwargs], sort_keys=True)

@@ -32,7 +32,7 @@ from tasks.data.chat import (  # noqa: F401  (ChatTemplateError, SampleDropped, 
     make_masker,
     template_help,
 )
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.core.digest import VERSIONS
 from tasks.formats.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats  # noqa: F401
 from tasks.store.artifacts import ArtifactRef, Store

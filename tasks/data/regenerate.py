@@ -43,11 +43,11 @@ from pydantic import BaseModel
 from tasks.core.errors import DraftlineError
 from tasks.core.config import RunConfig
 from tasks.data.sources import Conversation, strip_thinking, user_turns
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.core.digest import VERSIONS
 from tasks.data.chat import ChatMasker, SampleDropped, encode_sample, make_masker
 from tasks.formats.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats
-from tasks.core.stats import data_stats
+from tasks.store.stats import data_stats
 from tasks.store.artifacts import Artifact, ArtifactRef, Store
 
 STAGE = "regenerate"
@@ -175,7 +175,7 @@ class ShardPlan(BaseModel):
 
 
 def plan_regenerate(cfg: RunConfig, prepared: ArtifactRef) -> list[ShardPlan]:
-    """The shards of the prepare artifact `prepared`, each with its own address (tasks/core/digest.py)."""
+    """The shards of the prepare artifact `prepared`, each with its own address (tasks/address/digests.py)."""
     stage = digests.regenerate(cfg, prepared)
     return [ShardPlan(shard=i, digest=digests.regenerate_shard(stage, i), prepared=prepared)
             for i in range(data_stats(prepared).num_shards)]

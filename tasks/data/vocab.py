@@ -22,7 +22,7 @@ import numpy as np
 
 from tasks.core.errors import DraftlineError
 from tasks.core.config import RunConfig, VocabConfig
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.core.digest import VERSIONS
 from tasks.store.artifacts import ArtifactRef, Store
 from tasks.formats.vocab_maps import FILE

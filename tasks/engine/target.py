@@ -19,7 +19,8 @@ from typing import Any
 
 from tasks.core.errors import DraftlineError
 from tasks.core.config import TargetConfig
-from tasks.engine.weights import PRESETS, cache_home, file_lock
+from tasks.core.home import cache_home, file_lock
+from tasks.engine.weights import PRESETS
 
 log = logging.getLogger("draftline.target")
 

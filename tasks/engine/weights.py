@@ -11,7 +11,7 @@ run) wait and reuse the first one's download. Once a snapshot is complete a mark
 (`DRAFTLINE_HOME/weights/ORG--NAME/COMMIT.json`) and every later call is local: no request reaches
 the hub again, online or offline.
 
-The fingerprint is what addresses hash for any target but the offline preset (tasks/core/digest.py):
+The fingerprint is what addresses hash for any target but the offline preset (tasks/address/digests.py):
 sha256 over the small files that say what the model is (config, generation config, tokenizer
 files, chat templates, the weight index) and the (name, size) of every weight file, never a path.
 A hub snapshot and a plain copy of it (the same files in any folder) have one fingerprint. For a
@@ -21,8 +21,6 @@ hub's file listing, so a run that stops before extraction never downloads the we
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import fnmatch
 import functools
 import hashlib
@@ -32,9 +30,10 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tasks.core.errors import DraftlineError
+from tasks.core.home import cache_home, file_lock
 
 log = logging.getLogger("draftline.weights")
 
@@ -102,26 +101,6 @@ def folder_fingerprint(folder: str | os.PathLike, trust_remote_code: bool = Fals
 
 # Targets shipped offline by a package (tasks/engine/target.py converts them once): named, not fingerprinted.
 PRESETS = {"smollm2-135m-instruct"}
-
-
-def cache_home() -> Path:
-    root = os.environ.get("DRAFTLINE_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "draftline")
-    p = Path(root)
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
 
 
 # --------------------------------------------------------------------------- hub ids

@@ -11,9 +11,9 @@ from typing import Any, Callable
 from pydantic import BaseModel, Field
 
 from tasks.core.errors import DraftlineError
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.core.config import RunConfig
-from tasks.core.stats import StatsError, data_stats
+from tasks.store.stats import StatsError, data_stats
 from tasks.engine.target import resolve_layer_ids, text_config, validate_for_vllm
 from tasks.store.artifacts import ArtifactRef
 

@@ -1,3 +1,4 @@
-"""The artifact store (`artifacts.py`: `STORE/STAGE/DIGEST/` on file:// or s3://, manifests written last)
-and the node-local, content-addressed part cache training reads through (`part_cache.py`).
+"""The artifact store (`artifacts.py`: `STORE/STAGE/DIGEST/` on file:// or s3://, manifests written last),
+the typed manifest stats a stage reads from an upstream artifact (`stats.py`) and the node-local,
+content-addressed part cache training reads through (`part_cache.py`).
 """

@@ -47,6 +47,7 @@ from typing import IO, Any, Callable, Iterator
 
 from tasks.core.errors import DraftlineError
 from tasks.core import owners
+from tasks.core.home import cache_home
 from tasks.core.faults import kill_point
 
 log = logging.getLogger("draftline.part_cache")
@@ -69,8 +70,6 @@ def default_root() -> Path:
     env = os.environ.get(CACHE_DIR_ENV)
     if env:
         return Path(env).expanduser()
-    from tasks.engine.weights import cache_home
-
     return cache_home() / "parts"
 
 

@@ -9,9 +9,9 @@ from typing import Any, Sequence
 
 import torch
 
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.core.config import RunConfig
-from tasks.core.stats import StatsError, shard_stats
+from tasks.store.stats import StatsError, shard_stats
 from tasks.store.artifacts import Artifact, ArtifactCorrupt, ArtifactMissing, ArtifactRef, Store
 from tasks.engine.target import (
     configured_layer_ids,

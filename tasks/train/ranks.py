@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.core import stopping
 from tasks.core.config import RunConfig, TrainConfig
 from tasks.store.artifacts import ArtifactRef, Store

@@ -42,7 +42,7 @@ data order is a function of (seed, epoch, part), not of history.
 
 from __future__ import annotations
 
-from tasks.core import digest as digests
+from tasks.address import digests
 from tasks.core.config import RunConfig
 from tasks.store.artifacts import ArtifactRef, Store
 from tasks.train import STAGE, MetricsCallback
