@@ -48,12 +48,12 @@ def regenerate_shard_task(cfg: RunConfig, digest: str, shard: int, plan: Any, po
 
     def compute() -> ArtifactRef:
         with pool.engine() as engine:
-            art = regenerate_shard(cfg, store, plan, engine)
-        st = art.stats
+            ref = regenerate_shard(cfg, store, plan, engine)
+        st = ref.stats
         secs, gen = float(st.get("seconds") or 0.0), int(st.get("generated_tokens") or 0)
         get_run_logger().info(f"regenerate: shard {shard} on {st.get('engine')}: {st.get('samples')} samples, {gen} "
                               f"generated tokens in {secs:.0f}s" + (f", {gen / secs:.0f} tok/s" if secs > 0 else ""))
-        return art.ref()
+        return ref
 
     return store.found_or_compute(SHARD_STAGE, digest, compute)
 

@@ -559,7 +559,7 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
                                                           "Tell me about your weekend.")]
     data = commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet(convs)})
     logs: list[str] = []
-    ref = run_benchmark(cfg, store, trained, data, flow_run_id="slow-test", log=logs.append)
+    ref = run_benchmark(cfg, store, trained, data, flow_run_id="slow-test", on_log=logs.append)
     rep = load_report(store, ref)
     art = store.open("benchmark", ref.digest, checksums=True)
     assert set(art.files()) == {"report.json", "report.md", "report.png"}

@@ -209,7 +209,7 @@ def test_extract_shards_to_store(store, data, model_path, tf_engine):
     cfg = make_cfg(model_path)
     plans = plan_extract(cfg, data, load_hf_config(cfg.target))
     progress: list[tuple[int, int]] = []
-    refs = [extract_shard(cfg, store, p, tf_engine, progress_cb=lambda d, t: progress.append((d, t)))
+    refs = [extract_shard(cfg, store, p, tf_engine, on_progress=lambda d, t: progress.append((d, t)))
             for p in plans[:2]]
     for plan, ref in zip(plans, refs):
         rows = shard_rows(store, data, plan.shard)
@@ -275,7 +275,7 @@ def test_killed_engine_fails_only_its_shard(store, model_path, tf_engine):
             os.kill(tf_engine.pid, signal.SIGKILL)
 
     with pytest.raises(EngineError, match="SIGKILL|not running"):
-        extract_shard(cfg, store, plans[1], tf_engine, progress_cb=kill_after_a_part)
+        extract_shard(cfg, store, plans[1], tf_engine, on_progress=kill_after_a_part)
     assert killed
     assert not tf_engine.alive
     assert store.find("extract", plans[1].digest) is None
@@ -671,7 +671,7 @@ def test_kill_9_mid_shard_commits_nothing(store, model_path, tmp_path):
                 print("mid-shard", flush=True)
 
         extract_shard(writer_cfg({model_path!r}), Store({store.uri!r}), plan, FakeEngine(delay_s=0.2),
-                      progress_cb=progress)
+                      on_progress=progress)
         print("committed", flush=True)
     """)
     env = {**os.environ, "PYTHONPATH": str(root)}

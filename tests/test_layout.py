@@ -81,6 +81,32 @@ def test_each_package_imports_only_the_packages_below_it():
     assert listed == list(TASK_PACKAGES), "the README's layout table lists the packages from the bottom up"
 
 
+# each stage's entries (tasks/__init__.py: the stage interface)
+STAGE_ENTRIES = {"tasks.data.prepare": ["run_prepare"], "tasks.data.regenerate": ["regenerate_shard", "run_regenerate"],
+                 "tasks.data.vocab": ["run_vocab"], "tasks.extract.stage": ["extract_shard"],
+                 "tasks.train.stage": ["run_train"], "tasks.benchmark.stage": ["run_benchmark"]}
+
+
+@pytest.mark.parametrize("module", sorted(STAGE_ENTRIES))
+def test_every_stage_has_the_one_interface(module):
+    """(cfg, store, inputs...) -> ArtifactRef through Store.found_or_compute, callbacks keyword-only on_*."""
+    assert set(STAGE_ENTRIES) == set(STAGES)
+    tree = ast.parse(modules()[module].read_text())
+    funcs = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    for name in STAGE_ENTRIES[module]:
+        f = funcs[name]
+        assert [a.arg for a in f.args.args[:2]] == ["cfg", "store"], f"{module}.{name}"
+        assert f.returns is not None and ast.unparse(f.returns) == "ArtifactRef", f"{module}.{name}"
+        positional_hooks = [a.arg for a in f.args.args if a.arg.startswith(("on_", "log", "progress"))]
+        assert positional_hooks == [], f"{module}.{name}: callbacks are keyword-only on_<event>"
+        calls = [n for n in ast.walk(f) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and n.func.attr == "found_or_compute"]
+        assert calls, f"{module}.{name} finds or computes its artifact through Store.found_or_compute"
+    for f in funcs.values():
+        hooks = [a.arg for a in f.args.kwonlyargs if a.arg.startswith(("log", "progress"))]
+        assert hooks == [], f"{module}.{f.name}: callbacks are named on_<event>"
+
+
 def test_no_stage_imports_another_stage():
     """A stage module is imported only by the flow and by its own package's helpers (never by another
     stage, nor by a shared package), at module or function level."""

@@ -190,7 +190,7 @@ def engine_error_text(exc: BaseException) -> str:
 
 def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tuple[str, ArtifactRef]],
                   data: ArtifactRef, *, engine_factory: EngineFactory | None = None, flow_run_id: str | None = None,
-                  log: Callable[[str], None] | None = None) -> ArtifactRef:
+                  on_log: Callable[[str], None] | None = None) -> ArtifactRef:
     """Measure the draft(s) against the baseline in vLLM and commit report.json/.md/.png.
 
     `trained`: the train artifact of the one head, or (label, artifact) per head of train.heads. The first
@@ -204,7 +204,7 @@ def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tupl
     digest = digests.benchmark(cfg, trained, data)
     heads = list(trained) if isinstance(trained, (list, tuple)) else [(cfg.train.heads[0].label, trained)]
     return store.found_or_compute(STAGE, digest, lambda: _benchmark(cfg, store, heads, data, digest, engine_factory,
-                                                                    flow_run_id, log))
+                                                                    flow_run_id, on_log))
 
 
 def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]], data: ArtifactRef, digest: str,

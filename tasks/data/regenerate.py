@@ -182,11 +182,13 @@ def plan_regenerate(cfg: RunConfig, prepared: ArtifactRef) -> list[ShardPlan]:
 
 
 def regenerate_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: Engine,
-                     masker: ChatMasker | None = None) -> Artifact:
+                     masker: ChatMasker | None = None) -> ArtifactRef:
     """Answer one shard's prompts and commit them at `plan.digest`; the committed shard if it is there."""
-    art = store.find(SHARD_STAGE, plan.digest)
-    if art is not None:
-        return art
+    return store.found_or_compute(SHARD_STAGE, plan.digest, lambda: _regenerate_shard(cfg, store, plan, engine, masker))
+
+
+def _regenerate_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: Engine,
+                      masker: ChatMasker | None) -> ArtifactRef:
     t0 = time.time()
     prepared = plan.prepared
     prep_art = store.open(prepared.stage, prepared.digest)
@@ -202,11 +204,11 @@ def regenerate_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: Engi
     inputs = {prepared.stage: prepared.digest, "shard": str(plan.shard)}
     with store.write(SHARD_STAGE, plan.digest, VERSIONS[STAGE], inputs, config) as w:
         w.write_bytes(SHARD_FILE, parquet_bytes(new))
-        return w.commit(stats)
+        return w.commit(stats).ref()
 
 
 def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
-                   engine_factory: Callable[[], Engine],
+                   engine_factory: Callable[[], Engine], *,
                    on_shard: Callable[[int, int, dict[str, Any], bool], None] | None = None) -> ArtifactRef:
     """Regenerate the answers of the prepare artifact `prepared` with one engine, shard after shard;
     resumable per shard. (The flow runs the same `regenerate_shard` as tasks over its engine groups
@@ -237,7 +239,7 @@ def _regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef, engine_fact
                 if engine is None:
                     engine = engine_factory()
                     engine.start()
-                art = regenerate_shard(cfg, store, plan, engine, masker)
+                art = store.open(SHARD_STAGE, regenerate_shard(cfg, store, plan, engine, masker).digest)
             if on_shard is not None:
                 on_shard(plan.shard + 1, len(plans), dict(art.stats), found)
             shard_arts.append(art)

@@ -259,8 +259,8 @@ class _PartWriter:
                     self._cond.notify_all()
 
 
-def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProcess,
-                  progress_cb: ProgressCallback | None = None) -> ArtifactRef:
+def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProcess, *,
+                  on_progress: ProgressCallback | None = None) -> ArtifactRef:
     """Extract one shard into `extract/<plan.digest>/`; returns at once if it is already committed.
 
     Three things run at once: the engine computes batch k+1 (one call ahead), this thread
@@ -269,11 +269,11 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
     manifest is committed only after every part is written; a failure anywhere (the engine
     dying, a store error in the writer) raises that error and commits nothing.
     """
-    return store.found_or_compute(STAGE, plan.digest, lambda: _extract(cfg, store, plan, engine, progress_cb))
+    return store.found_or_compute(STAGE, plan.digest, lambda: _extract(cfg, store, plan, engine, on_progress))
 
 
 def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProcess,
-             progress_cb: ProgressCallback | None) -> ArtifactRef:
+             on_progress: ProgressCallback | None) -> ArtifactRef:
     e = cfg.extract
     samples = _read_shard(store, plan)
     total = sum(len(s[1]) for s in samples)
@@ -305,8 +305,8 @@ def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProces
     buf = new_buffer()
 
     with store.write(STAGE, plan.digest, VERSIONS[STAGE], inputs=plan.inputs, config=plan.config) as w:
-        if progress_cb:
-            progress_cb(0, total)
+        if on_progress:
+            on_progress(0, total)
         depth = e.write_queue if e.write_overlap else 0
         with ThreadPoolExecutor(1, thread_name_prefix=f"extract-{plan.shard}") as ahead, \
                 _PartWriter(w, depth, f"extract-{plan.shard}-writer", e.write_workers) as writer:
@@ -341,8 +341,8 @@ def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProces
                     write_wait += time.monotonic() - t1
                     buf = writer.take() or new_buffer()
                 writer.check()  # a failed write fails the shard now, not after the last batch
-                if progress_cb:
-                    progress_cb(done, total)
+                if on_progress:
+                    on_progress(done, total)
             t1 = time.monotonic()
             writer.put(buf)
             writer.finish()

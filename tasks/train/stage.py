@@ -51,7 +51,7 @@ from tasks.train.loop import train_here
 from tasks.train.ranks import launch_ranks, launched_as_rank, train_ranks
 
 
-def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef],
+def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef], *,
               on_metrics: MetricsCallback | None = None) -> ArtifactRef:
     """Train (or resume, or find) the draft for these inputs; returns the train artifact's ref.
 
