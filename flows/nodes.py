@@ -297,9 +297,10 @@ def wait_claimed(children: list[tuple[Any, list[int]]], logger, stage: str, why:
                 elif time.time() - t0 > within and cancel_unclaimed(client, run, why):
                     logger.info(f"{stage}: no node took child {run.name} within {within:.0f} s: cancelled it")
                     del pending[cid]
-            stopping.check(f"waiting for nodes to take the {stage} child runs")
             if pending:
-                time.sleep(poll)
+                stopping.wait(poll, f"waiting for nodes to take the {stage} child runs")
+            else:
+                stopping.check(f"waiting for nodes to take the {stage} child runs")
     return claimed
 
 
@@ -405,7 +406,7 @@ def lost_nodes(control: Any, spec: Any, claimed: list[Any]) -> list[Any]:
     lost: dict[Any, Any] = {}
     with get_client(sync_client=True) as client:
         while time.time() < deadline:
-            time.sleep(1.0)
+            stopping.wait(1.0, "telling a lost training node from a slow one")
             now = beats()
             for run in claimed:
                 state = client.read_flow_run(run.id).state
