@@ -28,7 +28,8 @@ from tasks.store.artifacts import ArtifactRef, Store
 from tasks.formats.acceptance import simulated_acceptance_length
 from tasks.train.stage import run_train
 from tasks.train import TrainError
-from tasks.train.loop import checkpoint_digest, lr_at
+from tasks.train.checkpoints import checkpoint_digest
+from tasks.train.schedule import lr_at
 from tasks.train.model import flex_attention_compiles, resolve_attn_impl
 from tasks.train.ranks import train_ranks
 from tasks.train.stream import BatchStream, PartData, PartSpec
