@@ -1,6 +1,6 @@
-"""Held-out evaluation: `HeldOut` splits the tail of the run's last part off for evaluation (the first thing
-a run reads from the store: `HeldOut.split`, called by `loop.build_trainer`, never by the Trainer itself),
-packs it into eval batches and evaluates a model on them; `evaluate_model` is that evaluation for any
+"""Held-out evaluation: `HeldOut` splits the tail of the run's last part off for evaluation (the one part
+read before the batch stream starts: `HeldOut.split`, called by `loop.build_trainer`, never by the Trainer
+itself), packs it into eval batches and evaluates a model on them; `evaluate_model` is that evaluation for any
 Eagle3DraftModel or DFlash head over packed batches (the benchmarks evaluate speculators' models with it).
 A DFlash head is scored by the same counters as EAGLE-3 (`_dflash_eval_batch`), so the simulated
 acceptance length means the same for both kinds.
