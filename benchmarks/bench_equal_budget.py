@@ -30,9 +30,10 @@ threads (2 on 2 cores) and the same precision (bf16 autocast on a bf16 CPU: ours
 
 - ours: tasks.train.loop.Trainer, unchanged, with `train.max_minutes` = the budget and its clock
   (`build_trainer(clock=)`, `time.perf_counter` by default) this process's CPU clock, so the budget stop,
-  the lr annealing by the clock and the step times all follow CPU time. `--exports M,...` also writes a snapshot draft when the
-  clock passes M minutes (the lr is annealed to the full budget, so a snapshot is a lower bound on a run
-  annealed to M minutes); the snapshot's export and held-out eval are not counted in the clock.
+  the lr annealing by the clock and the step times all follow CPU time. `--exports M,...` also writes a
+  snapshot draft when the clock passes M minutes (the lr is annealed to the full budget, so a snapshot is a
+  lower bound on a run annealed to M minutes); the snapshot's export and held-out eval are not counted in
+  the clock.
 - theirs: speculators' Trainer (bench_train.run_speculators: their data format, dataset, collate,
   multipack sampler, AdamW, warm-up + cosine schedule by steps). Their schedule needs a step count, so a
   6-step calibration run measures their CPU seconds per step and the real run gets

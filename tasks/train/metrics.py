@@ -16,6 +16,7 @@ from tasks.train import MetricsCallback, log
 from tasks.train.dist import DistEnv
 
 if TYPE_CHECKING:
+    from tasks.train.checkpoints import RunState
     from tasks.train.stream import BatchStream
 
 # Dense bf16 peak of the GPUs we know, for MFU (None elsewhere: CPU MFU is not meaningful).
@@ -82,7 +83,8 @@ class Meter:
     def begin(self, stream: "BatchStream") -> None:
         self.step_t0, self.wait0, self.stream = self.clock(), stream.wait_s, stream
 
-    def record(self, state: Any, metrics: dict[str, Any], tokens: int, lr: float, grad_norm: Any) -> dict[str, Any]:
+    def record(self, state: "RunState", metrics: dict[str, Any], tokens: int, lr: float,
+               grad_norm: Any) -> dict[str, Any]:
         """The record of step `state.step` (just taken) from this rank's `metrics` and batch `tokens`."""
         t, env = self.t, self.env
         wait = self.stream.wait_s - self.wait0 if self.stream is not None else 0.0
