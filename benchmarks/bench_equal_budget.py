@@ -29,10 +29,11 @@ threads (2 on 2 cores) and the same precision (bf16 autocast on a bf16 CPU: ours
 `train.precision: auto`, theirs via their own autocast, see bench_train.run_speculators' bf16_cpu).
 
 - ours: tasks.train.loop.Trainer, unchanged, with `train.max_minutes` = the budget and its clock
-  (tasks.train.loop's `time.perf_counter`) replaced by this process's CPU clock, so the budget stop and the
-  lr annealing by the clock both follow CPU time. `--exports M,...` also writes a snapshot draft when the
-  clock passes M minutes (the lr is annealed to the full budget, so a snapshot is a lower bound on a run
-  annealed to M minutes); the snapshot's export and held-out eval are not counted in the clock.
+  (`build_trainer(clock=)`, `time.perf_counter` by default) this process's CPU clock, so the budget stop,
+  the lr annealing by the clock and the step times all follow CPU time. `--exports M,...` also writes a
+  snapshot draft when the clock passes M minutes (the lr is annealed to the full budget, so a snapshot is a
+  lower bound on a run annealed to M minutes); the snapshot's export and held-out eval are not counted in
+  the clock.
 - theirs: speculators' Trainer (bench_train.run_speculators: their data format, dataset, collate,
   multipack sampler, AdamW, warm-up + cosine schedule by steps). Their schedule needs a step count, so a
   6-step calibration run measures their CPU seconds per step and the real run gets
@@ -56,7 +57,6 @@ import statistics
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,13 +66,13 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
 
-import tasks.train.loop as train_mod  # noqa: E402
 from bench_train import clear_checkpoints, free_memory, run_speculators  # noqa: E402
 from tasks.address import digests  # noqa: E402
 from tasks.core.config import EvalConfig, RunConfig, load_config  # noqa: E402
 from tasks.store.artifacts import Store  # noqa: E402
+from tasks.train.dist import DistEnv  # noqa: E402
 from tasks.train.inputs import resolve_inputs  # noqa: E402
-from tasks.train.loop import DistEnv, export_draft, Trainer  # noqa: E402
+from tasks.train.loop import Trainer, build_trainer, export_draft  # noqa: E402
 
 
 class CpuClock:
@@ -166,7 +166,7 @@ def train_steps(cfg: RunConfig, store: Store, vocab, shards, steps: int, drafts:
     clear_checkpoints(store, inputs.digest, steps)
     free_memory()
     recs: list[dict] = []
-    trainer = Trainer(cfg, store, inputs, DistEnv.from_env(cfg.train), recs.append)
+    trainer = build_trainer(cfg, store, inputs, DistEnv.from_env(cfg.train), recs.append)
     t0 = time.perf_counter()
     state = trainer.fit()
     wall = time.perf_counter() - t0
@@ -181,7 +181,7 @@ def train_steps(cfg: RunConfig, store: Store, vocab, shards, steps: int, drafts:
             **trainer.evaluate()}
     print(f"ours: {ours['steps']} steps in {wall:.1f}s, {ours['tokens_per_s']} tok/s, "
           f"sim AL {ours.get('simulated_acceptance_length')}", flush=True)
-    held, eval_set = heldout(trainer), trainer.eval
+    held, eval_set = heldout(trainer), trainer.held_out.batches
     del trainer
     free_memory()
     res = run_speculators(cfg, store, inputs, held, eval_set, 0, device, keep_model=True)
@@ -253,8 +253,6 @@ def train_ours(cfg: RunConfig, store: Store, vocab, shards, budget_min: float, e
     clear_checkpoints(store, inputs.digest, cfg.train.max_steps)  # a stale checkpoint would be resumed
     free_memory()
     clock = CpuClock()
-    train_mod.time = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
-    train_mod.time.perf_counter = clock
     points = sorted(set([m for m in exports if m < budget_min]))
     out: list[dict] = []
     holder: dict = {}
@@ -287,12 +285,9 @@ def train_ours(cfg: RunConfig, store: Store, vocab, shards, budget_min: float, e
         while points and rec["elapsed_s"] >= points[0] * 60:
             snapshot(points.pop(0), rec)
 
-    try:
-        trainer = Trainer(cfg, store, inputs, DistEnv.from_env(cfg.train), on_metrics)
-        holder["trainer"] = trainer
-        state = trainer.fit()
-    finally:
-        train_mod.time = time
+    trainer = build_trainer(cfg, store, inputs, DistEnv.from_env(cfg.train), on_metrics, clock=clock)
+    holder["trainer"] = trainer
+    state = trainer.fit()
     snapshot(budget_min, {**steps[-1], "elapsed_s": state.train_seconds})
     cpu_frac = state.train_seconds / steps[-1]["wall_s"]
     out[-1].update({"stopped_reason": state.stopped_reason, "precision": trainer.precision,
@@ -309,7 +304,7 @@ def train_theirs(cfg: RunConfig, store: Store, vocab, shards, budget_min: float,
     """speculators' Trainer: a 6-step calibration of CPU s/step, then floor(budget / that) steps
     (or `steps` given: no calibration; the budget still stops it)."""
     inputs = resolve_inputs(cfg, store, vocab, shards)
-    held, eval_set = heldout(trainer), trainer.eval
+    held, eval_set = heldout(trainer), trainer.held_out.batches
     cpu: list[float] = []
     last = [0.0]
 
@@ -520,7 +515,8 @@ def main() -> None:
             result_path.write_text(json.dumps(results, indent=2, default=str))
         if "theirs" in sides:
             if trainer is None:
-                trainer = Trainer(cfg, store, resolve_inputs(cfg, store, vocab, shards), DistEnv.from_env(cfg.train))
+                trainer = build_trainer(cfg, store, resolve_inputs(cfg, store, vocab, shards),
+                                        DistEnv.from_env(cfg.train))
             results["trained"] += train_theirs(cfg, store, vocab, shards, args.budget_cpu_min, trainer, drafts,
                                                args.name, args.their_precision == "bf16", args.their_steps)
             result_path.write_text(json.dumps(results, indent=2, default=str))

@@ -54,7 +54,10 @@ from tasks.core.config import RunConfig, TargetConfig  # noqa: E402
 from tasks.store.artifacts import Store  # noqa: E402
 from tasks.engine.target import load_tokenizer, resolve_model  # noqa: E402
 from tasks.train.inputs import resolve_inputs  # noqa: E402
-from tasks.train.loop import checkpoint_digest, DistEnv, evaluate_model, Trainer  # noqa: E402
+from tasks.train.checkpoints import checkpoint_digest  # noqa: E402
+from tasks.train.dist import DistEnv  # noqa: E402
+from tasks.train.evaluation import evaluate_model  # noqa: E402
+from tasks.train.loop import build_trainer  # noqa: E402
 from tasks.train.model import build_draft_model, flops_per_token, resolve_precision  # noqa: E402
 from tasks.train.stream import BatchStream, PartReader  # noqa: E402
 from train_data import generate_samples, write_extract, write_vocab  # noqa: E402
@@ -132,7 +135,7 @@ def run_ours(cfg: RunConfig, store: Store, inputs, preloaded: dict | None) -> di
     clear_checkpoints(store, inputs.digest, cfg.train.max_steps)
     free_memory()
     records: list[dict] = []
-    trainer = Trainer(cfg, store, inputs, DistEnv.from_env(cfg.train), records.append, load_part=load)
+    trainer = build_trainer(cfg, store, inputs, DistEnv.from_env(cfg.train), records.append, load_part=load)
     t0 = time.perf_counter()
     state = trainer.fit()
     wall = time.perf_counter() - t0
@@ -145,7 +148,7 @@ def run_ours(cfg: RunConfig, store: Store, inputs, preloaded: dict | None) -> di
         "steps": state.step, "wall_s": round(wall, 1), "final_loss": steps[-1]["loss"],
     }
     out.update(trainer.evaluate())
-    out["_eval"], out["_parts"] = trainer.eval, trainer.parts
+    out["_eval"], out["_parts"] = trainer.held_out.batches, trainer.parts
     del trainer, state
     free_memory()
     return out

@@ -33,7 +33,7 @@ from flows.console import ROOT, SetOpt
 from tasks.core.config import RunConfig, load_config
 
 RATES_FILE = ROOT / "configs" / "rates.yaml"
-CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train/loop.py Trainer.save_checkpoint)
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train/checkpoints.py Checkpointer.write)
 DEFAULT_MACHINE = "b300-node"
 KINDS = ("measured", "cited", "assumption")
 TARGET_RATES = ("engine_start_minutes", "decode_tok_s", "decode_tok_s_batch1")  # per target and machine

@@ -40,7 +40,7 @@ from tasks.engine.target import load_hf_config
 from tasks.address import digests
 from tasks.train.stage import run_train
 from tasks.train import TrainError
-from tasks.train.loop import checkpoint_digest
+from tasks.train.checkpoints import checkpoint_digest
 from train_data import make_tiny_target, write_vocab
 from warm import WarmEngine, finish, fork_call, start_draftline
 

@@ -28,7 +28,8 @@ from tasks.store.artifacts import ArtifactRef, Store
 from tasks.formats.acceptance import simulated_acceptance_length
 from tasks.train.stage import run_train
 from tasks.train import TrainError
-from tasks.train.loop import checkpoint_digest, lr_at
+from tasks.train.checkpoints import checkpoint_digest
+from tasks.train.schedule import lr_at
 from tasks.train.model import flex_attention_compiles, resolve_attn_impl
 from tasks.train.ranks import train_ranks
 from tasks.train.stream import BatchStream, PartData, PartSpec
@@ -273,6 +274,32 @@ def test_export_loads_in_speculators(tmp_path, tiny):
     assert torch.equal(model.fc.weight.to(torch.bfloat16), saved["fc.weight"])
     assert model.config.eagle_aux_hidden_state_layer_ids == LAYER_IDS[:-1]
     assert art.stats["val_acc_per_pos"] is None  # eval_batches 0: no held-out evaluation
+
+
+def test_the_held_out_split_is_the_only_read_before_training(tmp_path, tiny):
+    """build_trainer reads the last part once, for the held-out split it gives the Trainer; the Trainer
+    reads nothing from the store until fit() streams (its constructor builds the model and components)."""
+    from tasks.train.dist import DistEnv
+    from tasks.train.inputs import resolve_inputs
+    from tasks.train.loop import build_trainer
+    from tasks.train.stream import PartReader
+
+    store = Store(f"file://{tmp_path}/store")
+    vref, refs = data_on(store, tiny)
+    cfg = config(tiny)
+    inputs = resolve_inputs(cfg, store, vref, refs)
+    reader = PartReader(inputs.artifacts, inputs.layer_ids, inputs.hidden_size)
+    reads = []
+
+    def load(spec):
+        reads.append(spec.name)
+        return reader(spec)
+
+    trainer = build_trainer(cfg, store, inputs, DistEnv(), load_part=load)
+    assert reads == [inputs.parts[-1].name]
+    assert trainer.parts[-1].holdout == trainer.held_out.samples > 0
+    assert 1 <= len(trainer.held_out.batches) <= cfg.train.eval_batches
+    assert trainer.evaluate()["val_samples"] == trainer.held_out.samples
 
 
 def test_time_budget_stops_early_and_still_exports(tmp_path, tiny):
@@ -549,7 +576,7 @@ def test_an_error_in_a_launched_rank_fails_the_call_with_its_traceback(tmp_path,
     msg = str(exc.value)
     assert re.match(r"training rank [01] of 2 failed: TrainError: train.attn_impl flex_attention has no backward "
                     r"pass on CPU", msg), msg
-    assert "traceback:\nTraceback (most recent call last)" in msg and "in __init__" in msg, msg
+    assert "traceback:\nTraceback (most recent call last)" in msg and "in check_device" in msg, msg
     assert "retry the run (`draftline retry`)" in msg
     assert store.list("train") == [] and store.list("checkpoint") == []
     logs = Path(re.search(r"every rank's log is under (\S+)\.", msg).group(1))

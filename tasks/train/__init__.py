@@ -1,6 +1,9 @@
 """The train stage (`stage.py`: find, resume or train a head) and its parts: checked inputs (`inputs.py`),
-the loop every rank runs (`loop.py`) with its checkpoint cadence and retention (`checkpoints.py`), the
-draft model (`model.py`), batches from the store (`stream.py`) and ranks over a node's GPUs (`ranks.py`).
+the loop every rank runs (`loop.py`: the Trainer, whose `fit()` calls the components below, and the export
+for vLLM), the learning-rate schedule and time budget (`schedule.py`), checkpoints: what one holds, loading
+it, cadence and retention (`checkpoints.py`), the step records and their emit (`metrics.py`), the held-out
+split and its evaluation (`evaluation.py`), a rank's distributed environment (`dist.py`), the draft model
+(`model.py`), batches from the store (`stream.py`) and ranks over a node's GPUs (`ranks.py`).
 This file holds what they share: the stage's name, its error, the metrics callback, the logger and
 whether training wants CUDA.
 """

@@ -1,0 +1,103 @@
+"""Held-out evaluation: `HeldOut` splits the tail of the run's last part off for evaluation (the one part
+read before the batch stream starts: `HeldOut.split`, called by `loop.build_trainer`, never by the Trainer
+itself), packs it into eval batches and evaluates a model on them; `evaluate_model` is that evaluation for any
+Eagle3DraftModel or DFlash head over packed batches (the benchmarks evaluate speculators' models with it).
+A DFlash head is scored by the same counters as EAGLE-3 (`_dflash_eval_batch`), so the simulated
+acceptance length means the same for both kinds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tasks.core.config import TrainConfig
+from tasks.formats.acceptance import simulated_acceptance_length
+from tasks.train.metrics import ratios, rounded
+from tasks.train.stream import Batch, PartData, PartSpec, eval_batches, holdout_plan, tail_copy
+
+
+@dataclass
+class HeldOut:
+    """The run's parts for training (the last one marked with the samples it holds out), the held-out
+    samples packed as eval batches, and their count (0: no evaluation, `train.eval_batches` 0)."""
+
+    parts: list[PartSpec]
+    batches: list[Batch]
+    samples: int
+
+    @classmethod
+    def split(cls, parts: list[PartSpec], read_part: Callable[[PartSpec], PartData], total_samples: int,
+              train: TrainConfig) -> "HeldOut":
+        """Read the last part and hold out its tail (`holdout_plan`); the rest of it is freed here."""
+        last_spec = parts[-1]
+        last = read_part(last_spec)
+        held = holdout_plan(parts, last, total_samples, train)
+        batches = eval_batches(tail_copy(last, last.num_samples - held), 0, train.batch_tokens,
+                               train.eval_batches) if held else []
+        return cls(parts[:-1] + [PartSpec(**{**last_spec.__dict__, "holdout": held})], batches, held)
+
+    def evaluate(self, model: Any, device: torch.device, forward_kwargs: dict[str, Any],
+                 autocast: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
+        """Held-out loss, per-position accuracy and simulated acceptance length; {} with nothing held out."""
+        out = evaluate_model(model, self.batches, device, forward_kwargs, autocast)
+        return {**out, "val_samples": self.samples} if out else {}
+
+
+@torch.no_grad()
+def evaluate_model(model: Any, batches: Sequence[Batch], device: torch.device, forward_kwargs: dict[str, Any],
+                   autocast: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
+    """Loss, per-position accuracy (see `simulated_acceptance_length`) and the simulated
+    acceptance length of any Eagle3DraftModel over packed batches; {} without batches."""
+    if not batches:
+        return {}
+    was_training = model.training
+    model.eval()
+    sums: dict[str, float] = {}
+    loss, tokens = 0.0, 0
+    dflash = "max_anchors" in forward_kwargs
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(0)  # DFlash samples its anchors: the same ones on every evaluation
+            for b in batches:
+                with autocast():
+                    if dflash:
+                        batch_loss, m = _dflash_eval_batch(model, b.model_inputs(device), forward_kwargs)
+                    else:
+                        _, batch_loss, m = model(**b.model_inputs(device), **forward_kwargs)
+                loss += float(batch_loss)
+                tokens += b.tokens
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+    finally:
+        model.train(was_training)
+    r = ratios(sums, int(model.block_size) - 1 if dflash else int(forward_kwargs.get("ttt_steps", 3)))
+    return {"val_loss": rounded(loss / len(batches)), "val_acc_per_pos": [rounded(a) for a in r["acc_per_pos"]],
+            "val_chain_acc_per_pos": [rounded(a) for a in r["chain_acc_per_pos"]],
+            "simulated_acceptance_length": rounded(simulated_acceptance_length(r["acc_per_pos"]), 4),
+            "val_tokens": tokens}
+
+
+def _dflash_eval_batch(model: Any, inputs: dict[str, torch.Tensor],
+                       kw: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """A DFlash head's loss on one batch, and per drafted slot i the share of blocks whose slots 1..i are
+    all right (`full_acc_{i-1}`, as EAGLE-3 counts its steps), so `ratios` gives the same conditional
+    accuracies and the benchmark's simulated acceptance length means the same for both kinds."""
+    from speculators.models.dflash.metrics import compute_metrics
+
+    _, logits, targets, mask, _ = model._backbone_forward(**inputs, max_anchors=kw["max_anchors"])
+    loss, _ = compute_metrics(logits, targets, mask, model.block_size, gamma=kw["gamma"],
+                              loss_config=kw["loss_config"], per_position_loss_weight=kw["per_position_loss_weight"],
+                              dpace_alpha=kw["dpace_alpha"])
+    n = int(model.block_size)
+    right = (logits.argmax(-1) == targets.argmax(-1)).reshape(-1, n)[:, 1:]
+    valid = mask.to(torch.bool).reshape(-1, n)[:, 1:]
+    run = (right & valid).to(torch.int64).cumprod(dim=-1)
+    out: dict[str, float] = {}
+    for i in range(n - 1):
+        out[f"full_acc_{i}_sum"] = float(run[:, i].sum())
+        out[f"full_acc_{i}_total"] = float(valid[:, i].sum())
+    return loss, out
