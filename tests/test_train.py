@@ -411,7 +411,7 @@ def on_metrics(rec):
         os.kill(os.getpid(), signal.SIGKILL)  # kill -9 in the middle of training
 
 run_train(RunConfig.model_validate(args["cfg"]), Store(args["store"]), ArtifactRef.model_validate(args["vocab"]),
-          [ArtifactRef.model_validate(r) for r in args["extract"]], on_metrics)
+          [ArtifactRef.model_validate(r) for r in args["extract"]], on_metrics=on_metrics)
 """
 
 
