@@ -139,7 +139,6 @@ def run_nodes(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: Ar
     refs += [a.ref() for s, a in found.items() if a is not None and s not in have]
     return finish_sharded(stage, r, store, plans, refs, errors, t0, logger,
                           executed=sum(1 for a in found.values() if a is not None), nodes=1 + len(children))
-    return refs
 
 
 def start_children(stage: str, cfg: RunConfig, store: Store, config: dict[str, Any], slices: list[list[int]],

@@ -20,8 +20,7 @@ def gb(n: int) -> str:
 def local_target(t) -> dict[str, Any] | None:
     """A folder target (or the converted preset): its path, bytes and fingerprint, nothing fetched."""
     from tasks.core.home import cache_home
-    from tasks.engine.weights import PRESETS
-    from tasks.engine.weights import folder_fingerprint, is_hub_id
+    from tasks.engine.weights import PRESETS, folder_fingerprint, is_hub_id
 
     if is_hub_id(t.model):
         return None

@@ -25,6 +25,13 @@ from tasks.core.errors import DraftlineError
 STAGES = ("prepare", "regenerate", "vocab", "extract", "train", "benchmark")
 
 
+def check_unique(names: list[str], what: str, fix: str = "") -> None:
+    """Refuse NAMES that repeat, naming them: `WHAT must be unique, [...] appear more than once[; FIX]`."""
+    twice = sorted({x for x in names if names.count(x) > 1})
+    if twice:
+        raise ValueError(f"{what} must be unique, {twice} appear more than once" + (f"; {fix}" if fix else ""))
+
+
 def check_layer_ids(v: list[int] | None, too_few: str, at_least: int) -> list[int] | None:
     """The one layer-id rule (extract.layer_ids, a head's layer_ids): distinct, ascending, from 1 (vLLM's
     numbering: id k is the output of decoder layer k-1), at least `at_least` of them."""
@@ -341,10 +348,7 @@ class TrainConfig(Section):
     def _distinct_heads(cls, v: list[HeadConfig]) -> list[HeadConfig]:
         if not v:
             raise ValueError("train.heads needs at least one head, e.g. [{kind: eagle3}]")
-        labels = [h.label for h in v]
-        twice = sorted({x for x in labels if labels.count(x) > 1})
-        if twice:
-            raise ValueError(f"head labels must be unique, {twice} appear more than once; give them a name")
+        check_unique([h.label for h in v], "head labels", "give them a name")
         return v
 
     def for_head(self, head: HeadConfig) -> "TrainConfig":
@@ -412,19 +416,13 @@ class BenchmarkConfig(Section):
         if self.enabled and not self.evals:
             raise ValueError("benchmark.evals is empty: add e.g. {name: mtbench, source: {preset: mtbench}}, or "
                              "set benchmark.enabled: false")
-        names = [e.name for e in self.evals]
-        twice = sorted({x for x in names if names.count(x) > 1})
-        if twice:
-            raise ValueError(f"benchmark.evals names must be unique, {twice} appear more than once")
+        check_unique([e.name for e in self.evals], "benchmark.evals names")
         return self
 
     @field_validator("drafts")
     @classmethod
     def _distinct_drafts(cls, v: list[DraftConfig]) -> list[DraftConfig]:
-        names = [d.name for d in v]
-        twice = sorted({x for x in names if names.count(x) > 1})
-        if twice:
-            raise ValueError(f"benchmark.drafts names must be unique, {twice} appear more than once")
+        check_unique([d.name for d in v], "benchmark.drafts names")
         return v
 
     @field_validator("num_speculative_tokens", "batch_sizes")
