@@ -261,8 +261,9 @@ def write_ceiling(store, part_bytes: int, parts: int, workers: int) -> dict:
 
 
 def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stage_prompts: int,
-               layers: int | None, part_tokens: int, write_workers: list[int] | None = None):
-    from tasks.core.config import ExtractConfig, RunConfig, TargetConfig
+               layers: int | None, part_tokens: int, write_workers: list[int] | None = None,
+               other_backends: tuple[str, ...] = ()):
+    from tasks.core.config import EnginesConfig, ExtractConfig, ExtractEngineConfig, RunConfig, TargetConfig
     from tasks.engine.settings import engine_for_group
     from tasks.extract.stage import extract_shard, plan_extract
     from tasks.store.artifacts import Store
@@ -286,10 +287,13 @@ def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stag
     hf_config = load_hf_config(TargetConfig(model=str(folder)), str(folder))
     workers_list = write_workers or [ExtractConfig().write_workers]
 
-    def stage_cfg(workers: int) -> RunConfig:
+    def stage_cfg(workers: int, backend: str = "transformers") -> RunConfig:
+        # the target has no tokenizer and the prompts are random ids: vLLM is told not to load one
+        engines = EnginesConfig(extract=ExtractEngineConfig(engine_args={"skip_tokenizer_init": True}))
         return RunConfig(target=TargetConfig(model=str(folder), max_model_len=seq + 64),
-                         extract=ExtractConfig(backend="transformers", batch_tokens=n_prompts * seq,
-                                               part_tokens=part_tokens, write_workers=workers))
+                         extract=ExtractConfig(backend=backend, batch_tokens=n_prompts * seq,
+                                               part_tokens=part_tokens, write_workers=workers),
+                         **({"engines": engines} if backend == "vllm" else {}))
 
     cfg = stage_cfg(workers_list[0])
     prompts = random_prompts(stage_prompts, seq, shape["vocab_size"], seed=1)
@@ -380,7 +384,55 @@ def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stag
         log(f"{name} store write alone, {w} writer(s): {c['gb_per_s']} GB/s = {c['tokens_per_s']} tok/s "
             f"({c['over_bare']} x bare)")
     save()
+    for backend in other_backends:  # the same shard through another backend's engine, into its own store
+        section(f"extract-{name}-{backend}")(other_backend)(res, backend, stage_cfg(workers_list[0], backend), folder,
+                                                           tmp, name, prompts, n_prompts, hf_config, layer_params,
+                                                           rate, bare)
     return store, folder, ref, samples, layer_ids, shape["vocab_size"]
+
+
+def other_backend(res: dict, backend: str, cfg, folder: Path, tmp: Path, name: str, prompts: list[list[int]],
+                  n_prompts: int, hf_config, layer_params: int, rate: float, bare: dict) -> None:
+    """extract_shard through `backend`'s engine (vllm: its hidden-states connector, asynchronous on CUDA) on the
+    shard the transformers stage ran, beside the same bare prefill: engine start, one warm-up call, the stage."""
+    from tasks.engine.settings import engine_for_group
+    from tasks.extract.stage import extract_shard, plan_extract
+    from tasks.store.artifacts import Store
+
+    store = Store(f"file://{tmp}/store-{name}-{backend}")
+    data_ref, _ = write_data(store, name, prompts)
+    plan = plan_extract(cfg, data_ref, hf_config)[0]
+    free0, total = torch.cuda.mem_get_info()
+    engine = engine_for_group(cfg, str(folder), [0])
+    out: dict = {}
+    res.setdefault("backends", {})[backend] = out
+    t0 = time.perf_counter()
+    with GpuMemPoll() as poll:
+        engine.start(timeout_s=500)
+        out["engine_start_s"] = round(time.perf_counter() - t0, 1)
+        log(f"{name} {backend} engine started in {out['engine_start_s']} s")
+        try:
+            t1 = time.perf_counter()
+            engine.extract(prompts[:n_prompts], plan.layer_ids)  # warm-up: the first call's kernels and buffers
+            out["warmup_call_s"] = round(time.perf_counter() - t1, 2)
+            timings: list[dict] = []
+            orig = engine.extract
+
+            def timed(p, ids, **kw):
+                got = orig(p, ids, **kw)
+                timings.append(dict(engine.last_timings))
+                return got
+
+            engine.extract = timed  # type: ignore[method-assign]
+            t1 = time.perf_counter()
+            ref = extract_shard(cfg, store, plan, engine)
+            stage_s = time.perf_counter() - t1
+        finally:
+            engine.close()
+    out["stage"] = stage_stats(store.open("extract", ref.digest), len(prompts) * len(prompts[0]), stage_s, timings,
+                               poll, total - free0, layer_params, rate, bare)
+    log(f"{name} {backend} stage: {out['stage']['tokens_per_s']} tok/s = {out['stage']['over_bare']} x bare prefill")
+    save()
 
 
 def stage_stats(art, tokens: int, stage_s: float, timings: list[dict], poll, used0: int, layer_params: int,
@@ -610,6 +662,11 @@ def markdown() -> str:
             for w, x in e.get("stage_by_write_workers", {}).items():
                 lines.append(f"- {name}, {w} part writers: stage {x['tokens_per_s']} tok/s = **{x['over_bare']} x bare** "
                              f"(collect {x.get('collect_s')} s, waiting for writers {x.get('write_wait_s')} s)")
+            for be, x in e.get("backends", {}).items():
+                st = x.get("stage", {})
+                lines.append(f"- {name}, {be} backend (engine start {x.get('engine_start_s')} s): stage "
+                             f"{st.get('tokens_per_s')} tok/s = **{st.get('over_bare')} x bare** "
+                             f"(transformers stage {e.get('stage', {}).get('over_bare')} x bare)")
             for w, c in e.get("store_write_ceiling", {}).items():
                 lines.append(f"- {name}, the store alone with {w} writers: {c['gb_per_s']} GB/s = {c['tokens_per_s']} "
                              f"tok/s = {c['over_bare']} x bare (the most the stage can reach)")
@@ -676,7 +733,13 @@ def main() -> None:
                     help="instead of the default training runs: one streamed run per attn impl, in this order "
                          "(e.g. flex_attention,sdpa)")
     ap.add_argument("--budget-s", type=float, default=None, help="skip optional sections past this many seconds")
+    ap.add_argument("--extract-backends", default="transformers",
+                    help="backends of the 8B-shape stage path, the first with the write-ceiling detail "
+                         "(e.g. transformers,vllm: vLLM's hidden-states connector beside it, same shard)")
+    ap.add_argument("--skip-small", action="store_true", help="no SmolLM2-shape extraction section")
     args = ap.parse_args()
+    if args.extract_backends.split(",")[0] != "transformers":
+        ap.error("--extract-backends starts with transformers (the detailed stage run); name others after it")
     global DEADLINE
     if args.budget_s:
         DEADLINE = time.monotonic() + args.budget_s
@@ -700,8 +763,9 @@ def main() -> None:
         layers8 = 4 if args.quick else None
         big = section("extract-llama8b")(extraction)(
             "llama8b-shape", LLAMA8B, tmp, args.prompts, args.seq,
-            args.prompts if args.quick else args.stage_prompts_8b, layers8, 4 * args.seq * 2)
-    if "extract" in only:
+            args.prompts if args.quick else args.stage_prompts_8b, layers8, 4 * args.seq * 2,
+            other_backends=tuple(b for b in args.extract_backends.split(",")[1:] if b))
+    if "extract" in only and not args.skip_small:
         section("extract-smollm2")(extraction)(
             "smollm2-shape", SMOLLM2, tmp, args.prompts, args.seq,
             args.prompts * 2 if args.quick else args.stage_prompts_small, None, 32 * args.seq,

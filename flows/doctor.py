@@ -24,6 +24,7 @@ from rich.table import Table
 from flows.console import ROOT, SetOpt, StoreOpt, console, fail, with_store
 from flows.prefect_api import api_url, client
 from tasks.core.config import STORE_URI_ENV, ConfigError, load_config
+from tasks.engine.vllm_versions import VLLM_BELOW, VLLM_OLDEST, supported
 
 # The versions draftline is tested with (doctor compares against these).
 CORE_PACKAGES = ("vllm", "speculators", "torch", "transformers", "prefect")
@@ -96,6 +97,15 @@ def check_versions(flavor: str | None = None) -> tuple[str, list[Check]]:
         expected = want.get(pkg)
         if have is None:
             checks.append(Check(pkg, "fail", f"not installed (tested: {dist}=={expected})", fix_all))
+        elif pkg == "vllm" and expected and not same_version(have, expected) and " " not in have:
+            # the engine layer runs on a range of releases (tasks/engine/vllm_versions.py); the lock is the tested one
+            if supported(have):
+                checks.append(Check(pkg, "warn", f"{have} installed: within the releases draftline runs on "
+                                    f"({VLLM_OLDEST} to below {VLLM_BELOW}), not the tested {expected} ({source})",
+                                    f"pip install '{dist}=={expected}' for the tested set"))
+            else:
+                checks.append(Check(pkg, "fail", f"{have} installed: draftline's engines run on vLLM >= {VLLM_OLDEST} "
+                                    f"and < {VLLM_BELOW}", f"pip install '{dist}=={expected}' (or {fix_all})"))
         elif expected and not same_version(have, expected):
             checks.append(Check(pkg, "fail", f"{have} installed, tested with {expected} ({source})",
                                 f"pip install '{dist}=={expected}' (or {fix_all})"))

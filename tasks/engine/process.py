@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 from tasks.core.errors import DraftlineError
 from tasks.core import owners, stopping
+from tasks.engine.vllm_versions import check_vllm
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 LOG_TAIL_CHARS = 4000
@@ -191,6 +192,8 @@ class EngineProcess:
         if self.alive:
             return
         stopping.check(f"starting {self.name}")  # a run asked to stop starts no new engine
+        if self.kind == "vllm":
+            check_vllm()  # outside the releases draftline runs on: say so before a model loads for minutes
         self._cleanup()
         self._dead = False
         self.workdir = owners.owned_tempdir(f"draftline-{self.name}-", engine_tmp_base())

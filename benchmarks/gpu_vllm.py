@@ -1,0 +1,313 @@
+"""The steps of benchmarks/gpu_vllm.sh that are more than one command (issue 35, item 4), all through draftline's
+own commands and stage code:
+
+    python3 benchmarks/gpu_vllm.py serve --config benchmarks/gpu_vllm_demo.yaml --dest DIR --out serve.json
+    python3 benchmarks/gpu_vllm.py kimi --root DIR --out kimi.json
+    python3 benchmarks/gpu_vllm.py report --dir /tmp/gv --out gpu_vllm.json [--cpu-report cpu.json]
+
+`serve` (item d): `draftline export CONFIG DEST --json`, then the serve line it prints, run as printed (`vllm
+serve ...`), one chat request through the OpenAI API, and the spec-decode counters of /metrics: drafts and
+accepted tokens above zero, the server's start seconds.
+
+`kimi` (item e): a tiny random-init Kimi-K2.5-layout repository built as the hub has it (tests/test_kimi_layout.py
+`tiny_kimi`: MLA, routed + shared experts, the VLM wrapper), served by the stand-in hub (tests/hub_server.py),
+fetched with `draftline weights`, then `draftline run --until extract` through vLLM from exactly what was fetched.
+
+`report`: the figures of every step (bench_gpu.json, the pipeline's and the eager regeneration's summaries and
+stores, serve.json, kimi.json) as one JSON and a markdown summary on stdout; `--cpu-report` adds the CPU demo's
+acceptance lengths of the same draft and prompts (`draftline report configs/demo.yaml --json` on the CPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def draftline(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "flows.cli", *args]
+    log("$ draftline " + shlex.join(args))
+    return subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, timeout=timeout)
+
+
+def get(url: str, data: dict | None = None, timeout: float = 60) -> str:
+    req = urllib.request.Request(url, data=json.dumps(data).encode() if data is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def counters(metrics: str) -> dict[str, float]:
+    """vLLM's spec-decode counters from a /metrics page (summed over label sets)."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("vllm:spec_decode_num_") and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+# =========================================================================== (d) serve
+
+
+def serve(args) -> None:
+    res: dict = {}
+    p = draftline("export", args.config, args.dest, "--json")
+    if p.returncode:
+        raise SystemExit(f"export failed: {p.stderr[-2000:]}")
+    exported = json.loads(p.stdout)
+    line = exported["serve"].get("command") or exported["serve"]["lines"][-1]
+    res["serve_line"] = line
+    log(f"printed serve line: {line}")
+    words = shlex.split(line)
+    assert words[:2] == ["vllm", "serve"], words
+    port = 8000
+    if "--port" in words:
+        port = int(words[words.index("--port") + 1])
+    logf = open(args.out + ".server.log", "w")
+    t0 = time.time()
+    proc = subprocess.Popen(words, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"vllm serve exited {proc.returncode}: {Path(args.out + '.server.log').read_text()[-3000:]}")
+            try:
+                get(base + "/health", timeout=2)
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.time() - t0 > args.timeout:
+                    raise SystemExit("vllm serve did not answer /health in time")
+                time.sleep(1)
+        res["server_start_s"] = round(time.time() - t0, 1)
+        log(f"server up in {res['server_start_s']} s")
+        model = json.loads(get(base + "/v1/models"))["data"][0]["id"]
+        before = counters(get(base + "/metrics"))
+        t1 = time.time()
+        reply = json.loads(get(base + "/v1/chat/completions", {
+            "model": model, "max_tokens": 128, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me about your favourite season and why."}]}))
+        res["chat_s"] = round(time.time() - t1, 2)
+        res["reply"] = reply["choices"][0]["message"]["content"][:400]
+        res["completion_tokens"] = reply["usage"]["completion_tokens"]
+        after = counters(get(base + "/metrics"))
+        res["counters"] = {k: after[k] - before.get(k, 0.0) for k in after}
+        drafts = res["counters"].get("vllm:spec_decode_num_draft_tokens_total", 0)
+        accepted = res["counters"].get("vllm:spec_decode_num_accepted_tokens_total", 0)
+        res["ok"] = drafts > 0 and accepted > 0
+        log(f"chat: {res['completion_tokens']} tokens in {res['chat_s']} s; drafts {drafts}, accepted {accepted}")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+# =========================================================================== (e) kimi
+
+
+def kimi(args) -> None:
+    from hub_server import StandInHub
+    from test_kimi_layout import tiny_kimi
+
+    root = Path(args.root)
+    (root / "repo").mkdir(parents=True, exist_ok=True)
+    res: dict = {}
+    t0 = time.time()
+    tiny_kimi(root / "repo")
+    res["repo_files"] = sorted(p.name for p in (root / "repo").iterdir())
+    hub = StandInHub("moonshotai/Kimi-K2.5-tiny", root / "repo").start()
+    rows = [{"messages": [{"role": "user", "content": " ".join(f"w{(7 * i + j) % 900 + 3}" for j in range(40))},
+                          {"role": "assistant", "content": " ".join(f"w{(11 * i + j) % 900 + 3}" for j in range(60))}]}
+            for i in range(32)]
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = root / "kimi.yaml"
+    cfg.write_text(json.dumps({
+        "name": "kimi-tiny-gpu", "target": {"model": hub.repo, "max_model_len": 512},
+        "data": {"sources": [{"path": str(root / "data.jsonl"), "name": "tiny"}], "max_length": 256, "num_shards": 1,
+                 "heldout": 2},
+        "regenerate": {"enabled": False}, "vocab": {"draft_vocab_size": 256},
+        "extract": {"backend": "vllm", "batch_tokens": 2048},
+        "benchmark": {"enabled": False}, "store": {"uri": f"file://{root}/store"}}))
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(root / "hf"),
+           "DRAFTLINE_HOME": str(root / "home")}
+    try:
+        p = draftline("weights", str(cfg), "--json", env=env)
+        res["weights_rc"] = p.returncode
+        res["weights"] = p.stdout[-2000:] if p.returncode == 0 else p.stderr[-3000:]
+        log(f"weights rc={p.returncode}")
+        env["HF_HUB_OFFLINE"] = "1"  # the engine starts from exactly what was fetched
+        t1 = time.time()
+        p = draftline("run", str(cfg), "--until", "extract", "--json", env=env, timeout=args.timeout)
+        res["run_rc"] = p.returncode
+        res["run_s"] = round(time.time() - t1, 1)
+        if p.returncode == 0:
+            summary = json.loads(p.stdout)
+            res["summary"] = summary
+        else:
+            res["run_error"] = p.stderr[-4000:]
+        log(f"run --until extract rc={p.returncode} in {res['run_s']} s")
+    finally:
+        hub.stop()
+        res["total_s"] = round(time.time() - t0, 1)
+        Path(args.out).write_text(json.dumps(res, indent=2, default=str))
+
+
+# =========================================================================== report
+
+
+def _load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _regen_rate(store: Path) -> dict:
+    """Output tokens per second of a store's regenerate stage (its manifest's shard seconds)."""
+    from tasks.store.artifacts import Store
+
+    st = Store(f"file://{store}")
+    best: dict = {}
+    for m in st.list("regenerate"):
+        s = m.stats
+        tokens = s.get("generated_tokens") or s.get("output_tokens") or s.get("tokens")
+        secs = s.get("seconds")
+        if tokens and secs:
+            best = {"generated_tokens": tokens, "seconds": secs, "tokens_per_s": round(float(tokens) / float(secs), 1),
+                    "wall_seconds": s.get("wall_seconds")}
+    return best
+
+
+def report(args) -> None:
+    d = Path(args.dir)
+    out: dict = {"date": time.strftime("%Y-%m-%d"), "bench_gpu": _load(d / "bench_gpu.json"),
+                 "pipeline": _load(d / "pipeline.json"), "serve": _load(d / "serve.json"), "kimi": _load(d / "kimi.json")}
+    try:
+        import torch
+        out["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        import vllm
+        out["vllm"] = vllm.__version__
+    except Exception:  # noqa: BLE001 - a report of what is there
+        pass
+    lines = [f"# vLLM on the lent GPU ({out.get('gpu')}, vLLM {out.get('vllm')}), {out['date']}", ""]
+    ex = (out["bench_gpu"].get("extract") or {}).get("llama8b-shape") or {}
+    if ex:
+        bare = ex.get("bare_prefill", {}).get("tokens_per_s")
+        tr = ex.get("stage", {})
+        vl = (ex.get("backends") or {}).get("vllm", {})
+        lines += ["## (a) extraction, 8B-shaped random-init target, same shard", "",
+                  "| path | tok/s | x bare prefill | engine start s |", "|---|---|---|---|",
+                  f"| bare prefill + hooks (transformers, in process) | {bare} | 1.00 | - |",
+                  f"| extract_shard, transformers backend | {tr.get('tokens_per_s')} | {tr.get('over_bare')} | "
+                  f"{ex.get('engine_start_s')} |",
+                  f"| extract_shard, vLLM + hidden-states connector | {vl.get('stage', {}).get('tokens_per_s')} | "
+                  f"{vl.get('stage', {}).get('over_bare')} | {vl.get('engine_start_s')} |", ""]
+    graphs = _regen_rate(d / "store") if (d / "store").exists() else {}
+    eager = _regen_rate(d / "store-eager") if (d / "store-eager").exists() else {}
+    out["regenerate"] = {"cuda_graphs": graphs, "eager": eager}
+    if graphs and eager:
+        ratio = round(graphs["tokens_per_s"] / eager["tokens_per_s"], 2)
+        out["regenerate"]["graphs_over_eager"] = ratio
+        lines += ["## (b) regeneration (the demo's 512 chitchat prompts, 192 tokens, greedy)", "",
+                  f"- CUDA graphs: {graphs['tokens_per_s']} output tok/s; eager: {eager['tokens_per_s']}: **{ratio}x**", ""]
+    bench = _bench_report(d / "store")
+    if bench:
+        out["benchmark"] = bench
+        lines += ["## (c) acceptance length in vLLM-CUDA (the pipeline's benchmark stage)", ""]
+        for head, evs in bench.get("acceptance", {}).items():
+            for ev, ks in evs.items():
+                lines.append(f"- {head} / {ev}: " + ", ".join(f"k={k}: AL {v}" for k, v in ks.items()))
+        if bench.get("engine_start_s"):
+            lines += ["", f"- (f) engine starts in the benchmark stage (s): {bench['engine_start_s']}"]
+        lines.append("")
+    cpu = _load(Path(args.cpu_report)) if args.cpu_report else {}
+    if cpu:
+        out["cpu_acceptance"] = _acceptance(cpu)
+    sv = out["serve"]
+    if sv:
+        lines += ["## (d) `vllm serve` with the printed line", "", f"`{sv.get('serve_line')}`", "",
+                  f"- up in {sv.get('server_start_s')} s; {sv.get('completion_tokens')} tokens; counters "
+                  f"{sv.get('counters')}; ok={sv.get('ok')}", ""]
+    km = out["kimi"]
+    if km:
+        lines += ["## (e) tiny Kimi-K2.5 layout, fetched from the stand-in hub", "",
+                  f"- repo files: {km.get('repo_files')}", f"- weights rc={km.get('weights_rc')}; run --until extract "
+                  f"rc={km.get('run_rc')} in {km.get('run_s')} s", ""]
+        if km.get("run_error"):
+            lines += ["```", km["run_error"][-1500:], "```", ""]
+    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+    print("\n".join(lines))
+
+
+def _acceptance(report: dict) -> dict:
+    """{head or draft: {eval: {k: mean acceptance length}}} from a benchmark report (as `draftline report --json`
+    prints it or the stage stores it)."""
+    rep = report.get("report", report)
+    out: dict = {}
+    for head, evs in (rep.get("heads") or {"head": rep}).items():
+        for ev, ks in ((evs or {}).get("benchmark") or {}).items():
+            for k, fig in ks.items():
+                out.setdefault(head, {}).setdefault(ev, {})[k] = fig.get("mean_acceptance_length")
+    for name, dr in (rep.get("drafts") or {}).items():
+        for ev, ks in ((dr or {}).get("benchmark") or {}).items():
+            for k, fig in ks.items():
+                out.setdefault(name, {}).setdefault(ev, {})[k] = fig.get("mean_acceptance_length")
+    return out
+
+
+def _bench_report(store: Path) -> dict:
+    from tasks.store.artifacts import Store
+
+    if not store.exists():
+        return {}
+    st = Store(f"file://{store}")
+    for m in st.list("benchmark"):
+        try:
+            rep = st.open("benchmark", m.digest).read_json("report.json")
+        except Exception:  # noqa: BLE001 - a report of what is there
+            continue
+        return {"acceptance": _acceptance(rep), "engine_start_s": (rep.get("timing") or {}).get("engine_start_s"),
+                "digest": m.digest}
+    return {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve")
+    s.add_argument("--config", required=True)
+    s.add_argument("--dest", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--timeout", type=float, default=300)
+    k = sub.add_parser("kimi")
+    k.add_argument("--root", required=True)
+    k.add_argument("--out", required=True)
+    k.add_argument("--timeout", type=float, default=280)
+    r = sub.add_parser("report")
+    r.add_argument("--dir", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--cpu-report", default=None)
+    args = ap.parse_args()
+    {"serve": serve, "kimi": kimi, "report": report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
