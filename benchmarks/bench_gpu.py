@@ -288,8 +288,13 @@ def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stag
     workers_list = write_workers or [ExtractConfig().write_workers]
 
     def stage_cfg(workers: int, backend: str = "transformers") -> RunConfig:
-        # the target has no tokenizer and the prompts are random ids: vLLM is told not to load one
-        engines = EnginesConfig(extract=ExtractEngineConfig(engine_args={"skip_tokenizer_init": True}))
+        # vllm@N: vLLM with max_num_batched_tokens=N (tokens per engine step). The target has no tokenizer and
+        # the prompts are random ids: vLLM is told not to load one.
+        backend, _, step_tokens = backend.partition("@")
+        args: dict = {"skip_tokenizer_init": True}
+        if step_tokens:
+            args["max_num_batched_tokens"] = int(step_tokens)
+        engines = EnginesConfig(extract=ExtractEngineConfig(engine_args=args))
         return RunConfig(target=TargetConfig(model=str(folder), max_model_len=seq + 64),
                          extract=ExtractConfig(backend=backend, batch_tokens=n_prompts * seq,
                                                part_tokens=part_tokens, write_workers=workers),
@@ -735,7 +740,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=None, help="skip optional sections past this many seconds")
     ap.add_argument("--extract-backends", default="transformers",
                     help="backends of the 8B-shape stage path, the first with the write-ceiling detail "
-                         "(e.g. transformers,vllm: vLLM's hidden-states connector beside it, same shard)")
+                         "(e.g. transformers,vllm,vllm@16384: vLLM's hidden-states connector beside it on the same "
+                         "shard; @N sets vLLM's max_num_batched_tokens)")
     ap.add_argument("--skip-small", action="store_true", help="no SmolLM2-shape extraction section")
     args = ap.parse_args()
     if args.extract_backends.split(",")[0] != "transformers":

@@ -3,7 +3,7 @@ own commands and stage code:
 
     python3 benchmarks/gpu_vllm.py serve --config benchmarks/gpu_vllm_demo.yaml --dest DIR --out serve.json
     python3 benchmarks/gpu_vllm.py kimi --root DIR --out kimi.json
-    python3 benchmarks/gpu_vllm.py report --dir /tmp/gv --out gpu_vllm.json [--cpu-report cpu.json]
+    python3 benchmarks/gpu_vllm.py report --dir /tmp/gv --out gpu_vllm.json [--cpu-store DIR]
 
 `serve` (item d): `draftline export CONFIG DEST --json`, then the serve line it prints, run as printed (`vllm
 serve ...`), one chat request through the OpenAI API, and the spec-decode counters of /metrics: drafts and
@@ -14,8 +14,8 @@ accepted tokens above zero, the server's start seconds.
 fetched with `draftline weights`, then `draftline run --until extract` through vLLM from exactly what was fetched.
 
 `report`: the figures of every step (bench_gpu.json, the pipeline's and the eager regeneration's summaries and
-stores, serve.json, kimi.json) as one JSON and a markdown summary on stdout; `--cpu-report` adds the CPU demo's
-acceptance lengths of the same draft and prompts (`draftline report configs/demo.yaml --json` on the CPU machine).
+stores, serve.json, kimi.json) as one JSON and a markdown summary on stdout; `--cpu-store` adds the acceptance
+lengths the CPU machine's benchmark measured for the same drafts and prompts.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
+
+import gpu_pipeline  # noqa: E402  (its data and tokenizer helpers)
 
 
 def log(msg: str) -> None:
@@ -125,19 +127,26 @@ def serve(args) -> None:
 
 def kimi(args) -> None:
     from hub_server import StandInHub
-    from test_kimi_layout import tiny_kimi
 
     root = Path(args.root)
-    (root / "repo").mkdir(parents=True, exist_ok=True)
     res: dict = {}
     t0 = time.time()
-    tiny_kimi(root / "repo")
-    res["repo_files"] = sorted(p.name for p in (root / "repo").iterdir())
-    hub = StandInHub("moonshotai/Kimi-K2.5-tiny", root / "repo").start()
-    rows = [{"messages": [{"role": "user", "content": " ".join(f"w{(7 * i + j) % 900 + 3}" for j in range(40))},
-                          {"role": "assistant", "content": " ".join(f"w{(11 * i + j) % 900 + 3}" for j in range(60))}]}
-            for i in range(32)]
-    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    repo = Path(args.repo) if args.repo else root / "repo"
+    if not args.repo:  # built here (transformers with Kimi-K2.5's classes), else carried as built elsewhere
+        from test_kimi_layout import tiny_kimi  # the tests' builder (imports pytest)
+
+        repo.mkdir(parents=True, exist_ok=True)
+        tiny_kimi(repo)
+        # the tests' word-level tokenizer cannot spell the chat masker's probe: a byte-level BPE with a ChatML
+        # template instead (benchmarks/gpu_pipeline.py's), inside the model's 1,000 ids (998/999: media tokens)
+        root.mkdir(parents=True, exist_ok=True)
+        gpu_pipeline.write_data(root / "bpe.jsonl", 48, 1500)
+        gpu_pipeline.write_tokenizer(repo, None, root / "bpe.jsonl", 900)
+    if args.build_only:
+        return
+    res["repo_files"] = sorted(p.name for p in repo.iterdir())
+    hub = StandInHub("moonshotai/Kimi-K2.5-tiny", repo).start()
+    gpu_pipeline.write_data(root / "data.jsonl", 32, 600)
     cfg = root / "kimi.yaml"
     cfg.write_text(json.dumps({
         "name": "kimi-tiny-gpu", "target": {"model": hub.repo, "max_model_len": 512},
@@ -170,6 +179,64 @@ def kimi(args) -> None:
         Path(args.out).write_text(json.dumps(res, indent=2, default=str))
 
 
+# =========================================================================== a draft back from the device
+
+
+def split_draft(args) -> None:
+    """A draft folder as files under 16 MB each (what comes back from the device machine): config.json, its
+    tensors in two safetensors files WITHOUT embed_tokens (the target's own embedding, frozen in training: the
+    same bits on both machines), and the embedding's sha256 so `join-draft` can prove the one it puts back is equal."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(args.src), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    w = load_file(str(src / "model.safetensors"))
+    embed = w.pop("embed_tokens.weight")
+    (out / "draft-embed.sha256").write_text(hashlib.sha256(embed.contiguous().view(-1).view(torch_uint8()).numpy()
+                                                           .tobytes()).hexdigest())
+    names = sorted(w, key=lambda k: -w[k].numel())
+    halves: list[dict] = [{}, {}]
+    sizes = [0, 0]
+    for k in names:  # largest first, each into the lighter half
+        i = 0 if sizes[0] <= sizes[1] else 1
+        halves[i][k] = w[k].contiguous()
+        sizes[i] += w[k].numel() * w[k].element_size()
+    for i, h in enumerate(halves):
+        save_file(h, str(out / f"draft-{'ab'[i]}.safetensors"))
+    (out / "draft-config.json").write_text((src / "config.json").read_text())
+    log(f"split {src} into {out}: {sizes} bytes + the embedding's hash")
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
+def join_draft(args) -> None:
+    """The inverse of split-draft on the CPU machine: the parts plus embed_tokens from a draft of the same target
+    (checked equal by its sha256), as a draft folder vLLM loads."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    parts, dest = Path(args.parts), Path(args.dest)
+    embed = load_file(str(Path(args.embed_from) / "model.safetensors"))["embed_tokens.weight"]
+    have = hashlib.sha256(embed.contiguous().view(-1).view(torch_uint8()).numpy().tobytes()).hexdigest()
+    want = (parts / "draft-embed.sha256").read_text().strip()
+    if have != want:
+        raise SystemExit(f"the embedding of {args.embed_from} is not the device draft's ({have} != {want})")
+    w = {"embed_tokens.weight": embed}
+    for half in ("a", "b"):
+        w.update(load_file(str(parts / f"draft-{half}.safetensors")))
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(w, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    (dest / "config.json").write_text((parts / "draft-config.json").read_text())
+    log(f"joined {dest}: {len(w)} tensors, embedding checked equal")
+
+
 # =========================================================================== report
 
 
@@ -198,7 +265,7 @@ def _regen_rate(store: Path) -> dict:
 
 def report(args) -> None:
     d = Path(args.dir)
-    out: dict = {"date": time.strftime("%Y-%m-%d"), "bench_gpu": _load(d / "bench_gpu.json"),
+    out: dict = {"date": time.strftime("%Y-%m-%d"), "bench_gpu": _load(d / "extract" / "bench_gpu.json"),
                  "pipeline": _load(d / "pipeline.json"), "serve": _load(d / "serve.json"), "kimi": _load(d / "kimi.json")}
     try:
         import torch
@@ -212,14 +279,17 @@ def report(args) -> None:
     if ex:
         bare = ex.get("bare_prefill", {}).get("tokens_per_s")
         tr = ex.get("stage", {})
-        vl = (ex.get("backends") or {}).get("vllm", {})
         lines += ["## (a) extraction, 8B-shaped random-init target, same shard", "",
                   "| path | tok/s | x bare prefill | engine start s |", "|---|---|---|---|",
                   f"| bare prefill + hooks (transformers, in process) | {bare} | 1.00 | - |",
                   f"| extract_shard, transformers backend | {tr.get('tokens_per_s')} | {tr.get('over_bare')} | "
-                  f"{ex.get('engine_start_s')} |",
-                  f"| extract_shard, vLLM + hidden-states connector | {vl.get('stage', {}).get('tokens_per_s')} | "
-                  f"{vl.get('stage', {}).get('over_bare')} | {vl.get('engine_start_s')} |", ""]
+                  f"{ex.get('engine_start_s')} |"]
+        for be, vl in (ex.get("backends") or {}).items():
+            step = f", max_num_batched_tokens {be.partition('@')[2]}" if "@" in be else ""
+            lines.append(f"| extract_shard, vLLM + hidden-states connector{step} | "
+                         f"{vl.get('stage', {}).get('tokens_per_s')} | {vl.get('stage', {}).get('over_bare')} | "
+                         f"{vl.get('engine_start_s')} |")
+        lines.append("")
     graphs = _regen_rate(d / "store") if (d / "store").exists() else {}
     eager = _regen_rate(d / "store-eager") if (d / "store-eager").exists() else {}
     out["regenerate"] = {"cuda_graphs": graphs, "eager": eager}
@@ -234,13 +304,20 @@ def report(args) -> None:
         lines += ["## (c) acceptance length in vLLM-CUDA (the pipeline's benchmark stage)", ""]
         for head, evs in bench.get("acceptance", {}).items():
             for ev, ks in evs.items():
-                lines.append(f"- {head} / {ev}: " + ", ".join(f"k={k}: AL {v}" for k, v in ks.items()))
+                lines.append(f"- {head} / {ev}: " + ", ".join(f"k={k}: AL {v['al']} (by batch size {v['by_batch_size']}, "
+                                                          f"speedup {v['speedup']})" for k, v in ks.items()))
         if bench.get("engine_start_s"):
             lines += ["", f"- (f) engine starts in the benchmark stage (s): {bench['engine_start_s']}"]
         lines.append("")
-    cpu = _load(Path(args.cpu_report)) if args.cpu_report else {}
-    if cpu:
-        out["cpu_acceptance"] = _acceptance(cpu)
+    cpu = _bench_report(Path(args.cpu_store)) if args.cpu_store else {}
+    if cpu:  # the same drafts and prompts in vLLM's CPU build
+        out["cpu_benchmark"] = cpu
+        lines += ["## (c) the same drafts in vLLM's CPU build", ""]
+        for head, evs in cpu["acceptance"].items():
+            for ev, ks in evs.items():
+                lines.append(f"- {head} / {ev}: " + ", ".join(f"k={k}: AL {v['al']} (by batch size "
+                                                              f"{v['by_batch_size']})" for k, v in ks.items()))
+        lines.append("")
     sv = out["serve"]
     if sv:
         lines += ["## (d) `vllm serve` with the printed line", "", f"`{sv.get('serve_line')}`", "",
@@ -258,18 +335,17 @@ def report(args) -> None:
 
 
 def _acceptance(report: dict) -> dict:
-    """{head or draft: {eval: {k: mean acceptance length}}} from a benchmark report (as `draftline report --json`
-    prints it or the stage stores it)."""
-    rep = report.get("report", report)
+    """{head or draft: {eval: {k: {"al": mean acceptance length, "by_batch_size": {bs: al}, "speedup": {bs: x}}}}}
+    from a benchmark stage's report.json (every head and benchmark.drafts entry is under report['heads'])."""
     out: dict = {}
-    for head, evs in (rep.get("heads") or {"head": rep}).items():
-        for ev, ks in ((evs or {}).get("benchmark") or {}).items():
+    for head, h in (report.get("heads") or {}).items():
+        for ev, ks in (h.get("benchmark") or {}).items():
             for k, fig in ks.items():
-                out.setdefault(head, {}).setdefault(ev, {})[k] = fig.get("mean_acceptance_length")
-    for name, dr in (rep.get("drafts") or {}).items():
-        for ev, ks in ((dr or {}).get("benchmark") or {}).items():
-            for k, fig in ks.items():
-                out.setdefault(name, {}).setdefault(ev, {})[k] = fig.get("mean_acceptance_length")
+                by = fig.get("by_batch_size") or {}
+                out.setdefault(head, {}).setdefault(ev, {})[k] = {
+                    "al": fig.get("mean_acceptance_length"),
+                    "by_batch_size": {bs: f.get("mean_acceptance_length") for bs, f in by.items()},
+                    "speedup": {bs: f.get("speedup") for bs, f in by.items()}}
     return out
 
 
@@ -299,14 +375,24 @@ def main() -> None:
     s.add_argument("--timeout", type=float, default=300)
     k = sub.add_parser("kimi")
     k.add_argument("--root", required=True)
-    k.add_argument("--out", required=True)
+    k.add_argument("--out", default=None)
     k.add_argument("--timeout", type=float, default=280)
+    k.add_argument("--repo", default=None, help="the tiny repository, built earlier (default: build it under ROOT)")
+    k.add_argument("--build-only", action="store_true", help="build the repository under ROOT/repo and stop")
+    sp = sub.add_parser("split-draft")
+    sp.add_argument("src")
+    sp.add_argument("out")
+    jn = sub.add_parser("join-draft")
+    jn.add_argument("parts")
+    jn.add_argument("embed_from")
+    jn.add_argument("dest")
     r = sub.add_parser("report")
     r.add_argument("--dir", required=True)
     r.add_argument("--out", required=True)
-    r.add_argument("--cpu-report", default=None)
+    r.add_argument("--cpu-store", default=None, help="a CPU store whose benchmark measured the same drafts")
     args = ap.parse_args()
-    {"serve": serve, "kimi": kimi, "report": report}[args.cmd](args)
+    {"serve": serve, "kimi": kimi, "report": report, "split-draft": split_draft,
+     "join-draft": join_draft}[args.cmd](args)
 
 
 if __name__ == "__main__":
