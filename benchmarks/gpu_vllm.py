@@ -334,6 +334,10 @@ def report(args) -> None:
     print("\n".join(lines))
 
 
+def _r(x):
+    return round(float(x), 3) if x is not None else None
+
+
 def _acceptance(report: dict) -> dict:
     """{head or draft: {eval: {k: {"al": mean acceptance length, "by_batch_size": {bs: al}, "speedup": {bs: x}}}}}
     from a benchmark stage's report.json (every head and benchmark.drafts entry is under report['heads'])."""
@@ -343,9 +347,9 @@ def _acceptance(report: dict) -> dict:
             for k, fig in ks.items():
                 by = fig.get("by_batch_size") or {}
                 out.setdefault(head, {}).setdefault(ev, {})[k] = {
-                    "al": fig.get("mean_acceptance_length"),
-                    "by_batch_size": {bs: f.get("mean_acceptance_length") for bs, f in by.items()},
-                    "speedup": {bs: f.get("speedup") for bs, f in by.items()}}
+                    "al": _r(fig.get("mean_acceptance_length")),
+                    "by_batch_size": {bs: _r(f.get("mean_acceptance_length")) for bs, f in by.items()},
+                    "speedup": {bs: _r(f.get("speedup")) for bs, f in by.items()}}
     return out
 
 
