@@ -65,11 +65,11 @@ for step in "$@"; do
     say "installed" ;;
   extract)
     timeout "${GV_EXTRACT_S:-480}" python3 benchmarks/bench_gpu.py --out /tmp/gv/extract --only matmul,extract --skip-small \
-      --extract-backends "${GV_BACKENDS:-transformers,vllm,vllm@16384}" --stage-prompts-8b "${GV_PROMPTS:-48}" >"$OUT/extract.log" 2>&1
+      --extract-backends "${GV_BACKENDS:-transformers,vllm}" --stage-prompts-8b "${GV_PROMPTS:-48}" >"$OUT/extract.log" 2>&1
     say "extract rc=$?"; grep -E "tok/s|started|failed|Error" "$OUT/extract.log" | tail -12
     cp /tmp/gv/extract/bench_gpu.json "$OUT/" 2>/dev/null ;;
   pipeline)
-    timeout "${GV_PIPELINE_S:-560}" python3 -m flows.cli run benchmarks/gpu_vllm_demo.yaml --json \
+    timeout "${GV_PIPELINE_S:-540}" python3 -m flows.cli run benchmarks/gpu_vllm_demo.yaml --json ${GV_PIPELINE_SET:-} \
       >/tmp/gv/pipeline.json 2>"$OUT/pipeline.log"
     say "pipeline rc=$?"; grep -E "ran in|Finished in state|Error|error" "$OUT/pipeline.log" | tail -14
     cp /tmp/gv/pipeline.json "$OUT/" 2>/dev/null ;;
