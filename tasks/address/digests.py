@@ -58,7 +58,9 @@ def vocab(cfg, data) -> str:
 
 # Extract keys that change where and how fast hidden states are made, not their bytes.
 EXTRACT_SCHEDULING_KEYS = {"gpus", "cpu_groups", "kv_cache_gib", "batch_tokens", "tensor_parallel_size",
-                           "enforce_eager", "write_overlap", "write_queue", "write_workers", "nodes", "deployment"}
+                           "enforce_eager", "write_overlap", "write_queue", "write_workers", "nodes", "deployment",
+                           # the extraction check reads what is stored, it changes no byte of it
+                           "verify_positions", "verify_min_agreement"}
 
 
 def extract_section(cfg, layer_ids: list[int]) -> dict[str, Any]:
