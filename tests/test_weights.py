@@ -291,6 +291,23 @@ def test_an_unpinned_hub_id_runs_on_the_local_snapshot_and_records_its_commit(hu
     s = json.loads(out)
     assert s["state"] == "COMPLETED" and s["stages"]["extract"]["executed"] == 2, s["stages"]
     assert s["stages"]["train"]["executed"] == 1, s["stages"]["train"]  # the verifier's weights: the snapshot's
+    # the extraction check ran on both shards, shown in the summary and, as a markdown artifact, in the Prefect UI
+    verified = s["stages"]["extract"]["stats"]["verified"]
+    assert verified["shards"] == 2 and verified["unchecked"] == 0 and verified["positions"] > 0, verified
+    assert verified["min_shard_agreement"] >= verified["threshold"], verified
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    async def check_artifact() -> list:
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["extraction-check"]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[s["flow_run_id"]])))
+
+    shown = asyncio.run(check_artifact())
+    assert len(shown) == 1 and "| 0 |" in shown[0].data and "| 1 |" in shown[0].data, shown
     assert [r["path"] for r in hub.requests] == [f"/api/models/{REPO}/revision/main"], hub.requests  # once per run
 
     manifests = [m for m in Store(store).list() if m.stage != "checkpoint"]
