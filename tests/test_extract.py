@@ -44,7 +44,7 @@ def tiny_llama(path: Path, layers: int = 6, vocab: int = 512) -> str:
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # a final norm that is not all ones (a trained model's is not): applying it twice shows
-        model.model.norm.weight.uniform_(0.2, 3.0)
+        model.model.norm.weight.copy_(torch.exp(1.5 * torch.randn(cfg.hidden_size)))
     model.to(torch.bfloat16).save_pretrained(path)
     words = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
     tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))

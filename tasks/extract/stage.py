@@ -149,8 +149,9 @@ class _PartWriter:
     adding files to it.
     """
 
-    def __init__(self, w: ArtifactWriter, depth: int, name: str, workers: int = 1):
+    def __init__(self, w: ArtifactWriter, depth: int, name: str, workers: int = 1, check: StateCheck | None = None):
         self.w = w
+        self.state_check = check  # the extraction check of each part, on the writer's thread (off the engine's path)
         self.depth = depth
         self.parts: list[tuple[str, int]] = []  # (name, tokens) in hand-over order
         self.write_s = 0.0  # time spent writing parts, summed over the workers
@@ -229,6 +230,8 @@ class _PartWriter:
             raise self.error
 
     def _write(self, name: str, buf: "PartBuffer") -> None:
+        if self.state_check is not None:
+            self.state_check.add_part(buf)
         t0 = time.monotonic()
         with self.w.open(name) as fh:
             buf.write(_CancellableFile(fh, self._cancelled))  # type: ignore[arg-type]
@@ -324,21 +327,13 @@ def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProces
     new_buffer = lambda: PartBuffer(plan.layer_ids, plan.hidden_size, e.storage_dtype, capacity)  # noqa: E731
     buf = new_buffer()
     check = _state_check(cfg, engine)
-    verify_s = 0.0
-
-    def verify(part: PartBuffer) -> None:  # before the part is handed to the writer (then it may be reused)
-        nonlocal verify_s
-        if check is not None and part.tokens:
-            t1 = time.monotonic()
-            check.add_part(part)
-            verify_s += time.monotonic() - t1
 
     with store.write(STAGE, plan.digest, VERSIONS[STAGE], inputs=plan.inputs, config=plan.config) as w:
         if on_progress:
             on_progress(0, total)
         depth = e.write_queue if e.write_overlap else 0
         with ThreadPoolExecutor(1, thread_name_prefix=f"extract-{plan.shard}") as ahead, \
-                _PartWriter(w, depth, f"extract-{plan.shard}-writer", e.write_workers) as writer:
+                _PartWriter(w, depth, f"extract-{plan.shard}-writer", e.write_workers, check) as writer:
             # The engine computes batch k+1 while this thread collects batch k. A transformers engine
             # copies into two shared buffers it alternates between (no file written per call): batch
             # k is copied out here before batch k+2 is asked for, which is when its buffer is reused.
@@ -363,7 +358,6 @@ def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProces
                 hidden = list(zip(hidden, next_tokens))
                 for piece, piece_hidden, close_before in part_rule(batch, hidden, buf.tokens, e.part_tokens, deal):
                     if close_before:
-                        verify(buf)
                         t1 = time.monotonic()
                         writer.put(buf)  # blocks while write_queue parts are still being written
                         write_wait += time.monotonic() - t1
@@ -373,7 +367,6 @@ def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProces
                     collect += time.monotonic() - t1
                 del hidden
                 if not deal and buf.tokens >= e.part_tokens:
-                    verify(buf)
                     t1 = time.monotonic()
                     writer.put(buf)  # blocks while write_queue parts are still being written
                     write_wait += time.monotonic() - t1
@@ -381,7 +374,6 @@ def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProces
                 writer.check()  # a failed write fails the shard now, not after the last batch
                 if on_progress:
                     on_progress(done, total)
-            verify(buf)
             t1 = time.monotonic()
             writer.put(buf)
             writer.finish()
@@ -410,7 +402,7 @@ def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProces
             "write_wait_s": round(write_wait, 3), "engine_wait_s": round(engine_wait, 3),
             "collect_s": round(collect, 3),
             # the stored last layer reproduces the engine's next token (tasks/extract/verify.py)
-            "verify": ({**check.stats(), "seconds": round(verify_s, 3)} if check is not None
+            "verify": (check.stats() if check is not None
                        else {"positions": 0, "skipped": _skipped(cfg, engine)}),
         }
         art = w.commit(stats)

@@ -54,11 +54,17 @@ class StateCheck:
     positions: int = 0
     agree: int = 0
     gap_sum: float = 0.0
+    seconds: float = 0.0  # summed over the part writers' threads it runs on
     parts: list[dict[str, Any]] = field(default_factory=list)
+    lock: Any = field(default_factory=threading.Lock, repr=False)
 
     def add_part(self, buf: Any) -> None:
+        """Check one part (on a part writer's thread, before the part is written; thread-safe)."""
+        import time
+
         import torch
 
+        t0 = time.monotonic()
         have = [i for i, t in enumerate(buf.next_tokens) if t is not None]
         pick = [have[i] for i in sample_rows(len(have), self.positions_per_part)]
         if not pick:
@@ -73,17 +79,20 @@ class StateCheck:
         top = logits.argmax(-1)
         agree = int((top == want).sum())
         gap = float((logits.gather(1, top[:, None]) - logits.gather(1, want[:, None])).sum())
-        self.positions += len(pick)
-        self.agree += agree
-        self.gap_sum += gap
-        self.parts.append({"positions": len(pick), "agreement": round(agree / len(pick), 4)})
+        with self.lock:
+            self.positions += len(pick)
+            self.agree += agree
+            self.gap_sum += gap
+            self.seconds += time.monotonic() - t0
+            self.parts.append({"positions": len(pick), "agreement": round(agree / len(pick), 4)})
 
     def stats(self) -> dict[str, Any]:
         return {"positions": self.positions,
                 "top1_agreement": round(self.agree / self.positions, 4) if self.positions else None,
                 "mean_logit_gap": round(self.gap_sum / self.positions, 4) if self.positions else None,
                 "threshold": self.threshold, "min_part_agreement": min((p["agreement"] for p in self.parts),
-                                                                       default=None)}
+                                                                       default=None),
+                "seconds": round(self.seconds, 3)}
 
     def failure(self, shard: int, layer_ids: list[int], storage_dtype: str, layers: str | None) -> str | None:
         """The error of a shard below the threshold, naming the likely causes; None when it passes."""
