@@ -109,6 +109,11 @@ def print_summary(summary: dict[str, Any]) -> None:
                       str(r.get("failed", 0)), f"{r.get('seconds', 0):.1f}s",
                       (r.get("artifact") or "").removeprefix(store).lstrip("/"))
     console.print(table)
+    verified = ((summary.get("stages", {}).get("extract") or {}).get("stats") or {}).get("verified")
+    if verified:
+        from tasks.extract.verify import summary_line
+
+        console.print(f"extraction check: {summary_line(verified)}")
     for name, r in summary.get("stages", {}).items():
         if r.get("error"):
             err.print(f"[red]{name}[/]: {r['error']}")

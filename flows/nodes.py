@@ -57,6 +57,8 @@ def finish_sharded(stage: str, record: StageRecord, store: Store, plans: list, r
     finish_stage(record, t0, refs, failed=len(lost), executed=executed)
     record.artifact = f"{store.uri}/{kind.store_stage}/"
     record.stats = {"shards": len(plans), kind.tokens: sum(int(x.stats.get(kind.tokens, 0)) for x in refs)}
+    if stage == "extract":
+        _publish_check(record, refs, errors, logger)
     where = ""
     if nodes is not None:
         record.stats["nodes"] = nodes
@@ -68,6 +70,24 @@ def finish_sharded(stage: str, record: StageRecord, store: Store, plans: list, r
                            f"{record.error}; `draftline retry` this run: it runs only those, on any node")
     logger.info(f"{stage}: {record.executed} shards ran{where}, {record.cached} cached, in {record.seconds}s")
     return refs
+
+
+def _publish_check(record: StageRecord, refs: list[ArtifactRef], errors: list[str], logger) -> None:
+    """The extraction check's figures (tasks/extract/verify.py) in the run's summary and, as a markdown
+    artifact, in the Prefect UI, the refused shards' causes included."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from tasks.extract.verify import markdown, summarize, summary_line
+
+    verified = summarize([r.stats for r in refs])
+    if verified is not None:
+        record.stats["verified"] = verified
+        logger.info(f"extract: {summary_line(verified)}")
+    try:
+        create_markdown_artifact(markdown([r.stats for r in refs], errors), key="extraction-check",
+                                 description="Stored hidden states against the engine's next token")
+    except Exception:  # noqa: BLE001 - the UI's view only; the figures are in the summary and the manifests
+        pass
 
 
 def child_deployment(cfg: RunConfig) -> str:

@@ -108,3 +108,20 @@ def test_stored_artifacts_keep_their_addresses():
     assert digests.prepare(cfg) == "d01e4891541bc92bcc76ee8ae26ffa17"
     assert digests.train(cfg, Ref("v"), [Ref("s0", 0), Ref("s1", 1)]) == "42f9970dbdfd1da80f3c78ebf0369d62"
     assert digests.benchmark(cfg, Ref("t"), Ref("d")) == "c42c11aa7cba798732d96fd73bf08fd7"
+
+
+def test_a_folder_targets_address_is_pinned_to_its_bytes(tmp_path, monkeypatch):
+    """A folder (or hub) target's addresses hash its fingerprint (tasks/engine/weights.py): the content of its small
+    files and the sha256 of every weight file. Pinned like the demo's: these moved ONCE, deliberately, when the
+    weights entered by content (VERSIONS["target"] target-v2, issue 33); a change here needs another bump."""
+    from tasks.core.config import load_config
+    from tasks.engine.weights import folder_fingerprint
+
+    monkeypatch.setenv("DRAFTLINE_HOME", str(tmp_path / "node"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 4}\n')
+    (model / "model.safetensors").write_bytes(bytes(range(256)) * 16)
+    assert folder_fingerprint(model) == "d749a278c254110d9ba41e97f3b96c6a5dca823d61c7494c5c73bb57be35494a"
+    cfg = load_config("tests/configs/demo-as-stored.yaml", [f"target.model={model}"])
+    assert digests.prepare(cfg) == "f10cd33b709691560c8bf0525fb7b129"

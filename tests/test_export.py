@@ -165,6 +165,33 @@ def test_export_writes_the_draft_its_maps_and_a_readme_with_the_serve_line(exp):
                                          "vocab/d2t.json", "vocab/t2d.json"]
 
 
+def test_the_exported_maps_are_trainings_byte_for_byte_and_a_drifted_draft_is_refused(exp, tmp_path):
+    """The draft vLLM will serve proposes ids through its d2t/t2d: they must be the vocab artifact's that
+    training read, byte for byte. A train artifact whose draft carries other maps is not exported."""
+    from safetensors.torch import save
+
+    from tasks.benchmark.export import ExportError
+    from tasks.core.digest import VERSIONS, stage_digest
+    from tasks.formats.vocab_maps import read_maps
+
+    maps = read_maps(exp.store, exp.vref)
+    w = load_file(str(exp.dest / "draft/model.safetensors"))
+    for name in ("d2t", "t2d"):
+        assert w[name].dtype == maps[name].dtype and w[name].numpy().tobytes() == maps[name].numpy().tobytes()
+
+    art = exp.store.open("train", exp.trained.digest)
+    w["d2t"] = w["d2t"].clone()
+    w["d2t"][0] += 1  # one draft id maps to the next target token
+    with exp.store.write("train", stage_digest("train", {"drifted": 1}), VERSIONS["train"],
+                         inputs=dict(art.manifest.inputs)) as wr:
+        wr.write_bytes("draft/config.json", art.read_bytes("draft/config.json"))
+        wr.write_bytes("draft/model.safetensors", save(w))
+        drifted = wr.commit(dict(art.stats)).ref()
+    with pytest.raises(ExportError, match="the draft's d2t differs from the one its training read"):
+        export_draft(exp.store, drifted.digest, str(tmp_path / "out"), run_serve(exp.cfg, exp.store, exp.trained))
+    assert not (tmp_path / "out").exists()
+
+
 def test_warm_start_from_an_export_starts_at_its_loss(exp):
     events: list[dict] = []
     warm = run_train(train_cfg(exp.path, max_steps=2, init_from=str(exp.dest / "draft")), exp.store, exp.vref,

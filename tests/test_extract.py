@@ -42,7 +42,10 @@ def tiny_llama(path: Path, layers: int = 6, vocab: int = 512) -> str:
                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # a final norm that is not all ones (a trained model's is not): applying it twice shows
+        model.model.norm.weight.copy_(torch.exp(1.5 * torch.randn(cfg.hidden_size)))
+    model.to(torch.bfloat16).save_pretrained(path)
     words = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
     tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -228,6 +231,10 @@ def test_extract_shards_to_store(store, data, model_path, tf_engine):
             assert p["hidden_states"].shape == (int(p["offsets"][-1]), 4, 128)
             assert p["input_ids"].dtype == torch.int32 and p["loss_mask"].dtype == torch.uint8
     assert progress[-1][0] == progress[-1][1] == refs[-1].stats["tokens"]
+    for ref in refs:  # every sample's last position checked: the stored last layer gives the engine's next token
+        v = ref.stats["verify"]
+        assert v["positions"] == ref.stats["samples"] and v["top1_agreement"] >= cfg.extract.verify_min_agreement, v
+        assert v["threshold"] == cfg.extract.verify_min_agreement and v["mean_logit_gap"] >= 0
     # the stored rows are the engine's hidden states for that sample, in the right place
     rows = shard_rows(store, data, 1)
     by_id = per_sample(read_parts(store, refs[1]))
@@ -250,6 +257,7 @@ def test_fp8_halves_bytes_and_reads_back_close(store, data, model_path, tf_engin
     p16, p8 = plan_extract(cfg16, data, hf)[0], plan_extract(cfg8, data, hf)[0]
     r16, r8 = extract_shard(cfg16, store, p16, tf_engine), extract_shard(cfg8, store, p8, tf_engine)
     assert r8.stats["storage_dtype"] == "fp8"
+    assert r8.stats["verify"]["top1_agreement"] >= cfg8.extract.verify_min_agreement  # checked as stored: fp8
     ratio = r8.stats["bytes_per_token"] / r16.stats["bytes_per_token"]
     assert 0.45 < ratio < 0.6, ratio
     a, b = per_sample(read_parts(store, r16)), per_sample(read_parts(store, r8))
@@ -329,6 +337,9 @@ def test_vllm_and_transformers_agree(store, data, model_path, vllm_engine, tf_en
         rv = extract_shard(cfg_v, store, pv[shard], vllm_engine)
         rt = extract_shard(cfg_t, store, pt[shard], tf_engine)
         assert rv.stats["backend"] == "vllm" and rv.stats["tokens"] == rt.stats["tokens"]
+        for r in (rv, rt):  # vLLM's sampled token (temperature 0) and transformers' argmax both check the states
+            assert r.stats["verify"]["positions"] == r.stats["samples"], r.stats["verify"]
+            assert r.stats["verify"]["top1_agreement"] >= cfg_v.extract.verify_min_agreement, r.stats["verify"]
         a, b = per_sample(read_parts(store, rt)), per_sample(read_parts(store, rv))
         assert a.keys() == b.keys()
         for sid in a:  # includes samples sharing a 48-token prefix (vLLM prefix caching)
@@ -398,6 +409,82 @@ def test_streamed_parts_are_standard_safetensors(tmp_path):
         want = torch.cat(chunks).float()
         tol = 0.0 if dtype == "bf16" else 0.07  # e4m3: 3 mantissa bits, per-token-per-layer scale
         assert ((part["hidden_states"].float() - want).abs() <= tol * want.abs().amax(-1, keepdim=True)).all()
+
+
+# ----------------------------------------------------------------------------- the extraction check
+
+
+class Planted:
+    """The module's real transformers engine with one fault planted in what it hands the stage, as a broken
+    extractor would: `shifted` asks for the last layer one too early (a layer id off by one), `offset` counts
+    every id two layers early (a wrapper's layers counted from the wrong module), `norm_twice` stores the last
+    layer after the final norm (transformers' hidden_states[-1]: the check's norm then applies twice), `cut`
+    saturates each token's values at a tenth of its largest magnitude (a dtype cut: fp8 without a scale
+    clips an LLM's large activations). The engine's next tokens are its own, unplanted."""
+
+    kind = "planted"
+
+    def __init__(self, engine, fault: str):
+        self.engine, self.fault = engine, fault
+        self.model, self.info, self.name = engine.model, dict(engine.info), f"planted-{fault}"
+        self.last_next_tokens = None
+
+    def extract(self, prompts, layer_ids):
+        from tasks.engine.target import VerifierHead
+
+        ids = list(layer_ids)
+        if self.fault == "shifted":
+            ids[-1] -= 1
+        elif self.fault == "offset":
+            ids = [max(1, k - 2) for k in ids]
+        out = self.engine.extract(prompts, ids)
+        self.last_next_tokens = self.engine.last_next_tokens
+        planted = []
+        for h in out:
+            h = h.clone()
+            if self.fault == "norm_twice":
+                head = VerifierHead(self.model, load_hf_config(TargetConfig(model=self.model)))
+                h[:, -1] = head.norm(h[:, -1].float()).to(h.dtype)
+            elif self.fault == "cut":
+                top = 0.1 * h[:, -1].float().abs().amax(-1, keepdim=True)
+                h[:, -1] = torch.maximum(torch.minimum(h[:, -1].float(), top), -top).to(h.dtype)
+            planted.append(h)
+        return planted
+
+
+@pytest.mark.parametrize("fault", ["shifted", "offset", "norm_twice", "cut"])
+def test_a_planted_fault_in_the_stored_states_is_refused_with_its_causes(tmp_path, model_path, tf_engine, fault):
+    """The stored last layer must give the target's next token through the target's own norm and lm_head. Each
+    planted fault fails the shard at once, naming the causes to look at, and commits nothing; the same shard
+    extracted correctly passes. (Values scaled by a constant are not among them: the final RMSNorm divides any
+    scale out, so the last layer's use is unchanged and the check rightly passes it.)"""
+    store = Store(f"file://{tmp_path}/store")
+    cfg = make_cfg(model_path)
+    plan = plan_extract(cfg, make_data(store, "planted", num_shards=1), load_hf_config(cfg.target))[0]
+    with pytest.raises(ExtractError) as exc:
+        extract_shard(cfg, store, plan, Planted(tf_engine, fault))
+    said = str(exc.value)
+    assert f"extract shard {plan.shard}: the stored hidden states do not reproduce the target's own next token" in said
+    for cause in ("layer ids", "wrapper's layer offset", "the norm", "the dtype", "Nothing was committed"):
+        assert cause in said, said
+    assert store.find("extract", plan.digest) is None and files_under(store, plan.digest) == []
+    if fault == "shifted":
+        ref = extract_shard(cfg, store, plan, tf_engine)
+        assert ref.stats["verify"]["top1_agreement"] >= cfg.extract.verify_min_agreement
+
+
+def test_the_check_runs_on_every_part_and_can_be_turned_off(tmp_path, model_path, tf_engine):
+    store = Store(f"file://{tmp_path}/store")
+    cfg = make_cfg(model_path, verify_positions=2)
+    plan = plan_extract(cfg, make_data(store, "sampled", num_shards=1), load_hf_config(cfg.target))[0]
+    v = extract_shard(cfg, store, plan, tf_engine).stats["verify"]
+    parts = len(read_parts(store, store.find("extract", plan.digest).ref()))
+    assert parts >= 2 and v["positions"] == 2 * parts, (parts, v)  # 2 per part, every part
+    off = make_cfg(model_path, verify_positions=0)
+    other = Store(f"file://{tmp_path}/other")
+    plan = plan_extract(off, make_data(other, "sampled", num_shards=1), load_hf_config(off.target))[0]
+    assert extract_shard(off, other, plan, Planted(tf_engine, "shifted")).stats["verify"] == {
+        "positions": 0, "skipped": "extract.verify_positions is 0"}
 
 
 # ----------------------------------------------------------------------------- the background part writer

@@ -305,6 +305,9 @@ def test_transformers_backend_extracts_the_eagle3_layers(kimi):
     finally:
         handle.remove()
     assert checked == 12
+    for ref in kimi.refs:  # the stage's own check: the wrapper's norm and untied lm_head reproduce the engine's token
+        v = ref.stats["verify"]
+        assert v["positions"] == 6 and v["top1_agreement"] >= kimi.cfg.extract.verify_min_agreement, v
     moe = decoder.layers[LAYERS - 1].mlp
     assert type(moe).__name__ == "DeepseekV3MoE"  # the last slot went through routed experts
 

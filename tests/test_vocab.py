@@ -116,3 +116,31 @@ def test_oversized_vocab_is_an_error_and_commits_nothing(prepared):
     with pytest.raises(VocabError, match="larger than the target's vocabulary"):
         run_vocab(big, store, ref)
     assert all(m.config.get("vocab", {}).get("draft_vocab_size") != 50000 for m in store.list("vocab"))
+
+
+def test_maps_that_are_not_the_top_k_of_their_counts_are_refused(tmp_path):
+    """d2t/t2d agree with each other AND with the token counts they came from: a map holding a rare token in
+    place of a frequent one (an edited file, ids that drifted) is refused before training reads it."""
+    from safetensors.torch import save
+
+    from tasks.core.digest import VERSIONS, stage_digest
+    from tasks.formats.vocab_maps import VocabFormatError, read_vocab
+
+    store = Store(f"file://{tmp_path}/store")
+    counts = np.zeros(100, dtype=np.int64)
+    counts[[5, 17, 40, 41, 90]] = [50, 40, 30, 20, 10]
+
+    def commit(name: str, d2t: np.ndarray, t2d: np.ndarray):
+        with store.write("vocab", stage_digest("vocab", {"t": name}), VERSIONS["vocab"]) as w:
+            w.write_bytes(FILE, save({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d),
+                                      "token_counts": torch.from_numpy(counts)}))
+            return w.commit({}).ref()
+
+    d2t, t2d = build_maps(counts, 3)
+    assert torch.equal(read_vocab(store, commit("good", d2t, t2d), 100)[1], torch.from_numpy(t2d))
+    drifted = np.array([5, 17, 90])  # 90 (10 times) in place of 40 (30 times); d2t consistent with t2d
+    t2d_bad = np.zeros(100, dtype=bool)
+    t2d_bad[drifted] = True
+    with pytest.raises(VocabFormatError, match="leaves out target id 40 .counted 30 times. but holds id 90 "
+                                               ".counted 10.: t2d/d2t are not the top-K of token_counts"):
+        read_vocab(store, commit("drifted", drifted - np.arange(3), t2d_bad), 100)

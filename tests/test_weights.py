@@ -24,6 +24,7 @@ from train_data import make_tiny_target
 from tasks.address import digests
 from tasks.core.config import load_config
 from tasks.store.artifacts import Store
+from tasks.engine import weights
 from tasks.engine.weights import folder_fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +80,7 @@ def test_an_address_hashes_what_the_model_is_not_where_it_sits(tmp_path):
     assert digests.prepare(load_config(None, [f"target.model={b}"])) != digests.prepare(ca)
     c = tmp_path / "c"
     shutil.copytree(a, c)
-    with open(c / "model.safetensors", "ab") as fh:  # the weights are stat'ed, not read: their size counts
+    with open(c / "model.safetensors", "ab") as fh:
         fh.write(b"\0" * 64)
     assert digests.prepare(load_config(None, [f"target.model={c}"])) != digests.prepare(ca)
     # files no run reads do not count (a README, the repository's code without trust_remote_code)
@@ -87,6 +88,105 @@ def test_an_address_hashes_what_the_model_is_not_where_it_sits(tmp_path):
     (a / "modeling_x.py").write_text("# code")
     assert folder_fingerprint(a) == folder_fingerprint(tmp_path / "elsewhere" / ".." / "a")
     assert folder_fingerprint(a, trust_remote_code=True) != folder_fingerprint(a)
+
+
+@pytest.fixture
+def node(tmp_path, monkeypatch):
+    """A fresh node: draftline's cache (the record of hashed weight files) in the test's folder."""
+    monkeypatch.setenv("DRAFTLINE_HOME", str(tmp_path / "node"))
+    weights._folder_fingerprint.cache_clear()  # the per-process cache: the test asks the node's record
+    yield tmp_path / "node"
+    weights._folder_fingerprint.cache_clear()
+
+
+def flip_one_byte(path: Path) -> None:
+    """A fine-tune's file: the same name and size, one byte in the middle of the tensors changed, the time kept."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_one_changed_weight_byte_is_another_model(node, tmp_path):
+    """A new checkpoint of the same model (same files, same sizes, other bytes) must not reuse the old one's
+    hidden states: its fingerprint, and so every address, differs."""
+    a = tiny_model(tmp_path / "a")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    assert folder_fingerprint(b) == folder_fingerprint(a)
+    flip_one_byte(b / "model.safetensors")
+    assert (b / "model.safetensors").stat().st_size == (a / "model.safetensors").stat().st_size
+    assert folder_fingerprint(b) != folder_fingerprint(a)
+    assert digests.prepare(load_config(None, [f"target.model={b}"])) != \
+        digests.prepare(load_config(None, [f"target.model={a}"]))
+
+
+def test_a_folder_is_hashed_once_per_node_and_again_when_touched(node, tmp_path):
+    """The first fingerprint of a plain folder reads its weights once; the node remembers each file's sha256 by
+    (device, inode, size, mtime, ctime), so the next fingerprint (another process: the per-process cache is cleared)
+    reads no weight byte; a touched file is read again; a second process at once waits and reuses."""
+    import threading
+
+    a = tiny_model(tmp_path / "a")
+    (a / "model-extra.safetensors").write_bytes(os.urandom(1 << 20))
+    size = sum(p.stat().st_size for p in a.glob("*.safetensors"))
+    before = dict(weights.hashed)
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(weights.file_sha256s(sorted(map(str, a.glob("*.safetensors"))))
+                                                              and folder_fingerprint(a))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = folder_fingerprint(a)
+    assert results == [first, first]
+    assert weights.hashed["files"] - before["files"] == 2 and weights.hashed["bytes"] - before["bytes"] == size
+    record = json.loads((node / "fingerprints" / "sha256.json").read_text())
+    assert len(record) == 2 and not any(str(tmp_path) in k for k in record)  # keyed by inode, not path
+
+    weights._folder_fingerprint.cache_clear()
+    read = dict(weights.hashed)
+    assert folder_fingerprint(a) == first and weights.hashed == read  # no weight byte read
+
+    st = (a / "model.safetensors").stat()
+    os.utime(a / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: same bytes
+    assert folder_fingerprint(a) == first
+    assert weights.hashed["files"] - read["files"] == 1
+    assert weights.hashed["bytes"] - read["bytes"] == st.st_size
+
+
+def hub_cache_snapshot(root: Path, repo: str, commit: str, source: Path) -> Path:
+    """A hub cache's snapshot as huggingface_hub lays it out: `snapshots/COMMIT/NAME` links to `blobs/ETAG`, where
+    an LFS file's etag is the sha256 of its content and a plain git file's its 40-hex git hash."""
+    import hashlib
+
+    base = root / f"models--{repo.replace('/', '--')}"
+    snap = base / "snapshots" / commit
+    (base / "blobs").mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True)
+    for f in source.iterdir():
+        data = f.read_bytes()
+        etag = hashlib.sha256(data).hexdigest() if f.suffix == ".safetensors" else hashlib.sha1(data).hexdigest()
+        (base / "blobs" / etag).write_bytes(data)
+        (snap / f.name).symlink_to(os.path.relpath(base / "blobs" / etag, snap))
+    return snap
+
+
+def test_a_hub_snapshot_and_a_copy_of_the_same_bytes_share_the_fingerprint(node, tmp_path):
+    """The hub snapshot's weight files link to blobs named by their sha256: its fingerprint reads no weight
+    byte, and equals a plain copy's (hashed) and the same bytes' under another commit."""
+    a = tiny_model(tmp_path / "a")
+    before = dict(weights.hashed)
+    one = hub_cache_snapshot(tmp_path / "hub", REPO, "1" * 40, a)
+    two = hub_cache_snapshot(tmp_path / "hub", REPO, "2" * 40, a)
+    assert folder_fingerprint(one) == folder_fingerprint(two)
+    assert weights.hashed == before  # the blob names are the hashes
+    copy = tmp_path / "workstation" / "model"
+    shutil.copytree(one, copy)  # follows the links: plain files
+    assert not (copy / "model.safetensors").is_symlink()
+    assert folder_fingerprint(copy) == folder_fingerprint(one) == folder_fingerprint(a)
+    assert weights.hashed["files"] > before["files"]  # the plain copies were hashed
 
 
 def test_the_workstation_and_b300_presets_address_the_same_artifacts(tmp_path):
@@ -191,6 +291,23 @@ def test_an_unpinned_hub_id_runs_on_the_local_snapshot_and_records_its_commit(hu
     s = json.loads(out)
     assert s["state"] == "COMPLETED" and s["stages"]["extract"]["executed"] == 2, s["stages"]
     assert s["stages"]["train"]["executed"] == 1, s["stages"]["train"]  # the verifier's weights: the snapshot's
+    # the extraction check ran on both shards, shown in the summary and, as a markdown artifact, in the Prefect UI
+    verified = s["stages"]["extract"]["stats"]["verified"]
+    assert verified["shards"] == 2 and verified["unchecked"] == 0 and verified["positions"] > 0, verified
+    assert verified["min_shard_agreement"] >= verified["threshold"], verified
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    async def check_artifact() -> list:
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["extraction-check"]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[s["flow_run_id"]])))
+
+    shown = asyncio.run(check_artifact())
+    assert len(shown) == 1 and "| 0 |" in shown[0].data and "| 1 |" in shown[0].data, shown
     assert [r["path"] for r in hub.requests] == [f"/api/models/{REPO}/revision/main"], hub.requests  # once per run
 
     manifests = [m for m in Store(store).list() if m.stage != "checkpoint"]

@@ -14,7 +14,7 @@ from tasks.core.digest import VERSIONS, stage_digest
 
 def target_identity(cfg) -> dict[str, Any]:
     """What the target IS, not where it sits: the content fingerprint of its folder or hub snapshot
-    (tasks/engine/weights.py: config, tokenizer, weight index, weight names and sizes), so the same model at two
+    (tasks/engine/weights.py: config, tokenizer, weight index, each weight file's sha256), so the same model at two
     paths, or a hub snapshot and a copy of it, share every address. The offline preset keeps the identity it
     was stored with (its name): the demo's addresses never change."""
     from tasks.engine.weights import PRESETS
@@ -58,7 +58,9 @@ def vocab(cfg, data) -> str:
 
 # Extract keys that change where and how fast hidden states are made, not their bytes.
 EXTRACT_SCHEDULING_KEYS = {"gpus", "cpu_groups", "kv_cache_gib", "batch_tokens", "tensor_parallel_size",
-                           "enforce_eager", "write_overlap", "write_queue", "write_workers", "nodes", "deployment"}
+                           "enforce_eager", "write_overlap", "write_queue", "write_workers", "nodes", "deployment",
+                           # the extraction check reads what is stored, it changes no byte of it
+                           "verify_positions", "verify_min_agreement"}
 
 
 def extract_section(cfg, layer_ids: list[int]) -> dict[str, Any]:

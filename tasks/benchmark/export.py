@@ -153,6 +153,31 @@ def _vocab_maps(folder: str) -> tuple[list[int], list[int], int]:
     return [int(x) for x in d2t.tolist()], [int(i) for i in t2d.nonzero().flatten().tolist()], int(t2d.shape[0])
 
 
+def _same_maps_as_training(store: Any, art: Any, folder: str) -> None:
+    """The draft's d2t/t2d are, byte for byte, those of the vocab artifact its training read (the train
+    manifest's `vocab` input), where that artifact is on the store: a draft whose ids drifted from training's
+    would be served proposing other tokens than it learned."""
+    from safetensors.torch import load_file
+
+    from tasks.formats.vocab_maps import read_maps
+    from tasks.store.artifacts import ArtifactMissing, ArtifactRef
+
+    vocab = art.manifest.inputs.get("vocab")
+    w = load_file(os.path.join(folder, "model.safetensors"))
+    if not vocab or "d2t" not in w:
+        return
+    try:
+        maps = read_maps(store, ArtifactRef(stage="vocab", digest=vocab, uri=""))
+    except ArtifactMissing:
+        return  # a store holding the draft alone: nothing to compare with
+    for name in ("d2t", "t2d"):
+        a, b = w.get(name), maps.get(name)
+        if b is None or a is None or a.dtype != b.dtype or a.shape != b.shape \
+                or a.numpy().tobytes() != b.numpy().tobytes():
+            raise ExportError(f"{art.uri}: the draft's {name} differs from the one its training read (vocab/{vocab}): "
+                              "the served draft would propose other ids than it learned; re-run the train stage")
+
+
 def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]) -> dict[str, Any]:
     """Write DEST/draft/{config.json, model.safetensors} (verified against the manifest), DEST/vocab/*.json,
     DEST/serve.json and DEST/README.md with the serve line for DEST/draft. DEST: a local folder or an fsspec
@@ -183,6 +208,7 @@ def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]
             with art.local_copy(name) as src, open(src, "rb") as fh, open(os.path.join(tmp, name), "wb") as out:
                 while chunk := fh.read(8 << 20):
                     out.write(chunk)
+        _same_maps_as_training(store, art, os.path.join(tmp, "draft"))
         d2t, t2d, vocab = _vocab_maps(os.path.join(tmp, "draft"))
         Path(tmp, "vocab", "d2t.json").write_text(json.dumps(d2t))
         Path(tmp, "vocab", "t2d.json").write_text(json.dumps(t2d))

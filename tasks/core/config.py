@@ -224,6 +224,16 @@ class ExtractConfig(Section):
         description="Background threads writing parts at once (each serializes, hashes and uploads one part; "
                     "one stream does ~1 GB/s, less than a GPU extracts). At most write_queue are used.",
     )
+    verify_positions: int = Field(
+        64, ge=0,
+        description="Positions per part the extraction check tests (tasks/extract/verify.py): the target's own final "
+                    "norm and lm_head over the STORED last layer (fp8 dequantized) must give the engine's own next "
+                    "token; the last position of up to this many samples per part, spread over it. 0 turns it off.")
+    verify_min_agreement: float = Field(
+        0.85, ge=0, le=1,
+        description="The extraction check's threshold: a shard whose top-1 agreement over its checked positions is "
+                    "lower is not committed and fails, naming the likely causes (docs/ARTIFACTS.md: the measured "
+                    "agreement of correct extractions it is set below).")
 
     @field_validator("layer_ids")
     @classmethod

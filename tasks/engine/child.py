@@ -90,7 +90,7 @@ class _VllmBackend:
         _check_lengths(prompt_token_ids, self.max_model_len, 1)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_token_ids],
                                  SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-        paths = []
+        paths, next_tokens = [], []
         for o in outs:
             params = o.kv_transfer_params or {}
             path = params.get("hidden_states_path")
@@ -98,9 +98,12 @@ class _VllmBackend:
                 raise RuntimeError(f"vLLM returned no hidden_states_path for request {o.request_id} "
                                    f"(kv_transfer_params={params})")
             paths.append(path)
+            # the engine's greedy next token after the prompt (temperature 0): what the extraction check compares
+            # the stored last layer against
+            next_tokens.append(int(o.outputs[0].token_ids[0]) if o.outputs and o.outputs[0].token_ids else None)
         for path in paths:
             _wait_written(path, timeout_s=600)
-        return {"paths": paths}
+        return {"paths": paths, "next_tokens": next_tokens}
 
     def metrics(self) -> dict:
         from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Vector
@@ -326,6 +329,11 @@ class _TransformersBackend:
         tensors: dict[str, Any] = {}  # ring=False: what save_file writes
         spans: list[list[int]] = []  # [first element, rows] of each sub-batch in the buffer
         orders: list[list[int]] = []
+        # the model's own greedy next token after each prompt (its norm and lm_head on the decoder's output at the
+        # last position): what the extraction check compares the stored last layer against
+        lm_head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        next_tokens: list[Any] = [None] * len(prompt_token_ids)
+        last_pos: list[Any] = []  # per sub-batch, on the device: [B] argmax ids
         forward_s = 0.0
         try:
             order = sorted(range(len(prompt_token_ids)), key=lambda i: -lengths[i])  # little padding
@@ -346,8 +354,14 @@ class _TransformersBackend:
                 t0 = time.monotonic()
                 captured.clear()
                 with torch.inference_mode():
-                    self.decoder(input_ids=self._to_device(ids), attention_mask=self._to_device(mask),
-                                 use_cache=False)
+                    dec = self.decoder(input_ids=self._to_device(ids), attention_mask=self._to_device(mask),
+                                       use_cache=False)
+                    if lm_head is not None:
+                        final = dec[0] if isinstance(dec, (tuple, list)) else dec.last_hidden_state
+                        ends = torch.tensor([lengths[j] - 1 for j in batch], device=final.device)
+                        last = final[torch.arange(len(batch), device=final.device), ends]
+                        last_pos.append(lm_head(last.to(lm_head.weight.device)).argmax(-1))
+                    del dec
                     idx = self._to_device(rows_idx)
                     # [B, S, H] per slot -> the valid rows [sum(len), L, H], in sub-batch order, then
                     # one copy out; on a GPU the copy is queued and the next sub-batch's forward with it
@@ -370,6 +384,9 @@ class _TransformersBackend:
             for h in handles:
                 h.remove()
             captured.clear()
+        for batch, picked in zip(orders, last_pos):
+            for j, tok in zip(batch, picked.tolist()):
+                next_tokens[j] = int(tok)
         self.requests += len(prompt_token_ids)
         self.prompt_tokens += sum(lengths)
         save_s = 0.0
@@ -383,7 +400,8 @@ class _TransformersBackend:
             save_file(tensors, path)
             save_s = time.monotonic() - t0
             out = {"path": path}
-        return {**out, "order": orders, "timings": {"forward_s": round(forward_s, 4), "save_s": round(save_s, 4),
+        return {**out, "order": orders, "next_tokens": next_tokens,
+                "timings": {"forward_s": round(forward_s, 4), "save_s": round(save_s, 4),
                                                     "engine_s": round(time.monotonic() - t_start, 4)}}
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict) -> list[dict]:

@@ -167,6 +167,7 @@ class EngineProcess:
         self._lock = threading.Lock()
         self._seq = 0
         self.last_timings: dict[str, float] = {}  # of the last extract(): engine phases, call, load
+        self.last_next_tokens: list[int | None] | None = None  # of the last extract(): the engine's next tokens
         self._ring_maps: dict[int, tuple[str, Any]] = {}  # slot -> (path, mapped tensor), extract(ring=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -309,6 +310,10 @@ class EngineProcess:
                 raise EngineError(f"{self.name}: expected hidden states [{len(ids)}, {len(layer_ids)}, H], "
                                   f"got {None if t is None else list(t.shape)}", fatal=False)
         self.last_timings = {**res.get("timings", {}), "call_s": t1 - t0, "load_s": time.monotonic() - t1}
+        # the engine's greedy next token after each prompt (None where it gave none): read right after this call,
+        # from the same thread, by the extraction check (tasks/extract/verify.py)
+        got = res.get("next_tokens")
+        self.last_next_tokens = list(got) if got is not None and len(got) == len(prompts) else None
         return out
 
     def _ring_view(self, slot: int, path: str, numel: int) -> Any:

@@ -297,6 +297,46 @@ def load_verifier_weights(path: str, tie_word_embeddings: bool) -> dict[str, Any
     return out
 
 
+def draft_arch(tc: Any) -> str:
+    """vLLM runs EAGLE-3 drafts with Llama or Qwen3 layers; Qwen3 targets get Qwen3 layers (and their norm)."""
+    return "qwen3" if str(getattr(tc, "model_type", "")).startswith("qwen3") else "llama"
+
+
+def verifier_weights(path: str, hf_config: Any) -> dict[str, Any]:
+    """The target's embed_tokens, final norm and lm_head (the embeddings where they are tied), as training's
+    draft model gets them (tasks/train/model.py) and the extraction check applies them (`VerifierHead`)."""
+    tc = text_config(hf_config)
+    tie = bool(getattr(tc, "tie_word_embeddings", False) or getattr(hf_config, "tie_word_embeddings", False))
+    return load_verifier_weights(path, tie)
+
+
+class VerifierHead:
+    """The target's own final norm and lm_head over its last layer's pre-norm output: speculators' norm class
+    for the target's layer type (the one training's Eagle3DraftModel builds as `verifier_norm`, eps from the
+    target's config) with the target's weights (`verifier_weights`), in float32."""
+
+    def __init__(self, path: str, hf_config: Any):
+        import torch
+        from speculators.models.eagle3.model_definitions import model_classes
+
+        tc = text_config(hf_config)
+        w = verifier_weights(path, hf_config)
+        self.norm = model_classes[draft_arch(tc)].norm_class(int(tc.hidden_size),
+                                                            eps=float(getattr(tc, "rms_norm_eps", 1e-6)))
+        with torch.no_grad():
+            self.norm.weight.copy_(w["norm"].float())
+        self.lm_head = w["lm_head"]  # [V, H] as stored (bf16 for a 1T target: 2.3 GB, no float32 copy kept)
+
+    def logits(self, hidden: Any, rows: int = 16384) -> Any:
+        """float32 [n, V] for hidden [n, H] (any float dtype), the lm_head applied in chunks of `rows`."""
+        import torch
+
+        with torch.no_grad():
+            h = self.norm(hidden.float())
+            return torch.cat([h @ self.lm_head[i:i + rows].float().T for i in range(0, self.lm_head.shape[0], rows)],
+                             dim=1)
+
+
 def configured_layer_ids(cfg: Any, num_layers: int) -> list[int]:
     """The layer ids a run asks for: `extract.layer_ids`, or the EAGLE-3 default for the target's depth
     (the one place this rule lives)."""

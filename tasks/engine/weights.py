@@ -12,11 +12,15 @@ run) wait and reuse the first one's download. Once a snapshot is complete a mark
 the hub again, online or offline.
 
 The fingerprint is what addresses hash for any target but the offline preset (tasks/address/digests.py):
-sha256 over the small files that say what the model is (config, generation config, tokenizer
-files, chat templates, the weight index) and the (name, size) of every weight file, never a path.
-A hub snapshot and a plain copy of it (the same files in any folder) have one fingerprint. For a
-hub id the fingerprint needs only the small files (fetched first) and the weight sizes from the
-hub's file listing, so a run that stops before extraction never downloads the weights.
+sha256 over the content of the small files that say what the model is (config, generation config, tokenizer
+files, chat templates, the weight index) and the (name, sha256) of every weight file, never a path: one changed
+weight byte is another model. The weights' sha256 cost no reading where someone already computed them: a hub
+id's come from the hub's file listing (the LFS sha256 it publishes per file), a hub cache's snapshot files link
+to `blobs/<sha256>`; a plain folder's files are read once per node (in parallel) and remembered by (device,
+inode, size, mtime, ctime) in `DRAFTLINE_HOME/fingerprints/sha256.json`, so a second fingerprint reads no weight byte
+and a touched file is read again. A hub snapshot, a plain copy of it and the same bytes under another commit
+have one fingerprint. For a hub id the fingerprint needs only the small files (fetched first) and the hub's
+listing, so a run that stops before extraction never downloads the weights.
 """
 
 from __future__ import annotations
@@ -27,11 +31,15 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.core.digest import VERSIONS
 from tasks.core.errors import DraftlineError
 from tasks.core.home import cache_home, file_lock
 
@@ -79,9 +87,11 @@ def run_patterns(trust_remote_code: bool) -> list[str]:
     return list(identity_patterns(trust_remote_code) + ENGINE_PATTERNS + WEIGHT_PATTERNS)
 
 
-def _digest(small: dict[str, bytes], weights: dict[str, int]) -> str:
-    """sha256 over (name, sha256 of content) of the identity files and (name, size) of the weight files."""
-    payload = {"files": {n: hashlib.sha256(b).hexdigest() for n, b in sorted(small.items())},
+def _digest(small: dict[str, bytes], weights: dict[str, str]) -> str:
+    """sha256 over (name, sha256 of content) of the identity files and of the weight files (the weights' sha256
+    given: however they were had, the same bytes give the same fingerprint)."""
+    payload = {"version": VERSIONS["target"],
+               "files": {n: hashlib.sha256(b).hexdigest() for n, b in sorted(small.items())},
                "weights": dict(sorted(weights.items()))}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -91,23 +101,115 @@ def _top_files(folder: Path) -> list[os.DirEntry]:
         return [e for e in it if e.is_file()]  # follows symlinks: a hub snapshot's files link to blobs
 
 
+# --------------------------------------------------------------------------- the weights' sha256, once per node
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# What this process read to hash weight files (the benchmark and the tests count it: a second fingerprint of a
+# folder reads nothing).
+hashed = {"files": 0, "bytes": 0}
+_hashed_lock = threading.Lock()
+
+
+def _blob_sha256(path: str) -> str | None:
+    """A hub cache's snapshot file links to `blobs/<etag>`; for a file stored in LFS the etag is the sha256 of its
+    content that the hub publishes (a plain git file's is a 40-hex git hash: not this)."""
+    real = os.path.realpath(path)
+    if real == os.path.abspath(path):
+        return None
+    blob = Path(real)
+    return blob.name if blob.parent.name == "blobs" and _SHA256.fullmatch(blob.name) else None
+
+
+def _sha256_cache() -> Path:
+    return cache_home() / "fingerprints" / "sha256.json"
+
+
+def _read_sha256_cache() -> dict[str, str]:
+    try:
+        data = json.loads(_sha256_cache().read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: the files are hashed again (and the record rewritten whole)
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str) and _SHA256.fullmatch(v)}
+
+
+def _write_sha256_cache(known: dict[str, str]) -> None:
+    p = _sha256_cache()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f"{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(known, sort_keys=True))
+    os.replace(tmp, p)  # readers (outside the lock) see the old record or the new one, whole
+
+
+def _stat_key(st: os.stat_result) -> str:
+    """The file as the node knows it. The change time too: a file rewritten in place with its old mtime put back
+    (`touch -d`, `cp -p` over it, `rsync -t`) keeps device, inode, size and mtime, never the ctime."""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def _hash_file(path: str) -> str:
+    before = os.stat(path)
+    with open(path, "rb") as fh:
+        digest = hashlib.file_digest(fh, "sha256").hexdigest()  # hashlib drops the GIL: threads hash in parallel
+    if _stat_key(os.stat(path)) != _stat_key(before):
+        raise WeightsError(f"{path} changed while draftline hashed it (it is still being written?); run again once "
+                           "the model folder is complete")
+    with _hashed_lock:
+        hashed["files"] += 1
+        hashed["bytes"] += before.st_size
+    return digest
+
+
+def file_sha256s(paths: list[str]) -> dict[str, str]:
+    """path -> sha256 of its content, read only where nobody has: a hub cache blob's name; else this node's
+    record of the same (device, inode, size, mtime, ctime); else the file is hashed (in parallel threads, under the
+    node's lock so a second process waits and reuses) and recorded as each file finishes (a killed hash of a
+    600 GB folder keeps what it finished)."""
+    out: dict[str, str] = {}
+    keys: dict[str, str] = {}
+    for p in paths:
+        blob = _blob_sha256(p)
+        if blob:
+            out[p] = blob
+        else:
+            keys[p] = _stat_key(os.stat(p))
+    if not keys:
+        return out
+    known = _read_sha256_cache()
+    if any(k not in known for k in keys.values()):
+        with file_lock(cache_home() / "locks" / "fingerprint-sha256.lock"):
+            known = _read_sha256_cache()  # another process may have hashed them while this one waited
+            todo = sorted({p for p, k in keys.items() if k not in known}, key=lambda p: -os.path.getsize(p))
+            log.info(f"weights: hashing {len(todo)} weight file(s) once on this node "
+                     f"({sum(os.path.getsize(p) for p in todo) / 1e9:.1f} GB)")
+            with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(todo)))) as pool:
+                futures = {pool.submit(_hash_file, p): p for p in todo}
+                for fut in as_completed(futures):
+                    known[keys[futures[fut]]] = fut.result()
+                    _write_sha256_cache(known)
+    return {**out, **{p: known[k] for p, k in keys.items()}}
+
+
 @functools.lru_cache(maxsize=64)
 def _folder_fingerprint(folder: str, trust_remote_code: bool, _stamp: tuple) -> str:
     entries = _top_files(Path(folder))
     pats = identity_patterns(trust_remote_code)
     small = {e.name: Path(e.path).read_bytes() for e in entries if _matches(e.name, pats)}
-    weights = {e.name: e.stat().st_size for e in entries if _matches(e.name, WEIGHT_PATTERNS)}
     if "config.json" not in small:
         raise WeightsError(f"{folder} has no config.json; point target.model at a Hugging Face model folder")
-    return _digest(small, weights)
+    weights = {e.name: e.path for e in entries if _matches(e.name, WEIGHT_PATTERNS)}
+    sha = file_sha256s(list(weights.values()))
+    return _digest(small, {n: sha[p] for n, p in weights.items()})
 
 
 def folder_fingerprint(folder: str | os.PathLike, trust_remote_code: bool = False) -> str:
-    """The fingerprint of a local model folder: its small files are read, its weights only stat'ed (a 600 GB
-    folder costs milliseconds); cached per process while no file's name, size or time changes."""
+    """The fingerprint of a local model folder: its small files are read, its weights' sha256 taken from a hub
+    cache's blob names or this node's record (hashed the first time only); cached per process while no file's
+    name, inode, size or time changes."""
     p = Path(folder).resolve()
     try:
-        stamp = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in _top_files(p)))
+        stamp = tuple(sorted((e.name, os.path.realpath(e.path), _stat_key(e.stat())) for e in _top_files(p)))
     except OSError as exc:
         raise WeightsError(f"target.model {folder}: cannot read the folder ({exc})") from None
     return _folder_fingerprint(str(p), bool(trust_remote_code), stamp)
@@ -194,6 +296,9 @@ def complete_snapshot(repo: str, revision: str | None, trust_remote_code: bool =
         return None
     if not (Path(snap.path) / "config.json").is_file():
         return None  # the cache was cleaned: fetch again
+    # from the snapshot's files (free: the blob names), not the marker: a marker written by an older fingerprint
+    # scheme, or by a run with another trust_remote_code, holds another figure
+    snap.fingerprint = folder_fingerprint(snap.path, trust_remote_code)
     return snap
 
 
@@ -243,11 +348,23 @@ def resolve_commit(repo: str, revision: str | None) -> str:
 
 
 @functools.lru_cache(maxsize=32)
+def _tree(repo: str, commit: str) -> tuple:
+    """The top-level files of the hub's listing at `commit` (one request per process)."""
+    return tuple(f for f in _api().list_repo_tree(repo, revision=commit, recursive=True)
+                 if hasattr(f, "size") and "/" not in f.path)
+
+
+@functools.lru_cache(maxsize=32)
 def _listing(repo: str, commit: str, trust_remote_code: bool) -> dict[str, int]:
     """name -> size of the top-level files a run fetches, from the hub's file listing."""
     pats = tuple(run_patterns(trust_remote_code))
-    return {f.path: int(f.size or 0) for f in _api().list_repo_tree(repo, revision=commit, recursive=True)
-            if hasattr(f, "size") and "/" not in f.path and _matches(f.path, pats)}
+    return {f.path: int(f.size or 0) for f in _tree(repo, commit) if _matches(f.path, pats)}
+
+
+def _published_sha256(repo: str, commit: str) -> dict[str, str]:
+    """name -> the sha256 the hub publishes for each weight file stored in LFS (its `lfs.sha256`)."""
+    return {f.path: f.lfs.sha256 for f in _tree(repo, commit)
+            if _matches(f.path, WEIGHT_PATTERNS) and getattr(f, "lfs", None) and _SHA256.fullmatch(f.lfs.sha256 or "")}
 
 
 def _download(repo: str, commit: str, patterns: list[str]) -> str:
@@ -273,10 +390,16 @@ def hub_fingerprint(repo: str, commit: str, trust_remote_code: bool = False) -> 
     if _offline():
         raise _offline_error(repo, commit)
     sizes = _listing(repo, commit, trust_remote_code)
-    path = Path(_download(repo, commit, list(identity_patterns(trust_remote_code))))
+    published = _published_sha256(repo, commit)
+    # a weight file the hub keeps in plain git (under its LFS threshold: small) has no published sha256: fetched
+    # with the small files and hashed
+    weights = [n for n in sizes if _matches(n, WEIGHT_PATTERNS)]
+    plain = [n for n in weights if n not in published]
+    path = Path(_download(repo, commit, list(identity_patterns(trust_remote_code)) + plain))
     pats = identity_patterns(trust_remote_code)
     small = {n: (path / n).read_bytes() for n in sizes if _matches(n, pats) and (path / n).is_file()}
-    return _digest(small, {n: s for n, s in sizes.items() if _matches(n, WEIGHT_PATTERNS)})
+    return _digest(small, {n: published[n] if n in published else hashlib.sha256((path / n).read_bytes()).hexdigest()
+                           for n in weights})
 
 
 def small_files(repo: str, commit: str, trust_remote_code: bool = False) -> str:

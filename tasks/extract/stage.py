@@ -35,6 +35,7 @@ from tasks.core.digest import VERSIONS
 from tasks.core.faults import kill_point
 from tasks.engine.process import EngineProcess
 from tasks.extract.plan import STAGE, ExtractError, ProgressCallback, ShardPlan, plan_extract  # noqa: F401
+from tasks.extract.verify import StateCheck, verifier_head
 from tasks.formats.parts import PartBuffer
 from tasks.store.artifacts import ArtifactRef, ArtifactWriter, Store
 
@@ -77,13 +78,14 @@ def _batches(samples: list, batch_tokens: int) -> Iterator[list]:
 
 def _store_batch(plan: ShardPlan, buf: "PartBuffer", batch: list, hidden: list, done: int,
                  masked: int) -> tuple[int, int]:
+    """`hidden`: (hidden states, the engine's next token or None) per sample of `batch`."""
     if len(hidden) != len(batch):
         raise ExtractError(f"the engine returned {len(hidden)} results for {len(batch)} samples")
-    for (sid, ids, mask), hs in zip(batch, hidden):
+    for (sid, ids, mask), (hs, next_token) in zip(batch, hidden):
         if hs.shape[-1] != plan.hidden_size:
             raise ExtractError(f"the engine returned hidden size {hs.shape[-1]}, the target config says "
                                f"{plan.hidden_size}: the engine runs a different model than planned")
-        buf.add(sid, ids, mask, hs)
+        buf.add(sid, ids, mask, hs, next_token)
         masked += int(sum(mask))
         done += len(ids)
     return done, masked
@@ -147,8 +149,9 @@ class _PartWriter:
     adding files to it.
     """
 
-    def __init__(self, w: ArtifactWriter, depth: int, name: str, workers: int = 1):
+    def __init__(self, w: ArtifactWriter, depth: int, name: str, workers: int = 1, check: StateCheck | None = None):
         self.w = w
+        self.state_check = check  # the extraction check of each part, on the writer's thread (off the engine's path)
         self.depth = depth
         self.parts: list[tuple[str, int]] = []  # (name, tokens) in hand-over order
         self.write_s = 0.0  # time spent writing parts, summed over the workers
@@ -227,6 +230,8 @@ class _PartWriter:
             raise self.error
 
     def _write(self, name: str, buf: "PartBuffer") -> None:
+        if self.state_check is not None:
+            self.state_check.add_part(buf)
         t0 = time.monotonic()
         with self.w.open(name) as fh:
             buf.write(_CancellableFile(fh, self._cancelled))  # type: ignore[arg-type]
@@ -257,6 +262,24 @@ class _PartWriter:
                     self._free.append(buf)
                     self._active -= 1
                     self._cond.notify_all()
+
+
+def _skipped(cfg: RunConfig, engine: Any) -> str:
+    if cfg.extract.verify_positions <= 0:
+        return "extract.verify_positions is 0"
+    return f"the engine ({getattr(engine, 'kind', '?')}) gives no next tokens or no model folder"
+
+
+def _state_check(cfg: RunConfig, engine: Any) -> StateCheck | None:
+    """The shard's check of its stored states against the engine's next tokens, or None where it cannot run
+    (turned off; an engine without a model folder, e.g. a test's stand-in)."""
+    model = getattr(engine, "model", None)
+    if cfg.extract.verify_positions <= 0 or not isinstance(model, str) or not hasattr(engine, "last_next_tokens"):
+        return None
+    from tasks.engine.target import load_hf_config
+
+    head = verifier_head(model, load_hf_config(cfg.target, model))
+    return StateCheck(head, cfg.extract.verify_positions, cfg.extract.verify_min_agreement)
 
 
 def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProcess, *,
@@ -303,28 +326,36 @@ def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProces
         capacity = min(total, e.part_tokens - 1 + longest_batch)
     new_buffer = lambda: PartBuffer(plan.layer_ids, plan.hidden_size, e.storage_dtype, capacity)  # noqa: E731
     buf = new_buffer()
+    check = _state_check(cfg, engine)
 
     with store.write(STAGE, plan.digest, VERSIONS[STAGE], inputs=plan.inputs, config=plan.config) as w:
         if on_progress:
             on_progress(0, total)
         depth = e.write_queue if e.write_overlap else 0
         with ThreadPoolExecutor(1, thread_name_prefix=f"extract-{plan.shard}") as ahead, \
-                _PartWriter(w, depth, f"extract-{plan.shard}-writer", e.write_workers) as writer:
+                _PartWriter(w, depth, f"extract-{plan.shard}-writer", e.write_workers, check) as writer:
             # The engine computes batch k+1 while this thread collects batch k. A transformers engine
             # copies into two shared buffers it alternates between (no file written per call): batch
             # k is copied out here before batch k+2 is asked for, which is when its buffer is reused.
             ring = engine.kind == "transformers"
-            call = functools.partial(engine.extract, ring=True) if ring else engine.extract
+            extract = functools.partial(engine.extract, ring=True) if ring else engine.extract
+
+            def call(prompts: list, layer_ids: list) -> tuple[list, list]:
+                """(hidden states, the engine's next tokens): read on this one thread, right after its call."""
+                hidden = extract(prompts, layer_ids)
+                tokens = getattr(engine, "last_next_tokens", None)
+                return hidden, list(tokens) if tokens is not None else [None] * len(hidden)
             pending = ahead.submit(call, [s[1] for s in batches[0]], plan.layer_ids) if batches else None
             for k, batch in enumerate(batches):
                 assert pending is not None
                 t1 = time.monotonic()
-                hidden = pending.result()
+                hidden, next_tokens = pending.result()
                 engine_wait += time.monotonic() - t1
                 pending = (ahead.submit(call, [s[1] for s in batches[k + 1]], plan.layer_ids)
                            if k + 1 < len(batches) else None)
                 if len(hidden) != len(batch):
                     raise ExtractError(f"the engine returned {len(hidden)} results for {len(batch)} samples")
+                hidden = list(zip(hidden, next_tokens))
                 for piece, piece_hidden, close_before in part_rule(batch, hidden, buf.tokens, e.part_tokens, deal):
                     if close_before:
                         t1 = time.monotonic()
@@ -347,6 +378,10 @@ def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProces
             writer.put(buf)
             writer.finish()
             write_wait += time.monotonic() - t1
+        if check is not None:
+            failed = check.failure(plan.shard, plan.layer_ids, e.storage_dtype, engine.info.get("layers"))
+            if failed:
+                raise ExtractError(failed)  # the attempt is removed: nothing of the shard is committed
         seconds = time.monotonic() - t0
         stored = sum(f.bytes for f in w.files)
         w.files.sort(key=lambda f: f.path)  # workers finish parts in any order; names are zero-padded
@@ -366,6 +401,9 @@ def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProces
             "write_s": round(writer.write_s, 3),
             "write_wait_s": round(write_wait, 3), "engine_wait_s": round(engine_wait, 3),
             "collect_s": round(collect, 3),
+            # the stored last layer reproduces the engine's next token (tasks/extract/verify.py)
+            "verify": (check.stats() if check is not None
+                       else {"positions": 0, "skipped": _skipped(cfg, engine)}),
         }
         art = w.commit(stats)
     return art.ref()

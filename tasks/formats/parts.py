@@ -120,6 +120,7 @@ class PartBuffer:
         """Empty the buffer; its memory is kept for the next part."""
         self.sample_ids: list[str] = []
         self.lengths: list[int] = []
+        self.next_tokens: list[int | None] = []  # the engine's next token after each sample (checked, not written)
         self.tokens = 0
 
     def _reserve(self, tokens: int) -> None:
@@ -141,8 +142,9 @@ class PartBuffer:
                 scales[:t].copy_(self._scales[:t])
         self._hidden, self._scales, self._ids, self._mask, self.capacity = hidden, scales, ids, mask, cap
 
-    def add(self, sample_id: str, input_ids: Any, loss_mask: Any, hidden: Any) -> None:
-        """Copies `hidden` [T, L, H] in (it may live in memory the engine reuses: extract(ring=True))."""
+    def add(self, sample_id: str, input_ids: Any, loss_mask: Any, hidden: Any, next_token: int | None = None) -> None:
+        """Copies `hidden` [T, L, H] in (it may live in memory the engine reuses: extract(ring=True));
+        `next_token`: the engine's own next token after the sample, for the extraction check."""
         import torch
 
         n = int(hidden.shape[0])
@@ -163,7 +165,19 @@ class PartBuffer:
         self._mask[a:b].copy_(torch.as_tensor(loss_mask, dtype=torch.uint8))
         self.sample_ids.append(sample_id)
         self.lengths.append(n)
+        self.next_tokens.append(next_token)
         self.tokens = b
+
+    def stored_rows(self, rows: list[int], slot: int = -1) -> Any:
+        """The stored hidden states of layer slot `slot` at token rows `rows`, as a reader gets them: bf16, fp8
+        dequantized with its scales ([len(rows), H])."""
+        import torch
+
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        h = self._hidden[idx, slot]
+        if self.storage_dtype == "fp8":
+            return dequantize_fp8(h[:, None], self._scales[idx, slot][:, None])[:, 0]
+        return h
 
     def write(self, fh: BinaryIO) -> int:
         import torch

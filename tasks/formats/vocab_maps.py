@@ -30,7 +30,8 @@ def read_maps(store: Store, vocab_ref: ArtifactRef) -> dict[str, Any]:
 
 
 def read_vocab(store: Store, vocab_ref: ArtifactRef, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t offsets int64 [K], t2d bool [V]) from the vocab artifact, checked against each other."""
+    """(d2t offsets int64 [K], t2d bool [V]) from the vocab artifact, checked against each other and against the
+    token counts they were chosen from (the top-K)."""
     from safetensors.torch import load as st_load
 
     try:
@@ -51,6 +52,16 @@ def read_vocab(store: Store, vocab_ref: ArtifactRef, vocab_size: int) -> tuple[t
     ids = torch.nonzero(t2d).squeeze(1)  # ascending target ids in the draft vocabulary
     if ids.numel() != k:
         raise VocabFormatError(f"{art.uri}: t2d marks {ids.numel()} ids but d2t has {k} entries; the maps disagree")
+    counts = maps.get("token_counts")
+    if counts is not None and 0 < k < vocab_size:  # the draft vocabulary is the top-K of the counts it came from
+        counts = counts.to(torch.int64)
+        inside, outside = counts[t2d], counts[~t2d]
+        if int(inside.min()) < int(outside.max()):
+            left_out = int(torch.nonzero(~t2d).squeeze(1)[outside.argmax()])
+            held = int(ids[inside.argmin()])
+            raise VocabFormatError(f"{art.uri}: the draft vocabulary leaves out target id {left_out} (counted "
+                                   f"{int(outside.max())} times) but holds id {held} (counted {int(inside.min())}): "
+                                   "t2d/d2t are not the top-K of token_counts; rerun the vocab stage")
     arange = torch.arange(k, dtype=torch.int64)
     if torch.equal(d2t + arange, ids):
         return d2t, t2d  # offsets, the convention of speculators and vLLM

@@ -10,13 +10,8 @@ from typing import Any, Callable
 import torch
 
 from tasks.core.config import HeadConfig, TargetConfig, TrainConfig
-from tasks.engine.target import load_verifier_weights, text_config
+from tasks.engine.target import draft_arch, text_config, verifier_weights
 from tasks.train import TrainError, log
-
-def _draft_arch(tc: Any) -> str:
-    """vLLM runs EAGLE-3 drafts with Llama or Qwen3 layers; Qwen3 targets get Qwen3 layers."""
-    return "qwen3" if str(getattr(tc, "model_type", "")).startswith("qwen3") else "llama"
-
 
 def draft_layer_config(train: TrainConfig, target: TargetConfig, target_path: str, hf_config: Any,
                        dflash: bool = False) -> Any:
@@ -27,7 +22,7 @@ def draft_layer_config(train: TrainConfig, target: TargetConfig, target_path: st
     tc = text_config(hf_config)
     layer_cfg = create_transformer_layer_config(
         verifier_name_or_path=target_path, num_layers=train.num_layers,
-        draft_arch="qwen3" if dflash else _draft_arch(tc), hidden_act="silu" if dflash else None,
+        draft_arch="qwen3" if dflash else draft_arch(tc), hidden_act="silu" if dflash else None,
         sliding_window=int(getattr(tc, "max_position_embeddings", 4096) or 4096),
         full_attention_indices=list(range(train.num_layers)), trust_remote_code=target.trust_remote_code)
     if getattr(tc, "kv_lora_rank", None):
@@ -178,8 +173,7 @@ def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str
     if k != int(t2d.shape[0]):
         model.load_vocab_mappings(t2d, d2t)
 
-    tie = bool(getattr(tc, "tie_word_embeddings", False) or getattr(hf_config, "tie_word_embeddings", False))
-    w = load_verifier_weights(target_path, tie)
+    w = verifier_weights(target_path, hf_config)
     head = w["lm_head"][t2d] if model.use_draft_vocab else w["lm_head"]
     expect = {"embed_tokens": model.embed_tokens.weight, "norm": model.verifier_norm.weight}
     for role, param in expect.items():

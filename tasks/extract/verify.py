@@ -1,0 +1,155 @@
+"""Hidden states that prove themselves: each extraction shard checks, on a sample of positions of every part it
+writes, that the target's own final norm and lm_head over the STORED last layer (as a reader gets it: bf16, fp8
+dequantized) give the engine's own next token (its greedy choice after the whole prompt: vLLM's one sampled token
+at temperature 0, the transformers engine's argmax of its own logits). A shard below
+`extract.verify_min_agreement` is not committed: a wrong layer id, a wrapper's layer offset, a norm applied
+twice or values cut on the way reproduce the target's choice far less often than the storage rounding does.
+
+Recorded in the shard's manifest (`verify`): positions checked, top-1 agreement, and the mean logit gap (the
+reconstructed logit of the reconstruction's argmax minus that of the engine's token: 0 where they agree, the
+divergence's size where they do not). The norm and lm_head are training's own (tasks/engine/target.py
+`VerifierHead`: speculators' norm class, the target's weights).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from tasks.extract.plan import ExtractError
+
+
+_heads: dict[str, Any] = {}
+_heads_lock = threading.Lock()
+
+
+def verifier_head(model_path: str, hf_config: Any) -> Any:
+    """The target's norm and lm_head, loaded once per process (every shard of every engine group shares it)."""
+    with _heads_lock:
+        if model_path not in _heads:
+            from tasks.engine.target import VerifierHead
+
+            _heads.clear()  # one target per run: a 1T target's lm_head is 2.3 GB
+            _heads[model_path] = VerifierHead(model_path, hf_config)
+        return _heads[model_path]
+
+
+def sample_rows(n: int, k: int) -> list[int]:
+    """Up to k of n indices, spread evenly over them (first and last included)."""
+    if k <= 0 or n <= 0:
+        return []
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)}) if k > 1 else [n - 1]
+
+
+@dataclass
+class StateCheck:
+    """The check of one shard: fed every part (`add_part`) before it is handed to the writer."""
+
+    head: Any
+    positions_per_part: int
+    threshold: float
+    positions: int = 0
+    agree: int = 0
+    gap_sum: float = 0.0
+    seconds: float = 0.0  # summed over the part writers' threads it runs on
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    lock: Any = field(default_factory=threading.Lock, repr=False)
+
+    def add_part(self, buf: Any) -> None:
+        """Check one part (on a part writer's thread, before the part is written; thread-safe)."""
+        import time
+
+        import torch
+
+        t0 = time.monotonic()
+        have = [i for i, t in enumerate(buf.next_tokens) if t is not None]
+        pick = [have[i] for i in sample_rows(len(have), self.positions_per_part)]
+        if not pick:
+            return
+        ends = torch.tensor(buf.lengths, dtype=torch.long).cumsum(0) - 1  # each sample's last token row
+        rows = [int(ends[i]) for i in pick]
+        want = torch.tensor([int(buf.next_tokens[i]) for i in pick], dtype=torch.long)
+        logits = self.head.logits(buf.stored_rows(rows, slot=-1))
+        if int(want.max()) >= logits.shape[1]:
+            raise ExtractError(f"the engine's next token {int(want.max())} is outside the target's lm_head of "
+                               f"{logits.shape[1]} rows: the engine runs another model than target.model")
+        top = logits.argmax(-1)
+        agree = int((top == want).sum())
+        gap = float((logits.gather(1, top[:, None]) - logits.gather(1, want[:, None])).sum())
+        with self.lock:
+            self.positions += len(pick)
+            self.agree += agree
+            self.gap_sum += gap
+            self.seconds += time.monotonic() - t0
+            self.parts.append({"positions": len(pick), "agreement": round(agree / len(pick), 4)})
+
+    def stats(self) -> dict[str, Any]:
+        return {"positions": self.positions,
+                "top1_agreement": round(self.agree / self.positions, 4) if self.positions else None,
+                "mean_logit_gap": round(self.gap_sum / self.positions, 4) if self.positions else None,
+                "threshold": self.threshold, "min_part_agreement": min((p["agreement"] for p in self.parts),
+                                                                       default=None),
+                "seconds": round(self.seconds, 3)}
+
+    def failure(self, shard: int, layer_ids: list[int], storage_dtype: str, layers: str | None) -> str | None:
+        """The error of a shard below the threshold, naming the likely causes; None when it passes."""
+        if not self.positions or self.agree / self.positions >= self.threshold:
+            return None
+        st = self.stats()
+        n = layer_ids[-1]
+        where = f" (the engine hooked {layers})" if layers else ""
+        return (
+            f"extract shard {shard}: the stored hidden states do not reproduce the target's own next token: the target's "
+            f"final norm and lm_head over the stored last layer (id {n}) agree with the engine's greedy choice at "
+            f"{st['top1_agreement']:.1%} of {self.positions} checked positions (threshold {self.threshold:.0%}, "
+            f"extract.verify_min_agreement; mean logit gap {st['mean_logit_gap']:.3f}). Nothing was committed. "
+            f"Likely causes: the layer ids (the last id must be num_hidden_layers = the last decoder layer's output "
+            f"BEFORE the final norm; extract.layer_ids {layer_ids}); a wrapper's layer offset (a multimodal wrapper's "
+            f"decoder layers counted from the wrong module{where}); the norm (states stored after the final norm, so "
+            f"it is applied twice, or a norm missing); the dtype (values cut or saturated on the way: storage_dtype "
+            f"{storage_dtype}, the engine's dtype). Fix the extraction, not the threshold.")
+
+
+def summarize(shard_stats: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run's figure over its extraction shards (the summary's `verified`): shards checked, positions, the
+    pooled top-1 agreement, the lowest shard's, the mean logit gap; None when no shard was checked."""
+    checked = [s["verify"] for s in shard_stats if (s.get("verify") or {}).get("positions")]
+    if not checked:
+        return None
+    positions = sum(v["positions"] for v in checked)
+    return {"shards": len(checked), "unchecked": len(shard_stats) - len(checked), "positions": positions,
+            "top1_agreement": round(sum(v["top1_agreement"] * v["positions"] for v in checked) / positions, 4),
+            "min_shard_agreement": min(v["top1_agreement"] for v in checked),
+            "mean_logit_gap": round(sum(v["mean_logit_gap"] * v["positions"] for v in checked) / positions, 4),
+            "threshold": max(v["threshold"] for v in checked)}
+
+
+def summary_line(v: dict[str, Any]) -> str:
+    return (f"{v['shards']} shard(s) verified: the target's norm and lm_head over the stored last layer give the "
+            f"engine's next token at {v['top1_agreement']:.1%} of {v['positions']} positions (lowest shard "
+            f"{v['min_shard_agreement']:.1%}, threshold {v['threshold']:.0%}, mean logit gap {v['mean_logit_gap']:.3f})"
+            + (f"; {v['unchecked']} shard(s) stored without the check" if v["unchecked"] else ""))
+
+
+def markdown(shard_stats: list[dict[str, Any]], errors: list[str]) -> str:
+    """The Prefect UI's view (the extract stage's markdown artifact): a row per shard, then the refused ones."""
+    lines = ["# Extraction check: stored hidden states against the engine's next token", "",
+             "The target's own final norm and lm_head over each shard's stored last layer (fp8 dequantized), on a "
+             "sample of positions of every part, against the engine's greedy next token "
+             "(tasks/extract/verify.py; threshold: `extract.verify_min_agreement`).", "",
+             "| shard | positions | top-1 agreement | lowest part | mean logit gap | threshold |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for s in sorted(shard_stats, key=lambda s: int(s.get("shard", 0))):
+        v = s.get("verify") or {}
+        if v.get("positions"):
+            lines.append(f"| {s.get('shard')} | {v['positions']} | {v['top1_agreement']:.1%} | "
+                         f"{v['min_part_agreement']:.1%} | {v['mean_logit_gap']:.3f} | {v['threshold']:.0%} |")
+        else:
+            lines.append(f"| {s.get('shard')} | 0 | not checked: {v.get('skipped', 'stored before the check')} | | | |")
+    refused = [e for e in errors if "do not reproduce the target's own next token" in e]
+    if refused:
+        lines += ["", f"## {len(refused)} shard(s) refused (not committed)", ""] + [f"- {e}" for e in refused]
+    return "\n".join(lines) + "\n"
