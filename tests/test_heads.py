@@ -73,11 +73,11 @@ def test_each_head_gets_its_own_address_and_equal_recipes_share_one():
 
 
 def test_bad_heads_are_config_errors_that_say_what_to_do():
-    with pytest.raises(ConfigError, match=r"train.heads.0.kind: Input should be 'eagle3', 'eagle3.1' or 'dflash'"):
+    with pytest.raises(ConfigError, match=r"train.heads.0.kind: Input should be 'eagle3', 'eagle3.1', 'dflash' or 'dspark'"):
         heads("{kind: medusa}")
     with pytest.raises(ConfigError, match="head labels must be unique"):
         heads("{kind: dflash}", "{kind: dflash}")
-    with pytest.raises(ConfigError, match="block_size apply to dflash heads only"):
+    with pytest.raises(ConfigError, match="block_size apply to dflash and dspark heads only"):
         heads("{kind: eagle3.1, block_size: 4}")
     with pytest.raises(ConfigError, match="at least one head"):
         load_config(None, ["train.heads=[]"])
@@ -151,6 +151,33 @@ def test_dflash_head_trains_from_the_same_hidden_states_and_exports_what_vllm_re
     assert len(steps) == 3 and all(len(e["acc_per_pos"]) == 3 and "expected_acceptance_length" in e for e in steps)
     st = ref.stats
     assert st["head_kind"] == "dflash" and len(st["val_acc_per_pos"]) == 3 and st["simulated_acceptance_length"] >= 1
+
+
+def test_dspark_head_trains_its_markov_and_confidence_heads_and_exports_what_vllm_reads(tiny):
+    """DSpark (speculators' DSparkDraftModel) from the same stored states: DFlash's backbone plus a Markov
+    logit-bias head and a confidence head, trained with speculators' DSpark loss, drafting from the anchor."""
+    events: list[dict] = []
+    ref = run_train(head_cfg(tiny, {"kind": "dspark", "block_size": 4, "max_anchors": 16, "mask_token_id": 0}),
+                    tiny.store, tiny.vref, tiny.refs, on_metrics=events.append)
+    conf, weights = exported(tiny, ref)
+    # what vLLM's speculators loader (update_dspark -> Qwen3DSparkModel) reads
+    assert conf["speculators_model_type"] == "dspark" and conf["architectures"] == ["DSparkDraftModel"]
+    assert conf["aux_hidden_state_layer_ids"] == LAYER_IDS[:-1] and conf["transformer_layer_config"]["model_type"] == "qwen3"
+    assert (conf["block_size"], conf["mask_token_id"], conf["sample_from_anchor"]) == (4, 0, True)
+    assert (conf["markov_rank"], conf["markov_head_type"], conf["enable_confidence_head"],
+            conf["confidence_head_with_markov"]) == (256, "vanilla", True, True)
+    assert conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4  # the anchor drafts too
+    assert weights["markov_head.markov_w1.weight"].shape == (256, 256)  # target vocabulary x rank
+    assert weights["markov_head.markov_w2.weight"].shape == (128, 256)  # draft vocabulary x rank
+    assert weights["confidence_head.proj.weight"].shape == (1, 64 + 256) and "confidence_head.proj.bias" in weights
+    steps = [e for e in events if e["kind"] == "train"]
+    assert len(steps) == 3 and all(len(e["acc_per_pos"]) == 4 and "expected_acceptance_length" in e for e in steps)
+    assert all(e["loss"] == e["loss"] and e["loss"] > 0 for e in steps)
+    st = ref.stats
+    assert st["head_kind"] == "dspark" and len(st["val_acc_per_pos"]) == 4 and st["simulated_acceptance_length"] >= 1
+    # the same recipe as a DFlash head is another head: its own address
+    cfg = heads("{kind: dflash}", "{kind: dspark}")
+    assert len({digests.train(cfg, V, SHARDS, h) for h in cfg.train.heads}) == 2
 
 
 def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_for_the_rest(tiny, monkeypatch):

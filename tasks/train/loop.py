@@ -49,15 +49,20 @@ from tasks.train.stream import Batch, BatchStream, PartData, PartReader, PartSpe
 
 def forward_kwargs(t: TrainConfig) -> dict[str, Any]:
     """The loss settings a head's forward pass takes: speculators' defaults for its kind (EAGLE-3: KL
-    divergence over `ttt_steps`; DFlash: cross-entropy, D-PACE position weights, `max_anchors` blocks)."""
+    divergence over `ttt_steps`; DFlash: cross-entropy, D-PACE position weights, `max_anchors` blocks;
+    DSpark, as `speculators train` resolves it: KL divergence with exponentially decaying position weights
+    (gamma 4), plus the confidence head's BCE against the total-variation acceptance rate, weight 1)."""
     from speculators.losses import resolve_loss_config
 
-    if t.head.kind != "dflash":
+    if not t.head.drafts_blocks:
         return {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": t.ttt_step_loss_decay,
                 "loss_config": resolve_loss_config("kl_div", t.loss_impl)}
-    return {"loss_config": resolve_loss_config("ce", t.loss_impl), "gamma": 4.0,
-            "max_anchors": t.head.dflash_settings()["max_anchors"], "per_position_loss_weight": "dpace",
-            "dpace_alpha": 0.5}
+    block = {"gamma": 4.0, "max_anchors": t.head.dflash_settings()["max_anchors"], "dpace_alpha": 0.5}
+    if t.head.kind == "dflash":
+        return {**block, "loss_config": resolve_loss_config("ce", t.loss_impl), "per_position_loss_weight": "dpace"}
+    return {**block, "loss_config": resolve_loss_config("kl_div", t.loss_impl),
+            "tv_loss_fn": resolve_loss_config("tv", t.loss_impl)["tv"][0], "confidence_head_alpha": 1.0,
+            "per_position_loss_weight": "fixed-exp-decay"}
 
 
 def check_device(t: TrainConfig, device: torch.device) -> None:
@@ -86,7 +91,7 @@ class Trainer:
 
         # model (auto attention: flex_attention where it compiles for this shape, else sdpa)
         shape = attention_shape(draft_layer_config(t, cfg.target, inputs.target_path, inputs.hf_config,
-                                                   dflash=self.head.kind == "dflash"))
+                                                   dflash=self.head.drafts_blocks))
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.attn_impl, self.attn_fallback = resolve_attn_impl(
             t.attn_impl, env.device, lambda: flex_attention_compiles(env.device, *shape, dtype=dtype))
@@ -127,9 +132,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- helpers
     def passes_per_token(self) -> float:
-        """Draft decoder passes per trained token: the TTT steps (EAGLE-3), or a DFlash block per sampled
-        anchor (at most one anchor per token)."""
-        if self.head.kind != "dflash":
+        """Draft decoder passes per trained token: the TTT steps (EAGLE-3), or a DFlash/DSpark block per
+        sampled anchor (at most one anchor per token)."""
+        if not self.head.drafts_blocks:
             return float(self.t.ttt_steps)
         s = self.head.dflash_settings()
         return s["block_size"] * min(1.0, s["max_anchors"] / self.t.batch_tokens)

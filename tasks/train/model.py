@@ -93,12 +93,13 @@ def resolve_attn_impl(requested: str, device: torch.device, probe: Callable[[], 
 
 def speculators_kind(kind: str) -> tuple[Any, Any]:
     """(model class, config class) of a head kind in the installed speculators; a TrainError naming the
-    version when it has none (DFlash arrived in speculators 0.9)."""
+    version when it has none (DFlash and DSpark arrived in speculators 0.9)."""
     import importlib
 
     module, names = {"eagle3": ("speculators.models.eagle3", ("Eagle3DraftModel", "Eagle3SpeculatorConfig")),
                      "eagle3.1": ("speculators.models.eagle3", ("Eagle3DraftModel", "Eagle3SpeculatorConfig")),
-                     "dflash": ("speculators.models.dflash", ("DFlashDraftModel", "DFlashSpeculatorConfig"))}[kind]
+                     "dflash": ("speculators.models.dflash", ("DFlashDraftModel", "DFlashSpeculatorConfig")),
+                     "dspark": ("speculators.models.dspark", ("DSparkDraftModel", "DSparkSpeculatorConfig"))}[kind]
     try:
         mod = importlib.import_module(module)
         return getattr(mod, names[0]), getattr(mod, names[1])
@@ -114,8 +115,19 @@ def speculators_kind(kind: str) -> tuple[Any, Any]:
                          "version requirements/cpu.lock pins (speculators 0.9) or drop that head") from None
 
 
+def sample_from_anchor(head: HeadConfig) -> bool:
+    """Whether a DFlash-family head drafts from the anchor too: DSpark does (speculators' and DeepSpec's
+    convention: block_size drafted tokens), DFlash does not (the anchor is the bonus token: block_size - 1)."""
+    return head.kind == "dspark"
+
+
+def drafted_tokens(head: HeadConfig) -> int:
+    """Tokens a DFlash-family head drafts per block: vLLM's num_speculative_tokens at most."""
+    return head.dflash_settings()["block_size"] - (0 if sample_from_anchor(head) else 1)
+
+
 def dflash_mask_token(head: HeadConfig, target_path: str, vocab_size: int, trust_remote_code: bool) -> int:
-    """The token DFlash feeds at masked positions: `head.mask_token_id`, else speculators' own rule
+    """The token a DFlash-family head feeds at masked positions: `head.mask_token_id`, else speculators' own rule
     (the tokenizer's mask token, a new <|MASK|> in a free embedding row, else pad/eos/unk)."""
     if head.mask_token_id is not None:
         if head.mask_token_id >= vocab_size:
@@ -130,13 +142,15 @@ def dflash_mask_token(head: HeadConfig, target_path: str, vocab_size: int, trust
 def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str, hf_config: Any,
                       layer_ids: list[int], d2t: torch.Tensor, t2d: torch.Tensor, attn_impl: str | None = None):
     """The head of `train` (one of train.heads, see TrainConfig.for_head) for this target, seeded, verifier
-    weights loaded: speculators' Eagle3DraftModel or DFlashDraftModel. `layer_ids`: the auxiliary layers
-    it reads, then the last one.
+    weights loaded: speculators' Eagle3DraftModel, DFlashDraftModel or DSparkDraftModel. `layer_ids`: the
+    auxiliary layers it reads, then the last one.
 
     eagle3 follows speculators' EAGLE-3 recipe (`speculators train` defaults: norm before residual, one
     norm before the fc, normed output fed back across TTT steps); eagle3.1 swaps the one norm for
     EAGLE-3.1's per-layer fc_norm. Both take the target's layer type. dflash takes Qwen3 layers (the only
-    DFlash layer vLLM has) shaped like the target, a block of `block_size`. Every draft layer has full
+    DFlash layer vLLM has) shaped like the target, a block of `block_size`; dspark is that backbone with
+    speculators' DSpark heads at their defaults (Markov rank 256, vanilla; the confidence head fed the Markov
+    embedding), drafting from the anchor (`sample_from_anchor`). Every draft layer has full
     attention. `attn_impl` (sdpa, flex_attention, eager) is the resolved `train.attn_impl` (auto means sdpa
     here).
     """
@@ -146,12 +160,12 @@ def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str
     head = train.head
     model_cls, config_cls = speculators_kind(head.kind)
     tc = text_config(hf_config)
-    layer_cfg = draft_layer_config(train, target, target_path, hf_config, dflash=head.kind == "dflash")
+    layer_cfg = draft_layer_config(train, target, target_path, hf_config, dflash=head.drafts_blocks)
     impl = attn_impl or (train.attn_impl if train.attn_impl != "auto" else "sdpa")
     layer_cfg._attn_implementation = "simple_flex_attention" if impl == "flex_attention" else impl
     k = int(d2t.shape[0])
     verifier = VerifierConfig(name_or_path=target_path, architectures=list(hf_config.architectures or []))
-    if head.kind == "dflash":
+    if head.drafts_blocks:
         s = head.dflash_settings()
         config = config_cls(
             transformer_layer_config=layer_cfg, draft_vocab_size=k, block_size=s["block_size"],
@@ -159,10 +173,10 @@ def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str
             mask_token_id=dflash_mask_token(head, target_path, int(tc.vocab_size), target.trust_remote_code),
             # speculators trains full-attention layers bidirectionally inside a block whatever this says; vLLM
             # reads it as the block's causality (causal = not it), so true makes vLLM decode what was trained
-            sliding_window_non_causal=True, sample_from_anchor=False,
+            sliding_window_non_causal=True, sample_from_anchor=sample_from_anchor(head),
             speculators_config=SpeculatorsConfig(
-                algorithm="dflash", default_proposal_method="greedy",
-                proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=s["block_size"] - 1)],
+                algorithm=head.kind, default_proposal_method="greedy",
+                proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=drafted_tokens(head))],
                 verifier=verifier))
     else:
         norms = {"fc_norm": True} if head.kind == "eagle3.1" else {"norm_before_fc": True}
