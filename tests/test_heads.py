@@ -175,6 +175,14 @@ def test_dspark_head_trains_its_markov_and_confidence_heads_and_exports_what_vll
     assert all(e["loss"] == e["loss"] and e["loss"] > 0 for e in steps)
     st = ref.stats
     assert st["head_kind"] == "dspark" and len(st["val_acc_per_pos"]) == 4 and st["simulated_acceptance_length"] >= 1
+    # vLLM's own reading of it (its speculators loader, no engine): a Qwen3 DSpark draft, method dspark, the
+    # anchor drafting too (no bonus anchor), DSpark's i - 1 layer numbering, every head it builds
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    assert SpeculatorsConfig.extract_vllm_speculative_config(conf) == {"method": "dspark", "num_speculative_tokens": 4}
+    pre = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(conf)))
+    assert pre["architectures"] == ["Qwen3DSparkModel"] and pre["target_layer_ids"] == [i - 1 for i in LAYER_IDS[:-1]]
+    assert (pre["dspark_bonus_anchor"], pre["markov_rank"], pre["confidence_head_with_markov"]) == (False, 256, True)
     # the same recipe as a DFlash head is another head: its own address
     cfg = heads("{kind: dflash}", "{kind: dspark}")
     assert len({digests.train(cfg, V, SHARDS, h) for h in cfg.train.heads}) == 2
