@@ -73,7 +73,8 @@ def test_each_head_gets_its_own_address_and_equal_recipes_share_one():
 
 
 def test_bad_heads_are_config_errors_that_say_what_to_do():
-    with pytest.raises(ConfigError, match=r"train.heads.0.kind: Input should be 'eagle3', 'eagle3.1', 'dflash' or 'dspark'"):
+    with pytest.raises(ConfigError, match=r"train.heads.0.kind: Input should be 'eagle3', 'eagle3.1', 'eagle3-mla', "
+                                          r"'dflash' or 'dspark'"):
         heads("{kind: medusa}")
     with pytest.raises(ConfigError, match="head labels must be unique"):
         heads("{kind: dflash}", "{kind: dflash}")
@@ -83,6 +84,12 @@ def test_bad_heads_are_config_errors_that_say_what_to_do():
         load_config(None, ["train.heads=[]"])
     with pytest.raises(ConfigError, match="distinct and ascending"):
         heads("{kind: dflash, layer_ids: [9, 3]}")
+
+
+def test_an_mla_head_on_a_target_without_mla_is_a_clear_error(tiny):
+    with pytest.raises(TrainError, match=r"an eagle3-mla head needs an MLA target .* this target's llama layers have "
+                                         r"none. Use an eagle3 or eagle3.1 head"):
+        run_train(head_cfg(tiny, {"kind": "eagle3-mla"}), tiny.store, tiny.vref, tiny.refs)
 
 
 def test_a_speculators_without_the_kind_is_a_clear_error(monkeypatch):

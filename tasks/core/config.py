@@ -241,9 +241,11 @@ class HeadConfig(Section):
     """One draft head trained from the stored hidden states (train.heads). Keys left unset take the train
     section's values; a head set to anything but the defaults gets its own train address."""
 
-    kind: Literal["eagle3", "eagle3.1", "dflash", "dspark"] = Field(
+    kind: Literal["eagle3", "eagle3.1", "eagle3-mla", "dflash", "dspark"] = Field(
         "eagle3", description="eagle3: speculators' EAGLE-3 recipe (norm_before_fc: one RMSNorm over the "
         "concatenated target layers, norm_output). eagle3.1: EAGLE-3.1's per-layer fc_norm with norm_output. "
+        "eagle3-mla: eagle3.1 with the target's MLA attention (MLA targets only: DeepSeek-V3, Kimi-K2.5), "
+        "loaded by vLLM's eagle3 method as Eagle3DeepseekV3ForCausalLM. "
         "dflash: speculators' DFlash (a block of mask tokens drafted in one forward pass; vLLM method dflash). "
         "dspark: speculators' DSpark (DFlash plus a Markov logit-bias head over the previous token and a "
         "confidence head; it drafts from the anchor too, block_size tokens; vLLM method dspark).")

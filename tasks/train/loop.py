@@ -91,7 +91,7 @@ class Trainer:
 
         # model (auto attention: flex_attention where it compiles for this shape, else sdpa)
         shape = attention_shape(draft_layer_config(t, cfg.target, inputs.target_path, inputs.hf_config,
-                                                   dflash=self.head.drafts_blocks))
+                                                   kind=self.head.kind))
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.attn_impl, self.attn_fallback = resolve_attn_impl(
             t.attn_impl, env.device, lambda: flex_attention_compiles(env.device, *shape, dtype=dtype))
@@ -269,7 +269,8 @@ class Trainer:
 
 def export_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
     """`folder/config.json` + `folder/model.safetensors` in speculators' format, which vLLM
-    loads as an EAGLE-3 draft (`speculative_config={"method": "eagle3", "model": folder}`).
+    loads as an EAGLE-3 draft (`speculative_config={"method": "eagle3", "model": folder}`); an MLA draft's
+    config flat, as vLLM's deepseek_eagle3 loads it (`mla_draft_config`).
     Weights in `dtype` except d2t/t2d; the verifier's copies (verifier_lm_head/norm) are left out."""
     from safetensors.torch import save_file
 
@@ -288,6 +289,10 @@ def export_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
     config["architectures"] = [type(model).__name__]  # what save_pretrained writes: "Eagle3DraftModel"
     config["dtype"] = dtype
     config["torch_dtype"] = dtype
+    if (config.get("transformer_layer_config") or {}).get("model_type") == "deepseek_v3":  # an eagle3-mla head
+        from tasks.formats.drafts import mla_draft_config
+
+        config = mla_draft_config(config)
     with open(os.path.join(folder, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2, sort_keys=True)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
