@@ -39,6 +39,7 @@ from tasks.train.model import (
     draft_layer_config,
     flex_attention_compiles,
     flops_per_token,
+    passes_per_token,
     resolve_attn_impl,
     resolve_precision,
     trainable_names,
@@ -132,12 +133,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- helpers
     def passes_per_token(self) -> float:
-        """Draft decoder passes per trained token: the TTT steps (EAGLE-3), or a DFlash/DSpark block per
-        sampled anchor (at most one anchor per token)."""
-        if not self.head.drafts_blocks:
-            return float(self.t.ttt_steps)
-        s = self.head.dflash_settings()
-        return s["block_size"] * min(1.0, s["max_anchors"] / self.t.batch_tokens)
+        """Draft decoder passes per trained token (tasks.train.model.passes_per_token)."""
+        return passes_per_token(self.head, self.t)
 
     def _autocast(self):
         if self.precision == "bf16":

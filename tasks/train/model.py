@@ -298,7 +298,16 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def flops_per_token(model: Any, ttt_steps: int) -> float:
+def passes_per_token(head: HeadConfig, train: TrainConfig) -> float:
+    """Draft decoder passes per trained token: the TTT steps (the EAGLE-3 kinds), or a DFlash/DSpark block per
+    sampled anchor (at most one anchor per token)."""
+    if not head.drafts_blocks:
+        return float(train.ttt_steps)
+    s = head.dflash_settings()
+    return s["block_size"] * min(1.0, s["max_anchors"] / train.batch_tokens)
+
+
+def flops_per_token(model: Any, ttt_steps: float) -> float:
     """Training FLOPs per token (estimate; matmuls only, attention scores left out):
     fc once (fwd+bwd: 6 per weight), the decoder layers per TTT step (6 per weight),
     the frozen draft lm_head per step (fwd + input-grad: 4*H*K), the verifier head once (2*H*K)."""
