@@ -288,7 +288,7 @@ def mla_draft(kimi):
                            weights=load_file(str(folder / "model.safetensors")))
 
 
-def test_mla_head_trains_with_the_targets_attention_and_exports_what_vllms_deepseek_eagle3_reads(mla_draft):
+def test_mla_head_trains_with_the_targets_attention_and_exports_what_vllms_deepseek_eagle3_reads(mla_draft, kimi):
     """The MLA variant: the target's MLA shape (q and kv LoRA ranks, the decoupled RoPE head, the value head) in the
     draft layer, whose latent projections read [embeddings, hidden]; a flat DeepSeek config.json that vLLM's eagle3
     method loads as deepseek_eagle3 (not speculators' format: vLLM's speculators loader builds Llama/Qwen3 only)."""
@@ -311,6 +311,11 @@ def test_mla_head_trains_with_the_targets_attention_and_exports_what_vllms_deeps
     assert tuple(w[attn + "o_proj.weight"].shape) == (HIDDEN, 4 * 32)
     assert [tuple(w[f"fc_norm.{i}.weight"].shape) for i in range(3)] == [(HIDDEN,)] * 3
     assert tuple(w["layers.0.mlp.gate_proj.weight"].shape) == (128, HIDDEN)  # the target's dense MLP width
+    # the benchmark stage reads it as what it is, decoded by vLLM's eagle3 method
+    from tasks.benchmark.stage import check_draft
+
+    info = check_draft(mla_draft.folder, kimi.hf)
+    assert (info["kind"], info["vllm_method"], info["layer_ids"]) == ("eagle3-mla", "eagle3", [1, 3, 4])
 
 
 # ----------------------------------------------------------------------------- vLLM: config only, no weights
