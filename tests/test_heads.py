@@ -182,6 +182,7 @@ def test_dspark_head_trains_its_markov_and_confidence_heads_and_exports_what_vll
     assert all(e["loss"] == e["loss"] and e["loss"] > 0 for e in steps)
     st = ref.stats
     assert st["head_kind"] == "dspark" and len(st["val_acc_per_pos"]) == 4 and st["simulated_acceptance_length"] >= 1
+    assert all(0 <= a <= 1 for a in st["val_acc_per_pos"]), st["val_acc_per_pos"]
     # vLLM's own reading of it (its speculators loader, no engine): a Qwen3 DSpark draft, method dspark, the
     # anchor drafting too (no bonus anchor), DSpark's i - 1 layer numbering, every head it builds
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
@@ -193,6 +194,32 @@ def test_dspark_head_trains_its_markov_and_confidence_heads_and_exports_what_vll
     # the same recipe as a DFlash head is another head: its own address
     cfg = heads("{kind: dflash}", "{kind: dspark}")
     assert len({digests.train(cfg, V, SHARDS, h) for h in cfg.train.heads}) == 2
+
+
+def test_block_heads_are_scored_over_whole_blocks_so_no_position_beats_certainty():
+    """Held-out scoring of a DFlash-family head: two blocks of 3 drafted slots, one whole and all right, one cut
+    by its document's end after a right and a wrong slot. Counting the cut block at its early slots only gave the
+    last slot a conditional accuracy of 2.0; over whole blocks every slot is 1.0."""
+    from tasks.train.evaluation import _block_eval_batch
+    from tasks.train.loop import forward_kwargs
+
+    class Block:  # a DFlash head's backbone output for those two blocks (anchor slot first)
+        block_size, config = 4, SimpleNamespace(sample_from_anchor=False)
+
+        def _backbone_forward(self, max_anchors):
+            pred, target = [0, 1, 2, 3, 0, 1, 0, 3], [0, 1, 2, 3, 0, 1, 2, 3]
+            logits = torch.nn.functional.one_hot(torch.tensor([pred]), 4).float() * 9
+            targets = torch.nn.functional.one_hot(torch.tensor([target]), 4).float() * 9
+            mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0]])
+            return None, logits, targets, mask, torch.arange(8)
+
+    kw = forward_kwargs(head_config(heads("{kind: dflash, block_size: 4, max_anchors: 2}"),
+                                    HeadConfig(kind="dflash", block_size=4, max_anchors=2)).train)
+    _, m = _block_eval_batch(Block(), {}, kw)
+    assert [(m[f"full_acc_{i}_sum"], m[f"full_acc_{i}_total"]) for i in range(3)] == [(1.0, 1.0)] * 3
+    from tasks.train.metrics import ratios
+
+    assert ratios(m, 3)["acc_per_pos"] == [1.0, 1.0, 1.0]
 
 
 def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_for_the_rest(tiny, monkeypatch):

@@ -112,7 +112,7 @@ def _dspark_heads(model: Any, input_ids: torch.Tensor, hidden: torch.Tensor, log
 def _block_eval_batch(model: Any, inputs: dict[str, torch.Tensor],
                       kw: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
     """A DFlash or DSpark head's loss on one batch (speculators' own loss for the kind), and per drafted slot
-    i the share of blocks whose slots up to i are all right (`full_acc_{i}`, as EAGLE-3 counts its steps),
+    i the share of whole blocks whose slots up to i are all right (`full_acc_{i}`, as EAGLE-3 counts its steps),
     so `ratios` gives the same conditional accuracies and the benchmark's simulated acceptance length means
     the same for every kind."""
     hidden, logits, targets, mask, indices = model._backbone_forward(**inputs, max_anchors=kw["max_anchors"])
@@ -132,9 +132,13 @@ def _block_eval_batch(model: Any, inputs: dict[str, torch.Tensor],
         loss, _ = compute_metrics(logits, targets, mask, n, **common)
     right = (logits.argmax(-1) == targets.argmax(-1)).reshape(-1, n)[:, first:]
     valid = mask.to(torch.bool).reshape(-1, n)[:, first:]
-    run = (right & valid).to(torch.int64).cumprod(dim=-1)
+    # blocks whose every drafted slot is inside the loss mask: over the same blocks at every slot the leading
+    # runs only shrink, so each conditional accuracy is at most 1 (a block cut short by its document's end
+    # would count at its early slots only)
+    whole = valid.all(dim=-1)
+    run = right[whole].to(torch.int64).cumprod(dim=-1)
     out: dict[str, float] = {}
     for i in range(n - first):
         out[f"full_acc_{i}_sum"] = float(run[:, i].sum())
-        out[f"full_acc_{i}_total"] = float(valid[:, i].sum())
+        out[f"full_acc_{i}_total"] = float(whole.sum())
     return loss, out
