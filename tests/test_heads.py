@@ -162,7 +162,7 @@ def test_dflash_head_trains_from_the_same_hidden_states_and_exports_what_vllm_re
 
 def test_dspark_head_trains_its_markov_and_confidence_heads_and_exports_what_vllm_reads(tiny):
     """DSpark (speculators' DSparkDraftModel) from the same stored states: DFlash's backbone plus a Markov
-    logit-bias head and a confidence head, trained with speculators' DSpark loss, drafting from the anchor."""
+    logit-bias head and a confidence head, trained with speculators' DSpark loss, the anchor the bonus token."""
     events: list[dict] = []
     ref = run_train(head_cfg(tiny, {"kind": "dspark", "block_size": 4, "max_anchors": 16, "mask_token_id": 0}),
                     tiny.store, tiny.vref, tiny.refs, on_metrics=events.append)
@@ -170,27 +170,28 @@ def test_dspark_head_trains_its_markov_and_confidence_heads_and_exports_what_vll
     # what vLLM's speculators loader (update_dspark -> Qwen3DSparkModel) reads
     assert conf["speculators_model_type"] == "dspark" and conf["architectures"] == ["DSparkDraftModel"]
     assert conf["aux_hidden_state_layer_ids"] == LAYER_IDS[:-1] and conf["transformer_layer_config"]["model_type"] == "qwen3"
-    assert (conf["block_size"], conf["mask_token_id"], conf["sample_from_anchor"]) == (4, 0, True)
+    assert (conf["block_size"], conf["mask_token_id"], conf["sample_from_anchor"]) == (4, 0, False)
     assert (conf["markov_rank"], conf["markov_head_type"], conf["enable_confidence_head"],
             conf["confidence_head_with_markov"]) == (256, "vanilla", True, True)
-    assert conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4  # the anchor drafts too
+    assert conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3  # the anchor is the bonus
     assert weights["markov_head.markov_w1.weight"].shape == (256, 256)  # target vocabulary x rank
     assert weights["markov_head.markov_w2.weight"].shape == (128, 256)  # draft vocabulary x rank
     assert weights["confidence_head.proj.weight"].shape == (1, 64 + 256) and "confidence_head.proj.bias" in weights
     steps = [e for e in events if e["kind"] == "train"]
-    assert len(steps) == 3 and all(len(e["acc_per_pos"]) == 4 and "expected_acceptance_length" in e for e in steps)
+    assert len(steps) == 3 and all(len(e["acc_per_pos"]) == 3 and "expected_acceptance_length" in e for e in steps)
     assert all(e["loss"] == e["loss"] and e["loss"] > 0 for e in steps)
     st = ref.stats
-    assert st["head_kind"] == "dspark" and len(st["val_acc_per_pos"]) == 4 and st["simulated_acceptance_length"] >= 1
+    assert st["head_kind"] == "dspark" and len(st["val_acc_per_pos"]) == 3 and st["simulated_acceptance_length"] >= 1
     assert all(0 <= a <= 1 for a in st["val_acc_per_pos"]), st["val_acc_per_pos"]
     # vLLM's own reading of it (its speculators loader, no engine): a Qwen3 DSpark draft, method dspark, the
-    # anchor drafting too (no bonus anchor), DSpark's i - 1 layer numbering, every head it builds
+    # anchor the bonus token (what vLLM 0.26's loader assumes of every speculators DSpark draft), DSpark's i - 1
+    # layer numbering, every head it builds
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    assert SpeculatorsConfig.extract_vllm_speculative_config(conf) == {"method": "dspark", "num_speculative_tokens": 4}
+    assert SpeculatorsConfig.extract_vllm_speculative_config(conf) == {"method": "dspark", "num_speculative_tokens": 3}
     pre = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(conf)))
     assert pre["architectures"] == ["Qwen3DSparkModel"] and pre["target_layer_ids"] == [i - 1 for i in LAYER_IDS[:-1]]
-    assert (pre["dspark_bonus_anchor"], pre["markov_rank"], pre["confidence_head_with_markov"]) == (False, 256, True)
+    assert (pre["dspark_bonus_anchor"], pre["markov_rank"], pre["confidence_head_with_markov"]) == (True, 256, True)
     # the same recipe as a DFlash head is another head: its own address
     cfg = heads("{kind: dflash}", "{kind: dspark}")
     assert len({digests.train(cfg, V, SHARDS, h) for h in cfg.train.heads}) == 2

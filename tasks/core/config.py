@@ -248,7 +248,7 @@ class HeadConfig(Section):
         "loaded by vLLM's eagle3 method as Eagle3DeepseekV3ForCausalLM. "
         "dflash: speculators' DFlash (a block of mask tokens drafted in one forward pass; vLLM method dflash). "
         "dspark: speculators' DSpark (DFlash plus a Markov logit-bias head over the previous token and a "
-        "confidence head; it drafts from the anchor too, block_size tokens; vLLM method dspark).")
+        "confidence head; vLLM method dspark).")
     name: str | None = Field(None, description="Label in task names and the benchmark table; default the kind. "
                                                 "Not part of the address.")
     layer_ids: list[int] | None = Field(
@@ -258,8 +258,7 @@ class HeadConfig(Section):
     max_steps: int | None = Field(None, ge=1, description="Training steps; default train.max_steps.")
     block_size: int | None = Field(
         None, ge=2, description="dflash, dspark: tokens per drafted block, the anchor plus block_size - 1 mask "
-        "tokens (vLLM's num_speculative_tokens at most block_size - 1 for dflash, block_size for dspark, which "
-        "drafts from the anchor too). Default 8, speculators' default.")
+        "tokens (vLLM's num_speculative_tokens at most block_size - 1). Default 8, speculators' default.")
     max_anchors: int | None = Field(
         None, ge=1, description="dflash, dspark: blocks trained per packed batch (sampled anchor positions). "
         "Default 512.")

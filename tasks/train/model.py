@@ -182,17 +182,6 @@ def speculators_kind(kind: str) -> tuple[Any, Any]:
                          "version requirements/cpu.lock pins (speculators 0.9) or drop that head") from None
 
 
-def sample_from_anchor(head: HeadConfig) -> bool:
-    """Whether a DFlash-family head drafts from the anchor too: DSpark does (speculators' and DeepSpec's
-    convention: block_size drafted tokens), DFlash does not (the anchor is the bonus token: block_size - 1)."""
-    return head.kind == "dspark"
-
-
-def drafted_tokens(head: HeadConfig) -> int:
-    """Tokens a DFlash-family head drafts per block: vLLM's num_speculative_tokens at most."""
-    return head.dflash_settings()["block_size"] - (0 if sample_from_anchor(head) else 1)
-
-
 def dflash_mask_token(head: HeadConfig, target_path: str, vocab_size: int, trust_remote_code: bool) -> int:
     """The token a DFlash-family head feeds at masked positions: `head.mask_token_id`, else speculators' own rule
     (the tokenizer's mask token, a new <|MASK|> in a free embedding row, else pad/eos/unk)."""
@@ -219,7 +208,9 @@ def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str
     dflash takes Qwen3 layers (the only DFlash layer vLLM has) shaped like the target, a block of
     `block_size`; dspark is that backbone with
     speculators' DSpark heads at their defaults (Markov rank 256, vanilla; the confidence head fed the Markov
-    embedding), drafting from the anchor (`sample_from_anchor`). Every draft layer has full
+    embedding). Both keep the anchor as the verifier's bonus token (`sample_from_anchor` false: block_size - 1
+    drafted tokens): speculators' DSpark default drafts from the anchor too, but vLLM 0.26's DSpark loader (the
+    lent GPU's) decodes every speculators DSpark draft with a bonus anchor. Every draft layer has full
     attention. `attn_impl` (sdpa, flex_attention, eager) is the resolved `train.attn_impl` (auto means sdpa
     here).
     """
@@ -242,10 +233,10 @@ def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str
             mask_token_id=dflash_mask_token(head, target_path, int(tc.vocab_size), target.trust_remote_code),
             # speculators trains full-attention layers bidirectionally inside a block whatever this says; vLLM
             # reads it as the block's causality (causal = not it), so true makes vLLM decode what was trained
-            sliding_window_non_causal=True, sample_from_anchor=sample_from_anchor(head),
+            sliding_window_non_causal=True, sample_from_anchor=False,
             speculators_config=SpeculatorsConfig(
                 algorithm=head.kind, default_proposal_method="greedy",
-                proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=drafted_tokens(head))],
+                proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=s["block_size"] - 1)],
                 verifier=verifier))
     else:
         # eagle3-mla takes EAGLE-3.1's per-layer norms: vLLM's deepseek_eagle3 reads fc_norm, not norm_before_fc
