@@ -26,8 +26,8 @@ SMALL = [
     "train.max_steps=80", "train.max_minutes=null", "train.batch_tokens=512", "train.checkpoint_every=40",
     "train.warmup_steps=2", "train.lr=1e-3",
     # Beside the EAGLE-3 head, from the same stored hidden states: EAGLE-3.1 (fc_norm), DFlash (a block of 3:
-    # the anchor and the k=2 drafted tokens) and DSpark (a block of 3, drafting from the anchor too), 30 steps
-    # each (~35 s of training, two more vLLM engines and one vLLM refuses at once).
+    # the anchor and the k=2 drafted tokens) and DSpark (that block with its Markov and confidence heads), 30
+    # steps each (~50 s of training, two more vLLM engines and one that vLLM refuses at once).
     "train.heads=[{kind: eagle3}, {kind: eagle3.1, max_steps: 30}, "
     "{kind: dflash, block_size: 3, max_anchors: 64, max_steps: 30}, "
     "{kind: dspark, block_size: 3, max_anchors: 64, max_steps: 30}]",
