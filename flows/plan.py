@@ -353,6 +353,21 @@ class Shape:
     n_layers: int
     train_flops: float
     trainable: int
+    flops_fixed: float = 0.0  # of train_flops: the fc and the verifier head, once per token
+    flops_per_pass: float = 0.0  # of train_flops: the decoder layers and the draft head, per pass (TTT step)
+
+    def head_cost(self, head: Any, train: Any) -> float:
+        """A head kind's training FLOPs per token over the EAGLE-3 draft's (`train_flops`): one factor per
+        head, from its passes per token (tasks.train.model.passes_per_token: eagle3, eagle3.1 and eagle3-mla
+        train.ttt_steps, 1.0; dflash and dspark block_size x max_anchors / batch_tokens) with the same layers.
+        Computed, not measured: DSpark's Markov and confidence heads, the MLA layer's own width and attention
+        scores are left out; measured rates per kind replace it once a GPU run has them."""
+        from tasks.train.model import passes_per_token
+
+        passes = passes_per_token(head, train)
+        if passes == train.ttt_steps or not self.flops_per_pass:
+            return 1.0
+        return (self.flops_fixed + passes * self.flops_per_pass) / self.train_flops
 
 
 def make_shape(cfg: RunConfig, rates: dict[str, Any]) -> Shape:
@@ -364,8 +379,9 @@ def make_shape(cfg: RunConfig, rates: dict[str, Any]) -> Shape:
         tc = text_config(target.hf_config)
         layer_ids = configured_layer_ids(cfg, int(tc.num_hidden_layers))
         draft = draft_model(cfg, target, layer_ids)
+        fixed = flops_per_token(draft, 0)
         return Shape(target, int(tc.hidden_size), len(layer_ids), flops_per_token(draft, cfg.train.ttt_steps),
-                     trainable_params(draft))
+                     trainable_params(draft), fixed, flops_per_token(draft, 1) - fixed)
 
 
 def _override(cfg: RunConfig, section: str, **values: Any) -> RunConfig:
@@ -445,7 +461,8 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     mfu_t = r[train_rate_name]
     per_gpu = peak * mfu_t / shape.train_flops
     node_rate = per_gpu * ranks * (r["train.multi_gpu_efficiency"] if ranks > 1 else 1.0)  # all nodes together
-    compute_h = train_tokens / node_rate / 3600
+    costs = [shape.head_cost(h, cfg.train) for h in heads]  # each head's FLOPs per token over the EAGLE-3 draft's
+    compute_h = sum(s * f for s, f in zip(head_steps, costs)) * cfg.train.batch_tokens * ranks / node_rate / 3600
     data_bytes = tokens * bpt[dtype]
     cache_bytes = r["node.cache_tb"] * 1e12
     hit = min(1.0, cache_bytes / data_bytes) if NODE_PART_CACHE and data_bytes else 0.0
@@ -503,7 +520,8 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         f"{'' if cfg.regenerate.enabled else ' from the data'}) = {_count(tokens)} tokens; lengths: {len_src}. "
         f"Training reads {_count(train_tokens)} tokens = {train_tokens / tokens:.2f} epochs ({steps:,} steps x "
         f"{cfg.train.batch_tokens:,} tokens x {ranks} ranks"
-        + (f"; {len(heads)} heads, each priced as the EAGLE-3 draft below" if len(heads) > 1 else "") + ").",
+        + (f"; {len(heads)} heads, each priced at its FLOPs per token over the EAGLE-3 draft below (Shape.head_cost: "
+           + ", ".join(f"{h.label} {c:.2f}" for h, c in zip(heads, costs)) + ")" if len(heads) > 1 else "") + ").",
     ]
     if target.known_as and not Path(cfg.target.model).exists():
         notes.append(f"Target: {cfg.target.model} (not on this machine) is a local copy of {target.known_as} "

@@ -73,16 +73,23 @@ def test_each_head_gets_its_own_address_and_equal_recipes_share_one():
 
 
 def test_bad_heads_are_config_errors_that_say_what_to_do():
-    with pytest.raises(ConfigError, match=r"train.heads.0.kind: Input should be 'eagle3', 'eagle3.1' or 'dflash'"):
+    with pytest.raises(ConfigError, match=r"train.heads.0.kind: Input should be 'eagle3', 'eagle3.1', 'eagle3-mla', "
+                                          r"'dflash' or 'dspark'"):
         heads("{kind: medusa}")
     with pytest.raises(ConfigError, match="head labels must be unique"):
         heads("{kind: dflash}", "{kind: dflash}")
-    with pytest.raises(ConfigError, match="block_size apply to dflash heads only"):
+    with pytest.raises(ConfigError, match="block_size apply to dflash and dspark heads only"):
         heads("{kind: eagle3.1, block_size: 4}")
     with pytest.raises(ConfigError, match="at least one head"):
         load_config(None, ["train.heads=[]"])
     with pytest.raises(ConfigError, match="distinct and ascending"):
         heads("{kind: dflash, layer_ids: [9, 3]}")
+
+
+def test_an_mla_head_on_a_target_without_mla_is_a_clear_error(tiny):
+    with pytest.raises(TrainError, match=r"an eagle3-mla head needs an MLA target .* this target's llama layers have "
+                                         r"none. Use an eagle3 or eagle3.1 head"):
+        run_train(head_cfg(tiny, {"kind": "eagle3-mla"}), tiny.store, tiny.vref, tiny.refs)
 
 
 def test_a_speculators_without_the_kind_is_a_clear_error(monkeypatch):
@@ -151,6 +158,69 @@ def test_dflash_head_trains_from_the_same_hidden_states_and_exports_what_vllm_re
     assert len(steps) == 3 and all(len(e["acc_per_pos"]) == 3 and "expected_acceptance_length" in e for e in steps)
     st = ref.stats
     assert st["head_kind"] == "dflash" and len(st["val_acc_per_pos"]) == 3 and st["simulated_acceptance_length"] >= 1
+
+
+def test_dspark_head_trains_its_markov_and_confidence_heads_and_exports_what_vllm_reads(tiny):
+    """DSpark (speculators' DSparkDraftModel) from the same stored states: DFlash's backbone plus a Markov
+    logit-bias head and a confidence head, trained with speculators' DSpark loss, the anchor the bonus token."""
+    events: list[dict] = []
+    ref = run_train(head_cfg(tiny, {"kind": "dspark", "block_size": 4, "max_anchors": 16, "mask_token_id": 0}),
+                    tiny.store, tiny.vref, tiny.refs, on_metrics=events.append)
+    conf, weights = exported(tiny, ref)
+    # what vLLM's speculators loader (update_dspark -> Qwen3DSparkModel) reads
+    assert conf["speculators_model_type"] == "dspark" and conf["architectures"] == ["DSparkDraftModel"]
+    assert conf["aux_hidden_state_layer_ids"] == LAYER_IDS[:-1] and conf["transformer_layer_config"]["model_type"] == "qwen3"
+    assert (conf["block_size"], conf["mask_token_id"], conf["sample_from_anchor"]) == (4, 0, False)
+    assert (conf["markov_rank"], conf["markov_head_type"], conf["enable_confidence_head"],
+            conf["confidence_head_with_markov"]) == (256, "vanilla", True, True)
+    assert conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3  # the anchor is the bonus
+    assert weights["markov_head.markov_w1.weight"].shape == (256, 256)  # target vocabulary x rank
+    assert weights["markov_head.markov_w2.weight"].shape == (128, 256)  # draft vocabulary x rank
+    assert weights["confidence_head.proj.weight"].shape == (1, 64 + 256) and "confidence_head.proj.bias" in weights
+    steps = [e for e in events if e["kind"] == "train"]
+    assert len(steps) == 3 and all(len(e["acc_per_pos"]) == 3 and "expected_acceptance_length" in e for e in steps)
+    assert all(e["loss"] == e["loss"] and e["loss"] > 0 for e in steps)
+    st = ref.stats
+    assert st["head_kind"] == "dspark" and len(st["val_acc_per_pos"]) == 3 and st["simulated_acceptance_length"] >= 1
+    assert all(0 <= a <= 1 for a in st["val_acc_per_pos"]), st["val_acc_per_pos"]
+    # vLLM's own reading of it (its speculators loader, no engine): a Qwen3 DSpark draft, method dspark, the
+    # anchor the bonus token (what vLLM 0.26's loader assumes of every speculators DSpark draft), DSpark's i - 1
+    # layer numbering, every head it builds
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    assert SpeculatorsConfig.extract_vllm_speculative_config(conf) == {"method": "dspark", "num_speculative_tokens": 3}
+    pre = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(conf)))
+    assert pre["architectures"] == ["Qwen3DSparkModel"] and pre["target_layer_ids"] == [i - 1 for i in LAYER_IDS[:-1]]
+    assert (pre["dspark_bonus_anchor"], pre["markov_rank"], pre["confidence_head_with_markov"]) == (True, 256, True)
+    # the same recipe as a DFlash head is another head: its own address
+    cfg = heads("{kind: dflash}", "{kind: dspark}")
+    assert len({digests.train(cfg, V, SHARDS, h) for h in cfg.train.heads}) == 2
+
+
+def test_block_heads_are_scored_over_whole_blocks_so_no_position_beats_certainty():
+    """Held-out scoring of a DFlash-family head: two blocks of 3 drafted slots, one whole and all right, one cut
+    by its document's end after a right and a wrong slot. Counting the cut block at its early slots only gave the
+    last slot a conditional accuracy of 2.0; over whole blocks every slot is 1.0."""
+    from tasks.train.evaluation import _block_eval_batch
+    from tasks.train.loop import forward_kwargs
+
+    class Block:  # a DFlash head's backbone output for those two blocks (anchor slot first)
+        block_size, config = 4, SimpleNamespace(sample_from_anchor=False)
+
+        def _backbone_forward(self, max_anchors):
+            pred, target = [0, 1, 2, 3, 0, 1, 0, 3], [0, 1, 2, 3, 0, 1, 2, 3]
+            logits = torch.nn.functional.one_hot(torch.tensor([pred]), 4).float() * 9
+            targets = torch.nn.functional.one_hot(torch.tensor([target]), 4).float() * 9
+            mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0]])
+            return None, logits, targets, mask, torch.arange(8)
+
+    kw = forward_kwargs(head_config(heads("{kind: dflash, block_size: 4, max_anchors: 2}"),
+                                    HeadConfig(kind="dflash", block_size=4, max_anchors=2)).train)
+    _, m = _block_eval_batch(Block(), {}, kw)
+    assert [(m[f"full_acc_{i}_sum"], m[f"full_acc_{i}_total"]) for i in range(3)] == [(1.0, 1.0)] * 3
+    from tasks.train.metrics import ratios
+
+    assert ratios(m, 3)["acc_per_pos"] == [1.0, 1.0, 1.0]
 
 
 def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_for_the_rest(tiny, monkeypatch):

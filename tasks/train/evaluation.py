@@ -2,8 +2,8 @@
 read before the batch stream starts: `HeldOut.split`, called by `loop.build_trainer`, never by the Trainer
 itself), packs it into eval batches and evaluates a model on them; `evaluate_model` is that evaluation for any
 Eagle3DraftModel or DFlash head over packed batches (the benchmarks evaluate speculators' models with it).
-A DFlash head is scored by the same counters as EAGLE-3 (`_dflash_eval_batch`), so the simulated
-acceptance length means the same for both kinds.
+A DFlash or DSpark head is scored by the same counters as EAGLE-3 (`_block_eval_batch`), so the simulated
+acceptance length means the same for every kind.
 """
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ def evaluate_model(model: Any, batches: Sequence[Batch], device: torch.device, f
     model.eval()
     sums: dict[str, float] = {}
     loss, tokens = 0.0, 0
-    dflash = "max_anchors" in forward_kwargs
+    blocks = "max_anchors" in forward_kwargs
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(0)  # DFlash samples its anchors: the same ones on every evaluation
+            torch.manual_seed(0)  # DFlash and DSpark sample their anchors: the same ones on every evaluation
             for b in batches:
                 with autocast():
-                    if dflash:
-                        batch_loss, m = _dflash_eval_batch(model, b.model_inputs(device), forward_kwargs)
+                    if blocks:
+                        batch_loss, m = _block_eval_batch(model, b.model_inputs(device), forward_kwargs)
                     else:
                         _, batch_loss, m = model(**b.model_inputs(device), **forward_kwargs)
                 loss += float(batch_loss)
@@ -74,30 +74,71 @@ def evaluate_model(model: Any, batches: Sequence[Batch], device: torch.device, f
                     sums[k] = sums.get(k, 0.0) + float(v)
     finally:
         model.train(was_training)
-    r = ratios(sums, int(model.block_size) - 1 if dflash else int(forward_kwargs.get("ttt_steps", 3)))
+    r = ratios(sums, _drafted(model) if blocks else int(forward_kwargs.get("ttt_steps", 3)))
     return {"val_loss": rounded(loss / len(batches)), "val_acc_per_pos": [rounded(a) for a in r["acc_per_pos"]],
             "val_chain_acc_per_pos": [rounded(a) for a in r["chain_acc_per_pos"]],
             "simulated_acceptance_length": rounded(simulated_acceptance_length(r["acc_per_pos"]), 4),
             "val_tokens": tokens}
 
 
-def _dflash_eval_batch(model: Any, inputs: dict[str, torch.Tensor],
-                       kw: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-    """A DFlash head's loss on one batch, and per drafted slot i the share of blocks whose slots 1..i are
-    all right (`full_acc_{i-1}`, as EAGLE-3 counts its steps), so `ratios` gives the same conditional
-    accuracies and the benchmark's simulated acceptance length means the same for both kinds."""
-    from speculators.models.dflash.metrics import compute_metrics
+def _drafted(model: Any) -> int:
+    """Tokens a DFlash-family model drafts per block: every slot when it samples from the anchor (DSpark),
+    else all but the anchor."""
+    return int(model.block_size) - (0 if model.config.sample_from_anchor else 1)
 
-    _, logits, targets, mask, _ = model._backbone_forward(**inputs, max_anchors=kw["max_anchors"])
-    loss, _ = compute_metrics(logits, targets, mask, model.block_size, gamma=kw["gamma"],
-                              loss_config=kw["loss_config"], per_position_loss_weight=kw["per_position_loss_weight"],
-                              dpace_alpha=kw["dpace_alpha"])
+
+def _dspark_heads(model: Any, input_ids: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor,
+                  block_indices: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DSpark's heads over its backbone's output, as `DSparkDraftModel.forward` applies them: the Markov
+    bias from the token before each slot added to the logits, and the confidence logits."""
     n = int(model.block_size)
-    right = (logits.argmax(-1) == targets.argmax(-1)).reshape(-1, n)[:, 1:]
-    valid = mask.to(torch.bool).reshape(-1, n)[:, 1:]
-    run = (right & valid).to(torch.int64).cumprod(dim=-1)
+    tokens = input_ids[0, block_indices].view(blocks, n)
+    prev = tokens if model.config.sample_from_anchor else torch.cat([tokens[:, :1], tokens[:, :-1]], dim=1)
+    hidden = hidden.view(blocks, n, -1)
+    prev_emb = None
+    if model.markov_head is not None:
+        prev_emb = model.markov_head.prev_embeddings(prev)
+        bias = model.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden, prev_emb=prev_emb)
+        logits = (logits.view(blocks, n, -1) + bias).view(1, blocks * n, -1)
+    confidence = None
+    if model.confidence_head is not None:
+        features = hidden
+        if model.config.confidence_head_with_markov and prev_emb is not None:
+            features = torch.cat([hidden, prev_emb.to(hidden.dtype)], dim=-1)
+        confidence = model.confidence_head(features).reshape(1, blocks * n)
+    return logits, confidence
+
+
+def _block_eval_batch(model: Any, inputs: dict[str, torch.Tensor],
+                      kw: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """A DFlash or DSpark head's loss on one batch (speculators' own loss for the kind), and per drafted slot
+    i the share of whole blocks whose slots up to i are all right (`full_acc_{i}`, as EAGLE-3 counts its steps),
+    so `ratios` gives the same conditional accuracies and the benchmark's simulated acceptance length means
+    the same for every kind."""
+    hidden, logits, targets, mask, indices = model._backbone_forward(**inputs, max_anchors=kw["max_anchors"])
+    n, first = int(model.block_size), 0 if model.config.sample_from_anchor else 1
+    common = {"gamma": kw["gamma"], "loss_config": kw["loss_config"], "dpace_alpha": kw["dpace_alpha"],
+              "per_position_loss_weight": kw["per_position_loss_weight"],
+              "sample_from_anchor": bool(model.config.sample_from_anchor)}
+    if "confidence_head_alpha" in kw:  # DSpark
+        from speculators.models.dspark.metrics import compute_metrics as dspark_metrics
+
+        logits, confidence = _dspark_heads(model, inputs["input_ids"], hidden, logits, indices, kw["max_anchors"])
+        loss, _ = dspark_metrics(logits, targets, confidence, mask, n, tv_loss_fn=kw["tv_loss_fn"],
+                                 confidence_head_alpha=kw["confidence_head_alpha"], **common)
+    else:
+        from speculators.models.dflash.metrics import compute_metrics
+
+        loss, _ = compute_metrics(logits, targets, mask, n, **common)
+    right = (logits.argmax(-1) == targets.argmax(-1)).reshape(-1, n)[:, first:]
+    valid = mask.to(torch.bool).reshape(-1, n)[:, first:]
+    # blocks whose every drafted slot is inside the loss mask: over the same blocks at every slot the leading
+    # runs only shrink, so each conditional accuracy is at most 1 (a block cut short by its document's end
+    # would count at its early slots only)
+    whole = valid.all(dim=-1)
+    run = right[whole].to(torch.int64).cumprod(dim=-1)
     out: dict[str, float] = {}
-    for i in range(n - 1):
+    for i in range(n - first):
         out[f"full_acc_{i}_sum"] = float(run[:, i].sum())
-        out[f"full_acc_{i}_total"] = float(valid[:, i].sum())
+        out[f"full_acc_{i}_total"] = float(whole.sum())
     return loss, out

@@ -39,6 +39,7 @@ from tasks.train.model import (
     draft_layer_config,
     flex_attention_compiles,
     flops_per_token,
+    passes_per_token,
     resolve_attn_impl,
     resolve_precision,
     trainable_names,
@@ -49,15 +50,20 @@ from tasks.train.stream import Batch, BatchStream, PartData, PartReader, PartSpe
 
 def forward_kwargs(t: TrainConfig) -> dict[str, Any]:
     """The loss settings a head's forward pass takes: speculators' defaults for its kind (EAGLE-3: KL
-    divergence over `ttt_steps`; DFlash: cross-entropy, D-PACE position weights, `max_anchors` blocks)."""
+    divergence over `ttt_steps`; DFlash: cross-entropy, D-PACE position weights, `max_anchors` blocks;
+    DSpark, as `speculators train` resolves it: KL divergence with exponentially decaying position weights
+    (gamma 4), plus the confidence head's BCE against the total-variation acceptance rate, weight 1)."""
     from speculators.losses import resolve_loss_config
 
-    if t.head.kind != "dflash":
+    if not t.head.drafts_blocks:
         return {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": t.ttt_step_loss_decay,
                 "loss_config": resolve_loss_config("kl_div", t.loss_impl)}
-    return {"loss_config": resolve_loss_config("ce", t.loss_impl), "gamma": 4.0,
-            "max_anchors": t.head.dflash_settings()["max_anchors"], "per_position_loss_weight": "dpace",
-            "dpace_alpha": 0.5}
+    block = {"gamma": 4.0, "max_anchors": t.head.dflash_settings()["max_anchors"], "dpace_alpha": 0.5}
+    if t.head.kind == "dflash":
+        return {**block, "loss_config": resolve_loss_config("ce", t.loss_impl), "per_position_loss_weight": "dpace"}
+    return {**block, "loss_config": resolve_loss_config("kl_div", t.loss_impl),
+            "tv_loss_fn": resolve_loss_config("tv", t.loss_impl)["tv"][0], "confidence_head_alpha": 1.0,
+            "per_position_loss_weight": "fixed-exp-decay"}
 
 
 def check_device(t: TrainConfig, device: torch.device) -> None:
@@ -86,7 +92,7 @@ class Trainer:
 
         # model (auto attention: flex_attention where it compiles for this shape, else sdpa)
         shape = attention_shape(draft_layer_config(t, cfg.target, inputs.target_path, inputs.hf_config,
-                                                   dflash=self.head.kind == "dflash"))
+                                                   kind=self.head.kind))
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.attn_impl, self.attn_fallback = resolve_attn_impl(
             t.attn_impl, env.device, lambda: flex_attention_compiles(env.device, *shape, dtype=dtype))
@@ -127,12 +133,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- helpers
     def passes_per_token(self) -> float:
-        """Draft decoder passes per trained token: the TTT steps (EAGLE-3), or a DFlash block per sampled
-        anchor (at most one anchor per token)."""
-        if self.head.kind != "dflash":
-            return float(self.t.ttt_steps)
-        s = self.head.dflash_settings()
-        return s["block_size"] * min(1.0, s["max_anchors"] / self.t.batch_tokens)
+        """Draft decoder passes per trained token (tasks.train.model.passes_per_token)."""
+        return passes_per_token(self.head, self.t)
 
     def _autocast(self):
         if self.precision == "bf16":
@@ -264,7 +266,8 @@ class Trainer:
 
 def export_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
     """`folder/config.json` + `folder/model.safetensors` in speculators' format, which vLLM
-    loads as an EAGLE-3 draft (`speculative_config={"method": "eagle3", "model": folder}`).
+    loads as an EAGLE-3 draft (`speculative_config={"method": "eagle3", "model": folder}`); an MLA draft's
+    config flat, as vLLM's deepseek_eagle3 loads it (`mla_draft_config`).
     Weights in `dtype` except d2t/t2d; the verifier's copies (verifier_lm_head/norm) are left out."""
     from safetensors.torch import save_file
 
@@ -283,6 +286,10 @@ def export_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
     config["architectures"] = [type(model).__name__]  # what save_pretrained writes: "Eagle3DraftModel"
     config["dtype"] = dtype
     config["torch_dtype"] = dtype
+    if (config.get("transformer_layer_config") or {}).get("model_type") == "deepseek_v3":  # an eagle3-mla head
+        from tasks.formats.drafts import mla_draft_config
+
+        config = mla_draft_config(config)
     with open(os.path.join(folder, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2, sort_keys=True)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})

@@ -49,10 +49,11 @@ def ratios(metrics: dict[str, float], ttt_steps: int) -> dict[str, Any]:
 
 
 def step_ratios(metrics: dict[str, float], head: Any, ttt_steps: int) -> dict[str, Any]:
-    """A training step's per-position numbers. EAGLE-3 heads: `ratios`. DFlash: speculators' accuracy per
-    drafted slot of a block (slot 1 = the first token after the anchor, each slot on its own) and its
-    expected accepted length (per block: the leading run of right slots plus the bonus token)."""
-    if head.kind != "dflash":
+    """A training step's per-position numbers. EAGLE-3 heads: `ratios`. DFlash and DSpark: speculators' accuracy
+    per drafted slot of a block (DFlash: slot 1 = the first token after the anchor; DSpark drafts from the
+    anchor, slot 0; each slot on its own) and its expected accepted length (per block: the leading run of
+    right slots plus the bonus token)."""
+    if not head.drafts_blocks:
         return ratios(metrics, ttt_steps)
     slots = sorted(int(k.split("_")[1]) for k in metrics if k.startswith("position_") and k.endswith("_acc_sum"))
     acc = [metrics[f"position_{i}_acc_sum"] / metrics[f"position_{i}_acc_total"]

@@ -1,5 +1,6 @@
-"""The draft model training builds: speculators' Eagle3DraftModel for the target's layer type, its
-attention kernel (flex_attention where it compiles, else sdpa), precision, and FLOPs per token for MFU.
+"""The draft model training builds: speculators' Eagle3DraftModel for the target's layer type (or, for an
+eagle3-mla head, with DeepSeek's MLA attention layer), DFlashDraftModel and DSparkDraftModel, its attention
+kernel (flex_attention where it compiles, else sdpa), precision, and FLOPs per token for MFU.
 """
 
 from __future__ import annotations
@@ -9,23 +10,86 @@ from typing import Any, Callable
 
 import torch
 
-from tasks.core.config import HeadConfig, TargetConfig, TrainConfig
+from tasks.core.config import BLOCK_KINDS, HeadConfig, TargetConfig, TrainConfig
 from tasks.engine.target import draft_arch, text_config, verifier_weights
 from tasks.train import TrainError, log
 
+
+# An MLA draft layer copies these keys of the target's DeepSeek-V3 text config: its attention shape (query
+# heads, the q and kv LoRA ranks, the decoupled RoPE head, the value head), its RoPE, norms and dense MLP width
+MLA_LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                  "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "hidden_act",
+                  "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_interleave", "attention_bias")
+
+
+def is_mla(tc: Any) -> bool:
+    """An MLA target (DeepSeek-V3, Kimi-K2.5): its attention compresses keys and values to a latent."""
+    return bool(getattr(tc, "kv_lora_rank", None))
+
+
+def mla_layer_config(train: TrainConfig, tc: Any) -> Any:
+    """An eagle3-mla head's decoder layer config: a DeepSeek-V3 config with the target's MLA attention
+    (MLA_LAYER_KEYS) and `train.num_layers` dense layers (first_k_dense_replace past them: vLLM's
+    deepseek_eagle3 builds a dense MLP, never MoE) of the target's dense MLP width."""
+    from transformers import DeepseekV3Config
+
+    if not is_mla(tc):
+        raise TrainError(f"train.heads: an eagle3-mla head needs an MLA target (DeepSeek-V3, Kimi-K2.5: kv_lora_rank "
+                         f"in its config); this target's {getattr(tc, 'model_type', '?')} layers have none. Use an "
+                         "eagle3 or eagle3.1 head")
+    _register_mla_layers()
+    keys = {k: getattr(tc, k) for k in MLA_LAYER_KEYS if getattr(tc, k, None) is not None}
+    return DeepseekV3Config(**keys, num_hidden_layers=train.num_layers, first_k_dense_replace=train.num_layers,
+                            tie_word_embeddings=False)
+
+
+def _register_mla_layers() -> None:
+    """Give speculators' Eagle3DraftModel DeepSeek-V3 layers (it builds Llama and Qwen3 ones): the first
+    layer is speculators' EAGLE-3 first layer over transformers' DeepseekV3DecoderLayer, whose MLA input
+    projections (q_a_proj or q_proj, kv_a_proj_with_mqa) read [embeddings, hidden] (2 x hidden), as vLLM's
+    deepseek_eagle3 builds them; the other layers are DeepseekV3DecoderLayer as it is."""
+    from speculators.models.base_components import ModelComponents
+    from speculators.models.eagle3 import model_definitions
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    if "deepseek_v3" in model_definitions.model_classes:
+        return
+
+    class DeepseekV3DecoderEagle3FirstLayer(model_definitions.Eagle3FirstLayerMixin, ds.DeepseekV3DecoderLayer):
+        def __init__(self, config: Any, layer_idx: int, norm_before_residual: bool = False):
+            super().__init__(config, layer_idx)
+            self.norm_before_residual = norm_before_residual
+            self.hidden_norm = ds.DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            attn, wide = self.self_attn, 2 * config.hidden_size
+            if attn.q_lora_rank is None:
+                attn.q_proj = torch.nn.Linear(wide, attn.num_heads * attn.qk_head_dim, bias=False)
+            else:
+                attn.q_a_proj = torch.nn.Linear(wide, attn.q_lora_rank, bias=config.attention_bias)
+            attn.kv_a_proj_with_mqa = torch.nn.Linear(wide, attn.kv_lora_rank + attn.qk_rope_head_dim,
+                                                      bias=config.attention_bias)
+
+    model_definitions.model_classes["deepseek_v3"] = ModelComponents(
+        DeepseekV3DecoderEagle3FirstLayer, ds.DeepseekV3DecoderLayer, ds.DeepseekV3RMSNorm,
+        ds.DeepseekV3RotaryEmbedding)
+
+
 def draft_layer_config(train: TrainConfig, target: TargetConfig, target_path: str, hf_config: Any,
-                       dflash: bool = False) -> Any:
-    """The draft decoder layer's config: the target's layer type (Qwen3 with silu for DFlash, the layer
-    vLLM's DFlash model has) and attention shape."""
+                       kind: str = "eagle3") -> Any:
+    """The draft decoder layer's config for a head `kind`: the target's layer type (Qwen3 with silu for
+    DFlash and DSpark, the layer vLLM's DFlash model has; DeepSeek-V3's MLA layer for eagle3-mla) and
+    attention shape."""
     from speculators.train.cli import create_transformer_layer_config
 
     tc = text_config(hf_config)
+    if kind == "eagle3-mla":
+        return mla_layer_config(train, tc)
+    dflash = kind in BLOCK_KINDS
     layer_cfg = create_transformer_layer_config(
         verifier_name_or_path=target_path, num_layers=train.num_layers,
         draft_arch="qwen3" if dflash else draft_arch(tc), hidden_act="silu" if dflash else None,
         sliding_window=int(getattr(tc, "max_position_embeddings", 4096) or 4096),
         full_attention_indices=list(range(train.num_layers)), trust_remote_code=target.trust_remote_code)
-    if getattr(tc, "kv_lora_rank", None):
+    if is_mla(tc):
         # MLA targets (DeepSeek-V3, Kimi-K2.5): their `head_dim` is the rotary part only (64), which would give
         # the Llama draft layer a narrow attention (64 heads x 64 for a 7168 hidden). Use the value head width.
         layer_cfg.head_dim = int(getattr(tc, "v_head_dim", 0) or int(tc.hidden_size) // int(tc.num_attention_heads))
@@ -33,10 +97,13 @@ def draft_layer_config(train: TrainConfig, target: TargetConfig, target_path: st
 
 
 def attention_shape(layer_cfg: Any) -> tuple[int, int, int]:
-    """(query heads, key/value heads, head dim) of a draft layer's attention."""
+    """(query heads, key/value heads, head dim) of a draft layer's attention (MLA: the query/key head, its
+    no-RoPE part plus the RoPE part, wider than the value head)."""
     heads = int(layer_cfg.num_attention_heads)
     kv_heads = int(getattr(layer_cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(layer_cfg, "head_dim", None) or int(layer_cfg.hidden_size) // heads)
+    if is_mla(layer_cfg):
+        head_dim = int(layer_cfg.qk_nope_head_dim) + int(layer_cfg.qk_rope_head_dim)
     return heads, kv_heads, head_dim
 
 
@@ -88,12 +155,14 @@ def resolve_attn_impl(requested: str, device: torch.device, probe: Callable[[], 
 
 def speculators_kind(kind: str) -> tuple[Any, Any]:
     """(model class, config class) of a head kind in the installed speculators; a TrainError naming the
-    version when it has none (DFlash arrived in speculators 0.9)."""
+    version when it has none (DFlash and DSpark arrived in speculators 0.9)."""
     import importlib
 
     module, names = {"eagle3": ("speculators.models.eagle3", ("Eagle3DraftModel", "Eagle3SpeculatorConfig")),
                      "eagle3.1": ("speculators.models.eagle3", ("Eagle3DraftModel", "Eagle3SpeculatorConfig")),
-                     "dflash": ("speculators.models.dflash", ("DFlashDraftModel", "DFlashSpeculatorConfig"))}[kind]
+                     "eagle3-mla": ("speculators.models.eagle3", ("Eagle3DraftModel", "Eagle3SpeculatorConfig")),
+                     "dflash": ("speculators.models.dflash", ("DFlashDraftModel", "DFlashSpeculatorConfig")),
+                     "dspark": ("speculators.models.dspark", ("DSparkDraftModel", "DSparkSpeculatorConfig"))}[kind]
     try:
         mod = importlib.import_module(module)
         return getattr(mod, names[0]), getattr(mod, names[1])
@@ -110,7 +179,7 @@ def speculators_kind(kind: str) -> tuple[Any, Any]:
 
 
 def dflash_mask_token(head: HeadConfig, target_path: str, vocab_size: int, trust_remote_code: bool) -> int:
-    """The token DFlash feeds at masked positions: `head.mask_token_id`, else speculators' own rule
+    """The token a DFlash-family head feeds at masked positions: `head.mask_token_id`, else speculators' own rule
     (the tokenizer's mask token, a new <|MASK|> in a free embedding row, else pad/eos/unk)."""
     if head.mask_token_id is not None:
         if head.mask_token_id >= vocab_size:
@@ -125,13 +194,19 @@ def dflash_mask_token(head: HeadConfig, target_path: str, vocab_size: int, trust
 def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str, hf_config: Any,
                       layer_ids: list[int], d2t: torch.Tensor, t2d: torch.Tensor, attn_impl: str | None = None):
     """The head of `train` (one of train.heads, see TrainConfig.for_head) for this target, seeded, verifier
-    weights loaded: speculators' Eagle3DraftModel or DFlashDraftModel. `layer_ids`: the auxiliary layers
-    it reads, then the last one.
+    weights loaded: speculators' Eagle3DraftModel, DFlashDraftModel or DSparkDraftModel. `layer_ids`: the
+    auxiliary layers it reads, then the last one.
 
     eagle3 follows speculators' EAGLE-3 recipe (`speculators train` defaults: norm before residual, one
     norm before the fc, normed output fed back across TTT steps); eagle3.1 swaps the one norm for
-    EAGLE-3.1's per-layer fc_norm. Both take the target's layer type. dflash takes Qwen3 layers (the only
-    DFlash layer vLLM has) shaped like the target, a block of `block_size`. Every draft layer has full
+    EAGLE-3.1's per-layer fc_norm. Both take the target's layer type; eagle3-mla is eagle3.1 with the MLA
+    target's own attention (DeepSeek-V3 layers, `mla_layer_config`), what vLLM's deepseek_eagle3 loads.
+    dflash takes Qwen3 layers (the only DFlash layer vLLM has) shaped like the target, a block of
+    `block_size`; dspark is that backbone with
+    speculators' DSpark heads at their defaults (Markov rank 256, vanilla; the confidence head fed the Markov
+    embedding). Both keep the anchor as the verifier's bonus token (`sample_from_anchor` false: block_size - 1
+    drafted tokens): speculators' DSpark default drafts from the anchor too, but vLLM 0.26's DSpark loader (the
+    lent GPU's) decodes every speculators DSpark draft with a bonus anchor. Every draft layer has full
     attention. `attn_impl` (sdpa, flex_attention, eager) is the resolved `train.attn_impl` (auto means sdpa
     here).
     """
@@ -141,12 +216,12 @@ def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str
     head = train.head
     model_cls, config_cls = speculators_kind(head.kind)
     tc = text_config(hf_config)
-    layer_cfg = draft_layer_config(train, target, target_path, hf_config, dflash=head.kind == "dflash")
+    layer_cfg = draft_layer_config(train, target, target_path, hf_config, kind=head.kind)
     impl = attn_impl or (train.attn_impl if train.attn_impl != "auto" else "sdpa")
     layer_cfg._attn_implementation = "simple_flex_attention" if impl == "flex_attention" else impl
     k = int(d2t.shape[0])
     verifier = VerifierConfig(name_or_path=target_path, architectures=list(hf_config.architectures or []))
-    if head.kind == "dflash":
+    if head.drafts_blocks:
         s = head.dflash_settings()
         config = config_cls(
             transformer_layer_config=layer_cfg, draft_vocab_size=k, block_size=s["block_size"],
@@ -156,11 +231,12 @@ def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str
             # reads it as the block's causality (causal = not it), so true makes vLLM decode what was trained
             sliding_window_non_causal=True, sample_from_anchor=False,
             speculators_config=SpeculatorsConfig(
-                algorithm="dflash", default_proposal_method="greedy",
+                algorithm=head.kind, default_proposal_method="greedy",
                 proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=s["block_size"] - 1)],
                 verifier=verifier))
     else:
-        norms = {"fc_norm": True} if head.kind == "eagle3.1" else {"norm_before_fc": True}
+        # eagle3-mla takes EAGLE-3.1's per-layer norms: vLLM's deepseek_eagle3 reads fc_norm, not norm_before_fc
+        norms = {"fc_norm": True} if head.kind in ("eagle3.1", "eagle3-mla") else {"norm_before_fc": True}
         config = config_cls(
             transformer_layer_config=layer_cfg, draft_vocab_size=k, norm_before_residual=True, norm_output=True,
             eagle_aux_hidden_state_layer_ids=list(layer_ids[:-1]), **norms,
@@ -208,7 +284,16 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def flops_per_token(model: Any, ttt_steps: int) -> float:
+def passes_per_token(head: HeadConfig, train: TrainConfig) -> float:
+    """Draft decoder passes per trained token: the TTT steps (the EAGLE-3 kinds), or a DFlash/DSpark block per
+    sampled anchor (at most one anchor per token)."""
+    if not head.drafts_blocks:
+        return float(train.ttt_steps)
+    s = head.dflash_settings()
+    return s["block_size"] * min(1.0, s["max_anchors"] / train.batch_tokens)
+
+
+def flops_per_token(model: Any, ttt_steps: float) -> float:
     """Training FLOPs per token (estimate; matmuls only, attention scores left out):
     fc once (fwd+bwd: 6 per weight), the decoder layers per TTT step (6 per weight),
     the frozen draft lm_head per step (fwd + input-grad: 4*H*K), the verifier head once (2*H*K)."""
