@@ -40,6 +40,7 @@ from flows.prefect_api import (
 from flows.release import code_commit
 from flows.runs import HEARTBEAT_SECONDS, TimeoutOpt, wait_for
 from tasks.core.config import STAGES, STORE_URI_ENV, ConfigError, check_until, load_config
+from tasks.core.secrets import WORKER_FIX, refuse_secrets
 
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
 
@@ -106,6 +107,7 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
     """Create the work pools, register the deployments of deployments/prefect.yaml, and the automation
     that marks a flow run Crashed when its node stops sending heartbeats."""
     try:
+        refuse_secrets({"store": store}, "draftline deploy")
         url = require_server("draftline deploy")
         deps = load_deployments()
         known = [d["name"] for d in deps]
@@ -212,6 +214,8 @@ def deploy_spec(deps: list[dict[str, Any]], image: str | None, store: str | None
             jv["image"] = image
         if store:
             jv["store_uri"] = store
+        refuse_secrets(jv, f"{PREFECT_FILE.name} deployment {dep.get('name')}" + (" with --store" if store else ""),
+                       "work_pool.job_variables")
         for step in dep.get("pull") or []:
             if commit and isinstance(step.get(RELEASE_STEP), dict):
                 step[RELEASE_STEP]["commit"] = commit
@@ -282,6 +286,8 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
             raise OpsError(f"--env {it!r}: {k!r} is not a valid environment variable name")
         env[k] = v
+    # The job variables are readable by every Prefect API user: keys belong in the worker's environment.
+    refuse_secrets(env, "draftline submit --env", "env", fix=WORKER_FIX)
     return env
 
 
@@ -308,6 +314,7 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
     from prefect.deployments import run_deployment
 
     try:
+        refuse_secrets({"store": store, "env": _env_pairs(env)}, "draftline submit")  # before anything is sent
         require_server("draftline submit")
         try:
             check_until(until)

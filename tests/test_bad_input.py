@@ -76,7 +76,7 @@ RUN_CASES = [
     ("source-with-two-origins", ["--set", "data.sources=[{preset: chitchat, path: x.jsonl}]"],
      ["exactly one of preset/path/hub", "e.g. `{preset: chitchat}`"]),
     ("credentials-in-store-uri", ["--set", "store.uri=s3://AKIA:SECRET@bucket/x"],
-     ["credentials must not be embedded in the store uri", "use AWS_* environment variables", "s3://***@bucket/x"]),
+     ["store.uri: holds a credential (s3://***@bucket/x)", "fix: put credentials in the environment"]),
     ("store-scheme", ["--set", "store.uri=ftp://host/x"], ["store uri must start with file:// or s3://"]),
     ("store-not-writable", ["--set", "store.uri=file://{tmp}/a-file/store"],
      ["is not writable", "fix store.uri or the folder's permissions"]),

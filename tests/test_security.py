@@ -117,3 +117,95 @@ def test_nothing_is_unpickled_from_files():
                 if isinstance(value, ast.Constant) and value.value is True:
                     bad.append(where + " with allow_pickle=True")
     assert bad == []
+
+
+# Secrets as they come: about half of AWS secret keys hold a `/`, many a `+`; URL-encoded, `/` is `%2F`.
+SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCY%2FEXAMPLEKEY"
+KEY_ID = "AKIAIOSFODNN7EXAMPLE"
+HF = "hf_" + "Q" * 34
+
+
+def _no_secret(text: str) -> None:
+    for needle in (SECRET, "K7MDENG", "EXAMPLEKEY", KEY_ID, HF):
+        assert needle not in text, (needle, text)
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--set", f"store.uri=s3://{KEY_ID}:{SECRET}@bucket/x"], "store.uri"),
+    (["--store", f"s3://{KEY_ID}:{SECRET}@bucket/x"], "store.uri"),
+    (["--set", f"store.uri=s3://KEY:{SECRET}@bucket/x"], "store.uri"),
+    (["--set", f"store.endpoint_url=https://user:{SECRET}@s3.example.com"], "store.endpoint_url"),
+    (["--set", f"engines.engine_args.hf_token={SECRET}"], "engines.engine_args.hf_token"),
+    (["--set", f"engines.extract.engine_args.api_key={SECRET}"], "engines.extract.engine_args.api_key"),
+    (["--set", f"data.sources=[{{path: 'https://h.example/d.jsonl?X-Amz-Signature={SECRET}&a=1'}}]"],
+     "data.sources[0].path"),
+    (["--set", f"data.sources=[{{path: 'https://h.example/d.jsonl?AWSAccessKeyId={SECRET}'}}]"], "data.sources[0].path"),
+    (["--set", f"target.model={HF}"], "target.model"),
+    (["--set", f"target.chat_template=s3://{KEY_ID}@bucket/t.jinja"], "target.chat_template"),
+], ids=["store-uri", "store-option", "store-uri-plain-key", "endpoint-userinfo", "engine-arg-hf-token",
+        "engine-arg-api-key", "presigned-source", "source-key-id", "hf-token-as-model", "key-id-in-path"])
+def test_a_credential_in_any_value_is_refused_and_never_echoed(tmp_path, args, field):
+    """The same rule for every field and every way in (file, --set, --store), for `run`, `config show` and
+    `ls`: refused before anything is printed, stored or sent (so no flow run holds it), masked in the message."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"base: {ROOT / CONFIG}\n")
+    for command in (["run", str(cfg)], ["config", "show", str(cfg)], ["ls", str(cfg)]):
+        out = CliRunner().invoke(app, [*command, *args])
+        assert out.exit_code == 2 and isinstance(out.exception, SystemExit), out.output
+        text = " ".join(out.output.split())
+        assert f"{field}: " in text and "credential" in text, text
+        assert "fix: put credentials in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, HF_TOKEN)" in text
+        _no_secret(out.output)
+    assert not (tmp_path / ".draftline").exists()
+
+
+def test_a_credential_in_a_config_file_is_refused_and_never_echoed(tmp_path):
+    from tasks.core.config import ConfigError, load_config
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"base: {ROOT / CONFIG}\nstore: {{uri: 's3://{KEY_ID}:{SECRET}@b/x'}}\n"
+                   f"engines: {{engine_args: {{hf_token: '{HF}'}}}}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(cfg)
+    assert "store.uri" in str(exc.value) and "engines.engine_args.hf_token" in str(exc.value)
+    _no_secret(str(exc.value))
+    cfg.write_text(f"base: {ROOT / CONFIG}\n")
+    load_config(cfg, ["engines.engine_args.hf_token=true", "store.uri=s3://bucket/with@sign"])  # not secrets
+
+
+def test_deploy_and_submit_refuse_credentials_in_job_variables(monkeypatch):
+    from flows.deploy import _env_pairs, deploy_spec, load_deployments
+    from tasks.core.secrets import SecretInValue
+
+    with pytest.raises(SecretInValue) as exc:
+        deploy_spec(load_deployments()[:1], None, f"s3://{KEY_ID}:{SECRET}@bucket/x")
+    assert "work_pool.job_variables.store_uri" in str(exc.value)
+    _no_secret(str(exc.value))
+    for pair in (f"AWS_SECRET_ACCESS_KEY={SECRET}", f"HF_TOKEN={HF}", f"MY_VAR={HF}", f"AWS_SESSION_TOKEN={SECRET}"):
+        with pytest.raises(SecretInValue) as exc:
+            _env_pairs(["AWS_PROFILE=train", pair])
+        assert "set it where the worker runs instead: its environment" in str(exc.value)
+        assert "the AWS profile chain of the worker's user" in str(exc.value)
+        _no_secret(str(exc.value))
+    assert _env_pairs(["AWS_PROFILE=train", "VLLM_LOGGING_LEVEL=DEBUG"]) == {"AWS_PROFILE": "train",
+                                                                             "VLLM_LOGGING_LEVEL": "DEBUG"}
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # refused before any server is asked
+    for args in (["submit", CONFIG, "-d", "local", "--store", f"s3://KEY:{SECRET}@b/x"],
+                 ["submit", CONFIG, "-d", "local", "--env", f"AWS_SECRET_ACCESS_KEY={SECRET}"],
+                 ["deploy", "--store", f"s3://KEY:{SECRET}@b/x"]):
+        out = CliRunner().invoke(app, args)
+        assert out.exit_code == 2 and "credential(s) given as values, refused" in out.output, out.output
+        _no_secret(out.output)
+    # a deployment whose prefect.yaml job variables hold a key
+    deps = load_deployments()[:1]
+    deps[0].setdefault("work_pool", {}).setdefault("job_variables", {})["env"] = {"HF_TOKEN": HF}
+    with pytest.raises(SecretInValue, match=r"job_variables\.env\.HF_TOKEN"):
+        deploy_spec(deps, None, None)

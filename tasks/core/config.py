@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import re
 import typing
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.core.errors import DraftlineError
+from tasks.core.secrets import SecretInValue, mask, refuse_secrets
 
 STAGES = ("prepare", "regenerate", "vocab", "extract", "train", "benchmark")
 
@@ -567,8 +567,8 @@ def _format_errors(err: ValidationError, origin: str, overrides: list[str] | Non
         setby = [o for o in overrides or [] if f"{o.split('=', 1)[0].strip()}.".startswith(f"{loc}.")]
         got = e.get("input")
         got_s = "" if isinstance(got, dict) or e["type"] == "missing" or f"got {got!r}" in msg else f" (got {got!r})"
-        got_s = re.sub(r"://[^/@\s]*@", "://***@", got_s)  # never echo credentials put in a URI
-        from_set = re.sub(r"://[^/@\s]*@", "://***@", f" (from --set {setby[-1]})") if setby else ""
+        got_s = mask(got_s)  # never echo a credential
+        from_set = mask(f" (from --set {setby[-1]})") if setby else ""
         lines.append(f"  - {loc}: {msg}{got_s}{from_set}" + (f"; fix: {hint}" if hint else ""))
     return "\n".join(lines)
 
@@ -657,6 +657,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             data["store"]["uri"] = env_uri
             origin += f" (store.uri from ${STORE_URI_ENV})"
     data = apply_overrides(data, overrides or [])
+    try:  # before anything prints a value: every field, engine_args, URLs, source paths
+        refuse_secrets(data, origin)
+    except SecretInValue as exc:
+        raise ConfigError(str(exc)) from None
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
