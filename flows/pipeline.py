@@ -200,8 +200,7 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     rec = announce(RunRecord(config_path=config_path, overrides=overrides, flow_run_id=str(flow_run.id or ""),
                              store=store.uri))
     logger = get_run_logger()
-    if cfg.target.trust_remote_code:
-        logger.warning("target.trust_remote_code is ON: the target repository's own Python code will run")
+    allow_remote_code(cfg, logger)
     try:
         _run_stages(cfg, store, rec, until, logger)
     except BaseException as exc:
@@ -215,6 +214,42 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
         raise RuntimeError(f"stages failed: {', '.join(failed)}; fix the cause and `draftline retry` the run "
                            "(finished work is reused)")
     return rec.to_json()
+
+
+# The deployment tag that lets a deployment's flow runs set target.trust_remote_code (deployments/prefect.yaml).
+REMOTE_CODE_TAG = "allow-trust-remote-code"
+
+
+def remote_code_problem(trust: bool, deployment: str | None, tags: list[str]) -> str | None:
+    """Why a flow run may not run the target repository's code: a deployment's run takes its config from
+    its parameters, which anyone who can create a flow run sets; only a deployment tagged REMOTE_CODE_TAG
+    (its owner's decision, not the run's) lets them switch trust_remote_code on. A run outside any
+    deployment (`draftline run`) is its user's own."""
+    if not trust or deployment is None or REMOTE_CODE_TAG in tags:
+        return None
+    return (f"target.trust_remote_code=true in a run of deployment {deployment}, which does not allow it: the "
+            "target repository's own Python code would run on this node, set by a flow-run parameter. Fix: use "
+            f"a model that needs no remote code, or have the deployment's owner add the tag {REMOTE_CODE_TAG!r} "
+            "to it in deployments/prefect.yaml and `draftline deploy` again")
+
+
+def allow_remote_code(cfg: RunConfig, logger) -> None:
+    """Refuse target.trust_remote_code in a deployment's run that does not allow it; warn when it is on."""
+    if not cfg.target.trust_remote_code:
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import deployment
+
+    from tasks.core.config import ConfigError
+
+    tags: list[str] = []
+    if deployment.id:
+        with get_client(sync_client=True) as client:
+            tags = list(client.read_deployment(deployment.id).tags or [])
+    problem = remote_code_problem(True, deployment.name if deployment.id else None, tags)
+    if problem:
+        raise ConfigError(problem)
+    logger.warning("target.trust_remote_code is ON: the target repository's own Python code will run")
 
 
 def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None, logger) -> None:
@@ -458,6 +493,7 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     store.check()
     _pin_target(cfg, [])  # the parent pinned target.revision in the overrides: this records it
     logger = get_run_logger()
+    allow_remote_code(cfg, logger)
     if stage == "train":
         from flows.nodes import train_child
 

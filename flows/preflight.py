@@ -13,7 +13,8 @@ from typing import Any
 def input_problems(cfg: Any) -> list[str]:
     """Every problem found in the config's inputs, each naming the fix; [] when there is none."""
     from tasks.data.vocab import VocabError, draft_size
-    from tasks.engine.target import TargetError, load_hf_config, resolve_layer_ids, text_config
+    from tasks.engine.target import (TargetError, load_hf_config, max_model_len_problem, resolve_layer_ids,
+                                     text_config)
     from tasks.formats.drafts import DraftError, draft_folder_of
 
     problems = []
@@ -37,6 +38,9 @@ def input_problems(cfg: Any) -> list[str]:
                 resolve_layer_ids(cfg, text)
             except TargetError as exc:
                 problems.append(str(exc))
+        too_long = max_model_len_problem(t, text)
+        if too_long:
+            problems.append(too_long)
         try:
             draft_size(cfg.vocab.draft_vocab_size, int(text.vocab_size))
         except VocabError as exc:

@@ -209,3 +209,37 @@ def test_deploy_and_submit_refuse_credentials_in_job_variables(monkeypatch):
     deps[0].setdefault("work_pool", {}).setdefault("job_variables", {})["env"] = {"HF_TOKEN": HF}
     with pytest.raises(SecretInValue, match=r"job_variables\.env\.HF_TOKEN"):
         deploy_spec(deps, None, None)
+
+
+def test_a_config_base_stays_in_the_checkout_or_the_configs_folder(tmp_path):
+    """A flow run's parameters name configs: a `base:` cannot read a worker's other files, and a YAML error
+    shows where and what, never a line of the file."""
+    from tasks.core.config import ConfigError, load_config
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("password: [hunter2-top-secret\n")
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    for base in (str(outside / "secret.txt"), "../outside/secret.txt", "/etc/passwd"):
+        (folder / "c.yaml").write_text(f"base: {base}\n")
+        with pytest.raises(ConfigError, match="is outside this checkout and the config's folder") as exc:
+            load_config(folder / "c.yaml")
+        assert "hunter2" not in str(exc.value) and "root:" not in str(exc.value)
+    (folder / "b.yaml").write_text("train: {max_steps: [1, hunter2-top-secret\n")
+    (folder / "c.yaml").write_text("base: b.yaml\n")
+    with pytest.raises(ConfigError, match=r"b.yaml: not valid YAML at line 2, column 1") as exc:
+        load_config(folder / "c.yaml")
+    assert "hunter2" not in str(exc.value)
+    (folder / "c.yaml").write_text(f"base: {ROOT / CONFIG}\n")  # a preset of the checkout
+    load_config(folder / "c.yaml")
+
+
+def test_trust_remote_code_from_a_flow_run_needs_the_deployment_to_allow_it():
+    from flows.pipeline import REMOTE_CODE_TAG, remote_code_problem
+
+    problem = remote_code_problem(True, "b300", ["draftline", "b300"])
+    assert "does not allow it" in problem and f"add the tag '{REMOTE_CODE_TAG}'" in problem
+    assert remote_code_problem(True, "b300", ["draftline", REMOTE_CODE_TAG]) is None  # the owner allowed it
+    assert remote_code_problem(True, None, []) is None  # `draftline run`: the user's own config
+    assert remote_code_problem(False, "b300", []) is None

@@ -620,6 +620,10 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+# The checkout draftline runs from: a config's `base:` resolves inside it or inside the config's own folder.
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
 def read_config_file(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict:
     """A config file's sections, on top of its `base:` file (a path relative to the including file) if it
     names one, recursively: a preset holds only what differs from the one it builds on."""
@@ -631,8 +635,13 @@ def read_config_file(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> d
         raise ConfigError(f"{p}: `base:` files include each other ({' -> '.join(map(str, _seen))}); remove the loop")
     try:
         data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:  # where and what, never the offending line (the file may not be a config)
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}: not valid YAML{at} ({getattr(exc, 'problem', None) or type(exc).__name__}); "
+                          "fix the file's syntax") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a text file; pass a YAML config such as configs/demo.yaml") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of sections (target:, data:, ...)")
     base = data.pop("base", None)
@@ -640,6 +649,11 @@ def read_config_file(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> d
         return data
     if not isinstance(base, str):
         raise ConfigError(f"{p}: `base:` must be a path to another config file, e.g. base: kimi-k2.5-b300.yaml")
+    target = (p.parent / base).resolve()
+    roots = (CHECKOUT, (_seen[0] if _seen else p.resolve()).parent)  # the checkout, the top config's folder
+    if not any(target == r or r in target.parents for r in roots):
+        raise ConfigError(f"{p}: `base: {base}` is outside this checkout and the config's folder; a base is a "
+                          "preset next to the config or in the checkout's configs/ (copy the file there)")
     return _merge(read_config_file(p.parent / base, (*_seen, p.resolve())), data)
 
 
