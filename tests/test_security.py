@@ -18,7 +18,16 @@ from tasks.core.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "tests/configs/deploy-small.yaml"
-SOURCES = sorted([*ROOT.glob("tasks/*.py"), *ROOT.glob("flows/*.py")])
+# Every Python source file the product ships or runs: flows/, tasks/ (all its packages), deployments/, benchmarks/.
+SOURCES = sorted(p for d in ("flows", "tasks", "deployments", "benchmarks") for p in (ROOT / d).rglob("*.py"))
+
+
+def test_the_checks_scan_every_source_file():
+    """The AST checks below look at every source file, not a hand-picked few."""
+    assert len(SOURCES) > 60
+    for d in ("flows", "tasks/core", "tasks/store", "tasks/engine", "tasks/train", "tasks/data", "benchmarks"):
+        assert any(p.is_relative_to(ROOT / d) for p in SOURCES), d
+    assert ROOT / "tasks/train/dist.py" in SOURCES and ROOT / "flows/caching.py" in SOURCES
 
 
 @pytest.mark.s3
@@ -112,6 +121,9 @@ def test_nothing_is_unpickled_from_files():
             elif name in ("pickle.load", "pickle.loads", "cloudpickle.load", "cloudpickle.loads", "yaml.load",
                           "yaml.unsafe_load", "marshal.loads", "dill.load", "dill.loads"):
                 bad.append(where)
+            elif name.rsplit(".", 1)[-1] in ("all_gather_object", "gather_object", "broadcast_object_list",
+                                             "scatter_object_list", "recv_object_list", "send_object_list"):
+                bad.append(where + ": torch's *_object collectives unpickle what peers send; send JSON in tensors")
             elif name.endswith("np.load") or name.endswith("numpy.load"):
                 value = kw.get("allow_pickle")
                 if isinstance(value, ast.Constant) and value.value is True:
@@ -243,3 +255,30 @@ def test_trust_remote_code_from_a_flow_run_needs_the_deployment_to_allow_it():
     assert remote_code_problem(True, "b300", ["draftline", REMOTE_CODE_TAG]) is None  # the owner allowed it
     assert remote_code_problem(True, None, []) is None  # `draftline run`: the user's own config
     assert remote_code_problem(False, "b300", []) is None
+
+
+def test_no_secret_travels_on_a_command_line():
+    """A process's arguments are readable by every user of the machine (ps, /proc/PID/cmdline): the infra
+    scripts pass keys in the environment, never as arguments."""
+    import re
+
+    bad = []
+    for path in sorted((ROOT / "infra").glob("*.sh")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.lstrip().startswith("#"):
+                continue
+            line = re.sub(r"\[\[.*?\]\]", "", line)  # bash's own tests start no process
+            for m in re.finditer(r'(^|[\s(])"?\$\{?([A-Z0-9_]*(?:SECRET|TOKEN|PASSWORD)[A-Z0-9_]*)', line):
+                if not re.match(r"\s*(export\s+)?[A-Z_]+=", line):  # an assignment, not a command
+                    bad.append(f"{path.name}:{n} passes ${m.group(2)} as an argument")
+    assert bad == []
+
+
+def test_the_node_worker_runs_as_an_unprivileged_user():
+    """infra/node-bootstrap.sh's systemd unit: User= an unprivileged user (never root), no new privileges."""
+    text = (ROOT / "infra" / "node-bootstrap.sh").read_text()
+    unit = text[text.index('cat > "/etc/systemd/system/$unit" <<EOF'):]
+    unit = unit[: unit.index("\nEOF\n")]
+    assert "\nUser=$RUN_AS\n" in unit and "\nNoNewPrivileges=yes\n" in unit
+    assert 'RUN_AS="${DRAFTLINE_USER:-draftline}"' in text
+    assert '[[ "$RUN_AS" != root ]] || die' in text
