@@ -52,8 +52,16 @@ def test_no_secret_reaches_the_store_prefect_or_the_logs(s3_server, prefect_serv
                                              "--set", "target.trust_remote_code=true"], tmp_path), tmp_path)
     assert code == 0, err[-4000:]
     run_id = json.loads(out)["flow_run_id"]
+    # The same keys given as values instead: refused before any flow run is created, and not echoed.
+    refused = tmp_path / "refused"
+    refused.mkdir()
+    code2, out2, err2 = finish(start_draftline(["run", CONFIG, "--until", "vocab", "--set",
+                                                f"store.uri=s3://{CANARY_ACCESS_KEY}:{aws_secret}@draftline-test/x",
+                                                "--set", f"engines.engine_args.hf_token={hf_token}"], refused), refused)
+    assert code2 == 2 and "credential(s) given as values, refused" in err2, err2[-3000:]
 
-    written: dict[str, bytes] = {"cli stdout": out.encode(), "cli stderr": err.encode()}
+    written: dict[str, bytes] = {"cli stdout": out.encode(), "cli stderr": err.encode(),
+                                 "refused cli": (out2 + err2).encode()}
     store = Store(uri, {"client_kwargs": {"endpoint_url": s3_server.endpoint}})
     keys = store.fs.find(store.root)
     assert any(k.endswith("/manifest.json") for k in keys) and any("/_prefect/" in k for k in keys), keys
@@ -66,6 +74,7 @@ def test_no_secret_reaches_the_store_prefect_or_the_logs(s3_server, prefect_serv
             "logs": c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))),
             "artifacts": c.read_artifacts(flow_run_filter=runs),
             "blocks": c.read_block_documents(include_secrets=True),
+            "every flow run": c.read_flow_runs(),  # parameters of all of them
         }
     for name, value in api.items():
         items = value if isinstance(value, list) else [value]

@@ -297,6 +297,9 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
     # the address it advertises (local_addr: this node's address, 127.0.0.1 for one node).
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
+    if not hasattr(DynamicRendezvousHandler, "_create_tcp_store_server"):  # a torch that starts it elsewhere
+        log.warning("this torch starts the workers' store on every interface (no _create_tcp_store_server to "
+                    "bind it): keep the nodes' network private")
     DynamicRendezvousHandler._create_tcp_store_server = _bound_store_server
     private = None
     if rendezvous is None:  # like torchrun --standalone: a private rendezvous on the loopback
