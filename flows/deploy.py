@@ -37,6 +37,7 @@ from flows.prefect_api import (
     slice_deployment,
     state_of,
 )
+from flows.preflight import remote_code_problem
 from flows.release import code_commit
 from flows.runs import HEARTBEAT_SECONDS, TimeoutOpt, wait_for
 from tasks.core.config import STAGES, STORE_URI_ENV, ConfigError, check_until, load_config
@@ -334,6 +335,9 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
             except ObjectNotFound:
                 raise OpsError(f"no deployment {full} on {api_url()}; `draftline deploy --name "
                                f"{full.split('/', 1)[1]}` registers it") from None
+            problem = remote_code_problem(cfg.target.trust_remote_code, full, list(dep.tags or []))
+            if problem:  # the run would be refused on the node: say so now
+                raise OpsError(problem)
             # the config that runs is the one validated here: inlined unless the workers hold the same file
             params, file_store, inlined_why = deployment_config(config, overrides, inline, dep.pull_steps)
             params["until"] = until

@@ -216,23 +216,6 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     return rec.to_json()
 
 
-# The deployment tag that lets a deployment's flow runs set target.trust_remote_code (deployments/prefect.yaml).
-REMOTE_CODE_TAG = "allow-trust-remote-code"
-
-
-def remote_code_problem(trust: bool, deployment: str | None, tags: list[str]) -> str | None:
-    """Why a flow run may not run the target repository's code: a deployment's run takes its config from
-    its parameters, which anyone who can create a flow run sets; only a deployment tagged REMOTE_CODE_TAG
-    (its owner's decision, not the run's) lets them switch trust_remote_code on. A run outside any
-    deployment (`draftline run`) is its user's own."""
-    if not trust or deployment is None or REMOTE_CODE_TAG in tags:
-        return None
-    return (f"target.trust_remote_code=true in a run of deployment {deployment}, which does not allow it: the "
-            "target repository's own Python code would run on this node, set by a flow-run parameter. Fix: use "
-            f"a model that needs no remote code, or have the deployment's owner add the tag {REMOTE_CODE_TAG!r} "
-            "to it in deployments/prefect.yaml and `draftline deploy` again")
-
-
 def allow_remote_code(cfg: RunConfig, logger) -> None:
     """Refuse target.trust_remote_code in a deployment's run that does not allow it; warn when it is on."""
     if not cfg.target.trust_remote_code:
@@ -246,6 +229,8 @@ def allow_remote_code(cfg: RunConfig, logger) -> None:
     if deployment.id:
         with get_client(sync_client=True) as client:
             tags = list(client.read_deployment(deployment.id).tags or [])
+    from flows.preflight import remote_code_problem
+
     problem = remote_code_problem(True, deployment.name if deployment.id else None, tags)
     if problem:
         raise ConfigError(problem)
