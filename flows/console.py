@@ -40,7 +40,9 @@ err = _Console(stderr=True)
 
 
 def fail(msg: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {msg}")
+    from tasks.core.secrets import mask
+
+    err.print(f"[bold red]error:[/] {mask(str(msg))}")  # an error never echoes a credential
     raise typer.Exit(code)
 
 

@@ -37,9 +37,11 @@ from flows.prefect_api import (
     slice_deployment,
     state_of,
 )
+from flows.preflight import remote_code_problem
 from flows.release import code_commit
 from flows.runs import HEARTBEAT_SECONDS, TimeoutOpt, wait_for
 from tasks.core.config import STAGES, STORE_URI_ENV, ConfigError, check_until, load_config
+from tasks.core.secrets import WORKER_FIX, refuse_secrets
 
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
 
@@ -106,6 +108,7 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
     """Create the work pools, register the deployments of deployments/prefect.yaml, and the automation
     that marks a flow run Crashed when its node stops sending heartbeats."""
     try:
+        refuse_secrets({"store": store}, "draftline deploy")
         url = require_server("draftline deploy")
         deps = load_deployments()
         known = [d["name"] for d in deps]
@@ -212,6 +215,8 @@ def deploy_spec(deps: list[dict[str, Any]], image: str | None, store: str | None
             jv["image"] = image
         if store:
             jv["store_uri"] = store
+        refuse_secrets(jv, f"{PREFECT_FILE.name} deployment {dep.get('name')}" + (" with --store" if store else ""),
+                       "work_pool.job_variables")
         for step in dep.get("pull") or []:
             if commit and isinstance(step.get(RELEASE_STEP), dict):
                 step[RELEASE_STEP]["commit"] = commit
@@ -282,6 +287,8 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
             raise OpsError(f"--env {it!r}: {k!r} is not a valid environment variable name")
         env[k] = v
+    # The job variables are readable by every Prefect API user: keys belong in the worker's environment.
+    refuse_secrets(env, "draftline submit --env", "env", fix=WORKER_FIX)
     return env
 
 
@@ -308,6 +315,7 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
     from prefect.deployments import run_deployment
 
     try:
+        refuse_secrets({"store": store, "env": _env_pairs(env)}, "draftline submit")  # before anything is sent
         require_server("draftline submit")
         try:
             check_until(until)
@@ -327,6 +335,9 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
             except ObjectNotFound:
                 raise OpsError(f"no deployment {full} on {api_url()}; `draftline deploy --name "
                                f"{full.split('/', 1)[1]}` registers it") from None
+            problem = remote_code_problem(cfg.target.trust_remote_code, full, list(dep.tags or []))
+            if problem:  # the run would be refused on the node: say so now
+                raise OpsError(problem)
             # the config that runs is the one validated here: inlined unless the workers hold the same file
             params, file_store, inlined_why = deployment_config(config, overrides, inline, dep.pull_steps)
             params["until"] = until

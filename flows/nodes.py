@@ -328,22 +328,6 @@ NODE_BEAT = 2.0        # seconds between a training node's heartbeats
 NODE_LOST_AFTER = 8.0  # a node whose heartbeat has not changed this long (and whose run has not ended) is lost
 
 
-def node_address() -> str:
-    """How other nodes reach this one: DRAFTLINE_NODE_ADDR, else this host's fully qualified name."""
-    import os
-    import socket
-
-    return os.environ.get("DRAFTLINE_NODE_ADDR") or socket.getfqdn()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: ArtifactRef,
                 shards: list[ArtifactRef], logger, on_metrics) -> ArtifactRef:
     """train.nodes > 1: torch's elastic launcher on this node and on train.nodes - 1 child flow runs of
@@ -353,7 +337,6 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
     in the error; `draftline retry` resumes from the last checkpoint on whatever nodes are there then.
     CONFIG: the run's config for the children (`child_config`)."""
     import dataclasses
-    import uuid
 
     from prefect.client.orchestration import get_client
 
@@ -361,7 +344,7 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
     from tasks.address import digests
     from tasks.train import STAGE, TrainError
     from tasks.train.inputs import resolve_inputs
-    from tasks.train.ranks import Rendezvous, launch_ranks, train_ranks
+    from tasks.train.ranks import Rendezvous, launch_ranks, node_address, secret_run_id, train_ranks
 
     digest = digests.train(cfg, vocab, shards)
     found = store.find(STAGE, digest)
@@ -370,10 +353,11 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
     ranks = train_ranks(cfg.train)
     resolve_inputs(cfg, store, vocab, shards)  # bad inputs fail here, before any node is taken
     host = node_address()
-    spec = Rendezvous(endpoint=f"{host}:{_free_port()}", control=f"{host}:0",
-                      run_id=f"draftline-{digest[:12]}-{uuid.uuid4().hex[:8]}", host=True)
-    control = spec.store(is_master=True)
-    spec = dataclasses.replace(spec, control=f"{host}:{control.port}")
+    # one store on this node, listening on the address the nodes use only: torch's rendezvous and our control
+    control = Rendezvous(endpoint="", control=f"{host}:0", run_id="").store(is_master=True)
+    spec = Rendezvous(endpoint=f"{host}:{control.port}", control=f"{host}:{control.port}",
+                      run_id=secret_run_id(digest), host=True)
+    # The secret run id travels to the child runs as a flow-run parameter (docs/SECURITY.md says who sees it).
     children = start_children("train", cfg, store, config, [[] for _ in range(cfg.train.nodes)], logger, {
         "rendezvous": {"endpoint": spec.endpoint, "control": spec.control, "run_id": spec.run_id},
         "train_inputs": {"vocab": vocab.model_dump(mode="json"),
@@ -383,7 +367,7 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
     control.set(f"{spec.run_id}/nodes", str(nodes))
     spec = dataclasses.replace(spec, nodes=nodes)
     logger.info(f"train: {nodes} of {cfg.train.nodes} node(s) x {ranks} rank(s) = {nodes * ranks} rank(s); "
-                f"rendezvous {spec.endpoint} (id {spec.run_id}), this node holds rank 0"
+                f"rendezvous {spec.endpoint} (id {spec.label}), this node holds rank 0"
                 + (f"; nodes: this one and {', '.join(c.name for c in claimed)}" if claimed else ""))
     try:
         ref = launch_ranks(cfg, store, vocab, shards, ranks, on_metrics, rendezvous=spec)
@@ -468,7 +452,7 @@ def train_child(cfg: RunConfig, store: Store, rendezvous: dict[str, Any], inputs
         shards = [ArtifactRef.model_validate(r) for r in inputs["extract"]]
         ranks = train_ranks(cfg.train)
         logger.info(f"train: this node runs {ranks} of the {nodes} nodes' ranks; rendezvous {spec.endpoint} "
-                    f"(id {spec.run_id})")
+                    f"(id {spec.label})")
         launch_ranks(cfg, store, vocab, shards, ranks, rendezvous=dataclasses.replace(spec, nodes=nodes))
     finally:
         stop.set()

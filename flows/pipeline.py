@@ -200,8 +200,7 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     rec = announce(RunRecord(config_path=config_path, overrides=overrides, flow_run_id=str(flow_run.id or ""),
                              store=store.uri))
     logger = get_run_logger()
-    if cfg.target.trust_remote_code:
-        logger.warning("target.trust_remote_code is ON: the target repository's own Python code will run")
+    allow_remote_code(cfg, logger)
     try:
         _run_stages(cfg, store, rec, until, logger)
     except BaseException as exc:
@@ -215,6 +214,27 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
         raise RuntimeError(f"stages failed: {', '.join(failed)}; fix the cause and `draftline retry` the run "
                            "(finished work is reused)")
     return rec.to_json()
+
+
+def allow_remote_code(cfg: RunConfig, logger) -> None:
+    """Refuse target.trust_remote_code in a deployment's run that does not allow it; warn when it is on."""
+    if not cfg.target.trust_remote_code:
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import deployment
+
+    from tasks.core.config import ConfigError
+
+    tags: list[str] = []
+    if deployment.id:
+        with get_client(sync_client=True) as client:
+            tags = list(client.read_deployment(deployment.id).tags or [])
+    from flows.preflight import remote_code_problem
+
+    problem = remote_code_problem(True, deployment.name if deployment.id else None, tags)
+    if problem:
+        raise ConfigError(problem)
+    logger.warning("target.trust_remote_code is ON: the target repository's own Python code will run")
 
 
 def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None, logger) -> None:
@@ -458,6 +478,7 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     store.check()
     _pin_target(cfg, [])  # the parent pinned target.revision in the overrides: this records it
     logger = get_run_logger()
+    allow_remote_code(cfg, logger)
     if stage == "train":
         from flows.nodes import train_child
 

@@ -211,7 +211,7 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
     its rates on the plan's machine from the entry's `machines:`."""
     from transformers import AutoConfig
 
-    from tasks.engine.target import TargetError, load_hf_config, text_config
+    from tasks.engine.target import TargetError, load_hf_config, max_model_len_problem, text_config
 
     model = cfg.target.model
     entry = rates["targets"].get(model)
@@ -219,6 +219,8 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
     if entry is None and not Path(model).exists():  # a preset's copy on its own machine, planned elsewhere
         known_as = next((name for name, e in rates["targets"].items() if model in (e.get("local_copies") or [])), "")
         entry = rates["targets"].get(known_as)
+    # a rates entry's config is a stand-in: its context length is only known when it states one
+    stated = entry is None or "max_position_embeddings" in entry.get("config", {})
     if entry is not None:
         conf = dict(entry["config"])
         hf = AutoConfig.for_model(conf.pop("model_type"), **conf)
@@ -233,6 +235,9 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
         entry = rates["targets"][known_as] if known_as else {}
     hf.save_pretrained(tmp)
     tc = text_config(hf)
+    too_long = max_model_len_problem(cfg.target, tc) if stated else None
+    if too_long:
+        raise PlanError(too_long)
     machine = rates.get("machine", DEFAULT_MACHINE)
     on_machine = (entry.get("machines") or {}).get(machine, {})
     out = {"active_params": _target_rate(known_as or model, entry, "active_params", rates["overrides"], "")}

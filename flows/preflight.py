@@ -1,7 +1,8 @@
 """Preflight: what can be checked in seconds before a run's work starts, so a typo fails now and not after
 hours of earlier stages (each stage checks again). `draftline run` asks `input_problems` before it starts
 the flow (local paths, the target's config, layer ids, the draft vocabulary, drafts from outside the run);
-the flow asks `check_head_layers` once the data stages are done, before extraction.
+the flow asks `check_head_layers` once the data stages are done, before extraction; a deployment's run (and
+`draftline submit`) asks `remote_code_problem` whether the deployment lets it run the target's own code.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 def input_problems(cfg: Any) -> list[str]:
     """Every problem found in the config's inputs, each naming the fix; [] when there is none."""
     from tasks.data.vocab import VocabError, draft_size
-    from tasks.engine.target import TargetError, load_hf_config, resolve_layer_ids, text_config
+    from tasks.engine.target import (TargetError, load_hf_config, max_model_len_problem, resolve_layer_ids,
+                                     text_config)
     from tasks.formats.drafts import DraftError, draft_folder_of
 
     problems = []
@@ -37,6 +39,9 @@ def input_problems(cfg: Any) -> list[str]:
                 resolve_layer_ids(cfg, text)
             except TargetError as exc:
                 problems.append(str(exc))
+        too_long = max_model_len_problem(t, text)
+        if too_long:
+            problems.append(too_long)
         try:
             draft_size(cfg.vocab.draft_vocab_size, int(text.vocab_size))
         except VocabError as exc:
@@ -63,3 +68,20 @@ def check_head_layers(cfg: Any) -> None:
     stored = resolve_layer_ids(cfg, load_hf_config(cfg.target, resolve_model(cfg.target)))
     for head in cfg.train.heads:
         head_layer_ids(head_config(cfg, head), stored)
+
+
+# The deployment tag that lets a deployment's flow runs set target.trust_remote_code (deployments/prefect.yaml).
+REMOTE_CODE_TAG = "allow-trust-remote-code"
+
+
+def remote_code_problem(trust: bool, deployment: str | None, tags: list[str]) -> str | None:
+    """Why a flow run may not run the target repository's code: a deployment's run takes its config from
+    its parameters, which anyone who can create a flow run sets; only a deployment tagged REMOTE_CODE_TAG
+    (its owner's decision, not the run's) lets them switch trust_remote_code on. A run outside any
+    deployment (`draftline run`) is its user's own."""
+    if not trust or deployment is None or REMOTE_CODE_TAG in tags:
+        return None
+    return (f"target.trust_remote_code=true in a run of deployment {deployment}, which does not allow it: the "
+            "target repository's own Python code would run on this node, set by a flow-run parameter. Fix: use "
+            f"a model that needs no remote code, or have the deployment's owner add the tag {REMOTE_CODE_TAG!r} "
+            "to it in deployments/prefect.yaml and `draftline deploy` again")

@@ -139,11 +139,13 @@ start_s3() {
 }
 
 make_bucket() {
+  # the keys travel in the environment, never on a command line (which every user of the machine can read)
   AWS_REQUEST_CHECKSUM_CALCULATION=when_required AWS_RESPONSE_CHECKSUM_VALIDATION=when_required \
-  "$VENV/bin/python" - "$HOST" "$S3_PORT" "$S3_KEY" "$S3_SECRET" "$S3_BUCKET" <<'EOF'
+  AWS_ACCESS_KEY_ID="$S3_KEY" AWS_SECRET_ACCESS_KEY="$S3_SECRET" \
+  "$VENV/bin/python" - "$HOST" "$S3_PORT" "$S3_BUCKET" <<'EOF'
 import sys, time, s3fs
-host, port, key, secret, bucket = sys.argv[1:]
-fs = s3fs.S3FileSystem(key=key, secret=secret, client_kwargs={"endpoint_url": f"http://{host}:{port}"})
+host, port, bucket = sys.argv[1:]
+fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": f"http://{host}:{port}"})  # keys: AWS_* above
 for attempt in range(30):
     try:
         if not fs.exists(bucket):

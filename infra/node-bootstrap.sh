@@ -56,6 +56,8 @@
 #   DRAFTLINE_PREFIX       install folder (default /opt/draftline)
 #   DRAFTLINE_CACHE        model / Hugging Face / vLLM caches, on the node's NVMe (default /var/cache/draftline)
 #   DRAFTLINE_EXPECT_GPUS  GPUs the node must show (default 8; 0 skips the GPU check)
+#   DRAFTLINE_USER         the unprivileged user the systemd service runs the worker as (default draftline,
+#                          created as a system user; it owns DRAFTLINE_CACHE and joins the GPU and docker groups)
 #   DRAFTLINE_IMAGE        --docker: the worker image (default draftline-worker:VERSION)
 #   DRAFTLINE_CREDENTIALS_BLOCK  --docker: AwsCredentials block saved from AWS_* (default draftline-store)
 #   DRAFTLINE_SOURCE_DIR   use this checkout instead of cloning (development, tests)
@@ -102,6 +104,7 @@ if (( DOCKER )); then POOL="${DRAFTLINE_POOL:-draftline-b300-docker}"; else POOL
 [[ -n "$POOL_ARG" ]] && POOL="$POOL_ARG"
 RELEASE="${DRAFTLINE_RELEASE:-}"
 WORKER_NAME="draftline@$(hostname)"
+RUN_AS="${DRAFTLINE_USER:-draftline}"
 
 # FlashInfer's precompiled kernels: vLLM 0.33 picks FlashInfer's MLA kernels on Blackwell, and FlashInfer
 # fetches their cubins from NVIDIA at the first engine start unless they are on disk. The flashinfer-cubin
@@ -376,7 +379,17 @@ fi
 
 if (( ! BACKGROUND )) && command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
   unit="draftline-worker-${POOL}.service"
-  say "installing systemd unit $unit"
+  # The worker runs flow runs that anyone with the Prefect API can start: never as root.
+  [[ "$RUN_AS" != root ]] || die "DRAFTLINE_USER=root: the worker runs what the Prefect API's users submit; give an unprivileged user"
+  if ! id -u "$RUN_AS" >/dev/null 2>&1; then
+    say "creating the unprivileged user $RUN_AS for the worker"
+    useradd --system --home-dir "$CACHE" --shell /usr/sbin/nologin "$RUN_AS" \
+      || die "could not create user $RUN_AS: create it (useradd --system $RUN_AS) or set DRAFTLINE_USER to one that exists"
+  fi
+  groups=()
+  for g in video render docker; do getent group "$g" >/dev/null && groups+=("$g"); done
+  chown -R "$RUN_AS": "$CACHE"
+  say "installing systemd unit $unit (runs as $RUN_AS${groups:+, groups ${groups[*]}})"
   cat > "/etc/systemd/system/$unit" <<EOF
 [Unit]
 Description=draftline Prefect worker ($POOL, $RELEASE)
@@ -384,6 +397,10 @@ After=network-online.target
 Wants=network-online.target
 
 [Service]
+User=$RUN_AS
+Group=$RUN_AS
+SupplementaryGroups=${groups[*]}
+NoNewPrivileges=yes
 EnvironmentFile=$ENV_FILE
 WorkingDirectory=$CODE
 ExecStart=${worker_cmd[*]}

@@ -76,7 +76,7 @@ RUN_CASES = [
     ("source-with-two-origins", ["--set", "data.sources=[{preset: chitchat, path: x.jsonl}]"],
      ["exactly one of preset/path/hub", "e.g. `{preset: chitchat}`"]),
     ("credentials-in-store-uri", ["--set", "store.uri=s3://AKIA:SECRET@bucket/x"],
-     ["credentials must not be embedded in the store uri", "use AWS_* environment variables", "s3://***@bucket/x"]),
+     ["store.uri: holds a credential (s3://***@bucket/x)", "fix: put credentials in the environment"]),
     ("store-scheme", ["--set", "store.uri=ftp://host/x"], ["store uri must start with file:// or s3://"]),
     ("store-not-writable", ["--set", "store.uri=file://{tmp}/a-file/store"],
      ["is not writable", "fix store.uri or the folder's permissions"]),
@@ -85,6 +85,9 @@ RUN_CASES = [
       "fix: lower data.max_length to at most 511, or raise target.max_model_len to at least 513"]),
     ("sample-longer-than-the-model", ["--set", "data.max_length=1024"],
      ["data.max_length: 1024 leaves no room in target.max_model_len (512)"]),
+    ("context-longer-than-the-model", ["--set", "target.max_model_len=9000"],
+     ["target.max_model_len (9000) is longer than", "allows (8192 tokens: max_position_embeddings",
+      "fix: set target.max_model_len to at most 8192"]),
     ("engine-arg-misspelt", ["--set", "engines.engine_args.gpu_memory_utilisation=0.9"],
      ["engines.engine_args.gpu_memory_utilisation: not an engine argument of the installed vLLM",
       "fix: did you mean gpu_memory_utilization?"]),
@@ -299,3 +302,28 @@ def test_disk_full_on_a_small_tmpfs(tmp_path):
         _full_disk_message(str(exc.value), mnt / "store")
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_unreadable_data_files_name_the_file_and_the_fix(tmp_path):
+    """A malformed Parquet file, a JSONL that is not UTF-8 and a damaged .gz: each fails with the file
+    named and what to do, not a raw library error, and nothing is committed."""
+    import gzip
+
+    good = gzip.compress(b'{"messages": [{"role": "user", "content": "hi"}]}\n' * 50)
+    files = {
+        "table.parquet": (b"PAR1" + b"\x00" * 64 + b"PAR1", ["not a readable Parquet file", "write it again"]),
+        "latin.jsonl": ('{"messages": [{"role": "user", "content": "caf\xe9"}]}\n'.encode("latin-1"),
+                        ["not UTF-8 text", "re-encode the file as UTF-8"]),
+        "cut.jsonl.gz": (good[: len(good) // 2], ["a damaged or truncated gzip file", "gzip -t"]),
+        "noise.jsonl.gz": (b"\x1f\x8b\x08\x00" + b"\xff" * 40, ["a damaged or truncated gzip file"]),
+    }
+    for name, (content, needles) in files.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        cfg = prepare_cfg(tmp_path, f"data.sources=[{{path: {path}}}]")
+        with pytest.raises(DataSourceError) as exc:
+            run_prepare(cfg, Store.from_config(cfg.store))
+        assert f"source {path}:" in str(exc.value), (name, str(exc.value))
+        for needle in needles:
+            assert needle in str(exc.value), (name, needle, str(exc.value))
+    assert manifests(tmp_path) == []

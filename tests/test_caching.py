@@ -24,11 +24,13 @@ from tasks.address import digests
 TOY = Path(__file__).parent / "toy_flow.py"
 
 
-def run_toy(store_uri: str, marker: Path, server) -> dict:
+def run_toy(store_uri: str, marker: Path, server, logs: list[str] | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=os.getcwd(), **server.env())
     out = subprocess.run([sys.executable, str(TOY), store_uri, str(marker)], env=env, capture_output=True,
                          text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
+    if logs is not None:
+        logs.append(out.stdout + out.stderr)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -125,3 +127,64 @@ def test_a_folder_targets_address_is_pinned_to_its_bytes(tmp_path, monkeypatch):
     assert folder_fingerprint(model) == "d749a278c254110d9ba41e97f3b96c6a5dca823d61c7494c5c73bb57be35494a"
     cfg = load_config("tests/configs/demo-as-stored.yaml", [f"target.model={model}"])
     assert digests.prepare(cfg) == "f10cd33b709691560c8bf0525fb7b129"
+
+
+class _Plant:
+    """A pickle payload that, when unpickled, creates a file: what a writer to the store would plant."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_planted_cache_records_are_refused_never_decoded(prefect_server, tmp_path):
+    """Anyone who can write to the store can rewrite Prefect's records under `_prefect/`. Prefect decodes
+    a record with the serializer the record names (pickle) and its JSON decoder builds any class a record
+    names: a planted record must be refused (the stage runs again, its artifact found on the store) and
+    never executed."""
+    import pickle
+
+    root = tmp_path / "store"
+    uri = f"file://{root}"
+    marker = tmp_path / "bodies.txt"
+    assert run_toy(uri, marker, prefect_server) == {"prepare": "Completed", "vocab": "Completed"}
+    keys = root / "_prefect" / "cache-keys"
+    meta_path = keys / f"prepare-{stage_digest('prepare', {'x': 1})}"
+    meta = json.loads(meta_path.read_text())
+    result_path = Path(meta["storage_key"])
+    if not result_path.is_absolute():
+        result_path = root / "_prefect" / "results" / result_path
+
+    pwned = tmp_path / "pwned"
+    # 1. the record names pickle and its result is a pickle that would create a file
+    meta["serializer"] = {"type": "pickle", "picklelib": "cloudpickle", "picklelib_version": None}
+    meta_path.write_text(json.dumps(meta))
+    import base64
+    result_path.write_bytes(base64.b64encode(pickle.dumps(_Plant(pwned))))
+    logs: list[str] = []
+    out = run_toy(uri, marker, prefect_server, logs)
+    assert not pwned.exists()
+    assert out == {"prepare": "Completed", "vocab": "Cached"}  # refused: the stage ran again
+    assert "refused Prefect cache record cache-keys/prepare-" in logs[-1] and "'pickle'" in logs[-1]
+    assert bodies(marker) == ["prepare", "vocab"]  # ... and found its artifact on the store
+
+    # 2. a JSON record naming a class the decoder would import and build
+    meta = json.loads(meta_path.read_text())
+    assert meta["serializer"]["type"] == "json"  # the refused record was replaced by a good one
+    result_path = Path(meta["storage_key"])
+    if not result_path.is_absolute():
+        result_path = root / "_prefect" / "results" / result_path
+    result_path.write_text(json.dumps({"__class__": "pathlib.Path", "data": str(pwned)}))
+    out = run_toy(uri, marker, prefect_server, logs)
+    assert out == {"prepare": "Completed", "vocab": "Cached"}
+    assert "it names class 'pathlib.Path'" in logs[-1]
+    # 3. a JSON serializer whose decoder is any importable function
+    meta = json.loads(meta_path.read_text())
+    meta["serializer"]["object_decoder"] = "os.system"
+    meta_path.write_text(json.dumps(meta))
+    out = run_toy(uri, marker, prefect_server, logs)
+    assert out == {"prepare": "Completed", "vocab": "Cached"}
+    assert "names serializer 'json' with settings draftline never writes" in logs[-1]
+    assert not pwned.exists() and bodies(marker) == ["prepare", "vocab"]

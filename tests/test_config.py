@@ -37,7 +37,7 @@ def test_demo_config_loads_and_sets_override_types():
     ("extract.layer_ids=[3,3,5]", "extract.layer_ids: layer ids must be distinct and ascending"),
     ("extract.layer_ids=[0,3,5]", "layer ids start at 1"),
     ("store.uri=ftp://host/x", "store.uri: store uri must start with file:// or s3://"),
-    ("store.uri=s3://KEY:SECRET@bucket/x", "credentials must not be embedded"),
+    ("store.uri=s3://KEY:SECRET@bucket/x", "store.uri: holds a credential (s3://***@bucket/x)"),
     ("benchmark.num_speculative_tokens=[]", "non-empty list of positive integers"),
     ("data.sources=[{preset: chitchat, path: x.jsonl}]", "exactly one of preset/path/hub"),
     ("benchmark.evals=[]", "benchmark.evals is empty"),

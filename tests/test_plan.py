@@ -393,3 +393,14 @@ def test_training_on_several_nodes_is_priced_on_that_many(kimi_shape):
     assert (t1.nodes, t2.nodes) == (1, 2) and t2.tokens == 2 * t1.tokens
     assert 0.9 * t1.wall_hours < t2.wall_hours <= t1.wall_hours
     assert t2.node_hours == pytest.approx(2 * t2.wall_hours) and t1.node_hours == pytest.approx(t1.wall_hours)
+
+
+def test_a_context_longer_than_the_target_allows_is_refused_by_the_plan(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=1000,
+                max_position_embeddings=1024).save_pretrained(tmp_path / "model")
+    cfg = load_config("configs/demo.yaml", [f"target.model={tmp_path / 'model'}", "target.max_model_len=4096",
+                                            "data.max_length=1000"])
+    with pytest.raises(planner.PlanError, match=r"target.max_model_len \(4096\) is longer than .* allows \(1024 tokens"):
+        planner.load_target(cfg, planner.load_rates(), tmp_path / "t")

@@ -19,6 +19,7 @@ import re
 import shlex
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -151,3 +152,48 @@ def test_training_over_two_nodes_names_a_lost_node_and_the_retry_resumes_on_the_
         node_a.stop()
         node_b.stop()
         print("timings (s):", {k: round(v, 1) for k, v in t.items()}, "total", round(time.time() - t0, 1))
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses listening on PORT (from /proc/net/tcp and tcp6)."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if state == "0A" and int(p, 16) == port:
+                out.append(addr)
+    return out
+
+
+def test_the_training_stores_listen_on_the_nodes_address_only_under_a_secret_id(monkeypatch):
+    """torch's TCPStore listens on every interface whatever host it is given, with no authentication, and
+    the c10d rendezvous unpickles what its store holds: ours listen on the address the nodes use (one
+    node: the loopback), and the keys hang under a run id nobody can guess (not shown in logs)."""
+    import socket
+
+    from tasks.train.ranks import Rendezvous, _bound_store_server, listening_store, secret_run_id
+
+    plain = __import__("torch").distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert _listening(plain.port) in (["00000000"], ["00000000000000000000000000000000"])  # torch's: everywhere
+    ours = listening_store("127.0.0.1")
+    assert _listening(ours.port) == ["0100007F"]  # 127.0.0.1 only
+    workers = _bound_store_server(None, "127.0.0.1", 0)
+    assert _listening(workers.port) == ["0100007F"]
+    spec = Rendezvous(endpoint="", control=f"127.0.0.1:{ours.port}", run_id=secret_run_id("d" * 32))
+    client = spec.store(timeout=10)
+    client.set(f"{spec.run_id}/nodes", "2")
+    assert ours.get(f"{spec.run_id}/nodes") == b"2"
+    secret = spec.run_id.rsplit("-", 1)[1]
+    assert len(secret) == 32 and secret not in spec.label and spec.label.startswith("draftline-dddddddddddd-")
+    assert secret_run_id("d" * 32) != spec.run_id
+    try:  # another interface of this host, if it has one: nothing answers there
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            udp.connect(("10.255.255.255", 1))
+            other = udp.getsockname()[0]
+    except OSError:
+        other = "127.0.0.1"
+    if not other.startswith("127."):
+        with pytest.raises(OSError):
+            socket.create_connection((other, ours.port), timeout=2)
+        socket.create_connection((other, plain.port), timeout=2).close()  # (where torch's own does answer)

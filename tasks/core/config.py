@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import re
 import typing
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.core.errors import DraftlineError
+from tasks.core.secrets import SecretInValue, mask, refuse_secrets
 
 STAGES = ("prepare", "regenerate", "vocab", "extract", "train", "benchmark")
 
@@ -589,8 +589,8 @@ def _format_errors(err: ValidationError, origin: str, overrides: list[str] | Non
         setby = [o for o in overrides or [] if f"{o.split('=', 1)[0].strip()}.".startswith(f"{loc}.")]
         got = e.get("input")
         got_s = "" if isinstance(got, dict) or e["type"] == "missing" or f"got {got!r}" in msg else f" (got {got!r})"
-        got_s = re.sub(r"://[^/@\s]*@", "://***@", got_s)  # never echo credentials put in a URI
-        from_set = re.sub(r"://[^/@\s]*@", "://***@", f" (from --set {setby[-1]})") if setby else ""
+        got_s = mask(got_s)  # never echo a credential
+        from_set = mask(f" (from --set {setby[-1]})") if setby else ""
         lines.append(f"  - {loc}: {msg}{got_s}{from_set}" + (f"; fix: {hint}" if hint else ""))
     return "\n".join(lines)
 
@@ -642,6 +642,10 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+# The checkout draftline runs from: a config's `base:` resolves inside it or inside the config's own folder.
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
 def read_config_file(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict:
     """A config file's sections, on top of its `base:` file (a path relative to the including file) if it
     names one, recursively: a preset holds only what differs from the one it builds on."""
@@ -653,8 +657,13 @@ def read_config_file(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> d
         raise ConfigError(f"{p}: `base:` files include each other ({' -> '.join(map(str, _seen))}); remove the loop")
     try:
         data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:  # where and what, never the offending line (the file may not be a config)
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}: not valid YAML{at} ({getattr(exc, 'problem', None) or type(exc).__name__}); "
+                          "fix the file's syntax") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a text file; pass a YAML config such as configs/demo.yaml") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of sections (target:, data:, ...)")
     base = data.pop("base", None)
@@ -662,6 +671,11 @@ def read_config_file(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> d
         return data
     if not isinstance(base, str):
         raise ConfigError(f"{p}: `base:` must be a path to another config file, e.g. base: kimi-k2.5-b300.yaml")
+    target = (p.parent / base).resolve()
+    roots = (CHECKOUT, (_seen[0] if _seen else p.resolve()).parent)  # the checkout, the top config's folder
+    if not any(target == r or r in target.parents for r in roots):
+        raise ConfigError(f"{p}: `base: {base}` is outside this checkout and the config's folder; a base is a "
+                          "preset next to the config or in the checkout's configs/ (copy the file there)")
     return _merge(read_config_file(p.parent / base, (*_seen, p.resolve())), data)
 
 
@@ -679,6 +693,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             data["store"]["uri"] = env_uri
             origin += f" (store.uri from ${STORE_URI_ENV})"
     data = apply_overrides(data, overrides or [])
+    try:  # before anything prints a value: every field, engine_args, URLs, source paths
+        refuse_secrets(data, origin)
+    except SecretInValue as exc:
+        raise ConfigError(str(exc)) from None
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:

@@ -339,6 +339,9 @@ def _jsonl_rows(fh: Iterable[str], counter: Counter) -> Iterator[Any]:
 
 
 def _file_rows(path: str, counter: Counter) -> Iterator[Any]:
+    import gzip
+    import zlib
+
     import fsspec
 
     name = path.lower()
@@ -363,16 +366,28 @@ def _file_rows(path: str, counter: Counter) -> Iterator[Any]:
                 raise DataSourceError(f"source {path}: a JSON file must hold a list of rows, got {type(data).__name__}")
             yield from data
         elif name.endswith(".parquet"):
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
             with fsspec.open(path, "rb") as fh:
-                pf = pq.ParquetFile(fh)
-                for batch in pf.iter_batches(batch_size=4096):
-                    yield from batch.to_pylist()
+                try:  # (only the reading raises here: a generator's consumer does not throw into it)
+                    for batch in pq.ParquetFile(fh).iter_batches(batch_size=4096):
+                        yield from batch.to_pylist()
+                except (pa.ArrowException, OSError) as exc:  # pyarrow raises OSError for a damaged footer
+                    raise DataSourceError(f"source {path}: not a readable Parquet file ({str(exc)[:200]}); write it "
+                                          "again (a truncated upload, or another format under a .parquet name), or "
+                                          "give .jsonl") from None
         else:
             raise DataSourceError(f"source {path}: unknown file type; use .jsonl, .json or .parquet")
     except FileNotFoundError:
         raise DataSourceError(f"source file {path} not found; fix data.sources[].path") from None
+    except UnicodeDecodeError as exc:
+        raise DataSourceError(f"source {path}: not UTF-8 text (byte {exc.object[exc.start:exc.start + 1]!r} at "
+                              f"offset {exc.start}); re-encode the file as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8), "
+                              "or fix data.sources[].path if it names the wrong file") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise DataSourceError(f"source {path}: a damaged or truncated gzip file ({type(exc).__name__}: {exc}); "
+                              "copy it again (check it with `gzip -t`), or give the uncompressed file") from None
 
 
 def _hub_rows(src: SourceConfig) -> Iterator[Any]:

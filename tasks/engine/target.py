@@ -139,6 +139,32 @@ def text_config(hf_config: Any) -> Any:
     return sub if sub is not None else hf_config
 
 
+def longest_context(text: Any) -> int | None:
+    """The longest sequence the target's config allows, as vLLM derives it: max_position_embeddings, times
+    a context-extending rope scaling's factor (yarn: over its original length); None if the config says none."""
+    limit = getattr(text, "max_position_embeddings", None)
+    if not limit:
+        return None
+    scaling = getattr(text, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = scaling.get("factor")
+    if factor and kind not in (None, "default", "llama3", "longrope", "su", "mrope"):
+        base = scaling.get("original_max_position_embeddings", limit) if kind == "yarn" else limit
+        return int(max(limit, base * float(factor)))
+    return int(limit)
+
+
+def max_model_len_problem(cfg: TargetConfig, text: Any) -> str | None:
+    """target.max_model_len longer than the target can attend over: vLLM refuses to start (and a longer
+    window would be garbage); found before any engine is loaded."""
+    limit = longest_context(text)
+    if limit is None or cfg.max_model_len <= limit:
+        return None
+    return (f"target.max_model_len ({cfg.max_model_len}) is longer than {cfg.model!r} allows ({limit} tokens: "
+            f"max_position_embeddings in its config.json); fix: set target.max_model_len to at most {limit} "
+            "(and data.max_length below it)")
+
+
 def load_tokenizer(cfg: TargetConfig, path: str | None = None):
     from transformers import AutoTokenizer
 

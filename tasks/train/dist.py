@@ -3,6 +3,7 @@ and the collectives the training loop and its components use (sum, any, gather, 
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,13 +73,22 @@ class DistEnv:
         return self.sum({"f": 1.0 if flag else 0.0})["f"] > 0
 
     def gather(self, obj: Any) -> list[Any]:
+        """Every rank's OBJ (a JSON value), on every rank. Sent as JSON bytes in plain tensors: nothing a peer
+        sends is unpickled (all_gather_object would unpickle whatever a rank, or a stranger in its place, sent)."""
         if not self.distributed:
             return [obj]
         import torch.distributed as dist
 
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+        data = json.dumps(obj).encode()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world)]
+        dist.all_gather(sizes, size)
+        longest = max(int(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine)
+        return [json.loads(bytes(t[:int(n)].cpu().numpy())) for t, n in zip(out, sizes)]
 
     def close(self) -> None:
         if self.owns_group:

@@ -17,7 +17,6 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -33,6 +32,14 @@ RANK_ENTRY = "import tasks.train.ranks as r; r.rank_main()"  # what each rank's 
 
 
 RANK_LOG_TAIL_LINES = 25
+
+
+def node_address() -> str:
+    """How other nodes reach this one (and the one address its training stores listen on): DRAFTLINE_NODE_ADDR,
+    else this host's fully qualified name."""
+    import socket
+
+    return os.environ.get("DRAFTLINE_NODE_ADDR") or socket.getfqdn()
 
 
 def train_ranks(train: TrainConfig) -> int:
@@ -161,11 +168,47 @@ def describe_rank_failure(failures: dict[int, Any], world: int, log_dir: str) ->
     return "\n".join(lines)
 
 
+def listening_store(addr: str, port: int = 0, timeout: float = 600.0) -> Any:
+    """A TCPStore server listening on ADDR only (torch's own binds every interface, whatever host it is
+    given): the socket is bound here and handed to it."""
+    import datetime as dt
+    import socket
+
+    from torch.distributed import TCPStore
+
+    family, _, _, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(where)
+    sock.listen(512)
+    port = sock.getsockname()[1]
+    return TCPStore(addr, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                    master_listen_fd=sock.detach(), timeout=dt.timedelta(seconds=timeout))
+
+
+def _bound_store_server(self: Any, master_addr: str, master_port: int) -> Any:
+    """torch's elastic rendezvous starts the workers' store on the first node: here on the address it tells
+    the workers (`master_addr`, the launch's local_addr), not on every interface."""
+    return listening_store(master_addr, master_port)
+
+
+def secret_run_id(digest: str) -> str:
+    """A rendezvous id nobody can guess: torch's c10d rendezvous keeps its state (which it unpickles) under
+    `torch.rendezvous.RUN_ID` in the store, and the control keys are RUN_ID/...; the TCPStore has no
+    authentication and no way to list keys, so without the id a stranger who connects can read and write
+    nothing the nodes read. Logs show `Rendezvous.label` (the id without its secret)."""
+    import secrets
+
+    return f"draftline-{digest[:12]}-{secrets.token_hex(16)}"
+
+
 @dataclass(frozen=True)
 class Rendezvous:
-    """One attempt's rendezvous over NODES nodes: torch's c10d rendezvous at ENDPOINT (host:port, hosted by
-    the run's own node, HOST there), RUN_ID unique per attempt, and CONTROL (host:port), a TCPStore of the
-    run's node through which the nodes agree on the node count, the host's group rank and heartbeats."""
+    """One attempt's rendezvous over NODES nodes: torch's c10d rendezvous at ENDPOINT (host:port, on the
+    run's own node, HOST there), RUN_ID unique and secret per attempt (`secret_run_id`), and CONTROL
+    (host:port), through which the nodes agree on the node count, the host's group rank and heartbeats.
+    Both are one TCPStore of the run's node (`store(is_master=True)`), listening on the address the nodes
+    use only."""
 
     endpoint: str
     control: str
@@ -173,13 +216,20 @@ class Rendezvous:
     nodes: int = 1
     host: bool = False
 
+    @property
+    def label(self) -> str:
+        """The run id as logs show it: without its secret part."""
+        return self.run_id[: self.run_id.rfind("-") + 9] + "..."
+
     def store(self, timeout: float = 600.0, is_master: bool = False) -> Any:
         import datetime as dt
 
         from torch.distributed import TCPStore
 
         addr, port = self.control.rsplit(":", 1)
-        return TCPStore(addr, int(port), is_master=is_master, wait_for_workers=False,
+        if is_master:
+            return listening_store(addr, int(port), timeout)
+        return TCPStore(addr, int(port), is_master=False, wait_for_workers=False,
                         timeout=dt.timedelta(seconds=timeout))
 
 
@@ -242,18 +292,31 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
     # the launcher stops the ranks on the way out. (It takes a signal nobody sends, restored below; torch < 2.8
     # has no such option and takes SIGTERM/SIGINT itself, which stops the ranks too.)
     quiet = {"signals_to_handle": "SIGUSR2"} if "signals_to_handle" in LaunchConfig.__dataclass_fields__ else {}
-    if rendezvous is None:  # torchrun --standalone: a private rendezvous
-        nodes, rdzv = 1, {"run_id": f"draftline-{digest[:12]}-{uuid.uuid4().hex[:8]}", "rdzv_endpoint": "127.0.0.1:0"}
+    # No store torch starts listens on every interface: the rendezvous store is ours (the run's node hosts it,
+    # `Rendezvous.store`; one node: on 127.0.0.1, here), and the workers' store the first node starts binds
+    # the address it advertises (local_addr: this node's address, 127.0.0.1 for one node).
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    if not hasattr(DynamicRendezvousHandler, "_create_tcp_store_server"):  # a torch that starts it elsewhere
+        log.warning("this torch starts the workers' store on every interface (no _create_tcp_store_server to "
+                    "bind it): keep the nodes' network private")
+    DynamicRendezvousHandler._create_tcp_store_server = _bound_store_server
+    private = None
+    if rendezvous is None:  # like torchrun --standalone: a private rendezvous on the loopback
+        private = listening_store("127.0.0.1")
+        nodes, local_addr = 1, "127.0.0.1"
+        rdzv = {"run_id": secret_run_id(digest), "rdzv_endpoint": f"127.0.0.1:{private.port}",
+                "rdzv_configs": {"is_host": False}}
     else:  # every node's launcher: the same rendezvous, exactly `nodes` of them (no waiting for more)
-        nodes, rdzv = rendezvous.nodes, {
-            "run_id": rendezvous.run_id, "rdzv_endpoint": rendezvous.endpoint,
-            "rdzv_configs": {"is_host": rendezvous.host, "join_timeout": 600, "read_timeout": 300}}
+        nodes, local_addr = rendezvous.nodes, node_address()
+        rdzv = {"run_id": rendezvous.run_id, "rdzv_endpoint": rendezvous.endpoint,
+                "rdzv_configs": {"is_host": False, "join_timeout": 600, "read_timeout": 300}}
     launch = LaunchConfig(
-        min_nodes=nodes, max_nodes=nodes, nproc_per_node=ranks, rdzv_backend="c10d", **rdzv,
+        min_nodes=nodes, max_nodes=nodes, nproc_per_node=ranks, rdzv_backend="c10d", **rdzv, local_addr=local_addr,
         max_restarts=0,  # a failed rank fails the task; the retry resumes from the checkpoint
         monitor_interval=0.5, logs_specs=DefaultLogsSpecs(log_dir=paths["logs"], redirects=Std.ALL), **quiet)
     log.info("train %s: starting %d ranks with torch's elastic launcher%s; rank logs under %s", digest, ranks,
-             f" (one of {nodes} nodes, rendezvous {rendezvous.endpoint} id {rendezvous.run_id})" if nodes > 1 else "",
+             f" (one of {nodes} nodes, rendezvous {rendezvous.endpoint} id {rendezvous.label})" if nodes > 1 else "",
              paths["logs"])
     saved = {}  # the launcher sets handlers in the main thread only; whatever it set, ours come back after
     if threading.current_thread() is threading.main_thread():
@@ -277,6 +340,7 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
             if handler is not None:
                 signal.signal(sig, handler)
         tail.stop()
+        del private  # the private rendezvous's store stops listening
     if rendezvous is not None and not rendezvous.host:
         shutil.rmtree(folder, ignore_errors=True)
         return None  # rank 0 is on the run's own node, which commits the artifact
