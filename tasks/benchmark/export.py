@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.errors import DraftlineError
+from tasks.core.owners import owned_temporary_directory
 
 # vllm.LLM keyword -> `vllm serve` flag (booleans: the flag alone when true)
 SERVE_FLAGS = {
@@ -157,8 +158,6 @@ def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]
     """Write DEST/draft/{config.json, model.safetensors} (verified against the manifest), DEST/vocab/*.json,
     DEST/serve.json and DEST/README.md with the serve line for DEST/draft. DEST: a local folder or an fsspec
     URL (s3://...). Files are written to a temporary folder first, so a failed export leaves no half draft."""
-    import tempfile
-
     import fsspec
 
     art = store.open("train", train_digest)
@@ -176,7 +175,8 @@ def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]
     else:
         serve["lines"] = [serve_command(serve, draft_at)]
     serve["command"] = serve["lines"][-1]
-    with tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp:
+    with owned_temporary_directory("export") as work:  # gc keeps it while this process lives
+        tmp = os.path.join(work, "out")
         os.makedirs(os.path.join(tmp, "draft"))
         os.makedirs(os.path.join(tmp, "vocab"))
         for name in art.files("draft/"):

@@ -193,7 +193,7 @@ class EngineProcess:
         stopping.check(f"starting {self.name}")  # a run asked to stop starts no new engine
         self._cleanup()
         self._dead = False
-        self.workdir = owners.owned_tempdir(f"draftline-{self.name}-", engine_tmp_base())
+        self.workdir = owners.owned_tempdir(f"engine-{self.name}", engine_tmp_base())
         env = {**os.environ, **self.env}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("PYTHONUNBUFFERED", "1")
