@@ -125,12 +125,33 @@ def check_name(kind: str, value: str) -> str:
 
 
 def check_relpath(value: str) -> str:
-    parts = value.split("/")
+    parts = value.split("/") if isinstance(value, str) else []
     if not parts or any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"invalid artifact file path {value!r}: relative, no '..' or empty parts")
     for p in parts:
         check_name("file name", p)
     return value
+
+
+class UnsafePath(DraftlineError, ValueError):
+    """A path from a manifest (or a folder written to) that would lead out of its folder."""
+
+
+def safe_join(folder: str | os.PathLike, relpath: str) -> str:
+    """The one way a path read from a manifest (or an export's file list) becomes a local path to write:
+    `relpath` must be relative, without '..' or empty parts (check_relpath), and no part of it under
+    `folder` may be a symlink (a planted link is never followed out of the folder). Raises UnsafePath."""
+    try:
+        check_relpath(relpath)
+    except ValueError as exc:
+        raise UnsafePath(f"{exc}: refusing to write it under {folder}") from None
+    path = os.fspath(folder)
+    for part in relpath.split("/"):
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            raise UnsafePath(f"{path} is a symlink (to {os.readlink(path)}): refusing to write through it; remove "
+                             "the link (draftline never makes one there)")
+    return path
 
 
 class FileEntry(BaseModel):
@@ -313,8 +334,9 @@ class Artifact:
             return
         with owners.owned_temporary_directory("copy") as tmp:  # gc keeps it while this process lives
             for n in names:
-                os.makedirs(os.path.dirname(os.path.join(tmp, n)), exist_ok=True)
-                with open(os.path.join(tmp, n), "wb") as fh:
+                local = safe_join(tmp, n)
+                os.makedirs(os.path.dirname(local), exist_ok=True)
+                with open(local, "wb") as fh:
                     self.copy_to(n, fh, verify=verify)
             yield os.path.join(tmp, prefix).rstrip("/")
 
@@ -701,9 +723,19 @@ class Store:
         except FileNotFoundError:
             return None
         try:
-            return Manifest.model_validate_json(raw)
+            m = Manifest.model_validate_json(raw)
         except Exception:
             return None  # an unreadable manifest is not a committed artifact
+        try:  # paths from the store are untrusted: one that leaves the artifact's folder is never used
+            check_name("attempt", m.attempt)
+            for f in m.files:
+                check_relpath(f.path)
+        except ValueError as exc:
+            raise ArtifactCorrupt(
+                f"{self.uri_of(stage, digest)}: its manifest names a path that leaves the artifact's folder "
+                f"({exc}); draftline never writes one, so nothing was read or written from it: delete {key} "
+                "(the stage is then recomputed)") from None
+        return m
 
     def open(self, stage: str, digest: str, checksums: bool = False) -> Artifact:
         """The committed artifact, with sizes (and optionally checksums) verified."""
@@ -735,9 +767,9 @@ class Store:
         stages = [stage] if stage else self._dirs(self.root)
         for s in stages:
             for d in self._dirs(self.key(s)):
-                m = self.manifest(s, d)
-                if m is not None:
-                    out.append(m)
+                with contextlib.suppress(ArtifactCorrupt):  # an unsafe manifest is listed as nothing
+                    if (m := self.manifest(s, d)) is not None:
+                        out.append(m)
         return sorted(out, key=lambda m: (m.stage, m.created))
 
     def _dirs(self, key: str) -> list[str]:
@@ -828,7 +860,10 @@ class Store:
             if s.startswith("_"):
                 continue
             for d in self._dirs(self.key(s)):
-                m = self.manifest(s, d)
+                try:
+                    m = self.manifest(s, d)
+                except ArtifactCorrupt:
+                    continue  # a manifest naming unsafe paths: leave the whole artifact for a person to see
                 live = m.attempt if m else None
                 for a in self._dirs(self.key(s, d)):
                     if a == live or not is_attempt_name(a):
