@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -144,6 +145,23 @@ def test_corrupted_file_is_detected_and_uncommitted(store):
     assert store.find("prepare", "d3") is None
     names = [p.rsplit("/", 1)[-1] for p in store.fs.ls(store.key("prepare", "d3"), detail=False)]
     assert any(n.startswith("manifest.corrupt-") for n in names)
+
+
+def test_a_stale_reader_that_hits_a_missing_file_leaves_a_newer_good_manifest(store):
+    """A reader opened attempt 1; a newer writer committed attempt 2 and attempt 1's files went (gc, or the
+    other writer's cleanup). The stale reader's miss fails its read, but the newer manifest stays committed."""
+    _write(store, "d5", b"old" * 100)
+    stale = store.open("prepare", "d5")
+    _write(store, "d5", b"new" * 100)
+    store.fs.rm(store.key("prepare", "d5", stale.manifest.attempt), recursive=True)
+    with pytest.raises(ArtifactCorrupt, match="newer commit has replaced"):
+        stale.copy_to("data/part-0.bin", io.BytesIO())
+    with pytest.raises(ArtifactCorrupt, match="newer commit has replaced"):
+        stale.verify_file("data/part-0.bin")
+    fresh = store.find("prepare", "d5", checksums=True)
+    assert fresh is not None and fresh.read_bytes("data/part-0.bin") == b"new" * 100
+    names = [p.rsplit("/", 1)[-1] for p in store.fs.ls(store.key("prepare", "d5"), detail=False)]
+    assert not any(n.startswith("manifest.corrupt-") for n in names)
 
 
 def test_truncated_file_counts_as_missing(store):

@@ -298,9 +298,13 @@ class Artifact:
         return data
 
     def _corrupt(self, why: str) -> None:
-        """Un-commit the artifact so the stage that made it runs again, then raise."""
-        self.store.quarantine(self.stage, self.digest, why)
-        raise ArtifactCorrupt(f"{self.uri}: {why}; the artifact was un-committed and will be recomputed on retry")
+        """Un-commit the artifact so the stage that made it runs again, then raise. A stale reader (its
+        manifest was replaced by a newer commit while it read) leaves the newer manifest alone."""
+        if self.store.quarantine(self.stage, self.digest, why, seen=self.manifest):
+            raise ArtifactCorrupt(f"{self.uri}: {why}; the artifact was un-committed and will be recomputed on retry")
+        raise ArtifactCorrupt(f"{self.uri}: {why}, in attempt {self.manifest.attempt}, which a newer commit has "
+                              "replaced since this reader opened it; the newer one was left as it is: read the "
+                              "artifact again")
 
     def read_json(self, name: str) -> Any:
         return json.loads(self.read_bytes(name))
@@ -823,14 +827,31 @@ class Store:
             self.fs.pipe_file(key, payload)  # one PUT: atomic on S3
             self.fs.invalidate_cache(self.key(manifest.stage, manifest.digest))
 
-    def quarantine(self, stage: str, digest: str, why: str) -> None:
-        """Move a bad manifest aside (kept for inspection as manifest.corrupt-*.json)."""
+    def quarantine(self, stage: str, digest: str, why: str, seen: Manifest | None = None) -> bool:
+        """Move a bad manifest aside (kept for inspection as manifest.corrupt-*.json). With `seen` (the
+        manifest the reader found bad), only when the manifest on the store is still that one: re-read and
+        compared first, so a stale reader never un-commits a newer, good artifact. True when moved."""
         key = self.key(stage, digest, MANIFEST)
-        with contextlib.suppress(FileNotFoundError):
+        if not self.is_local:
+            self.fs.invalidate_cache(self.key(stage, digest))
+        try:
             raw = self.fs.cat_file(key)
+        except FileNotFoundError:
+            return False
+        if seen is not None:
+            try:
+                now = Manifest.model_validate_json(raw)
+            except Exception:
+                now = None
+            if now is not None and now != seen:
+                return False
+        with contextlib.suppress(ValueError):
+            raw = json.loads(raw)
+        with contextlib.suppress(FileNotFoundError):
             self.fs.pipe_file(self.key(stage, digest, f"manifest.corrupt-{uuid.uuid4().hex[:8]}.json"),
-                              json.dumps({"reason": why, "manifest": json.loads(raw)}).encode())
+                              json.dumps({"reason": why, "manifest": raw}).encode())
             self.fs.rm_file(key)
+        return True
 
     def delete(self, stage: str, digest: str) -> None:
         with contextlib.suppress(FileNotFoundError):
