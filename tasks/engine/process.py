@@ -30,7 +30,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -40,6 +39,7 @@ from typing import Any, Literal
 
 from tasks.core.errors import DraftlineError
 from tasks.core import owners, stopping
+from tasks.core.home import private_folder
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 LOG_TAIL_CHARS = 4000
@@ -420,14 +420,16 @@ class EngineProcess:
             self._conn = None
         if self._failed and self.log_path and os.path.exists(self.log_path):
             with contextlib.suppress(OSError):
+                os.chmod(self.log_path, 0o600)
                 shutil.move(self.log_path, self.kept_log_path())
         self._failed = False
         if self.workdir and os.path.isdir(self.workdir) and not os.environ.get("DRAFTLINE_KEEP_ENGINE_DIR"):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def kept_log_path(self) -> str:
-        """Where the full log of an engine that died is kept after cleanup."""
-        return os.path.join(tempfile.gettempdir(), f"draftline-{self.name}-{self.pid}.log")
+        """Where the full log of an engine that died is kept after cleanup: this user's private (0700)
+        engine-logs folder (tasks/core/home.py), not the shared temp folder."""
+        return os.path.join(private_folder("engine-logs"), f"draftline-{self.name}-{self.pid}.log")
 
     def _exit_text(self) -> str:
         if self._proc is None:
