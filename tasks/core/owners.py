@@ -16,6 +16,7 @@ anything, so a user's folder (`assets`, `archive-2023`, `draftline-notes`) never
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -54,7 +55,10 @@ def _boot_id() -> str:
 
 
 def _machine_id() -> str:
-    return _read_id("/etc/machine-id") or _read_id("/var/lib/dbus/machine-id")
+    """The machine id, hashed for draftline (systemd asks that the raw id never leave the machine: owner
+    records land on a shared store)."""
+    raw = _read_id("/etc/machine-id") or _read_id("/var/lib/dbus/machine-id")
+    return hashlib.sha256(f"draftline-owner:{raw}".encode()).hexdigest()[:32] if raw else ""
 
 
 def _stat(pid: int) -> tuple[str, int] | None:

@@ -463,6 +463,7 @@ class ArtifactWriter:
         """Stream a file into the attempt, hashing as it goes."""
         key = self.key(name)
         self.beat()
+        beat = self.beat  # refreshed while a long file streams, too (at most every _OWNER_BEAT_S)
         h = hashlib.sha256()
         count = 0
         mid_file = f"store.{self.stage}.mid-file"
@@ -489,6 +490,7 @@ class ArtifactWriter:
                     count += mv.nbytes
                     if count >= _KILL_MID_FILE_BYTES > count - mv.nbytes:  # once per file, bytes still to come
                         kill_point(mid_file)
+                    beat()
                     return mv.nbytes
 
             yield _Hashing()  # type: ignore[misc]
@@ -597,11 +599,23 @@ class Store:
         self._marked = True
 
     def _is_empty(self) -> bool:
+        """No file under the root (a probe of `check`, or an empty "folder" some S3 servers keep, aside)."""
+        def ours(name: str) -> bool:
+            return name.rstrip("/").rsplit("/", 1)[-1].startswith(".probe-") or name.endswith("/")
+
+        if self.is_local:
+            try:
+                with os.scandir(self.root) as it:
+                    return all(ours(e.name) for e in it)
+            except (FileNotFoundError, NotADirectoryError):
+                return True
+        bucket, _, prefix = self.root.partition("/")
         try:
-            entries = self.fs.ls(self.root, detail=False, **({} if self.is_local else {"refresh": True}))
-        except (FileNotFoundError, NotADirectoryError):
+            listed = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "",
+                                     MaxKeys=20)
+        except FileNotFoundError:
             return True
-        return not [e for e in entries if not e.rstrip("/").rsplit("/", 1)[-1].startswith(".probe-")]
+        return all(ours(o["Key"]) for o in listed.get("Contents", []))
 
     def _not_a_store(self, doing: str) -> NotAStore:
         return NotAStore(
