@@ -204,19 +204,33 @@ def test_gc_asks_before_deleting_on_s3_and_refuses_without_a_terminal(s3_server,
     import flows.leftovers
 
     monkeypatch.setattr(flows.leftovers, "local_folders", lambda: [])  # this machine's temp folders: not ours
+    # a prefix of other files (no store marker): refused, nothing deleted; inside a store a user's folder
+    # (not an attempt's name) is never taken, on S3 as on file://
+    home = Store(f"s3://draftline-test/home-{uuid.uuid4().hex[:8]}", Store.from_config(StoreConfig(
+        uri="s3://draftline-test/x")).storage_options)
+    for f in USER_FOLDERS:
+        home.fs.pipe_file(home.key(f, "keep.txt"), b"mine")
+    out = draftline("gc", "--store", home.uri, "--yes", "--min-age", "0")
+    assert out.exit_code == 2 and "is not a draftline store" in flat(out.output), out.output
     store = Store.from_config(StoreConfig(uri=f"s3://draftline-test/gc-{uuid.uuid4().hex[:8]}"))
     key = dead_leftover(store)
+    planted = [store.key(key.split("/")[-4], key.split("/")[-3], "assets", "keep.txt"), *(store.key(
+        f, "keep.txt") for f in USER_FOLDERS)]
+    for k in planted:
+        store.fs.pipe_file(k, b"mine")
     out = draftline("gc", "--store", store.uri)  # CliRunner's stdin is no terminal
     text = flat(out.output)
     assert out.exit_code == 2 and "1 leftover(s) of s3://" in text and "pass --yes" in text, text
     assert store.fs.exists(key)
     out = draftline("gc", "--store", store.uri, "--dry-run")
     assert out.exit_code == 0 and "found (--dry-run: nothing removed)" in out.output and store.fs.exists(key)
-    out = draftline("gc", "--store", store.uri, "--yes", "--json")
+    out = draftline("gc", "--store", store.uri, "--yes", "--json", "--min-age", "0")
     assert out.exit_code == 0, out.output
     assert [r["kind"] for r in json.loads(out.output)] == ["attempt"]
     store.fs.invalidate_cache()
-    assert not store.fs.exists(key)
+    home.fs.invalidate_cache()
+    assert not store.fs.exists(key) and all(store.fs.cat_file(k) == b"mine" for k in planted)
+    assert all(home.fs.cat_file(home.key(f, "keep.txt")) == b"mine" for f in USER_FOLDERS)
 
 
 def test_gc_on_a_local_store_asks_too(tmp_path, monkeypatch):
