@@ -463,7 +463,10 @@ class ArtifactWriter:
         """Stream a file into the attempt, hashing as it goes."""
         key = self.key(name)
         self.beat()
-        beat = self.beat  # refreshed while a long file streams, too (at most every _OWNER_BEAT_S)
+        def beat() -> None:  # refreshed while a long file streams, too (at most every _OWNER_BEAT_S)
+            with contextlib.suppress(Exception):  # a missed beat only shortens the lease; never fail the write
+                self.beat()
+
         h = hashlib.sha256()
         count = 0
         mid_file = f"store.{self.stage}.mid-file"
