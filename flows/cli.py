@@ -137,12 +137,13 @@ def gc(config: Optional[Path] = typer.Argument(None, help="Config whose store to
        min_age: float = typer.Option(3600, help="Leftovers whose owner may still be running (another host, "
                                                 "none recorded) go only once older than this many seconds."),
        dry_run: bool = typer.Option(False, "--dry-run", help="List, do not delete."),
-       yes: bool = typer.Option(False, "--yes", "-y", help="Delete on a shared (s3://) store without asking."),
+       yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking (needed without a terminal)."),
        as_json: bool = typer.Option(False, "--json", help="Print the leftovers as a JSON list.")):
     """Remove what dead runs left: attempt folders no manifest names, temp files, stale locks, engine
     work folders (/dev/shm) and a killed trainer's temporary checkpoints. A leftover whose owner
-    process is gone goes at once; one whose owner cannot be checked, after --min-age. On a shared (s3://)
-    store it asks before deleting, unless --yes."""
+    process is gone goes at once; one whose owner cannot be checked, after --min-age. Only inside a
+    draftline store (its root holds draftline-store.json, see `draftline store init`). It lists what it
+    will delete and asks, unless --yes."""
     from flows.leftovers import find, human_age
 
     cfg = load_cfg(config, overrides, store_uri)
@@ -154,13 +155,13 @@ def gc(config: Optional[Path] = typer.Argument(None, help="Config whose store to
         table.add_column(col, overflow="fold")
     for item in found:
         table.add_row(item.kind, item.where, human_age(item.age_s), item.owner, item.why)
-    asked = bool(found) and not dry_run and not store.is_local and not yes
+    asked = bool(found) and not dry_run and not yes
     if asked:
-        # a shared store: other people's runs write there too; deleting is not undone
+        # deleting is not undone (and on a shared store other people's runs write too): show, then ask
         (err if as_json else console).print(title)
         (err if as_json else console).print(table)
         if not sys.stdin.isatty():
-            fail(f"{len(found)} leftover(s) on the shared store {store.uri}: not deleting without confirmation, "
+            fail(f"{len(found)} leftover(s) of {store.uri} and this machine: not deleting without confirmation, "
                  "and there is no terminal to ask on; look with `draftline gc --dry-run`, then pass --yes")
         if not typer.confirm(f"delete these {len(found)} leftover(s) on {store.uri}?", default=False, err=True):
             fail("nothing deleted", code=1)
@@ -170,7 +171,7 @@ def gc(config: Optional[Path] = typer.Argument(None, help="Config whose store to
     if as_json:
         print(json.dumps([{**vars(i), "age_s": round(i.age_s, 1), "removed": not dry_run} for i in found], indent=2))
         return
-    if found and not asked:
+    if found and not asked:  # --dry-run, or --yes: what was (or would be) removed
         console.print(title)
         console.print(table)
     console.print(f"{len(found)} leftover(s) {'found (--dry-run: nothing removed)' if dry_run else 'removed'}")
@@ -210,20 +211,22 @@ def report(config: Optional[Path] = typer.Argument(None, help="Config naming the
 @store_app.command("init")
 def store_init(config: Optional[Path] = typer.Argument(None, help="Config naming the store (or use --store)."),
                overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt, as_json: bool = JsonOpt):
-    """Create the store's S3 bucket (or local folder) if it does not exist, then check that these keys can
-    list, write and delete under the store's prefix. Running it again changes nothing."""
+    """Create the store's S3 bucket (or local folder) if it does not exist, check that these keys can
+    list, write and delete under the store's prefix, and mark it as a draftline store (draftline-store.json
+    at its root: what `draftline gc` requires). Running it again changes nothing."""
     from tasks.store.artifacts import Store
 
     cfg = load_cfg(config, overrides, store_uri)
     store = Store.from_config(cfg.store)
     created = store.create()
     store.check()
+    store.init_marker()
     where = f"folder {store.root}" if store.is_local else f"bucket s3://{store.root.partition('/')[0]}"
     if as_json:
         print(json.dumps({"store": store.uri, "created": created}))
     else:
         console.print(f"{'created' if created else 'found'} {where}; {store.uri} is ready "
-                      "(listed, wrote and deleted a probe object)")
+                      "(listed, wrote and deleted a probe object; marked it a draftline store)")
 
 
 for _command in (doctor.doctor, deploy.deploy, deploy.submit, runs.status, runs.retry, runs.ui, runs.logs,

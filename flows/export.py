@@ -126,6 +126,8 @@ def export(what: str = typer.Argument(..., help="A train digest (or 6+ first cha
                                                                                "WHAT when it is a config)."),
            overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt,
            head: Optional[str] = typer.Option(None, help="With a config or run of several train.heads: which."),
+           force: bool = typer.Option(False, "--force", help="Replace files in DEST that no draftline export "
+                                                             "wrote (README.md, serve.json, ...)."),
            as_json: bool = JsonOpt):
     """Write a trained draft as vLLM loads it (draft/), its vocabulary maps and a README.md with the exact
     `vllm serve` line, at the settings its benchmark measured."""
@@ -136,7 +138,7 @@ def export(what: str = typer.Argument(..., help="A train digest (or 6+ first cha
     store = open_store(cfg, write=False)  # it reads the store only: read-only keys export
     try:
         digest, report, run_cfg = resolve_train(store, what, cfg if from_config else None, head)
-        out = export_draft(store, digest, dest, export_serve(store, digest, report, run_cfg))
+        out = export_draft(store, digest, dest, export_serve(store, digest, report, run_cfg), force=force)
     except (ExportError, ValueError, LookupError) as exc:
         fail(str(exc))
     if as_json:

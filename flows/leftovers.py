@@ -1,13 +1,16 @@
 """What runs that died leave behind, for `draftline gc`.
 
-- on the store: attempt folders no manifest names and temp files (tasks/store/artifacts.py `garbage_detail`);
+- on the store, only under a root that holds draftline's store marker (`Store.collectable`): attempt folders
+  named as draftline names them that no manifest names, and manifest temp files
+  (tasks/store/artifacts.py `garbage_detail`);
 - stale locks of a file:// store (flows/locks.py): a dead holder's, an expired lease's, or an older
   version's (which were never released when their run was killed);
 - on this machine: the node part cache's temp files whose filler died (tasks/store/part_cache.py; the next
   fill of that part removes them too), engine work folders (hidden-state files and ring buffers in /dev/shm, i.e. RAM),
-  temporary checkpoint and export copies of a killed trainer (`draftline-*` under the temp folder),
-  whose recorded owner process is gone (tasks/core/owners.py). Folders without an owner record (older
-  versions) go once older than the age limit.
+  temporary checkpoint, draft and export copies (`draftline-KIND-WHEN-<16 hex>` under the temp folder,
+  `owners.owned_name`), whose recorded owner process is gone (tasks/core/owners.py). A folder of an older
+  version (`draftline-*` with an owner record) counts too; a `draftline-*` folder with neither the name
+  nor a record is not draftline's and is never touched.
 
 A leftover whose owner is provably dead is removed whatever its age; the age limit protects work
 whose owner may still be running (another host, or no owner recorded).
@@ -51,8 +54,19 @@ class Leftover:
 def _writer(owner: dict) -> str:
     if not owner:
         return "writer unknown"
-    state = {True: "alive", False: "dead", None: "cannot check"}[owner.get("alive")]
-    return f"pid {owner['pid']} on {owner['host']} ({state})"
+    state = {True: "alive", False: "dead", None: "cannot check: another host"}[owner.get("alive")]
+    return f"pid {owner.get('pid')} on {owner.get('host')} ({state})"
+
+
+def _temp_kind(path: Path) -> str | None:
+    """temp-dir / engine-dir for a folder draftline made in a temp folder, None for any other folder."""
+    parsed = owners.parse_owned_name(path.name)
+    if parsed is not None:
+        return "engine-dir" if parsed["kind"].startswith("engine-") else "temp-dir"
+    if not (path / owners.OWNER_FILE).is_file():  # an older version's folder names its owner in a record
+        return None
+    return "temp-dir" if path.name.startswith(("draftline-ckpt-", "draftline-draft-", "draftline-cfg-",
+                                               "draftline-ranks-")) else "engine-dir"
 
 
 def local_folders() -> list[Path]:
@@ -68,8 +82,8 @@ def find(store: Store, min_age_s: float) -> list[Leftover]:
     now = time.time()
     found = [Leftover(g["kind"], g["key"], g["age_s"], _writer(g["owner"]),
                       "its writer is gone" if g["owner"].get("alive") is False else f"older than {min_age_s:.0f} s")
-             for g in store.garbage_detail(min_age_s)]
-    if store.is_local:
+             for g in store.garbage_detail(min_age_s)]  # raises NotAStore on a root draftline did not mark
+    if store.is_local and store.has_marker():
         for path, info, why in lock_files(lock_folder(store)):
             if why:
                 found.append(Leftover("lock", str(path), now - path.stat().st_mtime,
@@ -81,19 +95,16 @@ def find(store: Store, min_age_s: float) -> list[Leftover]:
             found.append(Leftover("cache-temp", str(path), age, owner, "its filler is gone"))
     for base in local_folders():
         for p in sorted(base.glob("draftline-*")):
-            if not p.is_dir():
+            if p.is_symlink() or not p.is_dir() or (kind := _temp_kind(p)) is None:
                 continue
             with contextlib.suppress(FileNotFoundError):
-                age = now - p.stat().st_mtime
                 owner = owners.read(p)
+                age = now - max(p.stat().st_mtime, owners.last_seen(owner))
                 live = owners.alive(owner)
-                kind = "temp-dir" if p.name.startswith(("draftline-ckpt-", "draftline-draft-", "draftline-cfg-",
-                                                        "draftline-ranks-")) \
-                    else "engine-dir"
                 if live is False:
                     found.append(Leftover(kind, str(p), age, owners.describe(owner), "its owner is gone"))
-                elif owner is None and age >= min_age_s:
-                    found.append(Leftover(kind, str(p), age, "owner unknown (older version)",
+                elif live is None and age >= min_age_s:
+                    found.append(Leftover(kind, str(p), age, owners.describe(owner) if owner else "owner unknown",
                                           f"older than {min_age_s:.0f} s"))
     return found
 

@@ -23,6 +23,7 @@ import typer
 from typer.testing import CliRunner
 
 from flows.cli import app
+from tasks.core import owners
 from tasks.core.config import StoreConfig
 from tasks.store.artifacts import Store, StoreError
 
@@ -192,8 +193,9 @@ def dead_leftover(store: Store) -> str:
     p = subprocess.Popen(["true"])
     p.wait()
     w = store.writer("prepare", uuid.uuid4().hex * 2, "v1")
-    w.attempt = w.attempt.replace(f"-{os.getpid()}-", f"-{p.pid}-")
     w.write_bytes("part.bin", b"x" * 100)
+    record = {**owners.me(), "pid": p.pid, "start": None}  # as that exited process would have written it
+    store.fs.pipe_file(store.key(w.stage, w.digest, w.attempt, owners.OWNER_FILE), json.dumps(record).encode())
     return w.key("part.bin")
 
 
@@ -202,29 +204,176 @@ def test_gc_asks_before_deleting_on_s3_and_refuses_without_a_terminal(s3_server,
     import flows.leftovers
 
     monkeypatch.setattr(flows.leftovers, "local_folders", lambda: [])  # this machine's temp folders: not ours
+    # a prefix of other files (no store marker): refused, nothing deleted; inside a store a user's folder
+    # (not an attempt's name) is never taken, on S3 as on file://
+    home = Store(f"s3://draftline-test/home-{uuid.uuid4().hex[:8]}", Store.from_config(StoreConfig(
+        uri="s3://draftline-test/x")).storage_options)
+    for f in USER_FOLDERS:
+        home.fs.pipe_file(home.key(f, "keep.txt"), b"mine")
+    out = draftline("gc", "--store", home.uri, "--yes", "--min-age", "0")
+    assert out.exit_code == 2 and "is not a draftline store" in flat(out.output), out.output
     store = Store.from_config(StoreConfig(uri=f"s3://draftline-test/gc-{uuid.uuid4().hex[:8]}"))
     key = dead_leftover(store)
+    planted = [store.key(key.split("/")[-4], key.split("/")[-3], "assets", "keep.txt"), *(store.key(
+        f, "keep.txt") for f in USER_FOLDERS)]
+    for k in planted:
+        store.fs.pipe_file(k, b"mine")
     out = draftline("gc", "--store", store.uri)  # CliRunner's stdin is no terminal
     text = flat(out.output)
-    assert out.exit_code == 2 and "1 leftover(s) on the shared store" in text and "pass --yes" in text, text
+    assert out.exit_code == 2 and "1 leftover(s) of s3://" in text and "pass --yes" in text, text
     assert store.fs.exists(key)
     out = draftline("gc", "--store", store.uri, "--dry-run")
     assert out.exit_code == 0 and "found (--dry-run: nothing removed)" in out.output and store.fs.exists(key)
-    out = draftline("gc", "--store", store.uri, "--yes", "--json")
+    out = draftline("gc", "--store", store.uri, "--yes", "--json", "--min-age", "0")
     assert out.exit_code == 0, out.output
     assert [r["kind"] for r in json.loads(out.output)] == ["attempt"]
     store.fs.invalidate_cache()
-    assert not store.fs.exists(key)
+    home.fs.invalidate_cache()
+    assert not store.fs.exists(key) and all(store.fs.cat_file(k) == b"mine" for k in planted)
+    assert all(home.fs.cat_file(home.key(f, "keep.txt")) == b"mine" for f in USER_FOLDERS)
 
 
-def test_gc_on_a_local_store_deletes_without_asking(tmp_path, monkeypatch):
+def test_gc_on_a_local_store_asks_too(tmp_path, monkeypatch):
+    """file:// as s3://: gc lists what it would delete and, with no terminal to ask on, deletes only with --yes."""
     import flows.leftovers
 
     monkeypatch.setattr(flows.leftovers, "local_folders", lambda: [])
     store = Store(f"file://{tmp_path}/store")
     key = dead_leftover(store)
     out = draftline("gc", "--store", store.uri)
+    assert out.exit_code == 2 and "pass --yes" in flat(out.output) and Path(key).parent.name in out.output, \
+        out.output
+    assert Path(key).exists()
+    out = draftline("gc", "--store", store.uri, "--yes")
     assert out.exit_code == 0 and "1 leftover(s) removed" in out.output and not Path(key).exists(), out.output
+
+
+def _aged(root: Path, hours: float = 2) -> None:
+    then = time.time() - hours * 3600
+    for p in [root, *root.rglob("*")]:
+        os.utime(p, (then, then), follow_symlinks=False)
+
+
+def _user_files(root: Path, folders: list[str]) -> list[Path]:
+    files = []
+    for f in folders:
+        (root / f).mkdir(parents=True, exist_ok=True)
+        (root / f / "keep.txt").write_text("mine")
+        files.append(root / f / "keep.txt")
+    return files
+
+
+# folder shapes a user has: the issue's, folders starting with 'a', names close to draftline's
+USER_FOLDERS = ["projects/myrepo/assets", "Documents/taxes/archive-2023", "a/b/a", "photos/2023/album-1",
+                "src/app/attempt-2", "work/notes/draftline-attempt-notes", "x/y/a20260101T000000-me-1-0123abcd.bak"]
+
+
+def test_gc_refuses_a_folder_that_is_not_a_store_and_deletes_nothing(tmp_path, monkeypatch):
+    """The issue's repro: `draftline gc --store ~ --yes` on a home-like folder aged two hours. The old gc took
+    every ROOT/X/Y/a* folder; now a root without draftline's store marker is refused, naming the fix."""
+    import flows.leftovers
+
+    monkeypatch.setattr(flows.leftovers, "local_folders", lambda: [])
+    home = tmp_path / "home"
+    files = _user_files(home, USER_FOLDERS)
+    _aged(home)
+    for args in (["--yes"], ["--yes", "--min-age", "0"], ["--dry-run"]):
+        out = draftline("gc", "--store", f"file://{home}", *args)
+        text = flat(out.output)
+        assert out.exit_code == 2 and "is not a draftline store" in text and "draftline store init" in text, text
+    assert all(f.read_text() == "mine" for f in files)
+    # `store init` does not make a folder of other files a store either
+    out = draftline("store", "init", "--store", f"file://{home}")
+    assert out.exit_code == 2 and "no draftline artifact" in flat(out.output), out.output
+    assert not (home / "draftline-store.json").exists()
+
+
+def test_gc_in_a_store_removes_only_draftline_attempts(tmp_path, monkeypatch):
+    """A real store with user folders planted inside it (beside a committed attempt, at every depth): gc
+    removes the abandoned attempt of a dead writer and nothing else; the committed artifact still verifies."""
+    import flows.leftovers
+
+    monkeypatch.setattr(flows.leftovers, "local_folders", lambda: [])
+    root = tmp_path / "store"
+    store = Store(f"file://{root}")
+    with store.write("prepare", "d" * 16, "v1") as w:
+        w.write_bytes("data.bin", b"y" * 10)
+        w.commit()
+    assert (root / "draftline-store.json").is_file()  # the first write marks the store
+    dead = Path(dead_leftover(store)).parent
+    files = _user_files(root, [f"prepare/{'d' * 16}/{f}" for f in ("assets", "archive-2023", "a1")]
+                        + USER_FOLDERS)
+    (root / "prepare" / ("d" * 16) / "manifest.json.tmp-notes").write_text("mine")
+    _aged(root)
+    out = draftline("gc", "--store", store.uri, "--yes", "--min-age", "0", "--json")
+    assert out.exit_code == 0, out.output
+    assert [(r["kind"], r["where"]) for r in json.loads(out.output)] == [("attempt", str(dead))]
+    assert not dead.exists() and all(f.read_text() == "mine" for f in files)
+    assert (root / "prepare" / ("d" * 16) / "manifest.json.tmp-notes").exists()
+    store.open("prepare", "d" * 16, checksums=True)
+
+
+def test_a_store_without_the_marker_gets_it_at_its_next_write_or_store_init(tmp_path):
+    """Stores made before the marker existed keep working: the next commit (or `store init`) marks them."""
+    from tasks.store.artifacts import NotAStore
+
+    root = tmp_path / "store"
+    store = Store(f"file://{root}")
+    with store.write("prepare", "e" * 16, "v1") as w:
+        w.write_bytes("data.bin", b"y")
+        w.commit()
+    (root / "draftline-store.json").unlink()  # as an older draftline left it
+    with pytest.raises(NotAStore, match="draftline store init"):
+        Store(store.uri).garbage_detail(0)
+    out = draftline("store", "init", "--store", store.uri)
+    assert out.exit_code == 0 and (root / "draftline-store.json").is_file(), out.output
+    (root / "draftline-store.json").unlink()
+    again = Store(store.uri)
+    with again.write("vocab", "f" * 16, "v1") as w:
+        w.write_bytes("d2t.bin", b"z")
+        w.commit()
+    assert (root / "draftline-store.json").is_file() and again.garbage_detail(0) == []
+
+
+def test_owners_on_hosts_whose_names_differ_only_in_punctuation_are_distinct(tmp_path, monkeypatch):
+    """EC2's ip-172-31-10-15 and ip-172-31-101-5 (the old 16-char tag made both `ip172311015`): an attempt
+    written on one is never taken by gc on the other while its owner's lease is fresh; on its own host a
+    dead owner's attempt goes at once."""
+    import socket
+
+    store = Store(f"file://{tmp_path}/store")
+    monkeypatch.setattr(socket, "gethostname", lambda: "ip-172-31-10-15")
+    key = dead_leftover(store)
+    record = owners.read(Path(key).parent)
+    assert record["host"] == "ip-172-31-10-15" and record["boot"] and owners.alive(record) is False
+    monkeypatch.setattr(socket, "gethostname", lambda: "ip-172-31-101-5")
+    assert owners.alive(record) is None and owners.alive(owners.me()) is True
+    assert store.garbage_detail(min_age_s=3600) == []  # another host's attempt, written just now: kept
+    monkeypatch.setattr(socket, "gethostname", lambda: "ip-172-31-10-15")
+    assert [g["key"] for g in store.garbage_detail(min_age_s=3600)] == [str(Path(key).parent)]
+
+
+def test_a_live_process_temp_folder_survives_gc_and_a_dead_ones_goes(tmp_path, monkeypatch):
+    """A temp folder a live process uses (the benchmark's draft copy, a checkpoint copy) has an owner record and
+    survives gc however old; a dead owner's goes; a user's `draftline-*` folder without one is never touched."""
+    import flows.leftovers
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(flows.leftovers, "local_folders", lambda: [temp])
+    live = Path(owners.owned_tempdir("copy", str(temp)))
+    dead = Path(owners.owned_tempdir("ckpt", str(temp)))
+    p = subprocess.Popen(["true"])
+    p.wait()
+    (dead / owners.OWNER_FILE).write_text(json.dumps({**owners.me(), "pid": p.pid, "start": None, "beat": 0}))
+    user = temp / "draftline-notes"
+    user.mkdir()
+    _aged(temp)
+    assert live.name.startswith("draftline-copy-") and oct(live.stat().st_mode & 0o777) == "0o700"
+    out = draftline("gc", "--store", f"file://{tmp_path}/no-store", "--yes", "--json")
+    assert out.exit_code == 0, out.output
+    assert [(r["kind"], r["where"]) for r in json.loads(out.output)] == [("temp-dir", str(dead))]
+    assert live.is_dir() and user.is_dir() and not dead.exists()
 
 
 # =========================================================================== S3 keys as teams hand them out

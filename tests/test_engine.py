@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -170,6 +171,11 @@ def test_engine_that_cannot_load_reports_why(tmp_path):
     assert eng.workdir and not os.path.exists(eng.workdir)
     assert os.path.exists(eng.kept_log_path())  # the full log stays for the user, and the error says where
     assert eng.kept_log_path() in str(err.value)
+    # ... in a folder only this user may enter, not at a predictable path of the shared temp folder
+    folder = os.path.dirname(eng.kept_log_path())
+    assert os.stat(folder).st_mode & 0o777 == 0o700 and os.stat(folder).st_uid == os.getuid()
+    assert os.stat(eng.kept_log_path()).st_mode & 0o077 == 0
+    assert not eng.kept_log_path().startswith(tempfile.gettempdir() + os.sep)
     os.remove(eng.kept_log_path())
 
 

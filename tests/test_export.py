@@ -192,6 +192,56 @@ def test_the_exported_maps_are_trainings_byte_for_byte_and_a_drifted_draft_is_re
     assert not (tmp_path / "out").exists()
 
 
+def _forged(exp, path: str) -> str:
+    """A copy of the trained draft's manifest under a new digest that names `path` (as a store's writer could)."""
+    art = exp.store.open("train", exp.trained.digest)
+    m = json.loads(art.manifest.model_dump_json())
+    digest = "f" * 8 + exp.trained.digest[8:]
+    m["digest"], m["files"][0]["path"] = digest, path
+    folder = Path(exp.store.root) / "train" / digest
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "manifest.json").write_text(json.dumps(m))
+    return digest
+
+
+@pytest.mark.parametrize("path", ["draft/../../../../escaped", "/tmp/draftline-escaped", "draft//x", "."])
+def test_a_manifest_naming_a_path_out_of_its_folder_is_refused_and_nothing_is_written(exp, tmp_path, path):
+    from tasks.store.artifacts import ArtifactCorrupt
+
+    digest = _forged(exp, path)
+    dest = tmp_path / "out"
+    with pytest.raises(ArtifactCorrupt, match="leaves the artifact's folder"):
+        export_draft(exp.store, digest, str(dest), run_serve(exp.cfg, exp.store, exp.trained))
+    assert not dest.exists() and not Path("/tmp/draftline-escaped").exists()
+    assert not list(Path(exp.store.root).parent.glob("escaped")) and exp.store.find("train", digest) is None
+    assert digest not in {m.digest for m in exp.store.list("train")}  # listed as nothing, never crashes ls
+
+
+def test_export_refuses_to_replace_a_users_files_unless_forced_and_never_follows_a_planted_link(exp, tmp_path):
+    serve = run_serve(exp.cfg, exp.store, exp.trained)
+    dest = tmp_path / "repo"
+    dest.mkdir()
+    (dest / "README.md").write_text("my project")
+    with pytest.raises(ValueError, match=r"already holds README.md.*--force"):
+        export_draft(exp.store, exp.trained.digest, str(dest), serve)
+    assert (dest / "README.md").read_text() == "my project" and not (dest / "draft").exists()
+    export_draft(exp.store, exp.trained.digest, str(dest), serve, force=True)
+    assert "vllm serve" in (dest / "README.md").read_text()
+    export_draft(exp.store, exp.trained.digest, str(dest), serve)  # its own earlier export: replaced freely
+    (dest / "serve.json").write_text("{}")  # changed since: no longer what the export wrote
+    with pytest.raises(ValueError, match=r"already holds serve.json"):
+        export_draft(exp.store, exp.trained.digest, str(dest), serve)
+    # a planted `*.part` link beside a file the export writes: refused, the link's target untouched
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    fresh = tmp_path / "fresh"
+    (fresh / "vocab").mkdir(parents=True)
+    (fresh / "vocab" / "d2t.json.part").symlink_to(victim)
+    with pytest.raises(ValueError, match="is a symlink"):
+        export_draft(exp.store, exp.trained.digest, str(fresh), serve)
+    assert victim.read_text() == "precious" and not (fresh / "README.md").exists()
+
+
 def test_warm_start_from_an_export_starts_at_its_loss(exp):
     events: list[dict] = []
     warm = run_train(train_cfg(exp.path, max_steps=2, init_from=str(exp.dest / "draft")), exp.store, exp.vref,

@@ -347,7 +347,7 @@ def test_training_killed_inside_a_checkpoint_write_resumes_from_the_last_committ
         assert store.find("train", digest) is None
     assert len(list(tmp.glob("draftline-ckpt-*"))) == 2  # not the store's: gc does not see these
     leftovers = store.garbage(min_age_s=0)
-    assert len([k for k in leftovers if f"/checkpoint/{s6}/a" in k]) == 2  # the two killed attempts
+    assert len([k for k in leftovers if f"/checkpoint/{s6}/draftline-attempt-" in k]) == 2  # the two killed attempts
     assert any(".tmp-" in k for k in leftovers)  # the manifest copy that was never renamed
 
     events: list[dict] = []

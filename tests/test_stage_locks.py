@@ -175,19 +175,19 @@ def test_gc_lists_and_removes_what_dead_runs_left_and_spares_the_living(tmp_path
     # A real process that wrote part of an artifact and made two temp folders, then died.
     script = ("import tempfile, sys; from tasks.store.artifacts import Store; from tasks.core.owners import owned_tempdir; "
               f"w = Store({store.uri!r}).writer('extract', 'd0', 'v1'); w.write_bytes('part-00000.safetensors', b'x' * 9); "
-              "print(owned_tempdir('draftline-ckpt-'), owned_tempdir('draftline-gctest-', '/dev/shm'))")
+              "print(owned_tempdir('ckpt'), owned_tempdir('engine-gctest', '/dev/shm'))")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(temp)}
     dead = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     ckpt, shm = dead.stdout.split()
     dead_pid = owners.read(ckpt)["pid"]
-    alive_dir = owners.owned_tempdir("draftline-ckpt-", str(temp))
+    alive_dir = owners.owned_tempdir("ckpt", str(temp))
     try:
         cli = [sys.executable, "-m", "flows.cli", "gc", "--set", f"store.uri={store.uri}"]
         dry = subprocess.run([*cli, "--dry-run", "--json"], env=env, cwd=ROOT, capture_output=True, text=True,
                              timeout=120)
         assert dry.returncode == 0, dry.stderr[-3000:]
         found = {(x["kind"], x["where"]): x for x in json.loads(dry.stdout)}
-        attempt = next(w for k, w in found if k == "attempt" and "/extract/d0/a" in w)
+        attempt = next(w for k, w in found if k == "attempt" and "/extract/d0/draftline-attempt-" in w)
         for key, owner, why in [(("lock", str(locks / "extract-old.lock")), "owner unknown", "older draftline"),
                                 (("attempt", attempt), f"pid {dead_pid}", "its writer is gone"),
                                 (("temp-dir", ckpt), f"pid {dead_pid}", "its owner is gone"),
@@ -198,7 +198,7 @@ def test_gc_lists_and_removes_what_dead_runs_left_and_spares_the_living(tmp_path
         assert not any("extract-live" in w or w == alive_dir for _, w in found)
         assert os.path.isdir(ckpt) and os.path.isdir(shm) and (locks / "extract-old.lock").exists()
 
-        done = subprocess.run(cli, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        done = subprocess.run([*cli, "--yes"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
         assert not os.path.exists(ckpt) and not os.path.exists(shm)
         assert not (locks / "extract-old.lock").exists() and (locks / "extract-live.lock").exists()

@@ -24,11 +24,11 @@ import multiprocessing as mp
 import os
 import socket
 import sys
-import tempfile
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
+from tasks.core import owners
 from tasks.engine.process import ROOT, EngineProcess, _LIVE, engine_tmp_base
 
 PRELOAD = [
@@ -164,7 +164,7 @@ class WarmEngine(EngineProcess):
             return
         self._cleanup()
         self._dead = False
-        self.workdir = tempfile.mkdtemp(prefix=f"draftline-{self.name}-", dir=engine_tmp_base())
+        self.workdir = owners.owned_tempdir(f"engine-{self.name}", engine_tmp_base())  # as EngineProcess.start
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         parent_sock, child_sock = socket.socketpair()
         Path(self.log_path).touch()

@@ -19,6 +19,7 @@ export's README.md and `draftline export` all print what it returns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.errors import DraftlineError
+from tasks.core.owners import owned_temporary_directory
 
 # vllm.LLM keyword -> `vllm serve` flag (booleans: the flag alone when true)
 SERVE_FLAGS = {
@@ -178,13 +180,38 @@ def _same_maps_as_training(store: Any, art: Any, folder: str) -> None:
                               "the served draft would propose other ids than it learned; re-run the train stage")
 
 
-def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]) -> dict[str, Any]:
+EXPORT_RECORD = ".draftline-export.json"  # in DEST: the files an export wrote there, with their sha256
+
+
+def _sha256(fs: Any, path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _not_ours(fs: Any, root: str, names: list[str]) -> list[str]:
+    """The files of `names` that DEST already holds and no earlier export wrote (or that changed since)."""
+    try:
+        record = json.loads(fs.cat_file(f"{root}/{EXPORT_RECORD}")).get("files", {})
+    except (FileNotFoundError, ValueError, AttributeError):
+        record = {}
+    return [n for n in names if fs.exists(f"{root}/{n}")
+            and (not isinstance(record, dict) or record.get(n) != _sha256(fs, f"{root}/{n}"))]
+
+
+def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any], force: bool = False) -> dict[str, Any]:
     """Write DEST/draft/{config.json, model.safetensors} (verified against the manifest), DEST/vocab/*.json,
     DEST/serve.json and DEST/README.md with the serve line for DEST/draft. DEST: a local folder or an fsspec
-    URL (s3://...). Files are written to a temporary folder first, so a failed export leaves no half draft."""
-    import tempfile
-
+    URL (s3://...). Files are written to a temporary folder first, so a failed export leaves no half draft.
+    Every path is checked (`safe_join`: none leaves DEST, no symlink is followed); a file DEST holds that no
+    export wrote (DEST/.draftline-export.json lists what one did) is replaced only with `force`."""
     import fsspec
+
+    from tasks.store.artifacts import safe_join
 
     art = store.open("train", train_digest)
     missing = [f for f in DRAFT_FILES if f not in art.files()]
@@ -201,11 +228,12 @@ def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]
     else:
         serve["lines"] = [serve_command(serve, draft_at)]
     serve["command"] = serve["lines"][-1]
-    with tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp:
+    with owned_temporary_directory("export") as work:  # gc keeps it while this process lives
+        tmp = os.path.join(work, "out")
         os.makedirs(os.path.join(tmp, "draft"))
         os.makedirs(os.path.join(tmp, "vocab"))
         for name in art.files("draft/"):
-            with art.local_copy(name) as src, open(src, "rb") as fh, open(os.path.join(tmp, name), "wb") as out:
+            with art.local_copy(name) as src, open(src, "rb") as fh, open(safe_join(tmp, name), "wb") as out:
                 while chunk := fh.read(8 << 20):
                     out.write(chunk)
         _same_maps_as_training(store, art, os.path.join(tmp, "draft"))
@@ -218,16 +246,31 @@ def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]
         Path(tmp, "README.md").write_text(README.format(
             digest=train_digest, target=serve["target"], uri=art.uri, draft_vocab=len(d2t), vocab=vocab,
             how=how, command="\n".join(serve["lines"])))
-        names = sorted(str(p.relative_to(tmp)) for p in Path(tmp).rglob("*") if p.is_file())
-        if remote:
-            same = dest.split("://")[0] == store.uri.split("://")[0]
-            fs, root = fsspec.core.url_to_fs(dest, **(store.fs.storage_options if same else {}))
-            for n in sorted(names, key=lambda n: n == "README.md"):  # the README last: it marks a whole export
-                fs.put_file(os.path.join(tmp, n), f"{root.rstrip('/')}/{n}")
-        else:
-            for n in sorted(names, key=lambda n: n == "README.md"):
-                target = os.path.join(local_dest, n)
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                shutil.copyfile(os.path.join(tmp, n), target + ".part")
-                os.replace(target + ".part", target)
+        names = sorted(p.relative_to(tmp).as_posix() for p in Path(tmp).rglob("*") if p.is_file())
+        same = remote and dest.split("://")[0] == store.uri.split("://")[0]
+        fs, root = fsspec.core.url_to_fs(dest if remote else os.path.abspath(local_dest),
+                                         **(store.fs.storage_options if same else {}))
+        root = root.rstrip("/")
+        if not remote:
+            for n in names:  # no path through a planted symlink, before anything is written
+                safe_join(root, n)
+                safe_join(root, n + ".part")
+        theirs = _not_ours(fs, root, names)
+        if theirs and not force:
+            raise ExportError(f"{dest} already holds {', '.join(theirs)}, which no draftline export wrote (or which "
+                              "changed since): not replacing them; export to an empty folder, or pass --force to "
+                              "replace them")
+        for n in sorted(names, key=lambda n: n == "README.md"):  # the README last: it marks a whole export
+            if remote:
+                fs.put_file(os.path.join(tmp, n), f"{root}/{n}")
+                continue
+            target = safe_join(root, n)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(target + ".part")  # a stale one of a killed export (a link was refused above)
+            shutil.copyfile(os.path.join(tmp, n), target + ".part")
+            os.replace(target + ".part", target)
+        ours = {n: _sha256(fsspec.filesystem("file"), os.path.join(tmp, n)) for n in names}
+        fs.pipe_file(f"{root}/{EXPORT_RECORD}", json.dumps({"train_digest": train_digest, "files": ours},
+                                                           indent=2).encode())
     return {"train_digest": train_digest, "dest": dest, "files": names, "serve": serve}

@@ -1,6 +1,6 @@
 """draftline's folder on this machine (`cache_home`: the offline model, hub snapshots, the node part cache,
-locks; $DRAFTLINE_HOME, else $XDG_CACHE_HOME/draftline, else ~/.cache/draftline) and the file lock the
-processes of one node share it under."""
+locks; $DRAFTLINE_HOME, else $XDG_CACHE_HOME/draftline, else ~/.cache/draftline), its private folders
+(`private_folder`: 0700, e.g. engine logs) and the file lock the processes of one node share it under."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ def cache_home() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "draftline")
     p = Path(root)
     p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def private_folder(name: str) -> Path:
+    """A folder of `cache_home` that only this user may enter (0700): where a dead engine's log is kept
+    (never a predictable path in the shared temp folder, which others could read or plant a link at)."""
+    p = cache_home() / name
+    p.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(p, 0o700)
     return p
 
 

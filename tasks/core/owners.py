@@ -1,17 +1,26 @@
-"""Who left a lock, a temporary folder or an engine work folder behind, and whether it still runs.
+"""Who left a lock, a temporary folder, an engine work folder or a store attempt behind, and whether it
+still runs; and the one name pattern every folder draftline may later delete follows.
 
-An owner is (host, boot id, pid, process start time). A pid alone is not enough: after its
-process dies the number is reused, so the start time (clock ticks since boot, field 22 of
-/proc/PID/stat) pins one process. Only a process on this machine (same host name, same
-boot) can be checked; for any other owner `alive` answers None, and callers fall back to a
-lease that expires or an age limit.
+An owner is (host name in full, boot id, machine id, pid, process start time), kept in full in an
+owner record (`.draftline-owner.json` in the folder it owns), never squeezed into a name. A pid alone
+is not enough: after its process dies the number is reused, so the start time (clock ticks since
+boot, field 22 of /proc/PID/stat) pins one process. Only a process on this machine (same host name,
+same boot, same machine id) can be checked; for any other owner `alive` answers None, and callers
+fall back to a lease (the record's `beat`, refreshed while the owner works) or an age limit.
+
+Folder names: `draftline-KIND-YYYYMMDDTHHMMSS-<16 hex>` (`owned_name`), for store attempts and local
+temp folders alike; `parse_owned_name` is the one check `draftline gc` applies before it deletes
+anything, so a user's folder (`assets`, `archive-2023`, `draftline-notes`) never matches by accident.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
 import socket
 import tempfile
@@ -20,12 +29,36 @@ from pathlib import Path
 from typing import Any, Iterator
 
 OWNER_FILE = ".draftline-owner.json"
+_OWNED_RE = re.compile(r"^draftline-(?P<kind>[a-z0-9]+(?:-[a-z0-9]+)*)-(?P<when>\d{8}T\d{6})-(?P<rand>[0-9a-f]{16})$")
+
+
+def owned_name(kind: str) -> str:
+    """A fresh name for a folder draftline makes and may later delete: `draftline-KIND-WHEN-<16 hex>`."""
+    kind = re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-") or "tmp"
+    return f"draftline-{kind}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(8)}"
+
+
+def parse_owned_name(name: str) -> dict[str, str] | None:
+    """{kind, when, rand} when `name` is one `owned_name` made, else None (not draftline's: never deleted)."""
+    m = _OWNED_RE.match(name)
+    return m.groupdict() if m else None
+
+
+def _read_id(path: str) -> str:
+    with contextlib.suppress(OSError):
+        return Path(path).read_text().strip()
+    return ""
 
 
 def _boot_id() -> str:
-    with contextlib.suppress(OSError):
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    return ""
+    return _read_id("/proc/sys/kernel/random/boot_id")
+
+
+def _machine_id() -> str:
+    """The machine id, hashed for draftline (systemd asks that the raw id never leave the machine: owner
+    records land on a shared store)."""
+    raw = _read_id("/etc/machine-id") or _read_id("/var/lib/dbus/machine-id")
+    return hashlib.sha256(f"draftline-owner:{raw}".encode()).hexdigest()[:32] if raw else ""
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -50,13 +83,25 @@ def pid_running(pid: int) -> bool:
 def me() -> dict[str, Any]:
     """This process as an owner record (JSON-ready)."""
     st = _stat(os.getpid())
-    return {"host": socket.gethostname(), "boot": _boot_id(), "pid": os.getpid(),
-            "start": st[1] if st else None, "since": round(time.time(), 3)}
+    now = round(time.time(), 3)
+    return {"host": socket.gethostname(), "boot": _boot_id(), "machine": _machine_id(), "pid": os.getpid(),
+            "start": st[1] if st else None, "since": now, "beat": now}
+
+
+def here(owner: dict[str, Any] | None) -> bool:
+    """Whether `owner` names this machine as it runs now: the same full host name, boot id and machine id
+    (pods of one Deployment or EC2's ip-172-31-10-15 / ip-172-31-101-5 differ in at least one)."""
+    if not owner or owner.get("host") != socket.gethostname():
+        return False
+    boot, machine = _boot_id(), _machine_id()
+    if not (boot or machine):
+        return False  # nothing to tell this boot from another: cannot check
+    return owner.get("boot", "") == boot and owner.get("machine", machine) == machine
 
 
 def alive(owner: dict[str, Any] | None) -> bool | None:
     """True/False for an owner on this machine; None when it cannot be told (another host, no record)."""
-    if not owner or owner.get("host") != socket.gethostname() or owner.get("boot") != _boot_id():
+    if not here(owner):
         return None
     st = _stat(owner.get("pid", -1))
     if st is None or st[0] in ("Z", "X"):  # gone, or killed and not yet reaped
@@ -76,23 +121,37 @@ def mark(folder: str | os.PathLike) -> None:
     Path(folder, OWNER_FILE).write_text(json.dumps(me()))
 
 
+def last_seen(owner: dict[str, Any] | None) -> float:
+    """When the owner last said it works (its record's `beat`, else `since`), in epoch seconds; 0 if never."""
+    with contextlib.suppress(TypeError, ValueError):
+        return float((owner or {}).get("beat") or (owner or {}).get("since") or 0)
+    return 0.0
+
+
 def read(folder: str | os.PathLike) -> dict[str, Any] | None:
     with contextlib.suppress(OSError, ValueError):
         return json.loads(Path(folder, OWNER_FILE).read_text())
     return None
 
 
-def owned_tempdir(prefix: str, dir: str | None = None) -> str:
-    """`tempfile.mkdtemp` whose folder names its owner, so `draftline gc` can tell a dead run's
-    leftovers from a live run's work."""
-    path = tempfile.mkdtemp(prefix=prefix, dir=dir)
+def owned_tempdir(kind: str, dir: str | None = None) -> str:
+    """A private (0700) temp folder named `owned_name(kind)` holding its owner record, so `draftline gc`
+    can tell a dead run's leftovers from a live run's work (and never takes a folder it did not make)."""
+    base = dir or tempfile.gettempdir()
+    while True:
+        path = os.path.join(base, owned_name(kind))
+        try:
+            os.mkdir(path, 0o700)
+            break
+        except FileExistsError:
+            continue
     mark(path)
     return path
 
 
 @contextlib.contextmanager
-def owned_temporary_directory(prefix: str, dir: str | None = None) -> Iterator[str]:
-    path = owned_tempdir(prefix, dir)
+def owned_temporary_directory(kind: str, dir: str | None = None) -> Iterator[str]:
+    path = owned_tempdir(kind, dir)
     try:
         yield path
     finally:

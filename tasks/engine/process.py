@@ -30,7 +30,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -41,6 +40,7 @@ from typing import Any, Literal
 from tasks.core.errors import DraftlineError
 from tasks.core import owners, stopping
 from tasks.engine.vllm_versions import check_vllm
+from tasks.core.home import private_folder
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 LOG_TAIL_CHARS = 4000
@@ -197,7 +197,7 @@ class EngineProcess:
             check_vllm()  # outside the releases draftline runs on: say so before a model loads for minutes
         self._cleanup()
         self._dead = False
-        self.workdir = owners.owned_tempdir(f"draftline-{self.name}-", engine_tmp_base())
+        self.workdir = owners.owned_tempdir(f"engine-{self.name}", engine_tmp_base())
         env = {**os.environ, **self.env}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -428,14 +428,16 @@ class EngineProcess:
             self._conn = None
         if self._failed and self.log_path and os.path.exists(self.log_path):
             with contextlib.suppress(OSError):
+                os.chmod(self.log_path, 0o600)
                 shutil.move(self.log_path, self.kept_log_path())
         self._failed = False
         if self.workdir and os.path.isdir(self.workdir) and not os.environ.get("DRAFTLINE_KEEP_ENGINE_DIR"):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def kept_log_path(self) -> str:
-        """Where the full log of an engine that died is kept after cleanup."""
-        return os.path.join(tempfile.gettempdir(), f"draftline-{self.name}-{self.pid}.log")
+        """Where the full log of an engine that died is kept after cleanup: this user's private (0700)
+        engine-logs folder (tasks/core/home.py), not the shared temp folder."""
+        return os.path.join(private_folder("engine-logs"), f"draftline-{self.name}-{self.pid}.log")
 
     def _exit_text(self) -> str:
         if self._proc is None:

@@ -6,7 +6,10 @@ attempt folder `STAGE/DIGEST/<attempt>/...` and are published by
 local disk). The manifest lists every file with its size and sha256, so:
 
 - a writer that dies before its manifest leaves nothing visible (`gc` removes
-  the attempt folder later);
+  the attempt folder later: its name is `owners.owned_name("attempt")` and it holds its writer's
+  owner record, `.draftline-owner.json`, so gc knows it is draftline's and whether its writer runs);
+- the store's root holds `draftline-store.json` (STORE_MARKER), written by `draftline store init` and
+  by the first write of any run: `gc` deletes nothing under a root without it;
 - two writers of one digest each write their own attempt; whichever manifest
   lands names a complete set of files, so readers always see one valid artifact;
 - readers check sizes on open and sha256 when they read a file, and treat a
@@ -27,7 +30,6 @@ import io
 import json
 import os
 import re
-import socket
 import threading
 import time
 import uuid
@@ -39,11 +41,14 @@ from typing import IO, Any, Callable, Iterator
 import fsspec
 from pydantic import BaseModel, Field
 
+from tasks.core import owners
 from tasks.core.errors import DraftlineError
 from tasks.core.config import StoreConfig, with_scheme
 from tasks.core.faults import kill_point
 
 MANIFEST = "manifest.json"
+STORE_MARKER = "draftline-store.json"  # at the store's root: what says "draftline wrote here"
+_OWNER_BEAT_S = 60  # a writer refreshes its attempt's owner record (its lease) at most this often
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HASH_CHUNK = 8 << 20
 _COPY_CHUNK = 16 << 20  # ranged GETs of a streamed copy (Artifact.copy_to)
@@ -82,6 +87,10 @@ class BucketMissing(StoreError):
     """The store's S3 bucket does not exist (`draftline store init` creates it)."""
 
 
+class NotAStore(StoreError):
+    """A root without draftline's store marker: gc deletes nothing there."""
+
+
 class ArtifactMissing(DraftlineError, LookupError):
     pass
 
@@ -116,12 +125,33 @@ def check_name(kind: str, value: str) -> str:
 
 
 def check_relpath(value: str) -> str:
-    parts = value.split("/")
+    parts = value.split("/") if isinstance(value, str) else []
     if not parts or any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"invalid artifact file path {value!r}: relative, no '..' or empty parts")
     for p in parts:
         check_name("file name", p)
     return value
+
+
+class UnsafePath(DraftlineError, ValueError):
+    """A path from a manifest (or a folder written to) that would lead out of its folder."""
+
+
+def safe_join(folder: str | os.PathLike, relpath: str) -> str:
+    """The one way a path read from a manifest (or an export's file list) becomes a local path to write:
+    `relpath` must be relative, without '..' or empty parts (check_relpath), and no part of it under
+    `folder` may be a symlink (a planted link is never followed out of the folder). Raises UnsafePath."""
+    try:
+        check_relpath(relpath)
+    except ValueError as exc:
+        raise UnsafePath(f"{exc}: refusing to write it under {folder}") from None
+    path = os.fspath(folder)
+    for part in relpath.split("/"):
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            raise UnsafePath(f"{path} is a symlink (to {os.readlink(path)}): refusing to write through it; remove "
+                             "the link (draftline never makes one there)")
+    return path
 
 
 class FileEntry(BaseModel):
@@ -268,9 +298,13 @@ class Artifact:
         return data
 
     def _corrupt(self, why: str) -> None:
-        """Un-commit the artifact so the stage that made it runs again, then raise."""
-        self.store.quarantine(self.stage, self.digest, why)
-        raise ArtifactCorrupt(f"{self.uri}: {why}; the artifact was un-committed and will be recomputed on retry")
+        """Un-commit the artifact so the stage that made it runs again, then raise. A stale reader (its
+        manifest was replaced by a newer commit while it read) leaves the newer manifest alone."""
+        if self.store.quarantine(self.stage, self.digest, why, seen=self.manifest):
+            raise ArtifactCorrupt(f"{self.uri}: {why}; the artifact was un-committed and will be recomputed on retry")
+        raise ArtifactCorrupt(f"{self.uri}: {why}, in attempt {self.manifest.attempt}, which a newer commit has "
+                              "replaced since this reader opened it; the newer one was left as it is: read the "
+                              "artifact again")
 
     def read_json(self, name: str) -> Any:
         return json.loads(self.read_bytes(name))
@@ -285,9 +319,7 @@ class Artifact:
                 self.verify_file(name)
             yield path
             return
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="draftline-") as tmp:
+        with owners.owned_temporary_directory("copy") as tmp:  # gc keeps it while this process lives
             local = os.path.join(tmp, os.path.basename(name))
             with open(local, "wb") as fh:
                 self.copy_to(name, fh, verify=verify)
@@ -304,12 +336,11 @@ class Artifact:
                     self.verify_file(n)
             yield self.store.key(self.stage, self.digest, self.manifest.attempt, prefix.rstrip("/"))
             return
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="draftline-") as tmp:
+        with owners.owned_temporary_directory("copy") as tmp:  # gc keeps it while this process lives
             for n in names:
-                os.makedirs(os.path.dirname(os.path.join(tmp, n)), exist_ok=True)
-                with open(os.path.join(tmp, n), "wb") as fh:
+                local = safe_join(tmp, n)
+                os.makedirs(os.path.dirname(local), exist_ok=True)
+                with open(local, "wb") as fh:
                     self.copy_to(n, fh, verify=verify)
             yield os.path.join(tmp, prefix).rstrip("/")
 
@@ -379,20 +410,16 @@ class Artifact:
                     raise ArtifactCorrupt(f"{self.uri}: {f.path} has {size} bytes, manifest says {f.bytes}")
 
 
-_WRITER = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:16] or "host"
-_ATTEMPT_RE = re.compile(r"^a\d{8}T\d{6}-([A-Za-z0-9]+)-(\d+)-[0-9a-f]{8}$")
+# Attempt folders of draftline before owner records (`a<time>-<host tag>-<pid>-<8 hex>`): still draftline's
+# leftovers, but the tag cannot tell hosts apart, so they go by age only.
+_LEGACY_ATTEMPT_RE = re.compile(r"^a\d{8}T\d{6}-[A-Za-z0-9]{1,16}-\d+-[0-9a-f]{8}$")
+_TEMP_FILE_RE = re.compile(r"^manifest\.json\.tmp-[0-9a-f]{32}$")
 
 
-def attempt_writer(attempt: str) -> dict[str, Any]:
-    """The host and pid an attempt folder's name records, and whether that writer still runs
-    (None: another host, or a name from an older version that records no writer)."""
-    m = _ATTEMPT_RE.match(attempt)
-    if not m:
-        return {}
-    host, pid = m.group(1), int(m.group(2))
-    from tasks.core.owners import pid_running
-
-    return {"host": host, "pid": pid, "alive": pid_running(pid) if host == _WRITER else None}
+def is_attempt_name(name: str) -> bool:
+    """Whether a folder under STAGE/DIGEST is an attempt draftline made (the one check gc applies)."""
+    parsed = owners.parse_owned_name(name)
+    return (parsed is not None and parsed["kind"] == "attempt") or bool(_LEGACY_ATTEMPT_RE.match(name))
 
 
 class ArtifactWriter:
@@ -406,8 +433,10 @@ class ArtifactWriter:
         self.version = version
         self.inputs = dict(inputs)
         self.config = config or {}
-        # The writer's host and pid in the name: `draftline gc` removes a dead writer's attempt at once.
-        self.attempt = f"a{time.strftime('%Y%m%dT%H%M%S')}-{_WRITER}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Its writer (host, boot, machine, pid) in an owner record inside: `draftline gc` removes a dead
+        # writer's attempt at once and keeps a live or recently beating one.
+        self.attempt = owners.owned_name("attempt")
+        self._beat = 0.0
         self.files: list[FileEntry] = []
         self.stats: dict[str, Any] = {}
         self.committed: Artifact | None = None
@@ -416,10 +445,28 @@ class ArtifactWriter:
         """Where file `name` of this attempt is written on the store."""
         return self.store.key(self.stage, self.digest, self.attempt, check_relpath(name))
 
+    def beat(self) -> None:
+        """Write (or refresh) the attempt's owner record: who writes it, and that it still works. Before the
+        first file; then at most every _OWNER_BEAT_S, so another host's gc sees a fresh lease."""
+        if time.time() - self._beat < _OWNER_BEAT_S:
+            return
+        if not self._beat:
+            self.store.ensure_marker()
+        record = owners.me()
+        key = self.store.key(self.stage, self.digest, self.attempt, owners.OWNER_FILE)
+        with _space_errors(self.store.uri, key):
+            self.store.fs.pipe_file(key, json.dumps(record).encode())
+        self._beat = record["beat"]
+
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[IO[bytes]]:
         """Stream a file into the attempt, hashing as it goes."""
         key = self.key(name)
+        self.beat()
+        def beat() -> None:  # refreshed while a long file streams, too (at most every _OWNER_BEAT_S)
+            with contextlib.suppress(Exception):  # a missed beat only shortens the lease; never fail the write
+                self.beat()
+
         h = hashlib.sha256()
         count = 0
         mid_file = f"store.{self.stage}.mid-file"
@@ -446,6 +493,7 @@ class ArtifactWriter:
                     count += mv.nbytes
                     if count >= _KILL_MID_FILE_BYTES > count - mv.nbytes:  # once per file, bytes still to come
                         kill_point(mid_file)
+                    beat()
                     return mv.nbytes
 
             yield _Hashing()  # type: ignore[misc]
@@ -476,6 +524,7 @@ class ArtifactWriter:
             config=self.config, run=run,
         )
         kill_point(f"commit.{self.stage}.before-manifest")
+        self.store.ensure_marker()
         self.store._publish(manifest)
         COMMITTED_HERE.add(self.attempt)
         self.committed = Artifact(self.store, manifest)
@@ -506,6 +555,7 @@ class Store:
                 raise StoreError(f"{self.scheme}:// needs {exc.name}: pip install s3fs") from None
         self.root = root
         self.uri = f"{self.scheme}://{root}"
+        self._marked = False
 
     @classmethod
     def from_config(cls, cfg: StoreConfig) -> "Store":
@@ -531,6 +581,73 @@ class Store:
 
     def uri_of(self, stage: str, digest: str) -> str:
         return f"{self.uri}/{stage}/{digest}"
+
+    # ---------------------------------------------------------------- the store's marker
+    def has_marker(self) -> bool:
+        if not self.is_local:
+            self.fs.invalidate_cache(self.root)
+        return self.fs.exists(self.key(STORE_MARKER))
+
+    def ensure_marker(self) -> None:
+        """Write STORE_MARKER at the root unless it is there (once per Store object: one check)."""
+        if self._marked:
+            return
+        if not self.has_marker():
+            key = self.key(STORE_MARKER)
+            with _space_errors(self.uri, key):
+                self.fs.pipe_file(key, json.dumps({
+                    "draftline_store": 1, "created": _now(),
+                    "about": "a draftline artifact store: STAGE/DIGEST/manifest.json artifacts and their attempt "
+                             "folders; `draftline gc` deletes only under a root holding this file"}, indent=2).encode())
+        self._marked = True
+
+    def _is_empty(self) -> bool:
+        """No file under the root (a probe of `check`, or an empty "folder" some S3 servers keep, aside)."""
+        def ours(name: str) -> bool:
+            return name.rstrip("/").rsplit("/", 1)[-1].startswith(".probe-") or name.endswith("/")
+
+        if self.is_local:
+            try:
+                with os.scandir(self.root) as it:
+                    return all(ours(e.name) for e in it)
+            except (FileNotFoundError, NotADirectoryError):
+                return True
+        bucket, _, prefix = self.root.partition("/")
+        try:
+            listed = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "",
+                                     MaxKeys=20)
+        except FileNotFoundError:
+            return True
+        return all(ours(o["Key"]) for o in listed.get("Contents", []))
+
+    def _not_a_store(self, doing: str) -> NotAStore:
+        return NotAStore(
+            f"{self.uri} is not a draftline store, so {doing}: a store is the folder or s3:// prefix whose root "
+            f"holds {STORE_MARKER} (written by `draftline store init` and by a run's first write) beside its "
+            "STAGE/DIGEST/manifest.json artifacts. Point --store (or store.uri) at a store; for a store an older "
+            f"draftline made, run `draftline store init --store {self.uri}` once")
+
+    def collectable(self) -> bool:
+        """Whether gc may look for leftovers here: True for a marked store, False for a root that does not
+        exist or is empty (nothing to collect); anything else raises NotAStore, naming the fix."""
+        if self.has_marker():
+            return True
+        if self._is_empty():
+            return False
+        raise self._not_a_store("gc deletes nothing there")
+
+    def init_marker(self) -> None:
+        """`draftline store init`: mark the root as a store, if it is empty or already holds draftline's layout
+        (a store an older draftline made); a folder of other files is refused."""
+        if self.has_marker():
+            self._marked = True
+            return
+        if not self._is_empty() and not self.list():
+            raise NotAStore(
+                f"{self.uri} holds files but no draftline artifact (STAGE/DIGEST/manifest.json): not marking it "
+                f"as a store ({STORE_MARKER}), since `draftline gc` cleans inside a store; pick an empty folder "
+                "or a new s3:// prefix for store.uri")
+        self.ensure_marker()
 
     # ---------------------------------------------------------------- health
     def check(self, write: bool = True) -> None:
@@ -627,9 +744,19 @@ class Store:
         except FileNotFoundError:
             return None
         try:
-            return Manifest.model_validate_json(raw)
+            m = Manifest.model_validate_json(raw)
         except Exception:
             return None  # an unreadable manifest is not a committed artifact
+        try:  # paths from the store are untrusted: one that leaves the artifact's folder is never used
+            check_name("attempt", m.attempt)
+            for f in m.files:
+                check_relpath(f.path)
+        except ValueError as exc:
+            raise ArtifactCorrupt(
+                f"{self.uri_of(stage, digest)}: its manifest names a path that leaves the artifact's folder "
+                f"({exc}); draftline never writes one, so nothing was read or written from it: delete {key} "
+                "(the stage is then recomputed)") from None
+        return m
 
     def open(self, stage: str, digest: str, checksums: bool = False) -> Artifact:
         """The committed artifact, with sizes (and optionally checksums) verified."""
@@ -661,9 +788,9 @@ class Store:
         stages = [stage] if stage else self._dirs(self.root)
         for s in stages:
             for d in self._dirs(self.key(s)):
-                m = self.manifest(s, d)
-                if m is not None:
-                    out.append(m)
+                with contextlib.suppress(ArtifactCorrupt):  # an unsafe manifest is listed as nothing
+                    if (m := self.manifest(s, d)) is not None:
+                        out.append(m)
         return sorted(out, key=lambda m: (m.stage, m.created))
 
     def _dirs(self, key: str) -> list[str]:
@@ -717,14 +844,31 @@ class Store:
             self.fs.pipe_file(key, payload)  # one PUT: atomic on S3
             self.fs.invalidate_cache(self.key(manifest.stage, manifest.digest))
 
-    def quarantine(self, stage: str, digest: str, why: str) -> None:
-        """Move a bad manifest aside (kept for inspection as manifest.corrupt-*.json)."""
+    def quarantine(self, stage: str, digest: str, why: str, seen: Manifest | None = None) -> bool:
+        """Move a bad manifest aside (kept for inspection as manifest.corrupt-*.json). With `seen` (the
+        manifest the reader found bad), only when the manifest on the store is still that one: re-read and
+        compared first, so a stale reader never un-commits a newer, good artifact. True when moved."""
         key = self.key(stage, digest, MANIFEST)
-        with contextlib.suppress(FileNotFoundError):
+        if not self.is_local:
+            self.fs.invalidate_cache(self.key(stage, digest))
+        try:
             raw = self.fs.cat_file(key)
+        except FileNotFoundError:
+            return False
+        if seen is not None:
+            try:
+                now = Manifest.model_validate_json(raw)
+            except Exception:
+                now = None
+            if now is not None and now != seen:
+                return False
+        with contextlib.suppress(ValueError):
+            raw = json.loads(raw)
+        with contextlib.suppress(FileNotFoundError):
             self.fs.pipe_file(self.key(stage, digest, f"manifest.corrupt-{uuid.uuid4().hex[:8]}.json"),
-                              json.dumps({"reason": why, "manifest": json.loads(raw)}).encode())
+                              json.dumps({"reason": why, "manifest": raw}).encode())
             self.fs.rm_file(key)
+        return True
 
     def delete(self, stage: str, digest: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -737,25 +881,38 @@ class Store:
         return [g["key"] for g in self.garbage_detail(min_age_s)]
 
     def garbage_detail(self, min_age_s: float = 3600) -> list[dict[str, Any]]:
-        """`garbage` with each leftover's age in seconds and its writer (host, pid, alive?)."""
+        """`garbage` with each leftover's age in seconds and its writer (its owner record, alive?).
+
+        Only under a marked store (`collectable`; NotAStore otherwise), and only what draftline names:
+        STAGE/DIGEST/<attempt> folders whose name `is_attempt_name` accepts and that no manifest names,
+        and STAGE/DIGEST/manifest.json.tmp-<32 hex> files. An attempt whose writer runs on this machine is
+        kept; one whose writer is gone goes at once; one of another host (or boot) is kept while any of its
+        files or its owner record (the writer's lease, refreshed while it writes) is younger than min_age_s."""
         out: list[dict[str, Any]] = []
         now = time.time()
         if not self.is_local:
             self.fs.invalidate_cache()
+        if not self.collectable():
+            return out
         for s in self._dirs(self.root):
             if s.startswith("_"):
                 continue
             for d in self._dirs(self.key(s)):
-                m = self.manifest(s, d)
+                try:
+                    m = self.manifest(s, d)
+                except ArtifactCorrupt:
+                    continue  # a manifest naming unsafe paths: leave the whole artifact for a person to see
                 live = m.attempt if m else None
                 for a in self._dirs(self.key(s, d)):
-                    if a == live or not a.startswith("a"):
+                    if a == live or not is_attempt_name(a):
                         continue
                     key = self.key(s, d, a)
                     found = self.fs.find(key, detail=True)
                     if not any(i.get("type") == "file" and k.rstrip("/") != key for k, i in found.items()):
                         continue  # an empty prefix some S3 servers keep after deletion: nothing to free
-                    age, writer = self._age(key, now), attempt_writer(a)
+                    age, writer = self._age(key, now), self._attempt_owner(key)
+                    if writer.get("alive") is True:
+                        continue
                     if age >= min_age_s or writer.get("alive") is False:
                         out.append({"kind": "attempt", "key": key, "age_s": age, "owner": writer})
                 try:
@@ -763,9 +920,19 @@ class Store:
                 except FileNotFoundError:
                     files = []
                 for f in files:
-                    if ".tmp-" in f.rsplit("/", 1)[-1] and (age := self._age(f, now)) >= min_age_s:
+                    if _TEMP_FILE_RE.match(f.rsplit("/", 1)[-1]) and (age := self._age(f, now)) >= min_age_s:
                         out.append({"kind": "temp-file", "key": f, "age_s": age, "owner": {}})
         return out
+
+    def _attempt_owner(self, key: str) -> dict[str, Any]:
+        """The attempt's owner record ({} for none) with `alive`: True/False on this machine, None elsewhere."""
+        try:
+            record = json.loads(self.fs.cat_file(f"{key}/{owners.OWNER_FILE}"))
+        except (FileNotFoundError, ValueError):
+            return {}
+        if not isinstance(record, dict):
+            return {}
+        return {**record, "alive": owners.alive(record)}
 
     def _age(self, key: str, now: float) -> float:
         try:

@@ -146,7 +146,7 @@ class Checkpointer:
                               "lr": state.history[-1]["lr"] if state.history else lr_at(state.step, self.t)},
                 "stopped_reason": state.stopped_reason, "history": state.history, "train_digest": self.train_digest,
             }
-            with owned_temporary_directory("draftline-ckpt-") as tmp, \
+            with owned_temporary_directory("ckpt") as tmp, \
                     self.store.write(CKPT_STAGE, digest, VERSIONS[CKPT_STAGE], {"train": self.train_digest},
                                      {"step": state.step}) as w:
                 save_file(weights, os.path.join(tmp, "m.safetensors"))

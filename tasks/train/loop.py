@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -251,7 +250,7 @@ class Trainer:
             if self.init_from is not None:
                 stats["init_from"] = self.init_from
             metrics = {"steps": state.history, "eval": val, "stopped_reason": state.stopped_reason}
-            with owned_temporary_directory("draftline-draft-") as tmp, \
+            with owned_temporary_directory("draft") as tmp, \
                     self.store.write(STAGE, self.inp.digest, VERSIONS[STAGE], self.inp.inputs,
                                      self.cfg.train.model_dump(mode="json")) as w:
                 export_draft(self.model, tmp, self.cfg.target.dtype)
@@ -279,7 +278,7 @@ def export_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
             continue
         v = value.detach().cpu()
         tensors[name] = (v.to(to) if v.is_floating_point() else v).contiguous()
-    with tempfile.TemporaryDirectory(prefix="draftline-cfg-") as tmp:
+    with owned_temporary_directory("cfg") as tmp:
         model.config.save_pretrained(tmp)
         config = json.loads(open(os.path.join(tmp, "config.json")).read())
     config.pop("auto_map", None)  # speculators' custom-code hook; vLLM reads the format natively

@@ -280,7 +280,7 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
     from tasks.store.artifacts import COMMITTED_HERE
 
     digest = digests.train(cfg, vocab_ref, extract_refs)
-    folder = owned_tempdir("draftline-ranks-")
+    folder = owned_tempdir("ranks")
     paths = {k: os.path.join(folder, name) for k, name in
              (("args", "args.json"), ("metrics", "metrics.jsonl"), ("result", "result.json"), ("logs", "logs"))}
     with open(paths["args"], "w") as fh:  # no secrets: the store's credentials come from each rank's environment
