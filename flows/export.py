@@ -113,9 +113,11 @@ def run_train_digest(store: Any, run: str, head: str | None = None) -> tuple[str
     except ConfigError as exc:
         raise ExportError(f"flow run {fr.name} ({fr.id}) ran with a config that no longer loads here: {exc}; give "
                           "its train digest (`draftline ls --stage train`)") from None
-    if cfg.store.uri.rstrip("/") != store.uri.rstrip("/"):
-        raise ExportError(f"flow run {fr.name} wrote to {cfg.store.uri}, not {store.uri}: pass --set "
-                          f"store.uri={cfg.store.uri}")
+    from tasks.store.artifacts import canonical_uri
+
+    if canonical_uri(cfg.store.uri) != store.uri:  # one store however it is written (relative, absolute, slash)
+        raise ExportError(f"flow run {fr.name} wrote to {canonical_uri(cfg.store.uri)}, not {store.uri}: pass "
+                          f"--store {canonical_uri(cfg.store.uri)}")
     return config_train_digest(store, cfg, head), cfg
 
 
@@ -128,6 +130,9 @@ def export(what: str = typer.Argument(..., help="A train digest (or 6+ first cha
            head: Optional[str] = typer.Option(None, help="With a config or run of several train.heads: which."),
            force: bool = typer.Option(False, "--force", help="Replace files in DEST that no draftline export "
                                                              "wrote (README.md, serve.json, ...)."),
+           host: Optional[str] = typer.Option(None, "--host", help="The address the printed `vllm serve` line "
+                                              "binds (default engines.serve_host, 127.0.0.1: this machine only; "
+                                              "the API has no authentication)."),
            as_json: bool = JsonOpt):
     """Write a trained draft as vLLM loads it (draft/), its vocabulary maps and a README.md with the exact
     `vllm serve` line, at the settings its benchmark measured."""
@@ -138,7 +143,8 @@ def export(what: str = typer.Argument(..., help="A train digest (or 6+ first cha
     store = open_store(cfg, write=False)  # it reads the store only: read-only keys export
     try:
         digest, report, run_cfg = resolve_train(store, what, cfg if from_config else None, head)
-        out = export_draft(store, digest, dest, export_serve(store, digest, report, run_cfg), force=force)
+        out = export_draft(store, digest, dest, export_serve(store, digest, report, run_cfg), force=force,
+                           host=host)
     except (ExportError, ValueError, LookupError) as exc:
         fail(str(exc))
     if as_json:

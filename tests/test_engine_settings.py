@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.benchmark.stage import default_engine_factory, engine_kwargs
+from tasks.benchmark.stage import default_engine_factory
+from tasks.engine.settings import benchmark_kwargs
 from tasks.core.config import RunConfig
 from tasks.engine.settings import engine_for_group
 from train_data import make_tiny_target
@@ -18,7 +19,7 @@ from train_data import make_tiny_target
 
 def engines(cfg: RunConfig, model: str) -> dict[str, tuple[dict, dict]]:
     """(llm kwargs, environment) of each vLLM engine a run of `cfg` would start, built as the run does."""
-    bench = default_engine_factory(cfg, model)("baseline", engine_kwargs(cfg, None, model))
+    bench = default_engine_factory(cfg, model)("baseline", benchmark_kwargs(cfg, None, model))
     ext = engine_for_group(cfg, model, [])
     regen = engine_for_group(cfg, model, [], "regenerate")
     return {e.name: (e.llm_kwargs, e.env) for e in (regen, ext, bench)}

@@ -45,7 +45,80 @@ def test_the_serve_line_is_one_shell_line_that_parses_back():
     assert argv[:3] == ["vllm", "serve", "/models/my target"]
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
         "method": "eagle3", "model": "/drafts/it's here", "num_speculative_tokens": 3}
-    assert argv[5:] == ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--seed", "0"]
+    assert argv[5:] == ["--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
+                        "--host", "127.0.0.1"]
+
+
+def parse_serve_line(line: str):
+    """The line as `vllm serve` reads it: vLLM's own parser (the installed CPU build's EngineArgs flags on its
+    FlexibleArgumentParser; the positional target is `--model`). Returns (the parsed EngineArgs fields, the
+    frontend's flags). EngineArgs itself is not built: for a hub id it would fetch the model."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = shlex.split(line)
+    assert argv[:2] == ["vllm", "serve"]
+    args, frontend = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_known_args(
+        ["--model", argv[2], *argv[3:]])
+    return args, frontend
+
+
+def assert_serves_the_benchmark_engine(line: str, ran: dict, target: str, draft: str) -> None:
+    """Field by field: every argument the benchmark engine ran with, as `vllm serve` parses the printed line."""
+    parsed, frontend = parse_serve_line(line)
+    assert parsed.model == target
+    for key, value in ran.items():
+        if key == "speculative_config":  # the draft the line names: the exported copy, not the benchmark's
+            value = {**value, "model": draft}
+        assert getattr(parsed, key) == value, (key, getattr(parsed, key), value)
+    assert frontend[-2:] == ["--host", "127.0.0.1"]  # this machine only, unless asked
+
+
+def test_the_serve_line_is_the_engine_the_benchmark_ran(tmp_path):
+    """A hub target (a Kimi-K2.5-shaped config: MLA, a vision tower) at tensor parallel 8 with engine_args: the
+    line names the hub id and its commit (never the node's snapshot folder), and vLLM's parser gives back every
+    argument of the benchmark's engine at the chosen k."""
+    from transformers import DeepseekV3Config
+    from transformers.models.kimi_k25 import Kimi_K25Config
+
+    from tasks.benchmark.export import serve_settings
+    from tasks.engine.settings import benchmark_kwargs
+
+    snapshot = tmp_path / "hub-cache" / "snapshots" / ("c" * 40)  # where the benchmark's engine read it from
+    Kimi_K25Config(text_config=DeepseekV3Config(kv_lora_rank=512, num_hidden_layers=4),
+                   vision_config={}).save_pretrained(snapshot)
+    commit = "c" * 40
+    cfg = RunConfig.model_validate({
+        "target": {"model": "moonshotai/Kimi-K2.5", "revision": commit, "dtype": "bfloat16", "max_model_len": 4096},
+        "extract": {"tensor_parallel_size": 8},
+        "engines": {"engine_args": {"max_num_seqs": 32, "enable_prefix_caching": False},
+                    "benchmark": {"engine_args": {"max_num_batched_tokens": 8192}}}})
+    ran = benchmark_kwargs(cfg, {"method": "eagle3", "model": "/tmp/benchmark-copy", "num_speculative_tokens": 3},
+                        str(snapshot))
+    assert ran["language_model_only"] and ran["tensor_parallel_size"] == 8 and ran["revision"] == commit
+    serve = serve_settings(cfg, k=3, engine=ran)
+    line = serve_command(serve, "/drafts/kimi")
+    assert str(snapshot) not in line and "/tmp/benchmark-copy" not in line
+    assert_serves_the_benchmark_engine(line, ran, "moonshotai/Kimi-K2.5", "/drafts/kimi")
+    # another host only when asked (export --host, engines.serve_host)
+    assert parse_serve_line(serve_command(serve, "/d", host="0.0.0.0"))[1][-2:] == ["--host", "0.0.0.0"]
+    wide = serve_settings(cfg.model_copy(update={"engines": cfg.engines.model_copy(update={"serve_host": "10.0.0.5"})}),
+                          k=3, engine=ran)
+    assert shlex.split(serve_command(wide, "/d"))[-2:] == ["--host", "10.0.0.5"]
+
+
+def test_one_store_is_one_uri_however_it_is_written(tmp_path, monkeypatch):
+    """`make demo` writes to configs/demo.yaml's `file://.draftline/store`; `draftline export last` compares the run's
+    store with its own as one URI (the message of issue 35: "wrote to file://.draftline/store, not file:///...")."""
+    from tasks.store.artifacts import canonical_uri
+
+    monkeypatch.chdir(tmp_path)
+    absolute = f"file://{tmp_path.resolve()}/.draftline/store"
+    for written in ("file://.draftline/store", ".draftline/store", "file://./.draftline/store/", absolute,
+                    absolute + "/", f"file://{tmp_path}/x/../.draftline/store"):
+        assert canonical_uri(written) == absolute == Store(written).uri, written
+    assert canonical_uri("s3://bucket/runs/") == canonical_uri("s3://bucket/runs") == "s3://bucket/runs"
+    assert canonical_uri("file://other/store") != absolute
 
 
 def test_best_k_is_the_best_measured_speedup():

@@ -30,13 +30,10 @@ from typing import Any
 from tasks.core.errors import DraftlineError
 from tasks.core.owners import owned_temporary_directory
 
-# vllm.LLM keyword -> `vllm serve` flag (booleans: the flag alone when true)
-SERVE_FLAGS = {
-    "dtype": "--dtype", "max_model_len": "--max-model-len", "enforce_eager": "--enforce-eager",
-    "tensor_parallel_size": "--tensor-parallel-size", "seed": "--seed", "revision": "--revision",
-    "trust_remote_code": "--trust-remote-code", "attention_backend": "--attention-backend",
-    "chat_template": "--chat-template",
-}
+# The benchmark engine's booleans whose `vllm serve` default is false: left out of the line when false (every other
+# false boolean is written `--no-NAME`, vLLM's spelling for it).
+FALSE_BY_DEFAULT = ("enforce_eager", "trust_remote_code", "language_model_only", "disable_log_stats")
+DEFAULT_HOST = "127.0.0.1"
 DRAFT_FILES = ("draft/config.json", "draft/model.safetensors")
 
 
@@ -44,30 +41,67 @@ class ExportError(DraftlineError, ValueError):
     """An export that cannot be made; the message says what to give instead."""
 
 
-def serve_settings(cfg: Any, *, k: int, method: str = "eagle3", measured: bool = True) -> dict[str, Any]:
-    """What the serve line needs besides the draft's path: the target as vLLM loads it, the method, k, and the
-    engine settings of tasks/engine/settings.py (defaults left out: tensor_parallel_size 1, booleans off)."""
-    from tasks.engine.settings import vllm_kwargs
+def serve_settings(cfg: Any, *, k: int, method: str = "eagle3", measured: bool = True,
+                   engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the serve line needs besides the draft's path: the target as `vllm serve` loads it (the hub id when it
+    came from the hub, with its commit as `revision`; else the folder), the method, k, the host and the engine's
+    arguments. `engine`: the `vllm.LLM` arguments the benchmark engine at this k ran with (tasks/engine/settings.py
+    `benchmark_kwargs`, the draft's path left out: the line names the exported one); None (not benchmarked): what
+    that same function gives for this config on this machine."""
     from tasks.engine.target import resolve_model
+    from tasks.engine.weights import is_hub_id
 
-    model = resolve_model(cfg.target)
-    kw = vllm_kwargs(cfg, model, purpose="benchmark")  # the engine the draft was measured in
-    engine = {key: kw[key] for key in SERVE_FLAGS if key in kw}
-    if cfg.target.chat_template:
-        engine["chat_template"] = str(Path(cfg.target.chat_template).expanduser().resolve())
-    engine = {key: v for key, v in engine.items()
-              if not (v is False or v is None or (key == "tensor_parallel_size" and v == 1))}
-    return {"target": model, "method": method, "k": int(k), "engine": engine, "measured": measured}
+    hub = is_hub_id(cfg.target.model)
+    if engine is None:
+        from tasks.engine.settings import benchmark_kwargs
+
+        # a hub id's config is all it reads: its weights are not fetched for a line
+        engine = benchmark_kwargs(cfg, {"method": method, "num_speculative_tokens": int(k)},
+                               resolve_model(cfg.target, weights=not hub))
+    engine = {key: v for key, v in engine.items() if key != "speculative_config"}
+    serve = {"target": cfg.target.model if hub else resolve_model(cfg.target, weights=False), "method": method,
+             "k": int(k), "engine": engine, "measured": measured, "host": cfg.engines.serve_host}
+    if cfg.target.chat_template:  # a frontend setting of `vllm serve` (the benchmark sends token ids)
+        serve["chat_template"] = str(Path(cfg.target.chat_template).expanduser().resolve())
+    return serve
 
 
-def serve_command(serve: dict[str, Any], draft: str) -> str:
-    """`vllm serve TARGET --speculative-config '{...}' FLAGS`: one line, shell-quoted, ready to paste."""
+def _flag(key: str, value: Any) -> list[str]:
+    name = "--" + key.replace("_", "-")
+    if value is True:
+        return [name]
+    if value is False:
+        return [] if key in FALSE_BY_DEFAULT else ["--no-" + key.replace("_", "-")]
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return [name, json.dumps(value, sort_keys=True)]
+    if isinstance(value, (list, tuple)):
+        return [name, *map(str, value)]
+    return [name, str(value)]
+
+
+def serve_command(serve: dict[str, Any], draft: str, host: str | None = None) -> str:
+    """`vllm serve TARGET --speculative-config '{...}' FLAGS --host HOST`: one line, shell-quoted, ready to paste.
+    FLAGS are the benchmark engine's arguments, every one (`--NAME VALUE`; dicts as JSON). HOST: `host`, else the
+    settings' (engines.serve_host, `draftline export --host`), else 127.0.0.1: this machine only."""
     spec = json.dumps({"method": serve["method"], "model": draft, "num_speculative_tokens": int(serve["k"])})
     words = ["vllm", "serve", serve["target"], "--speculative-config", spec]
     for key, value in (serve.get("engine") or {}).items():
-        flag = SERVE_FLAGS.get(key, "--" + key.replace("_", "-"))
-        words += [flag] if value is True else [flag, str(value)]
+        words += _flag(key, value)
+    if serve.get("chat_template"):
+        words += ["--chat-template", serve["chat_template"]]
+    words += ["--host", host or serve.get("host") or DEFAULT_HOST]
     return shlex.join(words)
+
+
+def host_note(serve: dict[str, Any], host: str | None = None) -> str:
+    """What the line's --host means, printed above it."""
+    h = host or serve.get("host") or DEFAULT_HOST
+    if h in ("127.0.0.1", "localhost", "::1"):
+        return (f"# binds {h}: only this machine reaches the API (it has no authentication); to serve others, "
+                "`draftline export ... --host ADDRESS` or engines.serve_host, behind your own access control")
+    return f"# binds {h}: the API has no authentication; anyone who reaches {h} can use it"
 
 
 def best_k(report: dict[str, Any]) -> int | None:
@@ -105,10 +139,10 @@ def serve_lines(serve: dict[str, Any]) -> list[str]:
     """The lines a report prints: the serve line, preceded by the export command when the draft is on S3."""
     draft = serve.get("draft")
     if draft:
-        return [serve_command(serve, draft)]
+        return [host_note(serve), serve_command(serve, draft)]
     folder = f"./draft-{serve['train_digest'][:8]}"
     return [export_command(serve["train_digest"], folder) + "   # the draft is on S3: bring it here first",
-            serve_command(serve, os.path.abspath(folder))]
+            host_note(serve), serve_command(serve, os.path.abspath(folder))]
 
 
 def run_serve(cfg: Any, store: Any, train_ref: Any, report: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -203,7 +237,8 @@ def _not_ours(fs: Any, root: str, names: list[str]) -> list[str]:
             and (not isinstance(record, dict) or record.get(n) != _sha256(fs, f"{root}/{n}"))]
 
 
-def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any], force: bool = False) -> dict[str, Any]:
+def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any], force: bool = False,
+                 host: str | None = None) -> dict[str, Any]:
     """Write DEST/draft/{config.json, model.safetensors} (verified against the manifest), DEST/vocab/*.json,
     DEST/serve.json and DEST/README.md with the serve line for DEST/draft. DEST: a local folder or an fsspec
     URL (s3://...). Files are written to a temporary folder first, so a failed export leaves no half draft.
@@ -221,12 +256,12 @@ def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]
     remote = "://" in dest and not dest.startswith("file://")
     local_dest = dest.removeprefix("file://")
     draft_at = f"{dest.rstrip('/')}/draft" if remote else os.path.abspath(os.path.join(local_dest, "draft"))
-    serve = {**serve, "draft": draft_at}
+    serve = {**serve, "draft": draft_at, "host": host or serve.get("host") or DEFAULT_HOST}
     if remote:  # vLLM loads a local folder: the line names where the export lands once copied here
         serve["lines"] = [f"# copy {draft_at}/ to a local folder first (aws s3 cp --recursive ...), then:",
-                          serve_command(serve, "./draft")]
+                          host_note(serve), serve_command(serve, "./draft")]
     else:
-        serve["lines"] = [serve_command(serve, draft_at)]
+        serve["lines"] = [host_note(serve), serve_command(serve, draft_at)]
     serve["command"] = serve["lines"][-1]
     with owned_temporary_directory("export") as work:  # gc keeps it while this process lives
         tmp = os.path.join(work, "out")

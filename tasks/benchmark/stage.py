@@ -25,6 +25,13 @@ start; a 1T target many minutes). Per eval, k and batch size:
   repeat, and another batch shape when only one is measured) and each speculative run is judged
   against that floor: identical, within the engine's own numeric noise, or beyond it (likely a bug).
 
+What it starts, and why no fewer: the baseline engine (no draft: vLLM cannot switch speculation off in an
+engine started with it); one engine per head and k (`speculative_config`, k included, is fixed at engine start;
+choose the ks with `benchmark.num_speculative_tokens`: the Kimi preset measures the k its users serve); and, with
+`benchmark.offline_replay`, the replay's hidden-state engine (extraction is itself a speculative method in vLLM, so
+the baseline cannot double as it; on a CPU the replay uses transformers). Each start is recorded in the report's
+`engines` (why, the `vllm.LLM` arguments, seconds) and `draftline plan` prices the same count (flows/plan.py).
+
 Beside the measured acceptance length sits the offline estimate from the train
 artifact's `val_acc_per_pos` (see `simulated_acceptance_length`); a relative gap
 beyond `benchmark.mismatch_threshold` becomes a warning with the usual causes.
@@ -60,7 +67,7 @@ from tasks.benchmark.results import (
 )
 from tasks.benchmark.results import find_report  # noqa: F401  (the stage's readers, re-exported)
 from tasks.core.config import RunConfig
-from tasks.engine.settings import engine_env, vllm_kwargs
+from tasks.engine.settings import benchmark_kwargs, engine_env
 from tasks.core.faults import kill_point
 from tasks.store.artifacts import Artifact, ArtifactRef, Store
 
@@ -70,16 +77,6 @@ VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}
 
 
 # =========================================================================== engines and the draft
-
-def engine_kwargs(cfg: RunConfig, speculative: dict | None, model_path: str | None = None) -> dict[str, Any]:
-    """The decoding engines' settings: the target's (tasks/engine/settings.py), plus the draft."""
-    from tasks.engine.target import resolve_model
-
-    extra: dict[str, Any] = {"disable_log_stats": False}  # the spec-decode counters and latency histograms
-    if speculative is not None:
-        extra["speculative_config"] = speculative
-    return vllm_kwargs(cfg, model_path or resolve_model(cfg.target), purpose="benchmark", **extra)
-
 
 EngineFactory = Callable[[str, dict], Any]  # (name, llm_kwargs) -> an unstarted EngineProcess
 
@@ -237,13 +234,17 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
     warmup = evals[0].prompts[0]
     timing: dict[str, Any] = {"engine_start_s": {}, "measure_s": {}}
     controls: dict[str, dict[str, RunResult]] = {}
+    # Every engine the benchmark starts, why, and the vllm.LLM arguments it ran with (the serve line is built from
+    # the chosen k's): what vLLM allows to share, and so what is started, is in the module docstring.
+    engines: dict[str, dict[str, Any]] = {}
 
-    def serve(name: str, kwargs: dict, control: bool = False) -> dict[str, dict[int, RunResult]]:
+    def serve(name: str, kwargs: dict, control: bool = False, why: str = "") -> dict[str, dict[int, RunResult]]:
         engine = factory(name, kwargs)
+        engines[name] = {"why": why, "args": kwargs}
         t0 = time.time()
         try:
             engine.start()
-            timing["engine_start_s"][name] = round(time.time() - t0, 1)
+            timing["engine_start_s"][name] = engines[name]["start_s"] = round(time.time() - t0, 1)
             engine.generate([warmup], {"max_tokens": 8, "temperature": 0.0})  # first-call costs stay out
             t1 = time.time()
             res: dict[str, dict[int, RunResult]] = {}
@@ -268,14 +269,17 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
         draft_info["target_num_layers"] = int(text_config(hf_config).num_hidden_layers)
         draft_info["extract_layer_ids"] = resolve_layer_ids(cfg, hf_config)
         _log(log, "benchmark: baseline engine (no draft)")
-        baseline = serve("baseline", engine_kwargs(cfg, None, model), control=b.temperature == 0)
+        baseline = serve("baseline", benchmark_kwargs(cfg, None, model), control=b.temperature == 0,
+                         why="the target alone: every speedup and the greedy-identity control")
         kill_point("benchmark.baseline-measured")
         spec: dict[int, dict[str, dict[int, RunResult]]] = {}
         method = draft_info["vllm_method"]
+        ran_with: dict[int, dict[str, Any]] = {}  # k -> the engine's arguments: the serve line is built from them
         for k in b.num_speculative_tokens:
             _log(log, f"benchmark: {label} engine ({method}), k={k}")
-            spec[k] = serve(f"{label}-k{k}", engine_kwargs(
-                cfg, {"method": method, "model": draft_dir, "num_speculative_tokens": k}, model))
+            ran_with[k] = benchmark_kwargs(cfg, {"method": method, "model": draft_dir, "num_speculative_tokens": k},
+                                           model)
+            spec[k] = serve(f"{label}-k{k}", ran_with[k], why=f"{label} at k={k} (vLLM fixes k at engine start)")
         replayed: dict[str, Any] | None = None
         if b.offline_replay and b.temperature == 0 and method == "eagle3":
             smallest = min(b.batch_sizes)
@@ -286,6 +290,8 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
                 replayed["batch_size"] = smallest
             except Exception as exc:  # a diagnosis must not cost the measured figures
                 replayed = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            engines["replay"] = {"why": "the offline replay's hidden states (benchmark.offline_replay)",
+                                 "backend": replayed.get("backend")}
             timing["replay_s"] = round(time.time() - t1, 1)
     others: list[dict[str, Any]] = []
     # the further heads of train.heads, then benchmark.drafts (published or exported drafts), same baseline
@@ -306,8 +312,9 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
             for k in b.num_speculative_tokens:
                 _log(log, f"benchmark: {other_label} engine ({info['vllm_method']}), k={k}")
                 try:
-                    entry["spec"][k] = serve(f"{other_label}-k{k}", engine_kwargs(
-                        cfg, {"method": info["vllm_method"], "model": other_dir, "num_speculative_tokens": k}, model))
+                    entry["spec"][k] = serve(f"{other_label}-k{k}", benchmark_kwargs(
+                        cfg, {"method": info["vllm_method"], "model": other_dir, "num_speculative_tokens": k}, model),
+                        why=f"{other_label} at k={k} ({origin})")
                 except Exception as exc:  # noqa: BLE001 - vLLM cannot decode this head: keep the error, go on
                     entry["errors"][k] = engine_error_text(exc)
                     _log(log, f"benchmark: {other_label} k={k} could not be measured in vLLM: {entry['errors'][k]}")
@@ -317,6 +324,7 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
 
     report = assemble_report(cfg, evals, baseline, spec, train_art.stats, draft_info, measured_by, timing,
                              replayed, controls)
+    report["engines"] = engines
     report["heads"] = {label: head_entry(report, label, trained, train_art.stats, draft_info)}
     for entry in others:
         report["heads"][entry["label"]] = other_head(cfg, evals, baseline, controls, entry)
@@ -327,8 +335,9 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
                                       f"{e}")
     from tasks.benchmark.export import best_k, run_serve, serve_settings
 
+    chosen = best_k(report) or b.num_speculative_tokens[0]
     report["serve"] = run_serve(cfg, store, trained, {"serve": serve_settings(
-        cfg, k=best_k(report) or b.num_speculative_tokens[0], method=method)})
+        cfg, k=chosen, method=method, engine=ran_with[chosen])})
     report.update({"digest": digest, "uri": store.uri_of(STAGE, digest),
                    "target": {"model": cfg.target.model, "path": model},
                    "draft": {"train_digest": trained.digest, "uri": trained.uri, **draft_info},

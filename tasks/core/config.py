@@ -512,6 +512,9 @@ class EnginesConfig(Section):
     regenerate: DecodeEngineConfig = Field(default_factory=DecodeEngineConfig)
     extract: ExtractEngineConfig = Field(default_factory=ExtractEngineConfig)
     benchmark: DecodeEngineConfig = Field(default_factory=DecodeEngineConfig)
+    serve_host: str = Field(
+        "127.0.0.1", description="The address the printed `vllm serve` line binds (--host): this machine only by "
+        "default, since vLLM's API has no authentication. `draftline export --host` overrides it for one export.")
 
 
 class RunConfig(Section):

@@ -111,6 +111,18 @@ def vllm_kwargs(cfg: RunConfig, model_path: str, *, on_gpu: bool | None = None, 
     return kw
 
 
+def benchmark_kwargs(cfg: RunConfig, speculative: dict | None, model_path: str | None = None) -> dict[str, Any]:
+    """The benchmark's decoding engines' `vllm.LLM` arguments: the target's, plus the draft (`speculative`: vLLM's
+    speculative_config; None: the baseline). The one place they are built: the benchmark's engines run with them,
+    and the printed `vllm serve` line is built from what its engine at the chosen k got (tasks/benchmark/export.py)."""
+    from tasks.engine.target import resolve_model
+
+    extra: dict[str, Any] = {"disable_log_stats": False}  # the spec-decode counters and latency histograms
+    if speculative is not None:
+        extra["speculative_config"] = speculative
+    return vllm_kwargs(cfg, model_path or resolve_model(cfg.target), purpose="benchmark", **extra)
+
+
 # ============================================================================ engine groups
 
 

@@ -79,6 +79,17 @@ def _forget_hasher() -> None:
 os.register_at_fork(after_in_child=_forget_hasher)
 
 
+def canonical_uri(uri: str) -> str:
+    """One store, one URI, however it is written: a bare folder gets `file://`; a file:// folder is made absolute
+    (relative to the current folder, `~` expanded, symlinks resolved); no trailing slash. `file://.draftline/store`,
+    `file:///CHECKOUT/.draftline/store/` and `.draftline/store` run from the checkout are one store. Every comparison
+    of store URIs compares these (the Store's own `uri` is one)."""
+    scheme, rest = with_scheme(uri).split("://", 1)
+    if scheme == "file":
+        return f"file://{Path(rest).expanduser().resolve()}"
+    return f"{scheme}://{rest.rstrip('/')}"
+
+
 class StoreError(DraftlineError, RuntimeError):
     """The store cannot be used (unreachable, credentials, bucket); the message says what to fix."""
 
@@ -540,21 +551,18 @@ class Store:
     """All artifact I/O. `Store.from_config(cfg.store)`; the same code for file:// and s3://."""
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None):
-        uri = with_scheme(uri)
-        self.scheme, rest = uri.split("://", 1)
+        self.uri = canonical_uri(uri)
+        self.scheme, root = self.uri.split("://", 1)
         self.storage_options = storage_options or {}
         if self.scheme == "file":
-            root = str(Path(rest).expanduser().resolve())
             self.fs = fsspec.filesystem("file", auto_mkdir=True)
         else:
-            root = rest.rstrip("/")
             try:
                 # No instance cache: credentials in the environment may change between stores.
                 self.fs = fsspec.filesystem(self.scheme, skip_instance_cache=True, **self.storage_options)
             except ImportError as exc:
                 raise StoreError(f"{self.scheme}:// needs {exc.name}: pip install s3fs") from None
         self.root = root
-        self.uri = f"{self.scheme}://{root}"
         self._marked = False
 
     @classmethod
