@@ -22,7 +22,7 @@ import typer
 from rich.table import Table
 from typer.core import TyperGroup
 
-from flows import deploy, doctor, export, plan, runs, weights
+from flows import check, deploy, doctor, export, plan, runs, weights
 from flows.console import load_cfg, open_store, JsonOpt, SetOpt, StoreOpt, console, err, fail, with_store
 from tasks.core.config import STAGES, check_stage, check_until, dump_config, load_config
 from tasks.core.errors import DraftlineError
@@ -230,7 +230,7 @@ def store_init(config: Optional[Path] = typer.Argument(None, help="Config naming
 
 
 for _command in (doctor.doctor, deploy.deploy, deploy.submit, runs.status, runs.retry, runs.ui, runs.logs,
-                 plan.plan, weights.weights, export.export):
+                 plan.plan, weights.weights, export.export, check.check):
     app.command(_command.__name__)(_command)
 
 

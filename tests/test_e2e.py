@@ -205,6 +205,20 @@ def exported(small_run):
 
 
 @pytest.mark.slow
+def test_check_after_the_demo_shows_the_evidence(small_run, exported):
+    """The README's `draftline check last` after the run: its shards' self-check passed, its maps audited,
+    its acceptance measured; nothing fails."""
+    out = draftline("check", "last", "--json", env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300,
+                    cwd=small_run["work"])
+    assert out.returncode == 0, out.stderr
+    rows = {c["check"]: c for c in json.loads(out.stdout)["checks"]}
+    assert rows["states"]["status"] == "ok" and "shards checked" in rows["states"]["evidence"], rows["states"]
+    assert rows["maps"]["status"] == "ok" and rows["trained"]["status"] == "ok"
+    assert rows["measured"]["status"] in ("ok", "warn") and "acceptance length in vLLM" in rows["measured"]["evidence"]
+    assert all(r["status"] != "fail" for r in rows.values()), rows
+
+
+@pytest.mark.slow
 def test_export_writes_the_vllm_draft_its_maps_and_the_serve_line(small_run, exported):
     s = _summary(small_run["second"])  # the cached run prints the same line, from the stored report
     first = _summary(small_run["first"])

@@ -238,13 +238,54 @@ def test_export_writes_the_draft_its_maps_and_a_readme_with_the_serve_line(exp):
                                          "vocab/d2t.json", "vocab/t2d.json"]
 
 
+def _drifted(exp) -> object:
+    """A train artifact like exp's whose draft maps one draft id to the next target token (its d2t drifted)."""
+    from safetensors.torch import save
+
+    from tasks.core.digest import VERSIONS, stage_digest
+
+    digest = stage_digest("train", {"drifted": 1})
+    if (found := exp.store.find("train", digest)) is not None:
+        return found.ref()
+    art = exp.store.open("train", exp.trained.digest)
+    w = load_file(str(exp.dest / "draft/model.safetensors"))
+    w["d2t"] = w["d2t"].clone()
+    w["d2t"][0] += 1
+    with exp.store.write("train", digest, VERSIONS["train"],
+                         inputs=dict(art.manifest.inputs)) as wr:
+        wr.write_bytes("draft/config.json", art.read_bytes("draft/config.json"))
+        wr.write_bytes("draft/model.safetensors", save(w))
+        return wr.commit(dict(art.stats)).ref()
+
+
+def test_check_gives_one_verdict_on_a_draft_and_fails_a_drifted_one(exp):
+    """`draftline check`: the evidence the store holds for a draft (its shards' self-check, its maps, coverage,
+    lengths, training and benchmark), and exit 1 with the cause when a check fails."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    def check(digest: str):
+        r = CliRunner().invoke(app, ["check", digest, "--store", exp.store.uri, "--json"])
+        return r.exit_code, {c["check"]: c for c in json.loads(r.stdout)["checks"]}
+
+    code, rows = check(exp.trained.digest)
+    assert code == 0, rows
+    assert list(rows) == ["states", "maps", "coverage", "lengths", "trained", "measured"]
+    # this fixture's shards are written by tests/train_data.py, not through the extract stage: unchecked (the
+    # checked case is in tests/test_extract.py)
+    assert rows["states"]["status"] == "warn" and "stored unchecked" in rows["states"]["evidence"]
+    assert rows["maps"]["status"] == "ok" and "byte for byte" in rows["maps"]["evidence"]
+    assert rows["trained"]["status"] == "ok" and rows["measured"]["status"] == "missing"  # never benchmarked
+    code, rows = check(_drifted(exp).digest)
+    assert code == 1 and rows["maps"]["status"] == "fail"
+    assert "the draft's d2t differs from the one its training read" in rows["maps"]["evidence"]
+
+
 def test_the_exported_maps_are_trainings_byte_for_byte_and_a_drifted_draft_is_refused(exp, tmp_path):
     """The draft vLLM will serve proposes ids through its d2t/t2d: they must be the vocab artifact's that
     training read, byte for byte. A train artifact whose draft carries other maps is not exported."""
-    from safetensors.torch import save
-
     from tasks.benchmark.export import ExportError
-    from tasks.core.digest import VERSIONS, stage_digest
     from tasks.formats.vocab_maps import read_maps
 
     maps = read_maps(exp.store, exp.vref)
@@ -252,14 +293,7 @@ def test_the_exported_maps_are_trainings_byte_for_byte_and_a_drifted_draft_is_re
     for name in ("d2t", "t2d"):
         assert w[name].dtype == maps[name].dtype and w[name].numpy().tobytes() == maps[name].numpy().tobytes()
 
-    art = exp.store.open("train", exp.trained.digest)
-    w["d2t"] = w["d2t"].clone()
-    w["d2t"][0] += 1  # one draft id maps to the next target token
-    with exp.store.write("train", stage_digest("train", {"drifted": 1}), VERSIONS["train"],
-                         inputs=dict(art.manifest.inputs)) as wr:
-        wr.write_bytes("draft/config.json", art.read_bytes("draft/config.json"))
-        wr.write_bytes("draft/model.safetensors", save(w))
-        drifted = wr.commit(dict(art.stats)).ref()
+    drifted = _drifted(exp)
     with pytest.raises(ExportError, match="the draft's d2t differs from the one its training read"):
         export_draft(exp.store, drifted.digest, str(tmp_path / "out"), run_serve(exp.cfg, exp.store, exp.trained))
     assert not (tmp_path / "out").exists()

@@ -26,6 +26,7 @@ from tasks.core.digest import VERSIONS, stage_digest
 from tasks.engine.process import EngineError
 from tasks.engine.settings import EngineSettingsError
 from tasks.engine.settings import engine_for_group, gpu_groups
+from tasks.benchmark import evidence
 from tasks.extract.stage import ExtractError, extract_shard, plan_extract
 from tasks.formats.parts import load_part
 from tasks.store.artifacts import ArtifactRef, Store
@@ -235,6 +236,7 @@ def test_extract_shards_to_store(store, data, model_path, tf_engine):
         v = ref.stats["verify"]
         assert v["positions"] == ref.stats["samples"] and v["top1_agreement"] >= cfg.extract.verify_min_agreement, v
         assert v["threshold"] == cfg.extract.verify_min_agreement and v["mean_logit_gap"] >= 0
+    assert evidence.states(store, [r.digest for r in refs]).status == "ok"  # what `draftline check` shows
     # the stored rows are the engine's hidden states for that sample, in the right place
     rows = shard_rows(store, data, 1)
     by_id = per_sample(read_parts(store, refs[1]))
@@ -485,6 +487,8 @@ def test_the_check_runs_on_every_part_and_can_be_turned_off(tmp_path, model_path
     plan = plan_extract(off, make_data(other, "sampled", num_shards=1), load_hf_config(off.target))[0]
     assert extract_shard(off, other, plan, Planted(tf_engine, "shifted")).stats["verify"] == {
         "positions": 0, "skipped": "extract.verify_positions is 0"}
+    said = evidence.states(other, [plan.digest])  # `draftline check` says nothing proves them
+    assert said.status == "warn" and "stored unchecked" in said.evidence
 
 
 # ----------------------------------------------------------------------------- the background part writer

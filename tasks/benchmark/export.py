@@ -189,7 +189,7 @@ def _vocab_maps(folder: str) -> tuple[list[int], list[int], int]:
     return [int(x) for x in d2t.tolist()], [int(i) for i in t2d.nonzero().flatten().tolist()], int(t2d.shape[0])
 
 
-def _same_maps_as_training(store: Any, art: Any, folder: str) -> None:
+def same_maps_as_training(store: Any, art: Any, folder: str) -> None:
     """The draft's d2t/t2d are, byte for byte, those of the vocab artifact its training read (the train
     manifest's `vocab` input), where that artifact is on the store: a draft whose ids drifted from training's
     would be served proposing other tokens than it learned."""
@@ -271,7 +271,7 @@ def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]
             with art.local_copy(name) as src, open(src, "rb") as fh, open(safe_join(tmp, name), "wb") as out:
                 while chunk := fh.read(8 << 20):
                     out.write(chunk)
-        _same_maps_as_training(store, art, os.path.join(tmp, "draft"))
+        same_maps_as_training(store, art, os.path.join(tmp, "draft"))
         d2t, t2d, vocab = _vocab_maps(os.path.join(tmp, "draft"))
         Path(tmp, "vocab", "d2t.json").write_text(json.dumps(d2t))
         Path(tmp, "vocab", "t2d.json").write_text(json.dumps(t2d))

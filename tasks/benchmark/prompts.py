@@ -33,7 +33,8 @@ class EvalPrompts:
         return {"source": self.source, "prompts": len(self.prompts), "requested": self.requested,
                 "available": self.available,
                 "dropped_too_long": self.too_long,
-                "prompt_tokens_mean": round(sum(lens) / max(1, len(lens)), 1), "sample_ids": self.sample_ids}
+                "prompt_tokens_mean": round(sum(lens) / max(1, len(lens)), 1), "prompt_tokens_max": max(lens, default=0),
+                "sample_ids": self.sample_ids}
 
 
 def first_turn(messages: list[dict[str, str]]) -> list[dict[str, str]]:

@@ -1,0 +1,179 @@
+"""One verdict before the money is spent: the evidence a store holds that a trained draft is what it claims
+(`draftline check`). Read from the manifests of the draft's own inputs, nothing recomputed:
+
+- states: every extraction shard's self-check (tasks/extract/verify.py: the target's final norm and lm_head over
+  the stored last layer against the engine's own next token), shard by shard;
+- maps: the vocab artifact's d2t/t2d consistent with each other and with the token counts they were chosen from,
+  and the draft's own maps equal to them byte for byte;
+- coverage: the share of the training answers' tokens, and of the held-out split's, inside the draft vocabulary
+  (a token outside it can never be proposed: it bounds acceptance);
+- lengths: the longest context the benchmark served (prompt + new tokens) against the longest training sample
+  (data.max_length): acceptance falls at lengths a draft never trained on;
+- trained / measured: the run's training figures and its benchmark's acceptance beside the offline estimate.
+
+Each finding is (check, status, evidence, fix) with status ok | warn | fail | missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tasks.store.artifacts import ArtifactMissing, ArtifactRef, Store
+
+LOW_COVERAGE = 0.90  # held-out coverage below this bounds acceptance visibly (docs/BENCHMARK.md)
+
+
+@dataclass
+class Finding:
+    check: str
+    status: str  # ok | warn | fail | missing
+    evidence: str
+    fix: str = ""
+
+
+def _manifest(store: Store, stage: str, digest: str | None):
+    return store.manifest(stage, digest) if digest else None
+
+
+def states(store: Store, extract_digests: list[str]) -> Finding:
+    """Every extraction shard the draft trained on, and its stored self-check."""
+    from tasks.extract.verify import summarize
+
+    checked, unchecked, missing = [], [], []
+    for d in extract_digests:
+        m = _manifest(store, "extract", d)
+        if m is None:
+            missing.append(d)
+        elif (m.stats.get("verify") or {}).get("positions"):
+            checked.append(m.stats)
+        else:
+            unchecked.append(str(m.stats.get("shard", d[:8])))
+    if missing:
+        return Finding("states", "fail", f"{len(missing)} of {len(extract_digests)} extraction shards the draft trained "
+                       f"on are not on the store ({', '.join(x[:8] for x in missing[:4])})",
+                       "the store lost them: re-run `draftline run` (the shards are recomputed)")
+    s = summarize(checked)
+    if unchecked:
+        return Finding("states", "warn", f"{len(unchecked)} of {len(extract_digests)} shards were stored unchecked "
+                       f"(before extraction checked itself, or with extract.verify_positions 0: shards "
+                       f"{', '.join(unchecked[:8])}): nothing proves their states "
+                       "are the target's" + (f"; the {len(checked)} others: {_agreement(s)}" if s else ""),
+                       "re-extract them to check them (draftline ls --stage extract; delete those shards and re-run)")
+    if not s:
+        return Finding("states", "missing", "the draft lists no extraction shards", "train it with draftline run")
+    return Finding("states", "ok", f"{s['shards']} of {len(extract_digests)} shards checked: {_agreement(s)}; lowest "
+                   f"shard {s['min_shard_agreement']:.1%} (threshold {s['threshold']:.0%})")
+
+
+def _agreement(s: dict[str, Any]) -> str:
+    return (f"the target's lm_head over the stored last layer picks the engine's own next token at "
+            f"{s.get('top1_agreement', 0):.1%} of {s.get('positions')} positions")
+
+
+def maps(store: Store, train_digest: str, vocab_digest: str | None, vocab_size: int | None) -> Finding:
+    """The vocab artifact's maps checked, and the draft's own equal to them."""
+    from tasks.benchmark.export import ExportError, same_maps_as_training
+    from tasks.formats.vocab_maps import VocabFormatError, read_vocab
+
+    if not vocab_digest:
+        return Finding("maps", "ok", "the draft predicts the whole target vocabulary (no d2t/t2d)")
+    art = store.open("train", train_digest)
+    try:
+        if vocab_size:
+            d2t, _ = read_vocab(store, ArtifactRef(stage="vocab", digest=vocab_digest, uri=""), vocab_size)
+        with art.local_folder("draft/") as folder:
+            same_maps_as_training(store, art, folder)
+    except (VocabFormatError, ExportError) as exc:
+        return Finding("maps", "fail", str(exc), "re-run the vocab and train stages")
+    except ArtifactMissing:
+        return Finding("maps", "fail", f"vocab/{vocab_digest} is not on the store", "re-run `draftline run`")
+    return Finding("maps", "ok", f"d2t/t2d consistent with each other{' and the top-K of their counts' if vocab_size else ''}"
+                   "; the draft's maps equal training's byte for byte")
+
+
+def coverage(store: Store, vocab_digest: str | None) -> Finding:
+    m = _manifest(store, "vocab", vocab_digest)
+    if m is None:
+        return Finding("coverage", "ok" if not vocab_digest else "missing",
+                       "the whole target vocabulary" if not vocab_digest else "no vocab artifact")
+    c, h = m.stats.get("coverage"), m.stats.get("heldout_coverage")
+    k = m.stats.get("draft_vocab_size")
+    text = f"a {k:,}-token draft vocabulary holds {c:.1%} of the training answers' tokens" if c is not None else "?"
+    if h is not None:
+        text += f" and {h:.1%} of the held-out split's"
+    low = h if h is not None else c
+    if low is not None and low < LOW_COVERAGE:
+        return Finding("coverage", "warn", text + f": below {LOW_COVERAGE:.0%}, a token in {1 / max(1e-9, 1 - low):.0f} "
+                       "can never be proposed", "raise vocab.draft_vocab_size (or train on data closer to the serving mix)")
+    return Finding("coverage", "ok", text)
+
+
+def lengths(store: Store, data_digest: str | None, report: dict[str, Any] | None) -> Finding:
+    """The longest training sample against the longest context the benchmark served."""
+    m = _manifest(store, "regenerate", data_digest) or _manifest(store, "prepare", data_digest)
+    if m is None:
+        return Finding("lengths", "missing", "no data artifact for the draft", "re-run `draftline run`")
+    prep = _manifest(store, "prepare", m.inputs.get("prepare")) if m.stage == "regenerate" else m
+    max_len = int((prep.stats if prep else m.stats).get("max_length") or 0)
+    samples = max(1, int(m.stats.get("samples") or 1))
+    mean = float(m.stats.get("tokens") or 0) / samples
+    text = f"training samples: {mean:,.0f} tokens on average, at most {max_len:,} (data.max_length)"
+    if not report:
+        return Finding("lengths", "ok", text + "; no benchmark yet to compare with")
+    new = int((report.get("settings") or {}).get("max_tokens") or 0)
+    evals = report.get("evals") or {}
+    exact = all("prompt_tokens_max" in s for s in evals.values())  # reports before it kept the mean only
+    served = {ev: int(s.get("prompt_tokens_max") or s.get("prompt_tokens_mean") or 0) + new for ev, s in evals.items()}
+    if not served:
+        return Finding("lengths", "ok", text)
+    ev, longest = max(served.items(), key=lambda kv: kv[1])
+    text += (f"; the benchmark served up to {longest:,} ({ev}: {'prompt' if exact else 'mean prompt'} + {new} new "
+             "tokens)")
+    if max_len and longest > max_len:
+        return Finding("lengths", "warn", text + ": longer than any training sample, where acceptance falls",
+                       "raise data.max_length (and target.max_model_len) to the contexts you serve, or expect less "
+                       "acceptance there")
+    return Finding("lengths", "ok", text)
+
+
+def trained(train_stats: dict[str, Any], report: dict[str, Any] | None) -> list[Finding]:
+    acc = train_stats.get("val_acc_per_pos") or []
+    sim = train_stats.get("simulated_acceptance_length")
+    out = [Finding("trained", "ok" if train_stats.get("steps") else "missing",
+                   f"{train_stats.get('steps')} steps ({train_stats.get('stopped_reason', '?')}); held-out accuracy per "
+                   f"position {', '.join(f'{a:.2f}' for a in acc) or '?'}; offline estimate of acceptance length "
+                   f"{sim if sim is not None else '?'}")]
+    if report is None:
+        out.append(Finding("measured", "missing", "no benchmark of this draft in the store",
+                           "run the benchmark stage (draftline run, benchmark.enabled: true)"))
+        return out
+    figs = []
+    for ev, ks in (report.get("benchmark") or {}).items():
+        for k, f in ks.items():
+            figs.append(f"{ev} k={k}: {f.get('mean_acceptance_length', 0):.2f}")
+    shift = [w for w in report.get("warnings", []) if "differs from the offline estimate" in w]
+    out.append(Finding("measured", "warn" if shift else "ok", "acceptance length in vLLM: " + "; ".join(figs)
+                       + (f" (the estimate said {sim})" if sim is not None else ""),
+                       "see `draftline report`: the measured figure differs from the estimate" if shift else ""))
+    return out
+
+
+def gather(store: Store, train_digest: str, report: dict[str, Any] | None,
+           vocab_size: int | None = None) -> list[Finding]:
+    """Every finding for one trained draft (a train digest on `store`), with its benchmark report if any."""
+    m = store.manifest("train", train_digest)
+    if m is None:
+        raise ArtifactMissing(f"train/{train_digest} is not committed on {store.uri}")
+    extract = [d for d in (m.inputs.get("extract") or "").split(",") if d]
+    vocab = m.inputs.get("vocab")
+    data = None
+    for d in extract[:1]:
+        em = store.manifest("extract", d)
+        data = em.inputs.get("data") if em else None
+    return [states(store, extract), maps(store, train_digest, vocab, vocab_size), coverage(store, vocab),
+            lengths(store, data, report), *trained(m.stats, report)]
+
+
+def as_rows(findings: list[Finding]) -> list[dict[str, str]]:
+    return [asdict(f) for f in findings]
