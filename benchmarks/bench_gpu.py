@@ -345,15 +345,7 @@ def extraction(name: str, shape: dict, tmp: Path, n_prompts: int, seq: int, stag
             call_s = statistics.median(c[0] for c in calls)
             res["engine_call"] = {"tokens_per_s": round(n_prompts * seq / call_s), "median_s": round(call_s, 4),
                                   "timings_last": calls[-1][1], "warmup_timings": warm}
-            timings: list[dict] = []
-            orig = engine.extract
-
-            def timed(p, ids, **kw):
-                out = orig(p, ids, **kw)
-                timings.append(dict(engine.last_timings))
-                return out
-
-            engine.extract = timed  # type: ignore[method-assign]
+            timings = timed_calls(engine)
             runs = {}
             for w in workers_list:  # the same shard, each into its own store, with w part writers
                 timings.clear()
@@ -420,15 +412,7 @@ def other_backend(res: dict, backend: str, cfg, folder: Path, tmp: Path, name: s
             t1 = time.perf_counter()
             engine.extract(prompts[:n_prompts], plan.layer_ids)  # warm-up: the first call's kernels and buffers
             out["warmup_call_s"] = round(time.perf_counter() - t1, 2)
-            timings: list[dict] = []
-            orig = engine.extract
-
-            def timed(p, ids, **kw):
-                got = orig(p, ids, **kw)
-                timings.append(dict(engine.last_timings))
-                return got
-
-            engine.extract = timed  # type: ignore[method-assign]
+            timings = timed_calls(engine)
             t1 = time.perf_counter()
             ref = extract_shard(cfg, store, plan, engine)
             stage_s = time.perf_counter() - t1
@@ -438,6 +422,20 @@ def other_backend(res: dict, backend: str, cfg, folder: Path, tmp: Path, name: s
                                poll, total - free0, layer_params, rate, bare)
     log(f"{name} {backend} stage: {out['stage']['tokens_per_s']} tok/s = {out['stage']['over_bare']} x bare prefill")
     save()
+
+
+def timed_calls(engine) -> list[dict]:
+    """From now on, each `engine.extract` call appends the engine's own timings to the list returned."""
+    timings: list[dict] = []
+    orig = engine.extract
+
+    def timed(p, ids, **kw):
+        got = orig(p, ids, **kw)
+        timings.append(dict(engine.last_timings))
+        return got
+
+    engine.extract = timed  # type: ignore[method-assign]
+    return timings
 
 
 def stage_stats(art, tokens: int, stage_s: float, timings: list[dict], poll, used0: int, layer_params: int,

@@ -27,6 +27,8 @@
 # benchmarks/gpu_vllm_wheels.txt (GV_WHEELS, default ../gpu-wheels), cuts them into 60 MiB chunks, one per
 # git-ignored folder .gpuc1 ... .gpucN, with the tiny Kimi-layout repository (built here) in the same stream. Then one device call per folder, back to back, each carrying its folder
 # (carry=[".gpuc<i>"]): `bash benchmarks/gpu_vllm.sh chunk .gpuc<i>`, the last one `... chunk .gpucN install extract`.
+# With little device time: GV_LIST=benchmarks/gpu_vllm_core.txt GV_WHEELS=<another folder> carries vLLM alone
+# (6 chunks), enough for `extract` only.
 # Results land in $OUT (at most 8 files come back): gpu_vllm.json, gpu_vllm.md and the steps' logs.
 set -u
 OUT=${OUT:-/tmp/gpu-vllm-out}
@@ -47,7 +49,7 @@ for step in "$@"; do
     P=(); for n in 17 24 27 28 31 34 35; do P+=(--platform manylinux_2_${n}_x86_64); done
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${P[@]}" \
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$W" \
-      -r benchmarks/gpu_vllm_wheels.txt || exit 1
+      -r "${GV_LIST:-benchmarks/gpu_vllm_wheels.txt}" || exit 1
     grep -q '^/.gpuc\*/$' .git/info/exclude 2>/dev/null || echo '/.gpuc*/' >> .git/info/exclude
     rm -rf .gpuc* /tmp/gv-chunks /tmp/gv-extra && mkdir -p /tmp/gv-chunks /tmp/gv-extra
     # the tiny Kimi-layout repository, built here (the device image's transformers may lack Kimi-K2.5's classes)
@@ -60,8 +62,8 @@ for step in "$@"; do
     [ -d /tmp/gvw/kimi ] && rm -rf /tmp/gv/kimi && mv /tmp/gvw/kimi /tmp/gv/
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       /tmp/gvw/*.whl >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-    python3 -c "import vllm, torch, prefect, speculators; print('vllm', vllm.__version__, 'torch', torch.__version__, \
-'prefect', prefect.__version__, 'gpu', torch.cuda.get_device_name())" 2>&1 | tail -1
+    python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, \
+'gpu', torch.cuda.get_device_name())" 2>&1 | tail -1
     say "installed" ;;
   extract)
     timeout "${GV_EXTRACT_S:-480}" python3 benchmarks/bench_gpu.py --out /tmp/gv/extract --only matmul,extract --skip-small \
