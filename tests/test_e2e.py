@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import amx_variant_kernels
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Small, but the draft really learns: 48 chitchat prompts answered by the target itself (48 tokens each),
@@ -108,6 +110,7 @@ def test_trained_draft_is_accepted_where_an_untrained_one_is_not(small_run):
 
 
 @pytest.mark.slow
+@amx_variant_kernels
 def test_every_head_is_trained_in_its_own_task_and_measured_in_one_table(small_run):
     """EAGLE-3, EAGLE-3.1, DFlash and DSpark from one run: a train task per head, named after it, and a row per
     head and eval in the benchmark's table, measured in vLLM's CPU build or marked offline-only with its error."""
@@ -143,6 +146,7 @@ def test_every_head_is_trained_in_its_own_task_and_measured_in_one_table(small_r
 
 
 @pytest.mark.slow
+@amx_variant_kernels
 def test_report_names_its_flow_run_and_judges_greedy_identity_against_a_control(small_run):
     run_id = _summary(small_run["first"])["flow_run_id"]
     out = draftline("report", run_id, "--json", "--set", f"store.uri=file://{small_run['store']}")

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import amx_variant_kernels
 from tasks.store.artifacts import Store
 from warm import finish, start_draftline
 
@@ -72,6 +73,7 @@ def progress_artifacts(run_id: str, key: str) -> list[tuple[float, str]]:
 
 @two_cores
 @pytest.mark.slow
+@amx_variant_kernels
 def test_two_engine_groups_match_one_and_a_killed_engine_fails_only_its_shard(prefect_server, tmp_path):
     base = ["run", CONFIG, "--until", "extract", "--json", "--set", "extract.batch_tokens=128",
             "--set", "regenerate.enabled=true", "--set", "regenerate.max_tokens=24"]
