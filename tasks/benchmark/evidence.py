@@ -81,7 +81,7 @@ def maps(store: Store, train_digest: str, vocab_digest: str | None, vocab_size: 
     art = store.open("train", train_digest)
     try:
         if vocab_size:
-            d2t, _ = read_vocab(store, ArtifactRef(stage="vocab", digest=vocab_digest, uri=""), vocab_size)
+            read_vocab(store, ArtifactRef(stage="vocab", digest=vocab_digest, uri=""), vocab_size)  # raises if off
         with art.local_folder("draft/") as folder:
             same_maps_as_training(store, art, folder)
     except (VocabFormatError, ExportError) as exc:
@@ -167,10 +167,8 @@ def gather(store: Store, train_digest: str, report: dict[str, Any] | None,
         raise ArtifactMissing(f"train/{train_digest} is not committed on {store.uri}")
     extract = [d for d in (m.inputs.get("extract") or "").split(",") if d]
     vocab = m.inputs.get("vocab")
-    data = None
-    for d in extract[:1]:
-        em = store.manifest("extract", d)
-        data = em.inputs.get("data") if em else None
+    first = _manifest(store, "extract", extract[0] if extract else None)  # every shard reads the same data artifact
+    data = first.inputs.get("data") if first else None
     return [states(store, extract), maps(store, train_digest, vocab, vocab_size), coverage(store, vocab),
             lengths(store, data, report), *trained(m.stats, report)]
 
