@@ -81,7 +81,7 @@ def tiny_kimi(folder: Path) -> str:
         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
         # MLA: vLLM's MLA kernels take a latent cache of 320, 512 or 576 (K2.5: 512 + 64) per token; on
         # AMX CPUs vLLM picks its AMX MLA backend, which packs weights of 32 input features or more
-        q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
         first_k_dense_replace=2, max_position_embeddings=512, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -380,7 +380,7 @@ def test_mla_head_trains_with_the_targets_attention_and_exports_what_vllms_deeps
     assert conf["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and conf["model_type"] == "deepseek_v2"
     assert "speculators_config" not in conf and "transformer_layer_config" not in conf
     assert (conf["q_lora_rank"], conf["kv_lora_rank"], conf["qk_rope_head_dim"], conf["qk_nope_head_dim"],
-            conf["v_head_dim"], conf["num_attention_heads"]) == (32, 512, 64, 32, 32, 4)
+            conf["v_head_dim"], conf["num_attention_heads"]) == (32, 512, 64, 128, 128, 4)
     assert (conf["num_hidden_layers"], conf["hidden_size"], conf["vocab_size"], conf["draft_vocab_size"]) == (
         1, HIDDEN, VOCAB, 256)
     assert conf["first_k_dense_replace"] >= conf["num_hidden_layers"]  # a dense MLP, as deepseek_eagle3 builds
