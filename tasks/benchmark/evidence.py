@@ -110,30 +110,33 @@ def coverage(store: Store, vocab_digest: str | None) -> Finding:
 
 
 def lengths(store: Store, data_digest: str | None, report: dict[str, Any] | None) -> Finding:
-    """The longest training sample against the longest context the benchmark served."""
+    """The training data's length distribution (samples per context-length bucket, its longest sample; data.max_length
+    for data stored before those were recorded) against the longest context each eval of the benchmark served."""
+    from tasks.benchmark.results import LENGTH_FIX, length_gap, served_length, training_lengths
+
     m = _manifest(store, "regenerate", data_digest) or _manifest(store, "prepare", data_digest)
     if m is None:
         return Finding("lengths", "missing", "no data artifact for the draft", "re-run `draftline run`")
     prep = _manifest(store, "prepare", m.inputs.get("prepare")) if m.stage == "regenerate" else m
-    max_len = int((prep.stats if prep else m.stats).get("max_length") or 0)
+    train = training_lengths({**m.stats, "max_length": (prep.stats if prep else m.stats).get("max_length")})
     samples = max(1, int(m.stats.get("samples") or 1))
     mean = float(m.stats.get("tokens") or 0) / samples
-    text = f"training samples: {mean:,.0f} tokens on average, at most {max_len:,} (data.max_length)"
+    buckets = train.get("length_buckets") or {}
+    text = (f"training samples: {mean:,.0f} tokens on average, "
+            + (f"the longest {train['longest']:,} ({', '.join(f'{b}: {n}' for b, n in buckets.items())})"
+               if train.get("longest") else f"at most {train.get('max_length') or 0:,} (data.max_length)"))
     if not report:
         return Finding("lengths", "ok", text + "; no benchmark yet to compare with")
     new = int((report.get("settings") or {}).get("max_tokens") or 0)
-    evals = report.get("evals") or {}
-    exact = all("prompt_tokens_max" in s for s in evals.values())  # reports before it kept the mean only
-    served = {ev: int(s.get("prompt_tokens_max") or s.get("prompt_tokens_mean") or 0) + new for ev, s in evals.items()}
+    served = {ev: served_length(report, ev) for ev in (report.get("evals") or {})}
     if not served:
         return Finding("lengths", "ok", text)
     ev, longest = max(served.items(), key=lambda kv: kv[1])
-    text += (f"; the benchmark served up to {longest:,} ({ev}: {'prompt' if exact else 'mean prompt'} + {new} new "
-             "tokens)")
-    if max_len and longest > max_len:
-        return Finding("lengths", "warn", text + ": longer than any training sample, where acceptance falls",
-                       "raise data.max_length (and target.max_model_len) to the contexts you serve, or expect less "
-                       "acceptance there")
+    text += f"; the benchmark served up to {longest:,} ({ev}: its longest prompt + {new} new tokens)"
+    gaps = [g for e, n in served.items() if (g := length_gap(train, n, f"eval {e}'s contexts"))]
+    if gaps:
+        return Finding("lengths", "warn", text + ". " + "; ".join(gaps) + ": acceptance falls where a draft never "
+                       "trained (report.md: Acceptance by context length)", LENGTH_FIX)
     return Finding("lengths", "ok", text)
 
 

@@ -38,12 +38,25 @@ def _check_lengths(prompts: list[list[int]], limit: int, extra: int) -> None:
         )
 
 
+def _engine_arg(name: str) -> bool:
+    """Whether this vLLM's engine arguments have `name`."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return name in {f.name for f in dataclasses.fields(EngineArgs)}
+
+
 class _VllmBackend:
     def __init__(self, model: str, llm_kwargs: dict, workdir: str):
         from vllm import LLM
 
         kwargs = dict(llm_kwargs)
         kwargs.setdefault("disable_log_stats", False)  # metrics() needs the stat loggers
+        if kwargs.get("speculative_config") and _engine_arg("per_request_spec_decode_metrics"):
+            # each request's accepted tokens per verify step (the benchmark's acceptance by context length); it
+            # changes no token, so the printed `vllm serve` line leaves it out (vLLM >= 0.32; older: no per-request)
+            kwargs.setdefault("per_request_spec_decode_metrics", "detailed")
         kv = kwargs.get("kv_transfer_config")
         self.layer_ids: list[int] | None = None
         if kv is not None:
@@ -76,6 +89,9 @@ class _VllmBackend:
             c = o.outputs[0]
             res.append({"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
                         "prompt_tokens": len(o.prompt_token_ids or [])})
+            spec = getattr(c, "spec_decode_metrics", None)
+            if spec is not None:
+                res[-1]["spec_steps"] = [int(a) for a in spec.per_step_accepted]
         return res
 
     def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int]) -> dict:
