@@ -248,6 +248,17 @@ def test_chain_lengths_follow_vllm_alignment():
     assert chain_lengths(preds, seq, k=1) == [1, 0, 1]
 
 
+def test_same_steps_compares_vllms_accepted_tokens_draft_by_draft():
+    from tasks.benchmark.replay import same_steps, walk
+
+    chain = [0, 2, 0, 1, 0, 2, 0, 0, 0]  # accepted run of a draft started at each position, k=2
+    assert walk(chain, 1) == [(1, 2), (4, 0), (5, 2), (8, 0)]
+    assert same_steps(chain, 1, len(chain) + 2, 2, [2, 0, 2, 0])
+    assert same_steps(chain, 1, len(chain) + 2, 2, [2, 0, 2, 1])  # the last draft had no room for k: not compared
+    assert not same_steps(chain, 1, len(chain) + 2, 2, [2, 1, 2, 0])
+    assert not same_steps(chain, 1, len(chain) + 2, 2, [2, 0])  # vLLM stopped drafting early
+
+
 def test_replay_walks_like_vllm_and_is_a_harmonic_mean():
     assert replay([9, 2, 0, 0, 1, 0, 0], first=1) == (3, 3)  # starts at 1, 4, 6
     # an easy stretch (every draft fully accepted, k=2) then a hard one (nothing accepted)
@@ -682,6 +693,9 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
     for ev in ("mtbench", "heldout"):
         r = rep["replay"]["by_eval"][ev]["2"]
         assert r["replayed_drafts"] > 0 and 1.0 <= r["replayed"] < 1.2 and 1.0 <= r["position_average"] < 1.2
+        # the draft vLLM serves proposes what the training-side model (speculators' Eagle3DraftModel, loaded from the
+        # same folder with its d2t) proposes: vLLM accepted, draft by draft, what the replay predicts, every request
+        assert r["compared"] == rep["evals"][ev]["prompts"] and r["same_steps_as_vllm"] == r["compared"], r
     md = art.read_bytes("report.md").decode()
     assert "Where the acceptance goes" in md and "## Greedy identity" in md and "batch 3 (repeat)" in md
     assert "## Acceptance by context length" in md and "| heldout | 2 | 512-2K |" in md

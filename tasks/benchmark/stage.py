@@ -139,11 +139,15 @@ def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
 
 
 def draft_vocabulary(draft_dir: str) -> Any:
-    """The draft's t2d (a bool per target token: inside the draft vocabulary), None when it predicts them all."""
-    from safetensors import safe_open
+    """The draft's t2d (a bool per target token: inside the draft vocabulary), None when it predicts them all or
+    its weights cannot be read here (vLLM, which loads them, says why)."""
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(Path(draft_dir, "model.safetensors")), "pt") as f:
-        return f.get_tensor("t2d").to(bool) if "t2d" in f.keys() else None
+    try:
+        with safe_open(str(Path(draft_dir, "model.safetensors")), "pt") as f:
+            return f.get_tensor("t2d").to(bool) if "t2d" in f.keys() else None
+    except (OSError, SafetensorError):
+        return None
 
 
 def vocab_coverage(in_draft: Any, outputs: list[list[int]]) -> float | None:
@@ -317,7 +321,8 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
             t1 = time.time()
             try:
                 replayed = offline_replay(cfg, model, draft_dir, draft_info, evals,
-                                          {ev.name: baseline[ev.name][smallest].outputs for ev in evals}, log)
+                                          {ev.name: baseline[ev.name][smallest].outputs for ev in evals}, log,
+                                          {ev.name: {k: spec[k][ev.name][smallest] for k in spec} for ev in evals})
                 replayed["batch_size"] = smallest
             except Exception as exc:  # a diagnosis must not cost the measured figures
                 replayed = {"error": f"{type(exc).__name__}: {exc}"[:500]}
