@@ -608,10 +608,13 @@ def test_check_draft_rejects_a_draft_for_another_target(tmp_path):
 
 # --------------------------------------------------------------------------- a real run (slow)
 
-def make_random_draft(model: str, out: Path, **norms: bool) -> None:
+def make_random_draft(model: str, out: Path, two_words: bool = False, **norms: bool) -> None:
     """An untrained EAGLE-3 head for the target (acceptance near zero, but the whole chain is real).
 
-    `norms`: speculators' EAGLE-3.1 options (norm_before_fc or fc_norm, norm_output), as vLLM reads them."""
+    `norms`: speculators' EAGLE-3.1 options (norm_before_fc or fc_norm, norm_output), as vLLM reads them.
+    `two_words`: its vocabulary is target ids 200..1223 (every d2t offset 200) and its lm_head proposes " the" or
+    " a" by the sign of one random direction of its own output: accepted wherever the target writes the word it
+    picked, so which drafts vLLM accepts depends on the maps, the layers and the norms."""
     import torch
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
@@ -621,11 +624,19 @@ def make_random_draft(model: str, out: Path, **norms: bool) -> None:
     n = conf.num_hidden_layers
     conf.num_hidden_layers = 1  # the draft's own depth: from_training_args copies the verifier's config
     v, k = conf.vocab_size, 1024
-    d2t, t2d = build_vocab_mappings_from_distribution({i: v - i for i in range(v)}, k, v)
+    skip = 200 if two_words else 0
+    d2t, t2d = build_vocab_mappings_from_distribution({i: v - i for i in range(skip, v)}, k, v)
     torch.manual_seed(0)
     m = Eagle3DraftModel.from_training_args(conf, t2d=t2d, d2t=d2t, draft_vocab_size=k, norm_before_residual=True,
                                             ttt_steps=3, verifier_name_or_path=model, draft_attn_impl="sdpa",
                                             target_layer_ids=[2, n // 2, n - 3], **norms)
+    if two_words:  # SmolLM2's " the" is 260 and " a" 253: draft ids 60 and 53
+        assert int(d2t[0]) == skip and bool(t2d[260]) and bool(t2d[253])
+        r = torch.randn(m.lm_head.weight.shape[1])
+        with torch.no_grad():
+            m.lm_head.weight.zero_()
+            m.lm_head.weight[260 - skip] = 10 * r
+            m.lm_head.weight[253 - skip] = -10 * r
     m.to(torch.bfloat16).save_pretrained(out)
 
 
@@ -647,13 +658,13 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
     model = resolve_model(cfg.target)
     # EAGLE-3.1 with per-layer norms before the fc (train's drafts use norm_before_fc, the other 3.1 option,
     # and reach vLLM in tests/test_e2e.py): vLLM's CPU build must load and decode with it.
-    make_random_draft(model, tmp_path / "draft", fc_norm=True, norm_output=True)
+    make_random_draft(model, tmp_path / "draft", two_words=True, fc_norm=True, norm_output=True)
     files = {f"draft/{p.name}": p.read_bytes() for p in (tmp_path / "draft").iterdir() if p.is_file()}
     trained = commit(store, "train", "t" * 32, files, stats={"val_acc_per_pos": [0.3, 0.1, 0.05]})
     convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": a * 12}] for q, a in (
-        ("How are you today?", "I am well, thank you for asking; the sun is out and the garden is green. "),
-        ("What is your favourite food?", "Bread baked at home, with butter and a little salt on top of it. "),
-        ("Tell me about your weekend.", "We walked by the river on Saturday and cooked for friends on Sunday. "))]
+        ("How are you today?", "I am well, thank you for asking; the sun is out and the garden is green. " * 2),
+        ("What is your favourite food?", "Bread baked at home, with butter and a little salt on top of it. " * 2),
+        ("Tell me about your weekend.", "We walked by the river on Saturday and cooked for friends on Sunday. " * 2))]
     # the training data's lengths as prepare records them: nothing as long as the long eval's contexts
     data = commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet(convs)},
                   stats={"length_buckets": {"<512": 3}, "longest": 300, "max_length": 512})
@@ -688,11 +699,13 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
     assert any("eval heldout's contexts reach" in w and "no training sample in 512-2K" in w for w in rep["warnings"])
     assert rep["measured_by"]["flow_run_id"] == "slow-test"
     assert (rep["draft"]["fc_norm"], rep["draft"]["norm_output"], rep["draft"]["norm_before_fc"]) == (True, True, False)
+    # the two-word draft's " the" / " a" was accepted somewhere: the draft-by-draft comparison below is not vacuous
+    assert sum(rep["benchmark"][ev]["2"]["by_batch_size"]["1"]["accepted_tokens"] for ev in ("mtbench", "heldout")) > 0
     # the offline replay ran on the same outputs: an untrained draft gets (almost) nothing accepted either way
     assert "error" not in rep["replay"], rep["replay"]
     for ev in ("mtbench", "heldout"):
         r = rep["replay"]["by_eval"][ev]["2"]
-        assert r["replayed_drafts"] > 0 and 1.0 <= r["replayed"] < 1.2 and 1.0 <= r["position_average"] < 1.2
+        assert r["replayed_drafts"] > 0 and 1.0 <= r["replayed"] < 1.5 and 1.0 <= r["position_average"] < 1.5
         # the draft vLLM serves proposes what the training-side model (speculators' Eagle3DraftModel, loaded from the
         # same folder with its d2t) proposes: vLLM accepted, draft by draft, what the replay predicts, every request
         assert r["compared"] == rep["evals"][ev]["prompts"] and r["same_steps_as_vllm"] == r["compared"], r
