@@ -15,7 +15,8 @@ rendered with the chat template; the last ones of the set, away from the demo's 
    offset), the states after the final norm (the norm applied twice), the values saturated at a tenth of each
    token's largest magnitude (a cut), scaled x8.
 3. With --cost-rounds N, the check's cost in one run: N rounds on the same engine, each extracting the same shard
-   twice into fresh stores (the address leaves the check's keys out), once with the default check
+   twice into fresh stores (the address leaves the check's keys out), after one unmeasured round, once with the
+   default check
    (extract.verify_positions 64) and once with it off (verify_positions 0), in an order rotated from round to round:
    tokens/s of each (wall clock around extract_shard: reading, extracting, writing, committing) and their ratio.
 """
@@ -146,7 +147,7 @@ def cost(cfg, engine, data_artifact, hf, args, tmp: Path) -> None:
 
     rates: dict[str, list[float]] = {"checked": [], "unchecked": []}
     check_s: list[float] = []
-    for r in range(args.cost_rounds):
+    for r in range(-1, args.cost_rounds):  # round -1 warms the engine and the check's lm_head up, not counted
         order = ["checked", "unchecked"] if r % 2 == 0 else ["unchecked", "checked"]
         for mode in order:
             c = cfg.model_copy(deep=True)
@@ -157,6 +158,9 @@ def cost(cfg, engine, data_artifact, hf, args, tmp: Path) -> None:
             t0 = time.perf_counter()
             ref = extract_shard(c, store, plan, engine)
             wall = time.perf_counter() - t0
+            if r < 0:
+                print(f"  warm-up: {mode} {ref.stats['tokens'] / wall:,.0f} tok/s ({wall:.1f} s)")
+                continue
             rates[mode].append(ref.stats["tokens"] / wall)
             if mode == "checked":
                 check_s.append(float(ref.stats["verify"]["seconds"]))
