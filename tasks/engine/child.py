@@ -38,22 +38,15 @@ def _check_lengths(prompts: list[list[int]], limit: int, extra: int) -> None:
         )
 
 
-def _engine_arg(name: str) -> bool:
-    """Whether this vLLM's engine arguments have `name`."""
-    import dataclasses
-
-    from vllm.engine.arg_utils import EngineArgs
-
-    return name in {f.name for f in dataclasses.fields(EngineArgs)}
-
-
 class _VllmBackend:
     def __init__(self, model: str, llm_kwargs: dict, workdir: str):
         from vllm import LLM
 
         kwargs = dict(llm_kwargs)
         kwargs.setdefault("disable_log_stats", False)  # metrics() needs the stat loggers
-        if kwargs.get("speculative_config") and _engine_arg("per_request_spec_decode_metrics"):
+        from tasks.core.engine_args import vllm_knows
+
+        if kwargs.get("speculative_config") and vllm_knows("per_request_spec_decode_metrics"):
             # each request's accepted tokens per verify step (the benchmark's acceptance by context length); it
             # changes no token, so the printed `vllm serve` line leaves it out (vLLM >= 0.32; older: no per-request)
             kwargs.setdefault("per_request_spec_decode_metrics", "detailed")
