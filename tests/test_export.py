@@ -305,6 +305,21 @@ def test_check_lengths_sets_the_training_length_distribution_against_the_context
     assert lengths(store, "p" * 32, None).evidence.endswith("no benchmark yet to compare with")
 
 
+def test_check_coverage_adds_each_benchmark_evals_share_of_the_targets_output(tmp_path):
+    from tasks.benchmark.evidence import coverage
+    from tasks.store.artifacts import Store
+
+    store = Store(f"file://{tmp_path}/store")
+    with store.write("vocab", "v" * 32, "v", {}) as w:
+        w.write_bytes("x", b"x")
+        w.commit({"coverage": 0.97, "heldout_coverage": 0.95, "draft_vocab_size": 8192})
+    report = {"evals": {"mtbench": {"draft_vocab_coverage": 0.875}, "heldout": {"draft_vocab_coverage": 0.9612}}}
+    f = coverage(store, "v" * 32, report)
+    assert f.status == "ok" and f.evidence.endswith("of the target's output on each benchmark eval: mtbench 87.5%, "
+                                                    "heldout 96.1%"), f
+    assert "benchmark eval" not in coverage(store, "v" * 32, None).evidence
+
+
 def test_the_exported_maps_are_trainings_byte_for_byte_and_a_drifted_draft_is_refused(exp, tmp_path):
     """The draft vLLM will serve proposes ids through its d2t/t2d: they must be the vocab artifact's that
     training read, byte for byte. A train artifact whose draft carries other maps is not exported."""

@@ -6,9 +6,10 @@
 - maps: the vocab artifact's d2t/t2d consistent with each other and with the token counts they were chosen from,
   and the draft's own maps equal to them byte for byte;
 - coverage: the share of the training answers' tokens, and of the held-out split's, inside the draft vocabulary
-  (a token outside it can never be proposed: it bounds acceptance);
-- lengths: the longest context the benchmark served (prompt + new tokens) against the longest training sample
-  (data.max_length): acceptance falls at lengths a draft never trained on;
+  (a token outside it can never be proposed: it bounds acceptance), and of the target's output on each benchmark eval;
+- lengths: the longest context each benchmark eval served (its longest prompt + new tokens) against the training
+  data's length distribution (samples per bucket, the longest; data.max_length for data stored before those were
+  recorded): acceptance falls at lengths a draft never trained on;
 - trained / measured: the run's training figures and its benchmark's acceptance beside the offline estimate.
 
 Each finding is (check, status, evidence, fix) with status ok | warn | fail | missing.
@@ -92,7 +93,7 @@ def maps(store: Store, train_digest: str, vocab_digest: str | None, vocab_size: 
                    "; the draft's maps equal training's byte for byte")
 
 
-def coverage(store: Store, vocab_digest: str | None) -> Finding:
+def coverage(store: Store, vocab_digest: str | None, report: dict[str, Any] | None = None) -> Finding:
     m = _manifest(store, "vocab", vocab_digest)
     if m is None:
         return Finding("coverage", "ok" if not vocab_digest else "missing",
@@ -102,6 +103,10 @@ def coverage(store: Store, vocab_digest: str | None) -> Finding:
     text = f"a {k:,}-token draft vocabulary holds {c:.1%} of the training answers' tokens" if c is not None else "?"
     if h is not None:
         text += f" and {h:.1%} of the held-out split's"
+    evals = {n: e["draft_vocab_coverage"] for n, e in ((report or {}).get("evals") or {}).items()
+             if e.get("draft_vocab_coverage") is not None}
+    if evals:
+        text += "; of the target's output on each benchmark eval: " + ", ".join(f"{n} {v:.1%}" for n, v in evals.items())
     low = h if h is not None else c
     if low is not None and low < LOW_COVERAGE:
         return Finding("coverage", "warn", text + f": below {LOW_COVERAGE:.0%}, a token in {1 / max(1e-9, 1 - low):.0f} "
@@ -172,7 +177,7 @@ def gather(store: Store, train_digest: str, report: dict[str, Any] | None,
     vocab = m.inputs.get("vocab")
     first = _manifest(store, "extract", extract[0] if extract else None)  # every shard reads the same data artifact
     data = first.inputs.get("data") if first else None
-    return [states(store, extract), maps(store, train_digest, vocab, vocab_size), coverage(store, vocab),
+    return [states(store, extract), maps(store, train_digest, vocab, vocab_size), coverage(store, vocab, report),
             lengths(store, data, report), *trained(m.stats, report)]
 
 
