@@ -21,6 +21,7 @@
 #                `draftline run configs/demo.yaml --set 'benchmark.drafts=[{name: gpu, model: DIR}]'`
 #   kimi         (e) a tiny random-init Kimi-K2.5-layout target (MLA, experts, the VLM wrapper) served by the
 #                stand-in hub, fetched with `draftline weights`, its states extracted through vLLM
+#   errors       the engines' own error lines into $OUT/engine-errors.log (their logs do not outlive the machine)
 #   report       benchmarks/gpu_vllm.py report: every figure into $OUT/gpu_vllm.json and .md
 #
 # On the CPU machine, first: `bash benchmarks/gpu_vllm.sh carry` downloads the wheels of
@@ -90,6 +91,9 @@ for step in "$@"; do
     timeout 300 python3 benchmarks/gpu_vllm.py kimi --root /tmp/gv/kimi "${REPO[@]}" --out /tmp/gv/kimi.json \
       >"$OUT/kimi.log" 2>&1
     say "kimi rc=$?"; tail -5 "$OUT/kimi.log" ;;
+  errors)  # the engines' own error lines (their logs stay on the device machine, which goes back after the call)
+    grep -hE "(Error|Exception)\b" /tmp/gv/home/engine-logs/*.log /tmp/gv/kimi/home/engine-logs/*.log 2>/dev/null \
+      | grep -v '^\s*File ' | tail -80 >"$OUT/engine-errors.log"; tail -5 "$OUT/engine-errors.log" ;;
   report)
     python3 benchmarks/gpu_vllm.py report --dir /tmp/gv --out "$OUT/gpu_vllm.json" | tee "$OUT/gpu_vllm.md" | tail -40 ;;
   *)

@@ -441,8 +441,10 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         raise PlanError(f"configs/rates.yaml: targets: {target.known_as or cfg.target.model}: add weights_gb (value, "
                         "unit, kind, source), or pass --rate target.weights_gb=...: an engine start is priced by the "
                         "bytes it loads")
-    # one vLLM engine start: the weights it loads at the machine's engine.start_s_per_gb
-    start_h = t["weights_gb"] * r["engine.start_s_per_gb"] / 3600
+    # one vLLM engine start: a fixed part (compile, CUDA graphs, KV cache) plus the bytes each GPU of the engine
+    # loads (its 1 / tensor_parallel_size share of the weights) at engine.start_s_per_gb
+    tp = cfg.extract.tensor_parallel_size
+    start_h = (r["engine.start_fixed_s"] + t["weights_gb"] / tp * r["engine.start_s_per_gb"]) / 3600
     stages: list[Stage] = []
 
     def add(stage: str, n: int, n_tokens: float, what: str, b16: float, b8: float, kept: float, hours: float,
@@ -579,8 +581,9 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         f"{_count(read_rate['node cache'])} tok/s ({read_h['node cache']:,.2f} h; "
         + (f"it holds {hit:.0%} of an epoch, NODE_PART_CACHE in flows/plan.py" if NODE_PART_CACHE
            else "no node cache: NODE_PART_CACHE is off") + f"): **{binding}-bound**, {train_h:,.2f} h.",
-        f"Engine starts: {start_h * 60:,.1f} min each ({t['weights_gb']:,.0f} GB of weights x "
-        f"{r['engine.start_s_per_gb']:g} s per GB, engine.start_s_per_gb)"
+        f"Engine starts: {start_h * 60:,.1f} min each ({r['engine.start_fixed_s']:g} s, engine.start_fixed_s, + "
+        f"{t['weights_gb']:,.0f} GB of weights / {tp} GPU(s) x {r['engine.start_s_per_gb']:g} s per GB, "
+        f"engine.start_s_per_gb)"
         + (f"; the benchmark starts {engines} (the baseline, {engines - 1 - int(engines > decoding)} with a draft: "
            f"k in {cfg.benchmark.num_speculative_tokens}"
            + (", and the offline replay's" if engines > decoding else "") + ")" if cfg.benchmark.enabled else "")
@@ -604,7 +607,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
             "node.store_read_gb_s", "node.cache_read_gb_s", "node.cache_tb", extract_rate_name,
             "regenerate.answer_fill", "regenerate.prompt_tokens", "prepare.samples_per_s",
             "prepare.bytes_per_token", train_rate_name, "train.multi_gpu_efficiency", "storage.gb_month_price",
-            "engine.start_s_per_gb"]
+            "engine.start_fixed_s", "engine.start_s_per_gb"]
     listed = [rates["rates"][k] for k in used] + list(target.rates.values())
     if lengths.prompt is not None:
         listed = [Rate(x.name, prompt, x.unit, "the run's stats", lengths.source)

@@ -719,3 +719,27 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
                       for ev in rep["benchmark"]}, indent=1), rep["timing"], file=sys.stderr)
     # a second call finds the committed artifact
     assert run_benchmark(cfg, store, trained, data).digest == ref.digest
+
+
+def test_an_engine_that_fails_to_start_is_reported_with_its_root_cause_not_vllms_rethrow():
+    """On the lent H100 a benchmark engine died with vLLM's generic "Engine core initialization failed. See root
+    cause above"; the report must carry the child's own exception line (here the CUDA out-of-memory), the log
+    tail's shape as vLLM 0.26 writes it."""
+    from tasks.benchmark.stage import engine_error_text
+    from tasks.engine.process import EngineError
+
+    rethrow = "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+    tail = "\n".join([
+        "(EngineCore pid=2812)     mask_logits = torch.empty_like(logits)",
+        "(EngineCore pid=2812) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 192.00 MiB.",
+        "Traceback (most recent call last):",
+        '  File "/tmp/site/vllm/v1/engine/utils.py", line 1272, in wait_for_engine_startup',
+        "    raise RuntimeError(",
+        rethrow])
+    text = engine_error_text(EngineError(f"baseline failed while starting: {rethrow}", tail))
+    assert text.startswith("EngineError: baseline failed while starting: RuntimeError: Engine core")
+    assert text.endswith("| root cause: (EngineCore pid=2812) torch.OutOfMemoryError: CUDA out of memory. "
+                         "Tried to allocate 192.00 MiB.")
+    # nothing beyond the message: no root-cause suffix
+    assert engine_error_text(EngineError(f"x failed while starting: {rethrow}", rethrow)) == \
+        f"EngineError: x failed while starting: {rethrow}"

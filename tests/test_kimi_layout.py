@@ -80,8 +80,9 @@ def tiny_kimi(folder: Path) -> str:
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
         # MLA: vLLM's MLA kernels take a latent cache of 320, 512 or 576 (K2.5: 512 + 64) per token; on
-        # AMX CPUs vLLM picks its AMX MLA backend, which packs weights of 32 input features or more
-        q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        # AMX CPUs vLLM picks its AMX MLA backend, which packs weights of 32 input features or more; Kimi-K2.5's
+        # own head dims (nope 128, rope 64, v 128): vLLM 0.26's CUDA MLA prefill backends refused 32/64/32
+        q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
         first_k_dense_replace=2, max_position_embeddings=512, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -344,12 +345,12 @@ def test_draft_trained_on_its_parts_names_the_verifier_and_layers(kimi):
     layer = conf["transformer_layer_config"]
     assert (layer["model_type"], layer["hidden_size"], layer["vocab_size"]) == ("llama", HIDDEN, VOCAB)
     # MLA's head_dim is the rotary part (64 here); the draft's Llama layer gets the value head width instead
-    assert (layer["num_attention_heads"], layer["head_dim"]) == (4, 32)
+    assert (layer["num_attention_heads"], layer["head_dim"]) == (4, 128)
     weights = st_load(art.read_bytes("draft/model.safetensors"))
     assert tuple(weights["fc.weight"].shape) == (HIDDEN, 3 * HIDDEN)  # three aux layers in
     assert tuple(weights["embed_tokens.weight"].shape) == (VOCAB, HIDDEN)
     assert tuple(weights["lm_head.weight"].shape) == (256, HIDDEN)
-    assert tuple(weights["layers.0.self_attn.q_proj.weight"].shape) == (4 * 32, 2 * HIDDEN)  # heads x head_dim
+    assert tuple(weights["layers.0.self_attn.q_proj.weight"].shape) == (4 * 128, 2 * HIDDEN)  # heads x head_dim
 
 
 @pytest.fixture(scope="module")
@@ -380,7 +381,7 @@ def test_mla_head_trains_with_the_targets_attention_and_exports_what_vllms_deeps
     assert conf["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and conf["model_type"] == "deepseek_v2"
     assert "speculators_config" not in conf and "transformer_layer_config" not in conf
     assert (conf["q_lora_rank"], conf["kv_lora_rank"], conf["qk_rope_head_dim"], conf["qk_nope_head_dim"],
-            conf["v_head_dim"], conf["num_attention_heads"]) == (32, 512, 64, 32, 32, 4)
+            conf["v_head_dim"], conf["num_attention_heads"]) == (32, 512, 64, 128, 128, 4)
     assert (conf["num_hidden_layers"], conf["hidden_size"], conf["vocab_size"], conf["draft_vocab_size"]) == (
         1, HIDDEN, VOCAB, 256)
     assert conf["first_k_dense_replace"] >= conf["num_hidden_layers"]  # a dense MLP, as deepseek_eagle3 builds
@@ -389,9 +390,9 @@ def test_mla_head_trains_with_the_targets_attention_and_exports_what_vllms_deeps
     attn = "layers.0.self_attn."
     assert tuple(w[attn + "q_a_proj.weight"].shape) == (32, 2 * HIDDEN)  # [embeddings, hidden] in
     assert tuple(w[attn + "kv_a_proj_with_mqa.weight"].shape) == (512 + 64, 2 * HIDDEN)
-    assert tuple(w[attn + "q_b_proj.weight"].shape) == (4 * (32 + 64), 32)
-    assert tuple(w[attn + "kv_b_proj.weight"].shape) == (4 * (32 + 32), 512)
-    assert tuple(w[attn + "o_proj.weight"].shape) == (HIDDEN, 4 * 32)
+    assert tuple(w[attn + "q_b_proj.weight"].shape) == (4 * (128 + 64), 32)
+    assert tuple(w[attn + "kv_b_proj.weight"].shape) == (4 * (128 + 128), 512)
+    assert tuple(w[attn + "o_proj.weight"].shape) == (HIDDEN, 4 * 128)
     assert [tuple(w[f"fc_norm.{i}.weight"].shape) for i in range(3)] == [(HIDDEN,)] * 3
     assert tuple(w["layers.0.mlp.gate_proj.weight"].shape) == (128, HIDDEN)  # the target's dense MLP width
     # the benchmark stage reads it as what it is, decoded by vLLM's eagle3 method

@@ -34,8 +34,8 @@ def test_the_runbook_shows_the_plan_commands_output_unchanged():
                                       f"`draftline plan {m.group(1)}` between the plan markers")
     # the prose around the table quotes figures of this output: they must be in it
     prose = doc[:m.start()] + doc[m.end():]
-    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693", "$7,633", "$4,222",
-                   "451 TB", "$2,421 per month", "32.0", "12.42"):
+    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693", "$7,535", "$4,161",
+                   "451 TB", "$2,421 per month", "31.5", "12.29"):
         assert figure in out.output, figure
         assert figure.split()[0] in prose, f"docs/kimi-k2.5.md's text no longer quotes {figure}"
     # what the issue asks of it: every stage, both dtypes, totals, and a source for every rate
@@ -188,8 +188,9 @@ def test_the_plan_follows_the_config_and_the_price(kimi_shape):
 
 
 def test_engine_starts_are_priced_by_weight_bytes_and_counted_as_the_benchmark_starts_them(kimi_shape):
-    """One engine start = target.weights_gb x engine.start_s_per_gb (a named rate, to be measured on a GPU); the
-    benchmark's count is what tasks/benchmark/stage.py starts: the baseline, one per head and k, the replay's."""
+    """One engine start = engine.start_fixed_s + target.weights_gb / tensor_parallel_size x engine.start_s_per_gb
+    (both measured on the lent H100); the benchmark's count is what tasks/benchmark/stage.py starts: the baseline,
+    one per head and k, the replay's."""
     rates = planner.load_rates()
 
     def bench(sets: list[str], rate_sets: list[str] = ()) -> float:
@@ -197,7 +198,9 @@ def test_engine_starts_are_priced_by_weight_bytes_and_counted_as_the_benchmark_s
         plan = planner.make_plan(load_config(KIMI, sets), r, shape=kimi_shape, levers=False)
         return {s.stage: s for s in plan.stages}["benchmark"].wall_hours
 
-    start_h = 595 * rates["rates"]["engine.start_s_per_gb"].value / 3600
+    fixed, per_gb = (rates["rates"][f"engine.{k}"].value for k in ("start_fixed_s", "start_s_per_gb"))
+    assert load_config(KIMI).extract.tensor_parallel_size == 8
+    start_h = (fixed + 595 / 8 * per_gb) / 3600
     assert load_config(KIMI).benchmark.num_speculative_tokens == [3]  # the k a Kimi user serves
     base = bench([])
     assert bench(["benchmark.offline_replay=true"]) - base == pytest.approx(start_h)  # one more start, no decode
@@ -205,10 +208,14 @@ def test_engine_starts_are_priced_by_weight_bytes_and_counted_as_the_benchmark_s
     assert bench(["benchmark.num_speculative_tokens=[1, 3, 5]"]) == pytest.approx(4 * (start_h + decode))
     assert bench(["train.heads=[{kind: eagle3}, {kind: eagle3.1}]"]) == pytest.approx(3 * (start_h + decode))
     # the rate prices every start: the benchmark's two, one per node for regeneration and extraction
-    assert bench([], ["engine.start_s_per_gb=4"]) - base == pytest.approx(2 * start_h)
+    assert bench([], [f"engine.start_s_per_gb={2 * per_gb}"]) - base == pytest.approx(2 * 595 / 8 * per_gb / 3600)
+    assert bench(["extract.tensor_parallel_size=4"]) - base == pytest.approx(2 * 595 / 8 * per_gb / 3600)
     plan = planner.make_plan(load_config(KIMI), rates, nodes=4, shape=kimi_shape, levers=False)
-    assert any(n.startswith("Engine starts: 19.8 min each (595 GB of weights x 2 s per GB") for n in plan.notes)
-    assert {r.name: r.kind for r in plan.rates}["engine.start_s_per_gb"] == "assumption"
+    minutes = f"{start_h * 60:,.1f}"
+    assert any(n.startswith(f"Engine starts: {minutes} min each ({fixed:g} s, engine.start_fixed_s, + 595 GB of "
+                            f"weights / 8 GPU(s) x {per_gb:g} s per GB") for n in plan.notes), plan.notes
+    kinds = {r.name: r.kind for r in plan.rates}
+    assert kinds["engine.start_s_per_gb"] == kinds["engine.start_fixed_s"] == "measured"
 
 
 def _rate_rows(text: str) -> dict[str, list[str]]:

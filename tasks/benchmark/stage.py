@@ -216,8 +216,10 @@ def engine_error_text(exc: BaseException) -> str:
     tail = getattr(exc, "log_tail", "") or ""
     causes = [ln.strip() for ln in tail.splitlines()
               if re.match(r"^(\(\w+ pid=\d+\) )?[\w.]*(Error|Exception)\b", ln.strip())]
-    cause = causes[-1] if causes else ""
-    return f"{type(exc).__name__}: {head}" + (f" | root cause: {cause}" if cause and cause not in head else "")
+    # the last exception line the message does not already say: vLLM re-raises its child's failure as a generic
+    # "Engine core initialization failed. See root cause above", which is the message itself
+    cause = next((c for c in reversed(causes) if c.split(") ", 1)[-1] not in head), "")
+    return f"{type(exc).__name__}: {head}" + (f" | root cause: {cause}" if cause else "")
 
 
 def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tuple[str, ArtifactRef]],
