@@ -128,7 +128,8 @@ def lengths(store: Store, data_digest: str | None, report: dict[str, Any] | None
     mean = float(m.stats.get("tokens") or 0) / samples
     buckets = train.get("length_buckets") or {}
     text = (f"training samples: {mean:,.0f} tokens on average, "
-            + (f"the longest {train['longest']:,} ({', '.join(f'{b}: {n}' for b, n in buckets.items())})"
+            + (f"the longest {train['longest']:,}" + (f" ({', '.join(f'{b}: {n}' for b, n in buckets.items())})"
+                                                     if buckets else "")
                if train.get("longest") else f"at most {train.get('max_length') or 0:,} (data.max_length)"))
     if not report:
         return Finding("lengths", "ok", text + "; no benchmark yet to compare with")
