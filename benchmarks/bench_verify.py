@@ -2,7 +2,7 @@
 the engine's next token, how often planted faults do, and what the check costs.
 
     .venv/bin/python benchmarks/bench_verify.py [--backend transformers|vllm] [--dtype float32|bfloat16]
-        [--samples 128] [--max-tokens 512] [--storage bf16|fp8]
+        [--samples 128] [--max-tokens 512] [--storage bf16|fp8] [--cost-rounds N] [--no-planted]
 
 The offline SmolLM2-135M-Instruct preset (30 layers) over `--samples` chitchat conversations (the demo's source,
 rendered with the chat template; the last ones of the set, away from the demo's 512), each cut to --max-tokens.
@@ -14,6 +14,11 @@ rendered with the chat template; the last ones of the set, away from the demo's 
    faults, against the engine's next tokens: layer 29 (a layer id shifted by one), layer 15 (a wrapper's
    offset), the states after the final norm (the norm applied twice), the values saturated at a tenth of each
    token's largest magnitude (a cut), scaled x8.
+3. With --cost-rounds N, the check's cost in one run: N rounds on the same engine, each extracting the same shard
+   twice into fresh stores (the address leaves the check's keys out), after one unmeasured round, once with the
+   default check
+   (extract.verify_positions 64) and once with it off (verify_positions 0), in an order rotated from round to round:
+   tokens/s of each (wall clock around extract_shard: reading, extracting, writing, committing) and their ratio.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--storage", default="bf16", choices=["bf16", "fp8"])
+    ap.add_argument("--cost-rounds", type=int, default=0)
+    ap.add_argument("--no-planted", action="store_true", help="skip parts 1 and 2 (only --cost-rounds)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
@@ -85,6 +92,10 @@ def main() -> int:
             engine.extract([rows[0][1]], cfg.extract.layer_ids)  # warm
             print(f"target {cfg.target.model} ({n} layers), engine {args.backend} {args.dtype}, {len(rows)} samples, "
                   f"{tokens:,} tokens")
+            if args.cost_rounds:
+                cost(cfg, engine, data_artifact, hf, args, Path(tmp))
+            if args.no_planted:
+                return 0
             c = cfg.model_copy(deep=True)
             c.extract.storage_dtype, c.extract.verify_positions = args.storage, args.samples
             c.extract.verify_min_agreement = 0.0
@@ -123,6 +134,43 @@ def main() -> int:
     for name, h in planted.items():
         print(f"    {name}: top-1 agreement {agree(h):.4f}")
     return 0
+
+
+def cost(cfg, engine, data_artifact, hf, args, tmp: Path) -> None:
+    """Part 3: the same shard extracted with the default check and without it, rounds rotated."""
+    import statistics
+    import time
+
+    from tasks.core.config import ExtractConfig
+    from tasks.extract.stage import extract_shard, plan_extract
+    from tasks.store.artifacts import Store
+
+    rates: dict[str, list[float]] = {"checked": [], "unchecked": []}
+    check_s: list[float] = []
+    for r in range(-1, args.cost_rounds):  # round -1 warms the engine and the check's lm_head up, not counted
+        order = ["checked", "unchecked"] if r % 2 == 0 else ["unchecked", "checked"]
+        for mode in order:
+            c = cfg.model_copy(deep=True)
+            c.extract.storage_dtype = args.storage
+            c.extract.verify_positions = ExtractConfig().verify_positions if mode == "checked" else 0
+            store = Store(f"file://{tmp}/cost-{r}-{mode}")
+            plan = plan_extract(c, data_artifact(store), hf)[0]
+            t0 = time.perf_counter()
+            ref = extract_shard(c, store, plan, engine)
+            wall = time.perf_counter() - t0
+            if r < 0:
+                print(f"  warm-up: {mode} {ref.stats['tokens'] / wall:,.0f} tok/s ({wall:.1f} s)")
+                continue
+            rates[mode].append(ref.stats["tokens"] / wall)
+            if mode == "checked":
+                check_s.append(float(ref.stats["verify"]["seconds"]))
+            print(f"  round {r}: {mode:9s} {rates[mode][-1]:,.0f} tok/s ({wall:.1f} s)"
+                  + (f", the check {check_s[-1]:.2f} s on {ref.stats['verify']['positions']} positions"
+                     if mode == "checked" else ""))
+    med = {m: statistics.median(v) for m, v in rates.items()}
+    print(f"  cost: median checked {med['checked']:,.0f} tok/s, unchecked {med['unchecked']:,.0f} tok/s, "
+          f"checked / unchecked = {med['checked'] / med['unchecked']:.3f}; per round "
+          + ", ".join(f"{a / b:.3f}" for a, b in zip(rates["checked"], rates["unchecked"])))
 
 
 if __name__ == "__main__":

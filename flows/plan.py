@@ -309,6 +309,8 @@ class Lengths:
     prompt: Optional[float] = None
     answer: Optional[float] = None  # per sample, the target's (regenerate) or the data's
     source: str = ""
+    longest: Optional[int] = None  # the longest sample, and samples per context-length bucket (prepare's stats)
+    buckets: Optional[dict] = None
 
 
 def run_lengths(cfg: RunConfig) -> Lengths:
@@ -328,7 +330,8 @@ def run_lengths(cfg: RunConfig) -> Lengths:
     samples = int(s.get("samples") or 0)
     if not samples:
         return Lengths(source=f"the prepare artifact {prep.digest[:12]} records no samples")
-    out = Lengths(samples=samples, source=f"prepare {prep.digest[:12]} ({samples:,} samples)")
+    out = Lengths(samples=samples, source=f"prepare {prep.digest[:12]} ({samples:,} samples)",
+                  longest=s.get("longest"), buckets=s.get("length_buckets"))
     if not cfg.regenerate.enabled:
         out.prompt = (s["tokens"] - s["masked_tokens"]) / samples
         out.answer = s["masked_tokens"] / samples
@@ -350,6 +353,11 @@ def run_lengths(cfg: RunConfig) -> Lengths:
         gen = sum(int(r.get("generated_tokens", 0)) for r in regen)
         out.answer = gen / n
         out.prompt = (tokens - gen) / n
+        if all(r.get("longest") for r in regen):  # the regenerated answers' lengths replace the data's
+            from tasks.formats.acceptance import merge_counts
+
+            out.longest = max(int(r["longest"]) for r in regen)
+            out.buckets = merge_counts(*(r.get("length_buckets") for r in regen))
         what = "regenerate" if reg is not None else f"{len(regen)} regenerate shard(s)"
         out.source += f", {what} ({n:,} samples)"
     else:
@@ -547,6 +555,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         + (f"; {len(heads)} heads, each priced at its FLOPs per token over the EAGLE-3 draft below (Shape.head_cost: "
            + ", ".join(f"{h.label} {c:.2f}" for h, c in zip(heads, costs)) + ")" if len(heads) > 1 else "") + ").",
     ]
+    notes += length_notes(cfg, lengths)
     if target.known_as and not Path(cfg.target.model).exists():
         notes.append(f"Target: {cfg.target.model} (not on this machine) is a local copy of {target.known_as} "
                      "(configs/rates.yaml local_copies): its shape and rates are used.")
@@ -611,6 +620,16 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     if levers:
         plan.levers = _levers(cfg, rates, plan, nodes=nodes, lengths=lengths, shape=shape)
     return plan
+
+
+def length_notes(cfg: RunConfig, lengths: Lengths) -> list[str]:
+    """A note when the target will serve contexts (target.max_model_len) longer than any training sample: the
+    run's longest prepared sample with --from-store, else data.max_length."""
+    from tasks.benchmark.results import LENGTH_FIX, length_gap
+
+    train = {"longest": lengths.longest, "length_buckets": lengths.buckets, "max_length": cfg.data.max_length}
+    gap = length_gap(train, cfg.target.max_model_len, f"Lengths: contexts served up to target.max_model_len")
+    return [f"{gap}: a draft's acceptance falls at lengths it never trained on; {LENGTH_FIX}."] if gap else []
 
 
 def _levers(cfg: RunConfig, rates: dict[str, Any], base: Plan, *, nodes: int, lengths: Lengths,

@@ -157,12 +157,106 @@ def test_measure_batches_and_reads_engine_latencies():
     assert r.throughput()["output_tokens_per_s"] > 0
 
 
+def test_acceptance_by_context_length_follows_each_requests_verify_steps():
+    from tasks.formats.acceptance import acceptance_by_length, length_counts, steps_by_length
+
+    # a 508-token prompt: the first draft sees 509 tokens, each step adds its accepted tokens and the bonus
+    assert steps_by_length(508, [1, 0, 2, 0]) == {"<512": [2, 1], "512-2K": [2, 2]}
+    by = acceptance_by_length([508, 3000, 10], [[1, 0, 2, 0], [3, 3], None])
+    assert list(by) == ["<512", "512-2K", "2K-8K"]  # shortest first, empty buckets left out
+    assert by["2K-8K"] == {"mean_acceptance_length": 4.0, "drafts": 2, "accepted_tokens": 6}
+    assert sum(b["drafts"] for b in by.values()) == 6 and sum(b["accepted_tokens"] for b in by.values()) == 9
+    assert acceptance_by_length([5], [None]) == {}
+    assert length_counts([10, 600, 40_000, 20]) == {"<512": 2, "512-2K": 1, ">32K": 1}
+    # measure() keeps each request's steps beside its prompt; spec_figures buckets them
+    eng = FakeEngine()
+    orig = eng.generate
+    eng.generate = lambda prompts, sampling: [{**o, "spec_steps": [1] * 4} for o in orig(prompts, sampling)]
+    r = measure(eng, [[1] * 600, [1] * 5], {"max_tokens": 8}, batch_size=1)
+    assert r.prompt_tokens == [600, 5] and r.spec_steps == [[1] * 4, [1] * 4]
+    from tasks.benchmark.measure import spec_figures
+
+    assert spec_figures(r, r, 2, 0.0, None)["by_length"] == {
+        "<512": {"mean_acceptance_length": 2.0, "drafts": 4, "accepted_tokens": 4},
+        "512-2K": {"mean_acceptance_length": 2.0, "drafts": 4, "accepted_tokens": 4}}
+
+
+def test_training_lengths_that_do_not_cover_the_served_ones_are_warned():
+    from tasks.benchmark.results import length_gap
+
+    train = {"length_buckets": {"<512": 90, "512-2K": 10}, "longest": 1500, "max_length": 2048}
+    assert length_gap(train, 1400, "x") is None
+    gap = length_gap(train, 9000, "eval long's contexts")
+    assert "9,000" in gap and "1,500" in gap and "2K-8K, 8K-32K" in gap
+    assert length_gap({"max_length": 2048}, 4000, "x").startswith("x reach 4,000 tokens, past the longest training "
+                                                                   "sample (data.max_length 2,048")
+    assert length_gap(None, 10**6, "x") is None
+    cfg = bench_cfg()
+    evals = cfg.benchmark.evals
+    rep = fabricated_report(cfg)
+    assert rep["training_lengths"] is None and not any("past the longest" in w for w in rep["warnings"])
+    from tasks.benchmark.prompts import EvalPrompts
+
+    long_ev = [EvalPrompts(e.name, e.name, [[1] * 3000] * 2, ["a", "b"], 2, requested=2) for e in evals]
+    base = {e.name: {bs: run(bs, OUTS, 1.0) for bs in (1, 4)} for e in evals}
+    k = SpecCounters(drafts=10, draft_tokens=10, accepted=5, per_pos=[5])
+    spec = {kk: {e.name: {bs: run(bs, OUTS, 1.0, k) for bs in (1, 4)} for e in evals} for kk in (1, 3)}
+    rep = assemble_report(cfg, long_ev, base, spec, {}, {}, {}, {}, data_stats=train,
+                          vocab_coverage={"mtbench": 0.875})
+    warned = [w for w in rep["warnings"] if "past the longest training sample" in w]
+    assert len(warned) == 2 and "3,008 tokens" in warned[0] and "raise data.max_length" in warned[0]
+    assert rep["evals"]["mtbench"]["draft_vocab_coverage"] == 0.875
+    assert "holds 87.5% of the target's output tokens" in report_markdown(rep)
+
+
+def test_long_context_eval_concatenates_whole_conversations(tmp_path):
+    from tasks.data.prepare import make_masker
+
+    store = Store(f"file://{tmp_path}/store")
+    cfg = bench_cfg(max_tokens=8)
+    convs = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i} " * 40}]
+             for i in range(6)]
+    data = commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet(convs)})
+    masker = make_masker(cfg)
+    ev = load_eval_prompts(cfg, store, data, EvalConfig(name="long", num_prompts=2, context_tokens=300),
+                           masker.prompt_ids)
+    assert len(ev.prompts) == 2 and all(len(p) >= 300 for p in ev.prompts) and ev.short_of_context == 0
+    text = masker.tok.decode(ev.prompts[0])
+    # the histories are the next conversations, every turn; the prompt ends with a question and the generation prompt
+    assert "answer 1" in text and "answer 0" not in text and text.rstrip().endswith("assistant")
+    assert text.rindex("question 0") > text.rindex("answer")
+    # capped by max_model_len - max_tokens, and said so
+    cfg.target.max_model_len = 250
+    short = load_eval_prompts(cfg, store, data, EvalConfig(name="long", num_prompts=2, context_tokens=10_000),
+                              masker.prompt_ids)
+    assert all(len(p) <= 242 for p in short.prompts) and short.short_of_context == 2
+    # a first-turn eval keeps its address; a long one has its own
+    long_cfg = bench_cfg(evals=[EvalConfig(name="heldout", num_prompts=2, context_tokens=300)])
+    plain = bench_cfg(evals=[EvalConfig(name="heldout", num_prompts=2)])
+    ref = commit(store, "train", "t" * 32, {"x": b"x"})
+    assert digests.benchmark(plain, ref, data) != digests.benchmark(long_cfg, ref, data)
+    with pytest.raises(BenchmarkError, match="needs conversations with answers"):
+        q = commit(store, "prepare", "q" * 32, {"heldout.parquet": heldout_parquet([[{"role": "user", "content": "hi"}]])})
+        load_eval_prompts(cfg, store, q, EvalConfig(name="long", context_tokens=100), masker.prompt_ids)
+
+
 def test_chain_lengths_follow_vllm_alignment():
     seq = [10, 11, 12, 13, 14]
     # a draft started at t sees token seq[t+1]; step j proposes seq[t+2+j]
     preds = [[12, 99, 14, 0], [13, 14, 0, 0]]
     assert chain_lengths(preds, seq, k=2) == [2, 0, 1]
     assert chain_lengths(preds, seq, k=1) == [1, 0, 1]
+
+
+def test_same_steps_compares_vllms_accepted_tokens_draft_by_draft():
+    from tasks.benchmark.replay import same_steps, walk
+
+    chain = [0, 2, 0, 1, 0, 2, 0, 0, 0]  # accepted run of a draft started at each position, k=2
+    assert walk(chain, 1) == [(1, 2), (4, 0), (5, 2), (8, 0)]
+    assert same_steps(chain, 1, len(chain) + 2, 2, [2, 0, 2, 0])
+    assert same_steps(chain, 1, len(chain) + 2, 2, [2, 0, 2, 1])  # the last draft had no room for k: not compared
+    assert not same_steps(chain, 1, len(chain) + 2, 2, [2, 1, 2, 0])
+    assert not same_steps(chain, 1, len(chain) + 2, 2, [2, 0])  # vLLM stopped drafting early
 
 
 def test_replay_walks_like_vllm_and_is_a_harmonic_mean():
@@ -514,10 +608,13 @@ def test_check_draft_rejects_a_draft_for_another_target(tmp_path):
 
 # --------------------------------------------------------------------------- a real run (slow)
 
-def make_random_draft(model: str, out: Path, **norms: bool) -> None:
+def make_random_draft(model: str, out: Path, two_words: bool = False, **norms: bool) -> None:
     """An untrained EAGLE-3 head for the target (acceptance near zero, but the whole chain is real).
 
-    `norms`: speculators' EAGLE-3.1 options (norm_before_fc or fc_norm, norm_output), as vLLM reads them."""
+    `norms`: speculators' EAGLE-3.1 options (norm_before_fc or fc_norm, norm_output), as vLLM reads them.
+    `two_words`: its vocabulary is target ids 200..1223 (every d2t offset 200) and its lm_head proposes " the" or
+    " a" by the sign of one random direction of its own output: accepted wherever the target writes the word it
+    picked, so which drafts vLLM accepts depends on the maps, the layers and the norms."""
     import torch
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
@@ -527,11 +624,19 @@ def make_random_draft(model: str, out: Path, **norms: bool) -> None:
     n = conf.num_hidden_layers
     conf.num_hidden_layers = 1  # the draft's own depth: from_training_args copies the verifier's config
     v, k = conf.vocab_size, 1024
-    d2t, t2d = build_vocab_mappings_from_distribution({i: v - i for i in range(v)}, k, v)
+    skip = 200 if two_words else 0
+    d2t, t2d = build_vocab_mappings_from_distribution({i: v - i for i in range(skip, v)}, k, v)
     torch.manual_seed(0)
     m = Eagle3DraftModel.from_training_args(conf, t2d=t2d, d2t=d2t, draft_vocab_size=k, norm_before_residual=True,
                                             ttt_steps=3, verifier_name_or_path=model, draft_attn_impl="sdpa",
                                             target_layer_ids=[2, n // 2, n - 3], **norms)
+    if two_words:  # SmolLM2's " the" is 260 and " a" 253: draft ids 60 and 53
+        assert int(d2t[0]) == skip and bool(t2d[260]) and bool(t2d[253])
+        r = torch.randn(m.lm_head.weight.shape[1])
+        with torch.no_grad():
+            m.lm_head.weight.zero_()
+            m.lm_head.weight[260 - skip] = 10 * r
+            m.lm_head.weight[253 - skip] = -10 * r
     m.to(torch.bfloat16).save_pretrained(out)
 
 
@@ -542,7 +647,8 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
 
     store = Store(f"file://{tmp_path}/store")
     cfg = bench_cfg(evals=[EvalConfig(name="mtbench", source=SourceConfig(preset="mtbench"), num_prompts=3),
-                           EvalConfig(name="heldout", source="heldout", num_prompts=2)],
+                           # a long-context eval: the held-out conversations, answers included, as one history
+                           EvalConfig(name="heldout", source="heldout", num_prompts=2, context_tokens=520)],
                     num_speculative_tokens=[2], batch_sizes=[1, 3], max_tokens=24)
     cfg.target.max_model_len = 1024
     # float32 on every CPU: with bf16 (native on AMX CPUs) vLLM's batched verification rounds differently
@@ -552,12 +658,16 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
     model = resolve_model(cfg.target)
     # EAGLE-3.1 with per-layer norms before the fc (train's drafts use norm_before_fc, the other 3.1 option,
     # and reach vLLM in tests/test_e2e.py): vLLM's CPU build must load and decode with it.
-    make_random_draft(model, tmp_path / "draft", fc_norm=True, norm_output=True)
+    make_random_draft(model, tmp_path / "draft", two_words=True, fc_norm=True, norm_output=True)
     files = {f"draft/{p.name}": p.read_bytes() for p in (tmp_path / "draft").iterdir() if p.is_file()}
     trained = commit(store, "train", "t" * 32, files, stats={"val_acc_per_pos": [0.3, 0.1, 0.05]})
-    convs = [[{"role": "user", "content": q}] for q in ("How are you today?", "What is your favourite food?",
-                                                          "Tell me about your weekend.")]
-    data = commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet(convs)})
+    convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": a * 12}] for q, a in (
+        ("How are you today?", "I am well, thank you for asking; the sun is out and the garden is green. " * 2),
+        ("What is your favourite food?", "Bread baked at home, with butter and a little salt on top of it. " * 2),
+        ("Tell me about your weekend.", "We walked by the river on Saturday and cooked for friends on Sunday. " * 2))]
+    # the training data's lengths as prepare records them: nothing as long as the long eval's contexts
+    data = commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet(convs)},
+                  stats={"length_buckets": {"<512": 3}, "longest": 300, "max_length": 512})
     logs: list[str] = []
     ref = run_benchmark(cfg, store, trained, data, flow_run_id="slow-test", on_log=logs.append)
     rep = load_report(store, ref)
@@ -578,15 +688,30 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
         assert control["decodes"] == ["batch 1", "batch 3", "batch 3 (repeat)"]
         assert [(p["a"], p["b"], p["differing"]) for p in control["pairs"]] == [
             ("batch 1", "batch 3", 0), ("batch 3", "batch 3 (repeat)", 0)], control["pairs"]
+    # acceptance by context length from vLLM's own per-request steps: every draft of the counters is in a bucket
+    for ev, bucket in (("mtbench", "<512"), ("heldout", "512-2K")):
+        assert rep["evals"][ev]["prompt_tokens_min"] >= (520 if ev == "heldout" else 1)
+        for bs, g in rep["benchmark"][ev]["2"]["by_batch_size"].items():
+            assert list(g["by_length"]) == [bucket], (ev, bs, g["by_length"])
+            assert g["by_length"][bucket]["drafts"] == g["drafts"]
+            assert g["by_length"][bucket]["accepted_tokens"] == g["accepted_tokens"]
+        assert 0 < rep["evals"][ev]["draft_vocab_coverage"] <= 1
+    assert any("eval heldout's contexts reach" in w and "no training sample in 512-2K" in w for w in rep["warnings"])
     assert rep["measured_by"]["flow_run_id"] == "slow-test"
     assert (rep["draft"]["fc_norm"], rep["draft"]["norm_output"], rep["draft"]["norm_before_fc"]) == (True, True, False)
+    # the two-word draft's " the" / " a" was accepted somewhere: the draft-by-draft comparison below is not vacuous
+    assert sum(rep["benchmark"][ev]["2"]["by_batch_size"]["1"]["accepted_tokens"] for ev in ("mtbench", "heldout")) > 0
     # the offline replay ran on the same outputs: an untrained draft gets (almost) nothing accepted either way
     assert "error" not in rep["replay"], rep["replay"]
     for ev in ("mtbench", "heldout"):
         r = rep["replay"]["by_eval"][ev]["2"]
-        assert r["replayed_drafts"] > 0 and 1.0 <= r["replayed"] < 1.2 and 1.0 <= r["position_average"] < 1.2
+        assert r["replayed_drafts"] > 0 and 1.0 <= r["replayed"] < 1.5 and 1.0 <= r["position_average"] < 1.5
+        # the draft vLLM serves proposes what the training-side model (speculators' Eagle3DraftModel, loaded from the
+        # same folder with its d2t) proposes: vLLM accepted, draft by draft, what the replay predicts, every request
+        assert r["compared"] == rep["evals"][ev]["prompts"] and r["same_steps_as_vllm"] == r["compared"], r
     md = art.read_bytes("report.md").decode()
     assert "Where the acceptance goes" in md and "## Greedy identity" in md and "batch 3 (repeat)" in md
+    assert "## Acceptance by context length" in md and "| heldout | 2 | 512-2K |" in md
     assert find_report(store, "slow-test")["digest"] == ref.digest
     print(json.dumps({ev: {bs: {k: g[k] for k in ("mean_acceptance_length", "output_tokens_per_s", "speedup",
                                                   "tpot_ms", "ttft_ms")}

@@ -282,6 +282,44 @@ def test_check_gives_one_verdict_on_a_draft_and_fails_a_drifted_one(exp):
     assert "the draft's d2t differs from the one its training read" in rows["maps"]["evidence"]
 
 
+def test_check_lengths_sets_the_training_length_distribution_against_the_contexts_served(tmp_path):
+    """`draftline check`'s lengths row: the prepared data's samples per context-length bucket and its longest
+    sample against each eval's longest prompt + benchmark.max_tokens; the fix when training falls short."""
+    from tasks.benchmark.evidence import lengths
+    from tasks.store.artifacts import Store
+
+    store = Store(f"file://{tmp_path}/store")
+    with store.write("prepare", "p" * 32, "v", {}) as w:
+        w.write_bytes("x", b"x")
+        w.commit({"samples": 4, "tokens": 1200, "length_buckets": {"<512": 3, "512-2K": 1}, "longest": 700,
+                  "max_length": 2048})
+    report = {"settings": {"max_tokens": 64},
+              "evals": {"mtbench": {"prompt_tokens_max": 100}, "long": {"prompt_tokens_max": 4000}}}
+    f = lengths(store, "p" * 32, report)
+    assert f.status == "warn", f
+    assert "the longest 700 (<512: 3, 512-2K: 1)" in f.evidence and "served up to 4,064 (long" in f.evidence
+    assert "eval long's contexts reach 4,064 tokens" in f.evidence and "no training sample in 2K-8K" in f.evidence
+    assert "mtbench" not in f.evidence.split("served up to")[1] and "raise data.max_length" in f.fix
+    report["evals"].pop("long")
+    assert lengths(store, "p" * 32, report).status == "ok"
+    assert lengths(store, "p" * 32, None).evidence.endswith("no benchmark yet to compare with")
+
+
+def test_check_coverage_adds_each_benchmark_evals_share_of_the_targets_output(tmp_path):
+    from tasks.benchmark.evidence import coverage
+    from tasks.store.artifacts import Store
+
+    store = Store(f"file://{tmp_path}/store")
+    with store.write("vocab", "v" * 32, "v", {}) as w:
+        w.write_bytes("x", b"x")
+        w.commit({"coverage": 0.97, "heldout_coverage": 0.95, "draft_vocab_size": 8192})
+    report = {"evals": {"mtbench": {"draft_vocab_coverage": 0.875}, "heldout": {"draft_vocab_coverage": 0.9612}}}
+    f = coverage(store, "v" * 32, report)
+    assert f.status == "ok" and f.evidence.endswith("of the target's output on each benchmark eval: mtbench 87.5%, "
+                                                    "heldout 96.1%"), f
+    assert "benchmark eval" not in coverage(store, "v" * 32, None).evidence
+
+
 def test_the_exported_maps_are_trainings_byte_for_byte_and_a_drifted_draft_is_refused(exp, tmp_path):
     """The draft vLLM will serve proposes ids through its d2t/t2d: they must be the vocab artifact's that
     training read, byte for byte. A train artifact whose draft carries other maps is not exported."""

@@ -301,14 +301,19 @@ def test_the_runs_own_stats_on_the_store_replace_the_assumed_lengths(tmp_path, m
 
     assumed = plan("--from-store")
     assert "no prepare artifact of this config" in assumed["notes"][0]
+    # the preset trains on samples of up to data.max_length 8,192 tokens and serves up to max_model_len 12,288
+    assert ("Lengths: contexts served up to target.max_model_len reach 12,288 tokens, past the longest training "
+            "sample (data.max_length 8,192)") in assumed["notes"][1]
     assert {s["stage"]: s for s in assumed["stages"]}["extract"]["tokens"] == pytest.approx(600_000 * 3057.6)
     # what prepare records: 1,000 samples of 900 tokens, 400 of them the data's answers
     store = Store(uri)
     prep_digest = digests.prepare(cfg)
     with store.write("prepare", prep_digest, digests.VERSIONS["prepare"]) as w:
         w.write_bytes("marker", b"stats only")
-        prep = w.commit({"samples": 1000, "tokens": 900_000, "masked_tokens": 400_000, "num_shards": 512})
+        prep = w.commit({"samples": 1000, "tokens": 900_000, "masked_tokens": 400_000, "num_shards": 512,
+                         "longest": 1500, "length_buckets": {"<512": 10, "512-2K": 990}})
     p = plan("--from-store")
+    assert "past the longest training sample (1,500 tokens; no training sample in 2K-8K, 8K-32K)" in p["notes"][1]
     by = {s["stage"]: s for s in p["stages"]}
     assert by["prepare"]["tokens"] == 1000 * 500  # prompts only: 900 - 400
     assert by["extract"]["tokens"] == pytest.approx(1000 * (500 + 0.6 * 4096))
@@ -319,8 +324,10 @@ def test_the_runs_own_stats_on_the_store_replace_the_assumed_lengths(tmp_path, m
         with store.write(digests.REGENERATE_SHARD, digests.regenerate_shard(reg_digest, i),
                          digests.VERSIONS["regenerate"]) as w:
             w.write_bytes("marker", b"stats only")
-            w.commit({"samples": 10, "tokens": 10 * 2020, "generated_tokens": 10 * 1500, "prompts": 10})
+            w.commit({"samples": 10, "tokens": 10 * 2020, "generated_tokens": 10 * 1500, "prompts": 10,
+                      "longest": 2100 + i, "length_buckets": {"512-2K": 5, "2K-8K": 5}})
     p = plan("--from-store")
+    assert "(2,103 tokens; no training sample in 8K-32K)" in p["notes"][1]  # the regenerated answers' lengths
     by = {s["stage"]: s for s in p["stages"]}
     assert by["regenerate"]["tokens"] == pytest.approx(1000 * 1500)
     assert by["extract"]["tokens"] == pytest.approx(1000 * 2020)

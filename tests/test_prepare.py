@@ -483,6 +483,10 @@ def test_dedupe_and_length_limit(tmp_path, chat_jsonl):
     assert cut.stats["truncated"] > 0 and cut.stats["samples"] == 36
     art = Store(f"file://{tmp_path}/c").open("prepare", cut.digest)
     assert max(s.tokens for s in read_samples(art, shard_name(0))) <= limit
+    # the length distribution the benchmark report, `draftline check` and `plan` set against the contexts served
+    assert cut.stats["longest"] == max(s.tokens for i in range(cut.stats["num_shards"])
+                                       for s in read_samples(art, shard_name(i)))
+    assert sum(cut.stats["length_buckets"].values()) == cut.stats["samples"]
     drop = run_prepare(_cfg(chat_jsonl, max_length=limit, overflow="drop"), Store(f"file://{tmp_path}/d"))
     assert drop.stats["dropped"]["too_long"] > 0
     assert drop.stats["samples"] + drop.stats["heldout"] + drop.stats["dropped"]["too_long"] == 40

@@ -6,9 +6,10 @@
 - maps: the vocab artifact's d2t/t2d consistent with each other and with the token counts they were chosen from,
   and the draft's own maps equal to them byte for byte;
 - coverage: the share of the training answers' tokens, and of the held-out split's, inside the draft vocabulary
-  (a token outside it can never be proposed: it bounds acceptance);
-- lengths: the longest context the benchmark served (prompt + new tokens) against the longest training sample
-  (data.max_length): acceptance falls at lengths a draft never trained on;
+  (a token outside it can never be proposed: it bounds acceptance), and of the target's output on each benchmark eval;
+- lengths: the longest context each benchmark eval served (its longest prompt + new tokens) against the training
+  data's length distribution (samples per bucket, the longest; data.max_length for data stored before those were
+  recorded): acceptance falls at lengths a draft never trained on;
 - trained / measured: the run's training figures and its benchmark's acceptance beside the offline estimate.
 
 Each finding is (check, status, evidence, fix) with status ok | warn | fail | missing.
@@ -92,7 +93,7 @@ def maps(store: Store, train_digest: str, vocab_digest: str | None, vocab_size: 
                    "; the draft's maps equal training's byte for byte")
 
 
-def coverage(store: Store, vocab_digest: str | None) -> Finding:
+def coverage(store: Store, vocab_digest: str | None, report: dict[str, Any] | None = None) -> Finding:
     m = _manifest(store, "vocab", vocab_digest)
     if m is None:
         return Finding("coverage", "ok" if not vocab_digest else "missing",
@@ -102,6 +103,10 @@ def coverage(store: Store, vocab_digest: str | None) -> Finding:
     text = f"a {k:,}-token draft vocabulary holds {c:.1%} of the training answers' tokens" if c is not None else "?"
     if h is not None:
         text += f" and {h:.1%} of the held-out split's"
+    evals = {n: e["draft_vocab_coverage"] for n, e in ((report or {}).get("evals") or {}).items()
+             if e.get("draft_vocab_coverage") is not None}
+    if evals:
+        text += "; of the target's output on each benchmark eval: " + ", ".join(f"{n} {v:.1%}" for n, v in evals.items())
     low = h if h is not None else c
     if low is not None and low < LOW_COVERAGE:
         return Finding("coverage", "warn", text + f": below {LOW_COVERAGE:.0%}, a token in {1 / max(1e-9, 1 - low):.0f} "
@@ -110,30 +115,34 @@ def coverage(store: Store, vocab_digest: str | None) -> Finding:
 
 
 def lengths(store: Store, data_digest: str | None, report: dict[str, Any] | None) -> Finding:
-    """The longest training sample against the longest context the benchmark served."""
+    """The training data's length distribution (samples per context-length bucket, its longest sample; data.max_length
+    for data stored before those were recorded) against the longest context each eval of the benchmark served."""
+    from tasks.benchmark.results import LENGTH_FIX, length_gap, served_length, training_lengths
+
     m = _manifest(store, "regenerate", data_digest) or _manifest(store, "prepare", data_digest)
     if m is None:
         return Finding("lengths", "missing", "no data artifact for the draft", "re-run `draftline run`")
     prep = _manifest(store, "prepare", m.inputs.get("prepare")) if m.stage == "regenerate" else m
-    max_len = int((prep.stats if prep else m.stats).get("max_length") or 0)
+    train = training_lengths({**m.stats, "max_length": (prep.stats if prep else m.stats).get("max_length")})
     samples = max(1, int(m.stats.get("samples") or 1))
     mean = float(m.stats.get("tokens") or 0) / samples
-    text = f"training samples: {mean:,.0f} tokens on average, at most {max_len:,} (data.max_length)"
+    buckets = train.get("length_buckets") or {}
+    text = (f"training samples: {mean:,.0f} tokens on average, "
+            + (f"the longest {train['longest']:,}" + (f" ({', '.join(f'{b}: {n}' for b, n in buckets.items())})"
+                                                     if buckets else "")
+               if train.get("longest") else f"at most {train.get('max_length') or 0:,} (data.max_length)"))
     if not report:
         return Finding("lengths", "ok", text + "; no benchmark yet to compare with")
     new = int((report.get("settings") or {}).get("max_tokens") or 0)
-    evals = report.get("evals") or {}
-    exact = all("prompt_tokens_max" in s for s in evals.values())  # reports before it kept the mean only
-    served = {ev: int(s.get("prompt_tokens_max") or s.get("prompt_tokens_mean") or 0) + new for ev, s in evals.items()}
+    served = {ev: served_length(report, ev) for ev in (report.get("evals") or {})}
     if not served:
         return Finding("lengths", "ok", text)
     ev, longest = max(served.items(), key=lambda kv: kv[1])
-    text += (f"; the benchmark served up to {longest:,} ({ev}: {'prompt' if exact else 'mean prompt'} + {new} new "
-             "tokens)")
-    if max_len and longest > max_len:
-        return Finding("lengths", "warn", text + ": longer than any training sample, where acceptance falls",
-                       "raise data.max_length (and target.max_model_len) to the contexts you serve, or expect less "
-                       "acceptance there")
+    text += f"; the benchmark served up to {longest:,} ({ev}: its longest prompt + {new} new tokens)"
+    gaps = [g for e, n in served.items() if (g := length_gap(train, n, f"eval {e}'s contexts"))]
+    if gaps:
+        return Finding("lengths", "warn", text + ". " + "; ".join(gaps) + ": acceptance falls where a draft never "
+                       "trained (report.md: Acceptance by context length)", LENGTH_FIX)
     return Finding("lengths", "ok", text)
 
 
@@ -169,7 +178,7 @@ def gather(store: Store, train_digest: str, report: dict[str, Any] | None,
     vocab = m.inputs.get("vocab")
     first = _manifest(store, "extract", extract[0] if extract else None)  # every shard reads the same data artifact
     data = first.inputs.get("data") if first else None
-    return [states(store, extract), maps(store, train_digest, vocab, vocab_size), coverage(store, vocab),
+    return [states(store, extract), maps(store, train_digest, vocab, vocab_size), coverage(store, vocab, report),
             lengths(store, data, report), *trained(m.stats, report)]
 
 

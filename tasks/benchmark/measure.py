@@ -11,6 +11,7 @@ from typing import Any
 
 from tasks.benchmark import BenchmarkError
 from tasks.benchmark.identity import identical
+from tasks.formats.acceptance import acceptance_by_length
 
 M_DRAFTS = "vllm:spec_decode_num_drafts"
 M_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -89,6 +90,10 @@ class RunResult:
     ttft_ms: float | None
     tpot_ms: float | None
     spec: SpecCounters | None = None
+    # per request: its prompt's tokens and vLLM's accepted draft tokens per verify step (None where the engine
+    # gives no per-request figures: the baseline, a vLLM before per_request_spec_decode_metrics)
+    prompt_tokens: list[int] = field(default_factory=list)
+    spec_steps: list[list[int] | None] = field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:
@@ -113,6 +118,7 @@ def measure(engine: Any, prompts: list[list[int]], sampling: dict, batch_size: i
     per output token).
     """
     outputs: list[list[int]] = []
+    steps: list[list[int] | None] = []
     wall = 0.0
     ttfts: list[float] = []
     tpots: list[float] = []
@@ -127,6 +133,7 @@ def measure(engine: Any, prompts: list[list[int]], sampling: dict, batch_size: i
         wall += dt_s
         got = [list(o["token_ids"]) for o in outs]
         outputs.extend(got)
+        steps.extend(o.get("spec_steps") for o in outs)
         ttft = histogram_delta(before, after, M_TTFT)
         tpot = histogram_delta(before, after, M_TPOT)
         if ttft and ttft[0] > 0:
@@ -139,7 +146,7 @@ def measure(engine: Any, prompts: list[list[int]], sampling: dict, batch_size: i
                 tpots.append(1000.0 * dt_s / n)
     last = engine.metrics()
     spec = SpecCounters.from_metrics(last) - SpecCounters.from_metrics(first)
-    return RunResult(batch_size, outputs, wall, _mean(ttfts), _mean(tpots), spec)
+    return RunResult(batch_size, outputs, wall, _mean(ttfts), _mean(tpots), spec, [len(p) for p in prompts], steps)
 
 
 def spec_figures(run: RunResult, base: RunResult, k: int, temperature: float,
@@ -147,6 +154,9 @@ def spec_figures(run: RunResult, base: RunResult, k: int, temperature: float,
     """Everything the report says about one eval, k and batch size."""
     out = run.throughput()
     out.update(acceptance_figures(run.spec or SpecCounters(), k))
+    by_length = acceptance_by_length(run.prompt_tokens, run.spec_steps)
+    if by_length:
+        out["by_length"] = by_length
     b = base.throughput()
     out["baseline_output_tokens_per_s"] = b["output_tokens_per_s"]
     out["baseline_tpot_ms"] = b["tpot_ms"]

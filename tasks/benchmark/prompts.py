@@ -27,6 +27,7 @@ class EvalPrompts:
     available: int
     too_long: int = 0
     requested: int = 0
+    short_of_context: int = 0  # long-context evals: prompts the source or max_model_len kept under context_tokens
 
     def summary(self) -> dict[str, Any]:
         lens = [len(p) for p in self.prompts]
@@ -34,6 +35,7 @@ class EvalPrompts:
                 "available": self.available,
                 "dropped_too_long": self.too_long,
                 "prompt_tokens_mean": round(sum(lens) / max(1, len(lens)), 1), "prompt_tokens_max": max(lens, default=0),
+                "prompt_tokens_min": min(lens, default=0), "short_of_context": self.short_of_context,
                 "sample_ids": self.sample_ids}
 
 
@@ -75,6 +77,8 @@ def load_eval_prompts(cfg: RunConfig, store: Store, data: ArtifactRef, ev: EvalC
         convs = [(c.sample_id, c.messages) for c in loaded.conversations]
         label = ev.source.label
     limit = cfg.target.max_model_len - cfg.benchmark.max_tokens
+    if ev.context_tokens:
+        return long_prompts(ev, label, convs, render, limit)
     usable: list[tuple[str, list[int]]] = []
     too_long = 0
     for sid, messages in convs:
@@ -93,3 +97,53 @@ def load_eval_prompts(cfg: RunConfig, store: Store, data: ArtifactRef, ev: EvalC
     picked = [usable[i] for i in select_evenly(len(usable), ev.num_prompts)]
     return EvalPrompts(ev.name, label, [p for _, p in picked], [s for s, _ in picked], len(usable), too_long,
                        ev.num_prompts)
+
+
+def whole_turns(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A conversation's user/assistant turns (system messages out), cut after its last answer; [] when it has none."""
+    turns = [m for m in messages if m["role"] in ("user", "assistant")]
+    while turns and turns[-1]["role"] != "assistant":
+        turns.pop()
+    return turns if turns and turns[0]["role"] == "user" else []
+
+
+def long_prompts(ev: EvalConfig, label: str, convs: list[tuple[str, list[dict]]],
+                 render: Callable[[list[dict]], list[int]], limit: int) -> EvalPrompts:
+    """A long-context eval (`context_tokens`): each prompt is whole conversations as one chat history, then the
+    next conversation's first user turn, grown conversation by conversation until it holds `context_tokens`
+    tokens, without passing `limit`. Prompts start at conversations spread evenly over the source."""
+    history = [(sid, t) for sid, m in convs if (t := whole_turns(m))]
+    questions = [(sid, q) for sid, m in convs if (q := [x for x in first_turn(m) if x["role"] == "user"])]
+    if not history or not questions:
+        raise BenchmarkError(f"eval {ev.name!r}: a long-context eval (context_tokens) needs conversations with "
+                             f"answers to build a history from; {label} has {len(history)} (use source: heldout, "
+                             "whose answers are the target's own, or a source with assistant turns)")
+    want = min(ev.context_tokens, limit)
+    prompts: list[list[int]] = []
+    ids: list[str] = []
+    short = 0
+    for start in select_evenly(len(questions), ev.num_prompts):
+        qid, question = questions[start]
+        turns: list[dict[str, str]] = []
+        best = render(question)
+        used = 0
+        for j in range(len(history)):  # the conversations after the question's own, wrapping round
+            sid, t = history[(start + 1 + j) % len(history)]
+            if sid == qid:
+                continue
+            ids_now = render(turns + t + question)
+            if len(ids_now) > limit:
+                break
+            turns, best, used = turns + t, ids_now, used + 1
+            if len(best) >= want:
+                break
+        if len(best) > limit:
+            continue
+        short += len(best) < want
+        prompts.append(best)
+        ids.append(f"{qid} (+{used} conversations before it)")
+    if not prompts:
+        raise BenchmarkError(f"eval {ev.name!r}: no question fits target.max_model_len - benchmark.max_tokens = "
+                             f"{limit} tokens")
+    return EvalPrompts(ev.name, f"{label}, {ev.context_tokens}-token contexts", prompts, ids, len(questions), 0,
+                       ev.num_prompts, short)

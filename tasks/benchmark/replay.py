@@ -34,17 +34,28 @@ def chain_lengths(preds: list[list[int]], seq: list[int], k: int) -> list[int]:
     return out
 
 
-def replay(chain: list[int], first: int) -> tuple[int, int]:
-    """(drafts, accepted tokens) when drafts start where vLLM starts them: at `first` (the first
+def walk(chain: list[int], first: int) -> list[tuple[int, int]]:
+    """(start, accepted tokens) of every draft when drafts start where vLLM starts them: at `first` (the first
     output token), then after every accepted run plus its bonus token."""
-    drafts = accepted = 0
+    out = []
     t = first
     while t < len(chain):
-        a = chain[t]
-        drafts += 1
-        accepted += a
-        t += a + 1
-    return drafts, accepted
+        out.append((t, chain[t]))
+        t += chain[t] + 1
+    return out
+
+
+def replay(chain: list[int], first: int) -> tuple[int, int]:
+    """(drafts, accepted tokens) of `walk`."""
+    steps = walk(chain, first)
+    return len(steps), sum(a for _, a in steps)
+
+
+def same_steps(chain: list[int], first: int, seq_len: int, k: int, measured: list[int]) -> bool:
+    """Whether vLLM accepted, draft by draft, what the draft replayed offline predicts on the same greedy text:
+    every draft with room for all k tokens before the text ends (vLLM may cap the last ones at max_tokens)."""
+    full = [(t, a) for t, a in walk(chain, first) if t + k + 1 < seq_len]
+    return len(measured) >= len(full) and all(a == b for (_, a), b in zip(full, measured))
 
 
 def position_average(chains: list[tuple[list[int], int]], k: int) -> dict[str, Any]:
@@ -115,12 +126,16 @@ def draft_predictions(model: Any, d2t: Any, hidden: Any, seq: list[int], k: int)
 
 def offline_replay(cfg: RunConfig, model_path: str, draft_dir: str, draft_info: dict[str, Any],
                    evals: list[Any], outputs: dict[str, list[list[int]]],
-                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                   log: Callable[[str], None] | None = None,
+                   measured: dict[str, dict[int, Any]] | None = None) -> dict[str, Any]:
     """Replay the draft on the baseline's greedy outputs (hidden states from transformers).
 
     Per eval and k: the position-averaged acceptance length (the quantity a validation accuracy
     estimates, here on the eval's own text) and the replayed one (drafts started where vLLM starts
-    them), to set beside vLLM's measured figure.
+    them), to set beside vLLM's measured figure. `measured`: per eval and k, vLLM's run at the same batch size;
+    where it gave per-request verify steps (`RunResult.spec_steps`), `same_steps_as_vllm` counts the requests
+    whose greedy text equals the baseline's and whose every draft vLLM accepted exactly as the replay predicts
+    (the served draft proposes what the training-side model proposes), of `compared`.
     """
     from tasks.engine.settings import engine_for_group, gpu_groups
     from tasks.engine.target import load_hf_config, resolve_layer_ids
@@ -150,12 +165,18 @@ def offline_replay(cfg: RunConfig, model_path: str, draft_dir: str, draft_info: 
     out: dict[str, Any] = {}
     for ev in evals:
         chains_by_k: dict[int, list[tuple[list[int], int]]] = {k: [] for k in cfg.benchmark.num_speculative_tokens}
-        for prompt, seq, hs in zip(ev.prompts, seqs[ev.name], hidden[ev.name]):
+        agree = {k: [0, 0] for k in chains_by_k}  # k -> [same steps, compared]
+        for i, (prompt, seq, hs) in enumerate(zip(ev.prompts, seqs[ev.name], hidden[ev.name])):
             if len(seq) - len(prompt) < 2:
                 continue
             preds = draft_predictions(model, d2t, hs, seq, kmax)
             for k in chains_by_k:
                 chains_by_k[k].append((chain_lengths(preds, seq, k), len(prompt) - 1))
+                run = (measured or {}).get(ev.name, {}).get(k)
+                if run is not None and i < len(run.spec_steps) and run.spec_steps[i] is not None \
+                        and run.outputs[i] == outputs[ev.name][i]:
+                    agree[k][1] += 1
+                    agree[k][0] += same_steps(*chains_by_k[k][-1], len(seq), k, run.spec_steps[i])
         out[ev.name] = {}
         for k, chains in chains_by_k.items():
             pos = position_average(chains, k)
@@ -164,5 +185,7 @@ def offline_replay(cfg: RunConfig, model_path: str, draft_dir: str, draft_info: 
                                     "position_average_per_position": pos["per_position_acceptance"],
                                     "replayed": rep["mean_acceptance_length"], "replayed_drafts": rep["drafts"],
                                     "starts": pos["starts"]}
+            if agree[k][1]:
+                out[ev.name][str(k)].update(same_steps_as_vllm=agree[k][0], compared=agree[k][1])
     say(f"benchmark: offline replay in {time.time() - t0:.1f}s")
     return {"by_eval": out, "seconds": round(time.time() - t0, 1), "backend": backend}

@@ -94,8 +94,11 @@ def report_markdown(report: dict[str, Any]) -> str:
     lines += serve_markdown(report)
     lines.append("")
     for name, ev in report.get("evals", {}).items():
+        cover = ev.get("draft_vocab_coverage")
         lines.append(f"- **{name}**: {ev['prompts']} prompts from {ev['source']} "
-                     f"(mean {ev['prompt_tokens_mean']} prompt tokens)")
+                     f"(mean {ev['prompt_tokens_mean']} prompt tokens)"
+                     + (f"; the draft vocabulary holds {cover:.1%} of the target's output tokens here (a token "
+                        "outside it is never proposed)" if cover is not None else ""))
     lines.append("")
     sim = report.get("simulated_acceptance_length")
     acc = (report.get("simulated") or {}).get("val_acc_per_pos")
@@ -122,6 +125,7 @@ def report_markdown(report: dict[str, Any]) -> str:
                     f"{_f(f['ttft_ms'], '.1f')} | {ident} |")
     if extrap:
         lines += ["", "\\* k beyond the trained positions: the last position's accuracy is repeated (extrapolated)."]
+    lines += lengths_markdown(report)
     lines += heads_markdown(report)
     lines += ["", "## Baseline (no draft)", "", "| eval | batch | tok/s | TPOT ms | TTFT ms | output tokens |",
               "|---|---:|---:|---:|---:|---:|"]
@@ -148,6 +152,27 @@ def report_markdown(report: dict[str, Any]) -> str:
                   + (f"; offline replay {t['replay_s']}s" if t.get("replay_s") is not None else "") + ")."]
     lines += ["", "## How these figures are measured", "", METHOD, ""]
     return "\n".join(lines)
+
+
+def lengths_markdown(report: dict[str, Any]) -> list[str]:
+    """'## Acceptance by context length': vLLM's per-request steps bucketed by the context at each draft, beside the
+    training samples in the same bucket and the training estimate (one figure over all lengths)."""
+    rows = [(ev, k, f) for ev, ks in (report.get("benchmark") or {}).items() for k, f in ks.items() if f.get("by_length")]
+    if not rows:
+        return []
+    train = report.get("training_lengths") or {}
+    have = train.get("length_buckets") or {}
+    lines = ["", "## Acceptance by context length", "",
+             "Context = prompt + tokens generated when the draft was made; vLLM's own per-request accepted tokens per "
+             f"verify step (batch {rows[0][2].get('batch_size')}). Training samples per bucket from the data artifact"
+             + (f" (longest {train['longest']:,} tokens)" if train.get("longest") else "")
+             + "; the training estimate is one figure over every length.", "",
+             "| eval | k | context | accept len | drafts | training samples | simulated |", "|---|---:|---|---:|---:|---:|---:|"]
+    for ev, k, f in rows:
+        for bucket, m in f["by_length"].items():
+            lines.append(f"| {ev} | {k} | {bucket} | {m['mean_acceptance_length']:.2f} | {m['drafts']} | "
+                         f"{have.get(bucket, 0) if have else '?'} | {_f(f.get('simulated_acceptance_length'))} |")
+    return lines
 
 
 def serve_markdown(report: dict[str, Any]) -> list[str]:
@@ -290,7 +315,10 @@ REPLAY_EXPLAINED = (
     "distribution shift between training text and eval text; every position -> vLLM's starts is draft-start "
     "sampling (acceptance per draft is a token-weighted HARMONIC mean of the local acceptance length, the "
     "position average an ARITHMETIC one, so it is lower whenever easy and hard stretches alternate); "
-    "vLLM's starts -> measured is the engine (numerics, integration)."
+    "vLLM's starts -> measured is the engine (numerics, integration). The last column compares them request by "
+    "request (those whose text equals the baseline's): vLLM's own accepted tokens per draft against the replay's; "
+    "all of them agree when the served draft proposes what the training-side model proposes (a near-tie decided "
+    "otherwise by bf16 numerics can part one)."
 )
 
 
@@ -304,12 +332,14 @@ def replay_markdown(report: dict[str, Any]) -> list[str]:
     bs = str(rep.get("batch_size"))
     lines = ["", "## Where the acceptance goes (offline replay)", "", REPLAY_EXPLAINED, "",
              f"| eval | k | validation estimate | eval text, every position | eval text, vLLM's starts "
-             f"| vLLM measured (batch {bs}) |", "|---|---:|---:|---:|---:|---:|"]
+             f"| vLLM measured (batch {bs}) | requests vLLM accepted draft by draft as replayed |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for ev, ks in rep.get("by_eval", {}).items():
         for k, r in ks.items():
             meas = report["benchmark"].get(ev, {}).get(k, {}).get("by_batch_size", {}).get(bs, {})
+            same = f"{r['same_steps_as_vllm']} of {r['compared']}" if r.get("compared") else "-"
             lines.append(f"| {ev} | {k} | {_f(sim.get(k))} | {_f(r.get('position_average'))} | "
-                         f"{_f(r.get('replayed'))} | {_f(meas.get('mean_acceptance_length'))} |")
+                         f"{_f(r.get('replayed'))} | {_f(meas.get('mean_acceptance_length'))} | {same} |")
     return lines
 
 

@@ -30,11 +30,15 @@ def assemble_report(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str
                     spec: dict[int, dict[str, dict[int, RunResult]]], train_stats: dict[str, Any],
                     draft_info: dict[str, Any], measured_by: dict[str, Any],
                     timing: dict[str, Any], replayed: dict[str, Any] | None = None,
-                    controls: dict[str, dict[str, RunResult]] | None = None) -> dict[str, Any]:
+                    controls: dict[str, dict[str, RunResult]] | None = None,
+                    data_stats: dict[str, Any] | None = None,
+                    vocab_coverage: dict[str, float] | None = None) -> dict[str, Any]:
     """report.json without the addresses (pure: runs on fabricated RunResults in tests).
 
     `controls`: per eval, extra baseline decodes of the same prompts (label -> run), beside the measured
-    batch sizes: together they are the floor the greedy-identity verdicts are judged against."""
+    batch sizes: together they are the floor the greedy-identity verdicts are judged against.
+    `data_stats`: the training data artifact's stats (its length distribution: `training_lengths`);
+    `vocab_coverage`: per eval, the share of the target's greedy output tokens inside the draft vocabulary."""
     b = cfg.benchmark
     acc = train_stats.get("val_acc_per_pos") or None
     trained_sim = train_stats.get("simulated_acceptance_length")
@@ -49,7 +53,10 @@ def assemble_report(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str
         "settings": {"temperature": b.temperature, "max_tokens": b.max_tokens, "batch_sizes": b.batch_sizes,
                      "num_speculative_tokens": b.num_speculative_tokens,
                      "mismatch_threshold": b.mismatch_threshold},
-        "evals": {ev.name: {**ev.summary(), "in_distribution": in_distribution(cfg, ev.name)} for ev in evals},
+        "evals": {ev.name: {**ev.summary(), "in_distribution": in_distribution(cfg, ev.name),
+                            **({"draft_vocab_coverage": vocab_coverage[ev.name]}
+                               if vocab_coverage and ev.name in vocab_coverage else {})} for ev in evals},
+        "training_lengths": training_lengths(data_stats),
         "simulated_acceptance_length": trained_sim,
         "simulated": {"val_acc_per_pos": acc, "by_k": sim_by_k, "extrapolated_k": extrapolated,
                       "formula": "1 + sum_{j=1..k} prod_{i<=j} val_acc_per_pos[i]"},
@@ -220,12 +227,58 @@ def compare(report: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
                "to benchmark.evals to check the estimate)")
             + ". To raise it, train on text like the eval's (data.sources)")
     for name, ev in report.get("evals", {}).items():
+        served = served_length(report, name)
+        gap = length_gap(report.get("training_lengths"), served, f"eval {name}'s contexts")
+        if gap:
+            warnings.append(gap + ": " + LENGTH_FIX)
+        if ev.get("short_of_context"):
+            warnings.append(f"eval {name}: {ev['short_of_context']} prompt(s) stayed under context_tokens (the "
+                            "source ran out of conversations, or target.max_model_len - benchmark.max_tokens is lower)")
         if ev.get("dropped_too_long"):
             warnings.append(f"eval {name}: {ev['dropped_too_long']} prompt(s) longer than target.max_model_len - "
                             "benchmark.max_tokens were skipped")
         if ev.get("requested") and ev["prompts"] < ev["requested"]:
             warnings.append(f"eval {name}: asked for {ev['requested']} prompts, only {ev['prompts']} usable")
     return rows, warnings
+
+
+LENGTH_FIX = ("train on samples as long as the contexts served: raise data.max_length (and target.max_model_len above it) "
+              "and add a source of long conversations, or expect less acceptance at those lengths")
+
+
+def training_lengths(data_stats: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The training data's length distribution from its artifact's stats: samples per context-length bucket and
+    the longest sample (stats written before they were recorded: data.max_length as the only bound known)."""
+    if not data_stats:
+        return None
+    return {"length_buckets": data_stats.get("length_buckets"), "longest": data_stats.get("longest"),
+            "max_length": data_stats.get("max_length"), "samples": data_stats.get("samples")}
+
+
+def served_length(report: dict[str, Any], eval_name: str) -> int:
+    """The longest context an eval served: its longest prompt plus benchmark.max_tokens."""
+    ev = (report.get("evals") or {}).get(eval_name) or {}
+    prompt = int(ev.get("prompt_tokens_max") or ev.get("prompt_tokens_mean") or 0)
+    return prompt + int((report.get("settings") or {}).get("max_tokens") or 0)
+
+
+def length_gap(train: dict[str, Any] | None, served: int, what: str) -> str | None:
+    """A sentence when contexts of up to `served` tokens reach past every training sample; None when training
+    covered them, or nothing is known of its lengths."""
+    from tasks.formats.acceptance import LENGTH_BUCKETS, bucket_rank, length_bucket
+
+    if not train:
+        return None
+    longest = int(train.get("longest") or 0)
+    bound = longest or int(train.get("max_length") or 0)
+    if not bound or served <= bound:
+        return None
+    have = train.get("length_buckets") or {}
+    empty = [lb for _, lb in LENGTH_BUCKETS[bucket_rank(length_bucket(bound)):bucket_rank(length_bucket(served)) + 1]
+             if not have.get(lb)]
+    return (f"{what} reach {served:,} tokens, past the longest training sample "
+            + (f"({longest:,} tokens" if longest else f"(data.max_length {bound:,}")
+            + (f"; no training sample in {', '.join(empty)}" if empty and have else "") + ")")
 
 
 def notes(report: dict[str, Any]) -> list[str]:

@@ -138,6 +138,40 @@ def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
     }
 
 
+def draft_vocabulary(draft_dir: str) -> Any:
+    """The draft's t2d (a bool per target token: inside the draft vocabulary), None when it predicts them all or
+    its weights cannot be read here (vLLM, which loads them, says why)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(Path(draft_dir, "model.safetensors")), "pt") as f:
+            return f.get_tensor("t2d").to(bool) if "t2d" in f.keys() else None
+    except (OSError, SafetensorError):
+        return None
+
+
+def vocab_coverage(in_draft: Any, outputs: list[list[int]]) -> float | None:
+    """The share of the target's output tokens the draft vocabulary holds (a token outside it is never proposed,
+    so this bounds the draft acceptance rate); None without output."""
+    import torch
+
+    ids = torch.tensor([t for o in outputs for t in o], dtype=torch.long)
+    if not len(ids):
+        return None
+    inside = in_draft[ids.clamp(max=len(in_draft) - 1)] & (ids < len(in_draft))
+    return float(inside.float().mean())
+
+
+def data_stats(store: Store, data: ArtifactRef) -> dict[str, Any]:
+    """The training data artifact's stats, with prepare's data.max_length when the data was regenerated."""
+    m = store.manifest(data.stage, data.digest)
+    stats = dict(m.stats) if m is not None else {}
+    prep = store.manifest("prepare", m.inputs["prepare"]) if m is not None and m.inputs.get("prepare") else None
+    if prep is not None and "max_length" not in stats:
+        stats["max_length"] = prep.stats.get("max_length")
+    return stats
+
+
 # =========================================================================== the stage
 
 def _machine() -> dict[str, Any]:
@@ -266,6 +300,7 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
 
     with draft_folder(train_art) as draft_dir:
         draft_info = check_draft(draft_dir, hf_config)
+        in_draft = draft_vocabulary(draft_dir)
         from tasks.engine.target import resolve_layer_ids, text_config
 
         draft_info["target_num_layers"] = int(text_config(hf_config).num_hidden_layers)
@@ -288,7 +323,8 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
             t1 = time.time()
             try:
                 replayed = offline_replay(cfg, model, draft_dir, draft_info, evals,
-                                          {ev.name: baseline[ev.name][smallest].outputs for ev in evals}, log)
+                                          {ev.name: baseline[ev.name][smallest].outputs for ev in evals}, log,
+                                          {ev.name: {k: spec[k][ev.name][smallest] for k in spec} for ev in evals})
                 replayed["batch_size"] = smallest
             except Exception as exc:  # a diagnosis must not cost the measured figures
                 replayed = {"error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -324,8 +360,11 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
     with contextlib.suppress(OSError, AttributeError):
         timing["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
 
+    smallest = min(b.batch_sizes)
     report = assemble_report(cfg, evals, baseline, spec, train_art.stats, draft_info, measured_by, timing,
-                             replayed, controls)
+                             replayed, controls, data_stats=data_stats(store, data),
+                             vocab_coverage={ev.name: vocab_coverage(in_draft, baseline[ev.name][smallest].outputs)
+                                             for ev in evals} if in_draft is not None else None)
     report["engines"] = engines
     report["heads"] = {label: head_entry(report, label, trained, train_art.stats, draft_info)}
     for entry in others:

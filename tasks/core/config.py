@@ -394,6 +394,13 @@ class EvalConfig(Section):
     name: str
     source: SourceConfig | Literal["heldout"] = "heldout"
     num_prompts: int = Field(16, ge=1)
+    context_tokens: int = Field(
+        0, ge=0,
+        description="0: each prompt is a conversation's first user turn. N > 0: a long-context eval: each prompt "
+        "is whole conversations of the source (every turn, answers included) one after another as one chat, then "
+        "the next conversation's first user turn, grown until it holds at least N tokens (at most "
+        "target.max_model_len - benchmark.max_tokens). `{name: long, source: heldout, context_tokens: 4096}` "
+        "asks the target's own regenerated answers back as a long history.")
 
 
 class DraftConfig(Section):

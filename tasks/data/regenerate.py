@@ -46,6 +46,7 @@ from tasks.data.sources import Conversation, strip_thinking, user_turns
 from tasks.address import digests
 from tasks.core.digest import VERSIONS
 from tasks.data.chat import ChatMasker, SampleDropped, encode_sample, make_masker
+from tasks.formats.acceptance import merge_counts
 from tasks.formats.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats
 from tasks.store.stats import data_stats
 from tasks.store.artifacts import Artifact, ArtifactRef, Store
@@ -293,6 +294,8 @@ def _assemble(cfg: RunConfig, store: Store, prepared: ArtifactRef, shard_arts: l
         )
     stats: dict[str, Any] = {
         **{k: totals[k] for k in ("samples", "tokens", "masked_tokens")},
+        "length_buckets": merge_counts(*(a.stats.get("length_buckets") for a in shard_arts)),
+        "longest": max((int(a.stats.get("longest") or 0) for a in shard_arts), default=0),
         "dropped": dict(sorted(dropped.items())),
         "num_shards": n,
         "heldout": data_stats(prep_art.ref()).heldout,

@@ -44,6 +44,12 @@ class _VllmBackend:
 
         kwargs = dict(llm_kwargs)
         kwargs.setdefault("disable_log_stats", False)  # metrics() needs the stat loggers
+        from tasks.core.engine_args import vllm_knows
+
+        if kwargs.get("speculative_config") and vllm_knows("per_request_spec_decode_metrics"):
+            # each request's accepted tokens per verify step (the benchmark's acceptance by context length); it
+            # changes no token, so the printed `vllm serve` line leaves it out (vLLM >= 0.32; older: no per-request)
+            kwargs.setdefault("per_request_spec_decode_metrics", "detailed")
         kv = kwargs.get("kv_transfer_config")
         self.layer_ids: list[int] | None = None
         if kv is not None:
@@ -76,6 +82,9 @@ class _VllmBackend:
             c = o.outputs[0]
             res.append({"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
                         "prompt_tokens": len(o.prompt_token_ids or [])})
+            spec = getattr(c, "spec_decode_metrics", None)
+            if spec is not None:
+                res[-1]["spec_steps"] = [int(a) for a in spec.per_step_accepted]
         return res
 
     def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int]) -> dict:

@@ -29,6 +29,9 @@ VERSION_LINES = (
      "subclass writes the same files"),
     (">=0.26", "tasks/engine/settings.py",
      "language_model_only is passed only where the installed EngineArgs has it (vision-language targets)"),
+    ("where EngineArgs has it (0.32 does)", "tasks/engine/child.py",
+     "per_request_spec_decode_metrics=detailed on a speculative engine: each request's accepted tokens per verify "
+     "step (the benchmark's acceptance by context length); without it the report has no such table"),
     ("0.32 CPU build", "tasks/engine/settings.py",
      "attention_backend=CPU_MLA for an MLA target in float32 on a CPU (the AMX MLA backend takes bf16 only)"),
 )

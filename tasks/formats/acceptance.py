@@ -36,3 +36,67 @@ def simulated_acceptance_length(acc_per_pos: Sequence[float] | None, k: int | No
     if acc_per_pos is None:
         return None
     return 1.0 + sum(accepted_up_to(acc_per_pos, k))
+
+
+# ---------------------------------------------------------------------------- by context length
+
+# Context-length buckets (upper bounds, exclusive): the report, the data stats and `draftline check` share them.
+LENGTH_BUCKETS: tuple[tuple[int | None, str], ...] = (
+    (512, "<512"), (2048, "512-2K"), (8192, "2K-8K"), (32768, "8K-32K"), (None, ">32K"))
+
+
+def length_bucket(tokens: int) -> str:
+    """The bucket of a context of `tokens` tokens."""
+    for bound, label in LENGTH_BUCKETS:
+        if bound is None or tokens < bound:
+            return label
+    raise AssertionError("unreachable")
+
+
+def bucket_rank(label: str) -> int:
+    return [lb for _, lb in LENGTH_BUCKETS].index(label)
+
+
+def length_counts(lengths: Sequence[int]) -> dict[str, int]:
+    """How many of `lengths` fall in each bucket: the non-empty ones, shortest first."""
+    counts: dict[str, int] = {}
+    for n in lengths:
+        b = length_bucket(int(n))
+        counts[b] = counts.get(b, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: bucket_rank(kv[0])))
+
+
+def merge_counts(*many: dict[str, int] | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for counts in many:
+        for b, n in (counts or {}).items():
+            out[b] = out.get(b, 0) + int(n)
+    return dict(sorted(out.items(), key=lambda kv: bucket_rank(kv[0])))
+
+
+def steps_by_length(prompt_tokens: int, accepted_per_step: Sequence[int]) -> dict[str, list[int]]:
+    """[drafts, accepted tokens] per context-length bucket of one request, from vLLM's per-step accepted counts
+    (`per_request_spec_decode_metrics: detailed`). The first draft is made once prefill has produced the first
+    output token (context = prompt + 1); every verify step adds its accepted tokens plus the bonus token."""
+    out: dict[str, list[int]] = {}
+    context = prompt_tokens + 1
+    for a in accepted_per_step:
+        cell = out.setdefault(length_bucket(context), [0, 0])
+        cell[0] += 1
+        cell[1] += int(a)
+        context += int(a) + 1
+    return out
+
+
+def acceptance_by_length(prompt_tokens: Sequence[int],
+                         steps: Sequence[Sequence[int] | None]) -> dict[str, dict[str, float | int]]:
+    """Mean acceptance length (1 + accepted / drafts) per context-length bucket over requests, shortest bucket
+    first, empty buckets left out; {} when no request carried per-step figures."""
+    total: dict[str, list[int]] = {}
+    for p, s in zip(prompt_tokens, steps):
+        for b, (d, a) in steps_by_length(p, s or []).items():
+            cell = total.setdefault(b, [0, 0])
+            cell[0] += d
+            cell[1] += a
+    return {b: {"mean_acceptance_length": 1.0 + a / d, "drafts": d, "accepted_tokens": a}
+            for b, (d, a) in sorted(total.items(), key=lambda kv: bucket_rank(kv[0])) if d}

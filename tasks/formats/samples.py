@@ -9,10 +9,11 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from tasks.formats.acceptance import length_counts
 from tasks.store.artifacts import Artifact
 
 HELDOUT = "heldout.parquet"
@@ -97,6 +98,11 @@ def iter_token_batches(art: Artifact, names: Iterable[str]) -> Iterator[tuple[np
                 yield ids, mask
 
 
-def token_stats(samples: list[Sample]) -> dict[str, int]:
+def token_stats(samples: list[Sample]) -> dict[str, Any]:
+    """Counts of a sample split, with its length distribution: samples per context-length bucket
+    (tasks/formats/acceptance.py) and the longest, which `draftline check`, the benchmark report and
+    `draftline plan` set against the lengths served."""
     return {"samples": len(samples), "tokens": sum(s.tokens for s in samples),
-            "masked_tokens": sum(s.masked for s in samples)}
+            "masked_tokens": sum(s.masked for s in samples),
+            "length_buckets": length_counts([s.tokens for s in samples]),
+            "longest": max((s.tokens for s in samples), default=0)}
