@@ -743,3 +743,21 @@ def test_an_engine_that_fails_to_start_is_reported_with_its_root_cause_not_vllms
     # nothing beyond the message: no root-cause suffix
     assert engine_error_text(EngineError(f"x failed while starting: {rethrow}", rethrow)) == \
         f"EngineError: x failed while starting: {rethrow}"
+
+
+def test_the_by_length_table_sets_each_buckets_training_estimate_beside_vllms():
+    """report.md's by-length table: the held-out split's estimate of the same bucket (train stats' val_by_length,
+    carried into report['simulated']['by_length']); a bucket the held-out split has no token in shows the estimate
+    over every length, marked *."""
+    from tasks.benchmark.report import lengths_markdown
+
+    cfg = bench_cfg()
+    rep = fabricated_report(cfg)
+    by_length = {"<512": {"mean_acceptance_length": 1.8, "drafts": 10, "accepted_tokens": 8},
+                 "2K-8K": {"mean_acceptance_length": 1.2, "drafts": 5, "accepted_tokens": 1}}
+    ev = next(iter(rep["benchmark"]))
+    rep["benchmark"][ev]["3"]["by_length"] = by_length
+    rep["simulated"]["by_length"] = {"<512": {"val_tokens": 90, "by_k": {"3": 2.25}}}
+    rows = [ln for ln in lengths_markdown(rep) if ln.startswith(f"| {ev} | 3 |")]
+    overall = rep["benchmark"][ev]["3"]["simulated_acceptance_length"]
+    assert rows == [f"| {ev} | 3 | <512 | 1.80 | 10 | ? | 2.25 |", f"| {ev} | 3 | 2K-8K | 1.20 | 5 | ? | {overall:.2f}* |"]

@@ -92,6 +92,16 @@ def test_a_time_budget_anneals_the_lr_by_the_clock():
     assert lr_at(50, cfg, elapsed_s=0.0) == lr_at(50, cfg)  # ahead of the clock: the step schedule
 
 
+def test_a_tokens_context_bucket_is_its_position_in_its_sample_plus_one():
+    from tasks.train.evaluation import context_mask
+
+    pos = torch.tensor([[0, 510, 511, 512, 2046, 2047, 0, 40_000]])  # two packed samples
+    assert context_mask(pos, "<512").tolist() == [[True, True, False, False, False, False, True, False]]
+    assert context_mask(pos, "512-2K").tolist() == [[False, False, True, True, True, False, False, False]]
+    assert context_mask(pos, "2K-8K").tolist() == [[False, False, False, False, False, True, False, False]]
+    assert context_mask(pos, ">32K").tolist() == [[False] * 7 + [True]]
+
+
 def test_simulated_acceptance_length_formula():
     assert simulated_acceptance_length([]) == 1.0
     assert simulated_acceptance_length([1.0, 1.0, 1.0]) == 4.0
@@ -237,6 +247,9 @@ def test_trains_exports_and_reuses(store, tiny):
     assert len(st["val_acc_per_pos"]) == 3 and st["val_tokens"] > 0
     assert st["simulated_acceptance_length"] == pytest.approx(simulated_acceptance_length(st["val_acc_per_pos"]),
                                                             abs=1e-3)
+    # the estimate per context-length bucket of the held-out tokens: these 32-token samples are all under 512
+    assert st["val_by_length"] == {"<512": {k: st[k] for k in ("val_acc_per_pos", "simulated_acceptance_length",
+                                                                 "val_tokens")}}
     assert len(art.read_json("metrics.json")["steps"]) == 12
 
     conf = json.loads(art.read_bytes("draft/config.json"))

@@ -156,7 +156,8 @@ def report_markdown(report: dict[str, Any]) -> str:
 
 def lengths_markdown(report: dict[str, Any]) -> list[str]:
     """'## Acceptance by context length': vLLM's per-request steps bucketed by the context at each draft, beside the
-    training samples in the same bucket and the training estimate (one figure over all lengths)."""
+    training samples in the same bucket and the training estimate of that bucket's held-out tokens (the one
+    figure over all lengths where the held-out split has no token in the bucket, marked *)."""
     rows = [(ev, k, f) for ev, ks in (report.get("benchmark") or {}).items() for k, f in ks.items() if f.get("by_length")]
     if not rows:
         return []
@@ -166,12 +167,16 @@ def lengths_markdown(report: dict[str, Any]) -> list[str]:
              "Context = prompt + tokens generated when the draft was made; vLLM's own per-request accepted tokens per "
              f"verify step (batch {rows[0][2].get('batch_size')}). Training samples per bucket from the data artifact"
              + (f" (longest {train['longest']:,} tokens)" if train.get("longest") else "")
-             + "; the training estimate is one figure over every length.", "",
+             + "; the training estimate is the held-out split's tokens of the same bucket (* none there: the "
+             "estimate over every length).", "",
              "| eval | k | context | accept len | drafts | training samples | simulated |", "|---|---:|---|---:|---:|---:|---:|"]
+    sim_by_length = (report.get("simulated") or {}).get("by_length") or {}
     for ev, k, f in rows:
         for bucket, m in f["by_length"].items():
+            sim = (sim_by_length.get(bucket) or {}).get("by_k", {}).get(str(k))
+            sim_text = _f(sim) if sim is not None else f"{_f(f.get('simulated_acceptance_length'))}*"
             lines.append(f"| {ev} | {k} | {bucket} | {m['mean_acceptance_length']:.2f} | {m['drafts']} | "
-                         f"{have.get(bucket, 0) if have else '?'} | {_f(f.get('simulated_acceptance_length'))} |")
+                         f"{have.get(bucket, 0) if have else '?'} | {sim_text} |")
     return lines
 
 

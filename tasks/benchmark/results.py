@@ -59,7 +59,13 @@ def assemble_report(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str
         "training_lengths": training_lengths(data_stats),
         "simulated_acceptance_length": trained_sim,
         "simulated": {"val_acc_per_pos": acc, "by_k": sim_by_k, "extrapolated_k": extrapolated,
-                      "formula": "1 + sum_{j=1..k} prod_{i<=j} val_acc_per_pos[i]"},
+                      "formula": "1 + sum_{j=1..k} prod_{i<=j} val_acc_per_pos[i]",
+                      # the same estimate per context-length bucket of the held-out tokens (train stats'
+                      # val_by_length; absent from drafts trained before it existed)
+                      "by_length": {lb: {"val_tokens": v.get("val_tokens"), "by_k": {
+                          str(k): simulated_acceptance_length(v["val_acc_per_pos"], k)
+                          for k in b.num_speculative_tokens}} for lb, v in
+                          (train_stats.get("val_by_length") or {}).items() if v.get("val_acc_per_pos")}},
         "baseline": {},
         "benchmark": {},
         "timing": timing,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tasks.core.config import TrainConfig
-from tasks.formats.acceptance import simulated_acceptance_length
+from tasks.formats.acceptance import LENGTH_BUCKETS, bucket_rank, length_bucket, simulated_acceptance_length
 from tasks.train.metrics import ratios, rounded
 from tasks.train.stream import Batch, PartData, PartSpec, eval_batches, holdout_plan, tail_copy
 
@@ -41,19 +41,45 @@ class HeldOut:
         return cls(parts[:-1] + [PartSpec(**{**last_spec.__dict__, "holdout": held})], batches, held)
 
     def evaluate(self, model: Any, device: torch.device, forward_kwargs: dict[str, Any],
-                 autocast: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
-        """Held-out loss, per-position accuracy and simulated acceptance length; {} with nothing held out."""
-        out = evaluate_model(model, self.batches, device, forward_kwargs, autocast)
+                 autocast: Callable[[], Any] = contextlib.nullcontext, by_length: bool = False) -> dict[str, Any]:
+        """Held-out loss, per-position accuracy and simulated acceptance length (by_length: also per
+        context-length bucket); {} with nothing held out."""
+        out = evaluate_model(model, self.batches, device, forward_kwargs, autocast, by_length)
         return {**out, "val_samples": self.samples} if out else {}
 
 
 @torch.no_grad()
 def evaluate_model(model: Any, batches: Sequence[Batch], device: torch.device, forward_kwargs: dict[str, Any],
-                   autocast: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
+                   autocast: Callable[[], Any] = contextlib.nullcontext, by_length: bool = False) -> dict[str, Any]:
     """Loss, per-position accuracy (see `simulated_acceptance_length`) and the simulated
-    acceptance length of any Eagle3DraftModel over packed batches; {} without batches."""
+    acceptance length of any Eagle3DraftModel over packed batches; {} without batches.
+
+    by_length: also `val_by_length`, the same figures per context-length bucket (tasks.formats.acceptance's
+    buckets, the benchmark's): a token's context is its position in its sample + 1, and each bucket is one more
+    pass over the batches with the loss mask kept to that bucket's tokens (one bucket: the figures above)."""
     if not batches:
         return {}
+    out = _evaluate_pass(model, batches, device, forward_kwargs, autocast)
+    if by_length:
+        present = sorted({lb for b in batches for lb in _buckets_of(b)}, key=bucket_rank)
+        out["val_by_length"] = {lb: (_bucket_figures(out) if len(present) == 1 else _bucket_figures(
+            _evaluate_pass(model, batches, device, forward_kwargs, autocast, keep=lb))) for lb in present}
+    return out
+
+
+def _buckets_of(batch: Batch) -> set[str]:
+    """The context-length buckets of the batch's scored tokens."""
+    pos = batch.position_ids.reshape(-1)[batch.loss_mask.reshape(-1).to(torch.bool)]
+    return {length_bucket(int(p) + 1) for p in torch.unique(pos).tolist()}
+
+
+def _bucket_figures(val: dict[str, Any]) -> dict[str, Any]:
+    return {k: val[k] for k in ("val_acc_per_pos", "simulated_acceptance_length", "val_tokens")}
+
+
+def _evaluate_pass(model: Any, batches: Sequence[Batch], device: torch.device, forward_kwargs: dict[str, Any],
+                   autocast: Callable[[], Any], keep: str | None = None) -> dict[str, Any]:
+    """One pass over the batches; `keep`: score only the tokens whose context falls in that bucket."""
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
@@ -63,13 +89,17 @@ def evaluate_model(model: Any, batches: Sequence[Batch], device: torch.device, f
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(0)  # DFlash and DSpark sample their anchors: the same ones on every evaluation
             for b in batches:
+                inputs = b.model_inputs(device)
+                if keep is not None:
+                    inputs["loss_mask"] = inputs["loss_mask"] * context_mask(inputs["position_ids"], keep).to(
+                        inputs["loss_mask"].dtype)
                 with autocast():
                     if blocks:
-                        batch_loss, m = _block_eval_batch(model, b.model_inputs(device), forward_kwargs)
+                        batch_loss, m = _block_eval_batch(model, inputs, forward_kwargs)
                     else:
-                        _, batch_loss, m = model(**b.model_inputs(device), **forward_kwargs)
+                        _, batch_loss, m = model(**inputs, **forward_kwargs)
                 loss += float(batch_loss)
-                tokens += b.tokens
+                tokens += int(inputs["loss_mask"].sum()) if keep is not None else b.tokens
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
     finally:
@@ -79,6 +109,15 @@ def evaluate_model(model: Any, batches: Sequence[Batch], device: torch.device, f
             "val_chain_acc_per_pos": [rounded(a) for a in r["chain_acc_per_pos"]],
             "simulated_acceptance_length": rounded(simulated_acceptance_length(r["acc_per_pos"]), 4),
             "val_tokens": tokens}
+
+
+def context_mask(position_ids: torch.Tensor, label: str) -> torch.Tensor:
+    """True where a token's context (its position in its sample + 1) falls in the bucket `label`."""
+    bounds = [bound for bound, _ in LENGTH_BUCKETS]
+    i = bucket_rank(label)
+    ctx = position_ids + 1
+    inside = ctx >= (bounds[i - 1] if i else 0)
+    return inside & (ctx < bounds[i]) if bounds[i] is not None else inside
 
 
 def _drafted(model: Any) -> int:

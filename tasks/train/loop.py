@@ -140,9 +140,10 @@ class Trainer:
             return torch.autocast(self.env.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def evaluate(self) -> dict[str, Any]:
-        """Held-out loss, per-position accuracy and simulated acceptance length (rank 0's view)."""
-        return self.held_out.evaluate(self.model, self.env.device, self.forward_kwargs, self._autocast)
+    def evaluate(self, by_length: bool = False) -> dict[str, Any]:
+        """Held-out loss, per-position accuracy and simulated acceptance length (rank 0's view); by_length: also
+        per context-length bucket (the final evaluation: the benchmark's by-length table sets it beside vLLM's)."""
+        return self.held_out.evaluate(self.model, self.env.device, self.forward_kwargs, self._autocast, by_length)
 
     # ---------------------------------------------------------------- the loop's phases
     def announce(self, state: RunState) -> None:
@@ -228,8 +229,8 @@ class Trainer:
         """Evaluate, write the vLLM draft folder and metrics, commit the train artifact (rank 0)."""
         env = self.env
         if env.rank == 0:
-            val = self.evaluate()
-            self.meter.emit({"kind": "eval", "step": state.step, **val})
+            val = self.evaluate(by_length=True)
+            self.meter.emit({"kind": "eval", "step": state.step, **{k: v for k, v in val.items() if k != "val_by_length"}})
             if state.stopped_reason == "time_budget":
                 log.warning("training stopped on the time budget (train.max_minutes=%s) at step %d of %d",
                             self.t.max_minutes, state.step, self.t.max_steps)
@@ -239,6 +240,7 @@ class Trainer:
                 "train_seconds": rounded(state.train_seconds, 2), "stopped_reason": state.stopped_reason,
                 "val_acc_per_pos": val.get("val_acc_per_pos"), "val_loss": val.get("val_loss"),
                 "simulated_acceptance_length": val.get("simulated_acceptance_length"),
+                "val_by_length": val.get("val_by_length"),
                 "val_tokens": val.get("val_tokens", 0), "heldout_samples": self.held_out.samples,
                 "final_loss": state.history[-1]["loss"] if state.history else None,
                 "layer_ids": self.inp.layer_ids, "draft_vocab_size": int(self.inp.d2t.shape[0]),
