@@ -55,7 +55,6 @@ HS_CONNECTOR_MODULE = "tasks.engine.vllm_connector"
 HS_CONNECTOR_ASYNC = "ExampleHiddenStatesConnector"
 
 
-
 def release_cached_gpu_memory() -> None:
     """Give back the GPU memory this process's caching allocator holds (a head trained in the flow's process keeps
     ~5 GB cached on an H100) before a child engine claims its gpu_memory_utilization share of the card: measured
@@ -64,6 +63,7 @@ def release_cached_gpu_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
 
 class EngineError(DraftlineError, RuntimeError):
     """The engine failed. `log_tail` holds the end of its log; `fatal` says whether it is gone."""
