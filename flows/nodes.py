@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from flows.prefect_api import EXTRACT_FLOW, child_stage, config_parameters, slice_deployment
+from cli.prefect_api import EXTRACT_FLOW, child_stage, config_parameters, slice_deployment
 from flows.report_artifacts import Progress
 from flows.run_record import RunRecord, StageRecord, finish_stage
 from tasks.core import stopping
@@ -340,7 +340,7 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
 
     from prefect.client.orchestration import get_client
 
-    from flows.prefect_api import submitting_worker
+    from cli.prefect_api import submitting_worker
     from tasks.address import digests
     from tasks.train import STAGE, TrainError
     from tasks.train.inputs import resolve_inputs

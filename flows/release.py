@@ -13,7 +13,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from flows.console import ROOT
+from tasks.core.config import CHECKOUT as ROOT
 
 
 def code_version(code_dir: Path) -> str | None:

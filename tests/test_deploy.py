@@ -22,7 +22,9 @@ import pytest
 import yaml
 
 import deploy_harness as harness
-from flows import deploy, doctor, prefect_api, release, runs
+from cli import prefect_api
+from cli.commands import deploy, doctor, runs
+from flows import release
 from tasks.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -326,7 +328,7 @@ def test_commands_that_need_a_server_say_how_to_get_one():
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli.app import app
 
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         for args in (["deploy"], ["submit", "tests/configs/deploy-small.yaml", "--deployment", "local"], ["ui"]):

@@ -170,7 +170,7 @@ def test_a_credential_in_any_value_is_refused_and_never_echoed(tmp_path, args, f
     `ls`: refused before anything is printed, stored or sent (so no flow run holds it), masked in the message."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli.app import app
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"base: {ROOT / CONFIG}\n")
@@ -199,7 +199,7 @@ def test_a_credential_in_a_config_file_is_refused_and_never_echoed(tmp_path):
 
 
 def test_deploy_and_submit_refuse_credentials_in_job_variables(monkeypatch):
-    from flows.deploy import _env_pairs, deploy_spec, load_deployments
+    from cli.commands.deploy import _env_pairs, deploy_spec, load_deployments
     from tasks.core.secrets import SecretInValue
 
     with pytest.raises(SecretInValue) as exc:
@@ -216,7 +216,7 @@ def test_deploy_and_submit_refuse_credentials_in_job_variables(monkeypatch):
                                                                              "VLLM_LOGGING_LEVEL": "DEBUG"}
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli.app import app
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # refused before any server is asked
     for args in (["submit", CONFIG, "-d", "local", "--store", f"s3://KEY:{SECRET}@b/x"],

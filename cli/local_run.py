@@ -14,7 +14,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from flows.console import console, err
+from cli.console import console, err
 from flows.run_record import RunRecord, recording
 from tasks.core.config import load_config
 

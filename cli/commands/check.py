@@ -9,8 +9,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from flows.console import JsonOpt, SetOpt, StoreOpt, console, fail, load_cfg, open_store
-from flows.export import resolve_train
+from cli.console import JsonOpt, SetOpt, StoreOpt, console, fail, load_cfg, open_store
+from cli.commands.export import resolve_train
 from tasks.benchmark.evidence import as_rows, gather
 
 STYLE = {"ok": "green", "warn": "yellow", "fail": "red", "missing": "dim"}

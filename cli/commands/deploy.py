@@ -22,8 +22,8 @@ import typer
 import yaml
 from rich.table import Table
 
-from flows.console import ROOT, JsonOpt, SetOpt, console, err, fail
-from flows.prefect_api import (
+from cli.console import ROOT, JsonOpt, SetOpt, console, err, fail
+from cli.prefect_api import (
     EXTRACT_FLOW,
     FLOW_NAME,
     RELEASE_STEP,
@@ -39,7 +39,7 @@ from flows.prefect_api import (
 )
 from flows.preflight import remote_code_problem
 from flows.release import code_commit
-from flows.runs import HEARTBEAT_SECONDS, TimeoutOpt, wait_for
+from cli.commands.runs import HEARTBEAT_SECONDS, TimeoutOpt, wait_for
 from tasks.core.config import STAGES, STORE_URI_ENV, ConfigError, check_until, load_config
 from tasks.core.secrets import WORKER_FIX, refuse_secrets
 

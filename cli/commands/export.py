@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 import typer
 
-from flows.console import JsonOpt, SetOpt, StoreOpt, console, fail, load_cfg, open_store
-from flows.prefect_api import OpsError, client, find_run
+from cli.console import JsonOpt, SetOpt, StoreOpt, console, fail, load_cfg, open_store
+from cli.prefect_api import OpsError, client, find_run
 from tasks.benchmark.results import find_report, load_report
 from tasks.benchmark.export import ExportError, run_serve
 

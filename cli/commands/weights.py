@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import typer
 
-from flows.console import SetOpt, console, fail
+from cli.console import SetOpt, console, fail
 
 
 def gb(n: int) -> str:

@@ -26,8 +26,8 @@ import httpx
 import typer
 from rich.table import Table
 
-from flows.console import JsonOpt, RunArg, console, err, fail
-from flows.prefect_api import (
+from cli.console import JsonOpt, RunArg, console, err, fail
+from cli.prefect_api import (
     ALIVE,
     FLOW_NAME,
     TERMINAL,
@@ -441,7 +441,7 @@ def reschedule(c: Any, fr: Any, *, watch: bool, watch_s: float = OVERRIDE_WATCH_
 
 
 def _retry_locally(fr: Any, params: dict[str, Any], as_json: bool = False) -> None:
-    from flows.local_run import run_here
+    from cli.local_run import run_here
 
     cfg_path = params.get("config_path")
     if cfg_path and not Path(cfg_path).is_file():

@@ -29,7 +29,7 @@ import typer
 import yaml
 
 from tasks.core.errors import DraftlineError
-from flows.console import ROOT, SetOpt
+from cli.console import ROOT, SetOpt
 from tasks.core.config import RunConfig, load_config
 
 RATES_FILE = ROOT / "configs" / "rates.yaml"

@@ -16,7 +16,7 @@ from typing import Any
 
 
 from tasks.core.errors import DraftlineError
-from flows.console import ROOT
+from cli.console import ROOT
 from tasks.core.config import STAGES
 
 FLOW_NAME = "draftline"

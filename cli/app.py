@@ -22,8 +22,9 @@ import typer
 from rich.table import Table
 from typer.core import TyperGroup
 
-from flows import check, deploy, doctor, export, plan, runs, weights
-from flows.console import load_cfg, open_store, JsonOpt, SetOpt, StoreOpt, console, err, fail, with_store
+from cli.commands import check, deploy, doctor, export, runs, weights
+from tasks.cost import plan
+from cli.console import load_cfg, open_store, JsonOpt, SetOpt, StoreOpt, console, err, fail, with_store
 from tasks.core.config import STAGES, check_stage, check_until, dump_config, load_config
 from tasks.core.errors import DraftlineError
 
@@ -97,7 +98,7 @@ def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.
     check_until(until)
     open_store(cfg)
     _check_inputs(cfg)
-    from flows.local_run import run_here
+    from cli.local_run import run_here
 
     run_here(str(config), list(overrides), until, as_json=as_json)
 
@@ -144,7 +145,7 @@ def gc(config: Optional[Path] = typer.Argument(None, help="Config whose store to
     process is gone goes at once; one whose owner cannot be checked, after --min-age. Only inside a
     draftline store (its root holds draftline-store.json, see `draftline store init`). It lists what it
     will delete and asks, unless --yes."""
-    from flows.leftovers import find, human_age
+    from cli.leftovers import find, human_age
 
     cfg = load_cfg(config, overrides, store_uri)
     store = open_store(cfg, write=not dry_run)

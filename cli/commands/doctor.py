@@ -21,8 +21,8 @@ import httpx
 import typer
 from rich.table import Table
 
-from flows.console import ROOT, SetOpt, StoreOpt, console, fail, with_store
-from flows.prefect_api import api_url, client
+from cli.console import ROOT, SetOpt, StoreOpt, console, fail, with_store
+from cli.prefect_api import api_url, client
 from tasks.core.config import STORE_URI_ENV, ConfigError, load_config
 from tasks.engine.vllm_versions import VLLM_BELOW, VLLM_OLDEST, supported
 
@@ -269,7 +269,7 @@ def check_disk(name: str, path: Path, need_bytes: int, what: str, fix: str) -> C
 
 def check_weights(cfg: Any):
     """doctor's row: how much disk the target's weights need on this node and whether it has it."""
-    from flows.weights import gb, local_target
+    from cli.commands.weights import gb, local_target
     from tasks.engine.weights import WeightsError, disk_needed
 
     t = cfg.target
