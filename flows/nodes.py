@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from cli.prefect_api import EXTRACT_FLOW, child_stage, config_parameters, slice_deployment
+from flows.flow_runs import EXTRACT_FLOW, child_stage, config_parameters, slice_deployment, submitting_worker
 from flows.report_artifacts import Progress
 from flows.run_record import RunRecord, StageRecord, finish_stage
 from tasks.core import stopping
@@ -91,7 +91,7 @@ def _publish_check(record: StageRecord, refs: list[ArtifactRef], errors: list[st
 
 
 def child_deployment(cfg: RunConfig) -> str:
-    """The deployment that this run's slices go to (flows/prefect_api.py slice_deployment)."""
+    """The deployment that this run's slices go to (flows/flow_runs.py slice_deployment)."""
     from prefect.runtime import deployment
 
     name = slice_deployment(cfg, deployment.name)
@@ -340,7 +340,6 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
 
     from prefect.client.orchestration import get_client
 
-    from cli.prefect_api import submitting_worker
     from tasks.address import digests
     from tasks.train import STAGE, TrainError
     from tasks.train.inputs import resolve_inputs

@@ -19,7 +19,7 @@ from prefect.artifacts import (
 from prefect.futures import wait
 
 from flows.caching import stage_options
-from cli.prefect_api import EXTRACT_FLOW
+from flows.flow_runs import EXTRACT_FLOW
 from flows.report_artifacts import Progress
 from flows.run_record import RunRecord, announce, finish_stage
 from tasks.core.config import STAGES, RunConfig, check_until, load_config

@@ -542,10 +542,10 @@ def test_watch_has_no_cap_and_progress_counts_stages_and_shards(a_run, prefect_s
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from cli.commands import deploy, runs
-    from cli.prefect_api import client
+    from cli.prefect_api import client, progress_line
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}), client() as c:
-        line = runs.progress_line(c, c.read_flow_run(a_run))
+        line = progress_line(c, c.read_flow_run(a_run))
     assert line == "prepare 1/1 tasks; extract 2/2 shards", line
     for fn in (deploy.submit, runs.retry):
         assert inspect.signature(fn).parameters["timeout"].default.default is None, fn
@@ -582,13 +582,13 @@ def test_gc_on_s3_asks_on_a_terminal_and_no_keeps_everything(s3_server):
 
 
 def test_watch_prints_stage_and_shard_progress_while_the_run_runs(prefect_server, monkeypatch, capsys):
-    """`submit --watch` / `retry --watch` (runs.wait_for) on a run in flight: one shard done, one running."""
+    """`submit --watch` / `retry --watch` (prefect_api.wait_for) on a run in flight: one shard done, one running."""
     import threading
 
     from prefect import flow, task
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from cli.commands import runs
+    from cli import prefect_api
     from cli.prefect_api import client, find_run, state_of
 
     gate = threading.Event()
@@ -620,20 +620,20 @@ def test_watch_prints_stage_and_shard_progress_while_the_run_runs(prefect_server
 
     th = threading.Thread(target=go, daemon=True)
     th.start()
-    monkeypatch.setattr(runs, "PROGRESS_EVERY_S", 0.5)
+    monkeypatch.setattr(prefect_api, "PROGRESS_EVERY_S", 0.5)
     try:
         with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}), client() as c:
             deadline = time.time() + 120
             while time.time() < deadline:  # until shard 0 finished and shard 1 waits at the gate
                 try:
-                    line = runs.progress_line(c, find_run(c, name))
+                    line = prefect_api.progress_line(c, find_run(c, name))
                 except Exception:  # noqa: BLE001 - the run is not created yet
                     line = ""
                 if "extract 1/2 shards (1 running)" in line:
                     break
                 time.sleep(0.5)
             threading.Timer(5, gate.set).start()
-            done = runs.wait_for(c, find_run(c, name).id)
+            done = prefect_api.wait_for(c, find_run(c, name).id)
     finally:
         gate.set()
         th.join(120)

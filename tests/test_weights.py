@@ -381,7 +381,7 @@ def test_a_run_resumes_after_the_model_folder_moves_and_on_another_prefect_home(
 
 
 def test_a_base_config_is_layered_under_the_file_and_travels_inlined(tmp_path, monkeypatch):
-    from cli.prefect_api import config_parameters
+    from flows.flow_runs import config_parameters
     from tasks.core.config import ConfigError
 
     (tmp_path / "presets").mkdir()

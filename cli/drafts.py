@@ -1,0 +1,112 @@
+"""A trained draft found from what a user gives: a train digest (or a unique prefix), a flow run id or name or
+`last`, or a config whose run trained it; with the newest benchmark report that measured it and the serve
+settings it is exported at. `draftline export` and `draftline check` both start here."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cli.prefect_api import client, find_run
+from flows.flow_runs import OpsError
+from tasks.address import digests
+from tasks.benchmark.export import ExportError, run_serve
+from tasks.benchmark.results import find_report, load_report
+from tasks.core.config import ConfigError, RunConfig, head_config, load_config
+from tasks.engine.target import load_hf_config, resolve_model
+from tasks.extract.plan import plan_extract
+from tasks.store.artifacts import canonical_uri
+
+
+def resolve_train(store: Any, what: str, config: Any | None = None,
+                  head: str | None = None) -> tuple[str, dict | None, Any | None]:
+    """(train digest, the newest benchmark report that measured it or None, the config it was trained with when
+    known) for what `draftline export` was given: a train digest (or a unique prefix of 6+), a flow run id / name
+    / `last` (its benchmark report, else its parameters' config), or (`config`) a loaded config whose train
+    address is computed from the store."""
+    run_cfg = config
+    if config is not None:
+        digest = config_train_digest(store, config, head)
+    else:
+        hits = [m for m in store.list("train") if len(what) >= 6 and m.digest.startswith(what)]
+        if len(hits) > 1:
+            raise ExportError(f"{what!r} is the start of {len(hits)} train digests; give more characters")
+        rep = find_report(store, what) if not hits and what not in ("last", "latest") else None
+        if hits:
+            digest = hits[0].digest
+        elif rep is not None and head is None:
+            digest = rep["draft"]["train_digest"]
+        else:
+            digest, run_cfg = run_train_digest(store, what, head)
+    return digest, report_for(store, digest), run_cfg
+
+
+def export_serve(store: Any, digest: str, report: dict | None, cfg: Any | None) -> dict[str, Any]:
+    """The serve settings for an export: the benchmark's (measured), else the run's config's, else (a bare train
+    digest) the target the draft's own config names with default engine settings."""
+    ref = store.open("train", digest).ref()
+    if report is not None or cfg is not None:
+        return run_serve(cfg or RunConfig(), store, ref, report)
+    art = store.open("train", digest)
+    conf = json.loads(art.read_bytes("draft/config.json"))
+    verifier = ((conf.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    base = RunConfig()
+    if verifier:
+        base.target.model = verifier
+    return run_serve(base, store, ref, None)
+
+
+def report_for(store: Any, train_digest: str) -> dict[str, Any] | None:
+    """The newest benchmark report whose main draft is this train artifact."""
+    for m in sorted(store.list("benchmark"), key=lambda m: m.created, reverse=True):
+        if m.inputs.get("train") == train_digest:
+            try:
+                return load_report(store, m.digest)
+            except Exception:  # noqa: BLE001 - an unreadable report: the next one, or the config's settings
+                continue
+    return None
+
+
+def config_train_digest(store: Any, cfg: Any, head: str | None = None) -> str:
+    """The train address a config's run has (or would have): the data, vocab and extraction artifacts are read
+    from the store, as the pipeline computes them."""
+    def need(stage: str, digest: str) -> Any:
+        art = store.find(stage, digest)
+        if art is None:
+            raise ExportError(f"this config's {stage} artifact ({digest}) is not on {store.uri}: the run has not got "
+                              "that far; run it first (`draftline run CONFIG`) or give a train digest")
+        return art.ref()
+
+    data = need("prepare", digests.prepare(cfg))
+    if cfg.regenerate.enabled:
+        data = need("regenerate", digests.regenerate(cfg, data))
+    vocab = need("vocab", digests.vocab(cfg, data))
+    plans = plan_extract(cfg, data, load_hf_config(cfg.target, resolve_model(cfg.target)))
+    shards = [need("extract", p.digest) for p in plans]
+    heads = {h.label: h for h in cfg.train.heads}
+    if head is not None and head not in heads:
+        raise ExportError(f"--head {head!r}: this config trains {', '.join(heads)}")
+    chosen = heads[head] if head is not None else cfg.train.heads[0]
+    digest = digests.train(head_config(cfg, chosen), vocab, shards)
+    need("train", digest)
+    return digest
+
+
+def run_train_digest(store: Any, run: str, head: str | None = None) -> tuple[str, Any]:
+    """The train address of a flow run (id, name or `last`) and its config, from the config and overrides it
+    ran with."""
+    try:
+        with client() as c:
+            fr = find_run(c, run)
+    except OpsError as exc:
+        raise ExportError(f"{run!r} is no train digest on {store.uri} and no flow run: {exc}") from None
+    params = fr.parameters or {}
+    try:
+        cfg = load_config(params.get("config_path"), list(params.get("overrides") or []))
+    except ConfigError as exc:
+        raise ExportError(f"flow run {fr.name} ({fr.id}) ran with a config that no longer loads here: {exc}; give "
+                          "its train digest (`draftline ls --stage train`)") from None
+    if canonical_uri(cfg.store.uri) != store.uri:  # one store however it is written (relative, absolute, slash)
+        raise ExportError(f"flow run {fr.name} wrote to {canonical_uri(cfg.store.uri)}, not {store.uri}: pass "
+                          f"--store {canonical_uri(cfg.store.uri)}")
+    return config_train_digest(store, cfg, head), cfg
