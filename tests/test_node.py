@@ -232,7 +232,7 @@ def test_the_dockerfiles_own_checks_run_against_this_tree(tmp_path):
     from fnmatch import fnmatch
 
     copies = [rest.split()[0] for word, rest in steps if word == "COPY"]
-    assert copies and "requirements" in copies and "flows" in copies
+    assert copies and "requirements" in copies and "cli" in copies and "flows" in copies
     for src in copies:
         assert (ROOT / src).exists(), src
         assert any(fnmatch(src, p) or fnmatch(f"{src}/x", p) for p in ignore), f"{src} is left out by .dockerignore"
