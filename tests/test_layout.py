@@ -184,6 +184,31 @@ def test_every_stage_has_the_one_interface(module):
         assert hooks == [], f"{module}.{f.name}: callbacks are named on_<event>"
 
 
+# the training components, siblings over tasks/train's shared parts (RunState, DistEnv, the package's helpers)
+TRAIN_COMPONENTS = ("tasks.train.schedule", "tasks.train.checkpoints", "tasks.train.metrics", "tasks.train.evaluation")
+
+
+def test_the_training_components_are_siblings():
+    """The schedule, the checkpoints, the metrics and the evaluation each build on what the package shares,
+    never on another component (type-checking and function-level imports included): the loop composes them."""
+    mods = modules()
+    found = [f"{m} imports {i}" for m in TRAIN_COMPONENTS
+             for i in sorted(imports(mods[m], top_level_only=False) | type_checking_imports(mods[m]))
+             if i in TRAIN_COMPONENTS and i != m]
+    assert found == []
+
+
+def type_checking_imports(path: Path) -> set[str]:
+    """What `if TYPE_CHECKING:` blocks import (ast.walk sees them too; named here so the rule says so)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            for n in ast.walk(node):
+                if isinstance(n, ast.ImportFrom) and n.module:
+                    out.add(n.module)
+    return out
+
+
 def test_no_stage_imports_another_stage():
     """A stage module is imported only by the flow and by its own package's helpers (never by another
     stage, nor by a shared package), at module or function level."""
