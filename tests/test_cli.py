@@ -160,6 +160,22 @@ def test_output_to_a_pipe_is_not_folded(tmp_path):
     assert out.returncode == 2 and f"config file {missing} not found; pass a YAML file" in out.stderr.splitlines()[0]
 
 
+def test_an_unreachable_prefect_api_is_one_line_for_every_command_that_asks_it():
+    """The one error handler: every command that talks to the Prefect API (status, retry, ui, logs, submit,
+    deploy) ends the same way when the server is not there: one line naming the API address and the check,
+    exit status 2, no traceback."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    closed = "http://127.0.0.1:9/api"  # the discard port: nothing listens there
+    with temporary_settings(updates={PREFECT_API_URL: closed}):
+        for args in (["status"], ["retry"], ["ui"], ["logs"], ["submit", CONFIG, "-d", "local"],
+                     ["deploy", "--name", "local"]):
+            out = draftline(*args)
+            assert out.exit_code == 2, (args, out.output)
+            assert f"the Prefect API at {closed} failed" in flat(out.output), (args, out.output)
+            assert "Traceback" not in out.output and not isinstance(out.exception, Exception), args
+
+
 def test_a_hub_id_without_the_hub_fails_at_once(tmp_path, monkeypatch):
     """No HF_HUB_OFFLINE, and the hub endpoint does not answer (nothing listens on the discard port): the run
     is refused in seconds, not after huggingface_hub's retries. (A complete snapshot on the node is used
