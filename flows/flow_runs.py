@@ -5,6 +5,9 @@ them to start and watch its children (flows/nodes.py); the commands (cli/) to su
 
 from __future__ import annotations
 
+# Prefect is imported inside the functions that use it: the commands import this module, and Prefect is heavy
+# (seconds to import) for a `--help`.
+
 import datetime as dt
 import json
 from pathlib import Path

@@ -110,15 +110,16 @@ def heavy_modules() -> set[str]:
         heavy |= more
 
 
-def test_the_command_line_imports_at_the_top_unless_an_import_is_heavy():
-    """cli/'s top says what each command depends on: an import inside a function is one that would make
-    `--help` wait (a HEAVY library, or a module that imports one), and the module says so in a comment."""
+def test_imports_are_at_the_top_unless_an_import_is_heavy():
+    """The top of a file in cli/ or flows/ says what it depends on: an import inside a function is one that
+    would make `--help` (or a run that stops before the stage needing it) wait for a HEAVY library, itself or
+    through a module that imports one, and the module says so in a comment."""
     mods = modules()
     heavy = heavy_modules()
     assert "flows.pipeline" in heavy  # the rule sees what it is about
     found = []
     for m, p in mods.items():
-        if not m.startswith("cli."):
+        if not m.startswith(("cli.", "flows.")):
             continue
         if m == "cli.app" or m.startswith("cli.commands."):  # what `--help` imports
             assert not (imports(p, top_level_only=True) & heavy), f"{m} imports a heavy module at its top"
