@@ -14,9 +14,9 @@ from typing import Optional
 import typer
 from rich.console import Console, ConsoleDimensions
 
-from tasks.core.config import ConfigError, load_config
+from tasks.core.config import load_config
 from tasks.core.secrets import mask
-from tasks.store.artifacts import Store, StoreError
+from tasks.store.artifacts import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,18 +72,14 @@ RunArg = typer.Argument("last", help="Flow run id (or its first 8+ characters), 
 
 
 def load_cfg(config: Optional[Path], overrides: list[str], store: Optional[str] = None):
-    """The config with --set and --store applied, or exit 2 with its problems."""
-    try:
-        return load_config(config, with_store(overrides, store))
-    except ConfigError as exc:
-        fail(str(exc))
+    """The config with --set and --store applied (a ConfigError ends the command through the app's one
+    handler: exit 2 with its problems)."""
+    return load_config(config, with_store(overrides, store))
 
 
 def open_store(cfg, write: bool = True):
-    """The config's store, checked: `write=False` for commands that only read it (read-only keys pass)."""
-    try:
-        store = Store.from_config(cfg.store)
-        store.check(write=write)
-        return store
-    except StoreError as exc:
-        fail(str(exc))
+    """The config's store, checked: `write=False` for commands that only read it (read-only keys pass); a
+    StoreError ends the command through the app's one handler."""
+    store = Store.from_config(cfg.store)
+    store.check(write=write)
+    return store

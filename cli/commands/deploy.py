@@ -39,7 +39,7 @@ from cli.prefect_api import (
 from flows.flow_runs import EXTRACT_FLOW, FLOW_NAME, OpsError, slice_deployment
 from flows.preflight import remote_code_problem
 from flows.release import code_commit
-from tasks.core.config import STAGES, STORE_URI_ENV, ConfigError, check_until, load_config
+from tasks.core.config import STAGES, STORE_URI_ENV, check_until, load_config
 from tasks.core.secrets import WORKER_FIX, refuse_secrets
 from tasks.store.artifacts import s3_endpoint
 
@@ -309,14 +309,8 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
 
     refuse_secrets({"store": store, "env": _env_pairs(env)}, "draftline submit")  # before anything is sent
     require_server("draftline submit")
-    try:
-        check_until(until)
-    except ConfigError as exc:
-        raise OpsError(str(exc)) from None
-    try:
-        cfg = load_config(config, overrides)  # fail here, not on the node
-    except ConfigError as exc:
-        raise OpsError(str(exc)) from None
+    check_until(until)
+    cfg = load_config(config, overrides)  # fail here, not on the node
     full = deployment if "/" in deployment else f"{FLOW_NAME}/{deployment}"
     job_vars: dict[str, Any] = {}
     with client() as c:

@@ -14,6 +14,7 @@ from cli.console import SetOpt
 from tasks.core.config import load_config
 from tasks.cost.plan import RATES_FILE, PlanError, Rate, load_rates, machine_for, make_plan, render, run_lengths
 
+
 def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi-k2.5-b300.yaml."),
          nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes the extraction (and regeneration) "
                                              "is dealt over (default: the config's extract.nodes); as --set "
