@@ -104,7 +104,7 @@ def stage_digest(summary: dict, stage: str) -> str:
 def prepare(config: str, sets: list[str], work: Path) -> tuple[RunConfig, Store, object, object, list]:
     """The data stages through the pipeline (cached on `work`/store), then their refs."""
     sets = [f"store.uri=file://{work / 'store'}", *sets]
-    cmd = [sys.executable, "-m", "flows.cli", "run", config, "--until", "extract", "--json"]
+    cmd = [sys.executable, "-m", "cli.app", "run", config, "--until", "extract", "--json"]
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PYTHONPATH": str(REPO)}

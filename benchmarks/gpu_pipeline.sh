@@ -49,7 +49,7 @@ python3 - <<'EOF' 2>&1 | tee -a "$OUT/install.log"
 import sys, torch, transformers
 print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__,
       "gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-for m in ("prefect", "speculators", "datasets", "pydantic", "flows.cli"):
+for m in ("prefect", "speculators", "datasets", "pydantic", "cli.app"):
     try:
         mod = __import__(m, fromlist=["x"]); print(m, getattr(mod, "__version__", "ok"))
     except Exception as exc:
@@ -68,7 +68,7 @@ if [ -z "${GP_SKIP_PIPELINE:-}" ]; then
     PREFECT_SERVER_ANALYTICS_ENABLED=false
   mkdir -p "$PREFECT_HOME"
   T1=$(date +%s)
-  timeout ${GP_PIPELINE_TIMEOUT_S:-360} python3 -m flows.cli run $DIR/config.yaml --until "${GP_UNTIL:-train}" --json \
+  timeout ${GP_PIPELINE_TIMEOUT_S:-360} python3 -m cli.app run $DIR/config.yaml --until "${GP_UNTIL:-train}" --json \
     >"$OUT/pipeline_summary.json" 2>"$OUT/pipeline_run.log"
   echo "[$(elapsed) s] draftline run: rc=$? in $(( $(date +%s) - T1 )) s"
   grep -E "Finished in state|ran in|attn_impl|flex|Error|error|Traceback" "$OUT/pipeline_run.log" | tail -30

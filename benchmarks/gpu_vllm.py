@@ -42,7 +42,7 @@ def log(msg: str) -> None:
 
 
 def draftline(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "flows.cli", *args]
+    cmd = [sys.executable, "-m", "cli.app", *args]
     log("$ draftline " + shlex.join(args))
     return subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, timeout=timeout)
 

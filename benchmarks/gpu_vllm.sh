@@ -40,7 +40,7 @@ export PREFECT_HOME=/tmp/gv/prefect PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SEC
   PREFECT_SERVER_ANALYTICS_ENABLED=false DRAFTLINE_HOME=/tmp/gv/home
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-draftline() { python3 -m flows.cli "$@"; }
+draftline() { python3 -m cli.app "$@"; }
 
 for step in "$@"; do
   case $step in
@@ -72,12 +72,12 @@ for step in "$@"; do
     say "extract rc=$?"; grep -E "tok/s|started|failed|Error" "$OUT/extract.log" | tail -12
     cp /tmp/gv/extract/bench_gpu.json "$OUT/" 2>/dev/null ;;
   pipeline)
-    timeout "${GV_PIPELINE_S:-540}" python3 -m flows.cli run benchmarks/gpu_vllm_demo.yaml --json ${GV_PIPELINE_SET:-} \
+    timeout "${GV_PIPELINE_S:-540}" python3 -m cli.app run benchmarks/gpu_vllm_demo.yaml --json ${GV_PIPELINE_SET:-} \
       >/tmp/gv/pipeline.json 2>"$OUT/pipeline.log"
     say "pipeline rc=$?"; grep -E "ran in|Finished in state|Error|error" "$OUT/pipeline.log" | tail -14
     cp /tmp/gv/pipeline.json "$OUT/" 2>/dev/null ;;
   eager)
-    timeout 200 python3 -m flows.cli run benchmarks/gpu_vllm_demo.yaml --until regenerate --json \
+    timeout 200 python3 -m cli.app run benchmarks/gpu_vllm_demo.yaml --until regenerate --json \
       --set store.uri=file:///tmp/gv/store-eager --set engines.regenerate.enforce_eager=true \
       >/tmp/gv/eager.json 2>"$OUT/eager.log"
     say "eager regeneration rc=$?" ;;

@@ -15,7 +15,11 @@ stop run first inside that bridge, and the re-sent signal is recognised as the s
 
 from __future__ import annotations
 
+# Prefect's server module is imported where it is asked about, and only if Prefect is there: it is heavy, and
+# `draftline run` imports this module before it starts the flow.
+
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -23,7 +27,10 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+import psutil
+
 from tasks.core import stopping
+from tasks.engine.process import kill_all
 
 REDELIVERY_S = 3.0  # Prefect re-sends the SIGTERM it bridged: the same stop, not a second one
 _state: dict[str, Any] = {"signum": None, "t": 0.0, "say": None}
@@ -41,8 +48,6 @@ def exit_code(signum: int) -> int:
 
 
 def descendants() -> list[Any]:
-    import psutil
-
     with contextlib.suppress(psutil.Error):
         return psutil.Process().children(recursive=True)
     return []
@@ -50,8 +55,6 @@ def descendants() -> list[Any]:
 
 def _prefect_server_pids() -> set[int]:
     """The ephemeral Prefect server this process started (and what it started)."""
-    import psutil
-
     pids: set[int] = set()
     with contextlib.suppress(Exception):
         from prefect.server.api.server import SubprocessASGIServer
@@ -69,8 +72,6 @@ def kill_descendants(spare_prefect_server: bool = False) -> int:
     """SIGKILL every process this one started (engines, their workers, training ranks, and unless
     spared, a Prefect server of its own, which must outlive the run's last log lines); returns how
     many were alive."""
-    import psutil
-
     spare = _prefect_server_pids() if spare_prefect_server else set()
     kids = [p for p in descendants() if p.pid not in spare]
     for p in kids:
@@ -93,8 +94,6 @@ def hard_exit(code: int, why: str) -> None:
 def _watchdog(grace: float, code: int, name: str) -> None:
     time.sleep(grace)
     if os.environ.get("DRAFTLINE_STOP_TRACE"):  # what held the exit up: every thread's stack
-        import faulthandler
-
         faulthandler.dump_traceback(all_threads=True)
     hard_exit(code, f"draftline: the run did not stop within {grace:.0f} s of {name} "
                     "(DRAFTLINE_STOP_GRACE_S); killed what it had started and exited")
@@ -108,7 +107,6 @@ def begin_stop(signum: int) -> bool:
             return signum == signal.SIGTERM == _state["signum"] and time.monotonic() - _state["t"] < REDELIVERY_S
         _state.update(signum=signum, t=time.monotonic())
     stopping.request(name)
-    from tasks.engine.process import kill_all
 
     killed = kill_all()
     grace = float(os.environ.get("DRAFTLINE_STOP_GRACE_S") or 15)

@@ -22,6 +22,9 @@ stops within a poll interval when the run is asked to stop (tasks/core/stopping.
 
 from __future__ import annotations
 
+# Prefect's run logger and runtime are imported where used, inside a guard: outside a flow run they are not
+# there to ask (the heavy import itself is already paid by the lock protocol above).
+
 import contextlib
 import datetime as dt
 import json
@@ -33,10 +36,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import anyio
 from prefect.locking.protocol import LockManager
 
-from tasks.core.errors import DraftlineError
 from tasks.core import owners, stopping
+from tasks.core.errors import DraftlineError
 
 FORMAT = "draftline-lease-1"
 DEFAULT_WAIT_S = 3600.0
@@ -243,8 +247,6 @@ class LeaseLockManager(LockManager):
 
     async def aacquire_lock(self, key: str, holder: str, acquire_timeout: float | None = None,
                             hold_timeout: float | None = None) -> bool:
-        import anyio
-
         return await anyio.to_thread.run_sync(self.acquire_lock, key, holder, acquire_timeout, hold_timeout)
 
     def release_lock(self, key: str, holder: str) -> None:
@@ -275,8 +277,6 @@ class LeaseLockManager(LockManager):
         return self._wait_free(key, None, timeout)
 
     async def await_for_lock(self, key: str, timeout: float | None = None) -> bool:
-        import anyio
-
         return await anyio.to_thread.run_sync(self.wait_for_lock, key, timeout)
 
 

@@ -14,17 +14,33 @@ nodes there are.
 
 from __future__ import annotations
 
+# The train stage's modules are imported where used: they import torch, which is heavy (seconds), and a run
+# that never trains over several nodes never needs them.
+
+import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from flows.prefect_api import EXTRACT_FLOW, child_stage, config_parameters, slice_deployment
+from prefect.artifacts import create_markdown_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
+from prefect.runtime import deployment, flow_run
+from prefect.states import Cancelled
+
+from flows.flow_runs import EXTRACT_FLOW, child_stage, config_parameters, slice_deployment, submitting_worker
 from flows.report_artifacts import Progress
 from flows.run_record import RunRecord, StageRecord, finish_stage
+from tasks.address import digests
 from tasks.core import stopping
 from tasks.core.config import RunConfig
+from tasks.extract.verify import markdown, summarize, summary_line
 from tasks.store.artifacts import ArtifactRef, Store
+from tasks.train import STAGE, TrainError
 
 
 @dataclass(frozen=True)
@@ -75,10 +91,6 @@ def finish_sharded(stage: str, record: StageRecord, store: Store, plans: list, r
 def _publish_check(record: StageRecord, refs: list[ArtifactRef], errors: list[str], logger) -> None:
     """The extraction check's figures (tasks/extract/verify.py) in the run's summary and, as a markdown
     artifact, in the Prefect UI, the refused shards' causes included."""
-    from prefect.artifacts import create_markdown_artifact
-
-    from tasks.extract.verify import markdown, summarize, summary_line
-
     verified = summarize([r.stats for r in refs])
     if verified is not None:
         record.stats["verified"] = verified
@@ -91,9 +103,7 @@ def _publish_check(record: StageRecord, refs: list[ArtifactRef], errors: list[st
 
 
 def child_deployment(cfg: RunConfig) -> str:
-    """The deployment that this run's slices go to (flows/prefect_api.py slice_deployment)."""
-    from prefect.runtime import deployment
-
+    """The deployment that this run's slices go to (flows/flow_runs.py slice_deployment)."""
     name = slice_deployment(cfg, deployment.name)
     if not name:
         raise RuntimeError(
@@ -122,8 +132,6 @@ def run_nodes(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: Ar
     crashed (its node lost: the heartbeat automation of `draftline deploy` marks it Crashed) leaves
     exactly its unfinished shards missing, which `draftline retry` runs again on any node.
     `run_here(plans, progress)` runs shards on this node (the flow's shard tasks over its engine groups)."""
-    from prefect.runtime import flow_run
-
     kind = SHARDED[stage]
     r = rec.stages[stage]
     by_shard = {p.shard: p for p in plans}
@@ -165,8 +173,6 @@ def start_children(stage: str, cfg: RunConfig, store: Store, config: dict[str, A
                    logger, params: dict[str, Any]) -> list[tuple[Any, list[int]]]:
     """A child flow run of `child_deployment` for each slice but the first (this node's): the run's CONFIG
     (`child_config`), its store, PARAMS and the slice's shards; named <run>-<stage>-<i>of<n>-try<attempt>."""
-    from prefect.deployments import run_deployment
-    from prefect.runtime import flow_run
 
     target = child_deployment(cfg)
     if store.is_local:
@@ -200,8 +206,6 @@ def child_config(rec: RunRecord) -> dict[str, Any]:
 
 
 def start_child(target: str, run_deployment: Callable, **kwargs: Any) -> Any:
-    from prefect.exceptions import ObjectNotFound
-
     try:
         return run_deployment(target, **kwargs)
     except ObjectNotFound:
@@ -212,11 +216,6 @@ def start_child(target: str, run_deployment: Callable, **kwargs: Any) -> Any:
 
 def running_children(parent_id: Any) -> list[tuple[Any, list[int]]]:
     """Child runs of this flow run (any attempt, any stage) not yet in a final state, with their shards."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterParentFlowRunId,
-    )
 
     if parent_id is None:
         return []
@@ -239,8 +238,6 @@ def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard:
     those whose shards are not all on the store. A child still Scheduled TAKE_BACK_AFTER seconds after
     this node went idle is cancelled, and `take_back` runs its shards here (a pool short of nodes never
     hangs)."""
-    from prefect.client.orchestration import get_client
-
     store_stage = SHARDED[stage].store_stage if stage in SHARDED else None
     errors: list[str] = []
     pending = {c.id: (c, shards) for c, shards in children}
@@ -284,8 +281,6 @@ def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard:
 
 def cancel_unclaimed(client: Any, run: Any, why: str) -> bool:
     """Cancel child RUN if no node has taken it yet (still Scheduled); True when it was."""
-    from prefect.states import Cancelled
-
     if run.state is None or run.state.type.value != "SCHEDULED":
         return False
     res = client.set_flow_run_state(run.id, Cancelled(
@@ -297,8 +292,6 @@ def wait_claimed(children: list[tuple[Any, list[int]]], logger, stage: str, why:
                  within: float | None = None, poll: float = 1.0) -> list[Any]:
     """The child runs that a node took (Pending or Running) within WITHIN seconds (TAKE_BACK_AFTER); the
     others are cancelled (a pool short of nodes never hangs)."""
-    from prefect.client.orchestration import get_client
-
     within = TAKE_BACK_AFTER if within is None else within
     claimed: list[Any] = []
     pending = {c.id: c for c, _ in children}
@@ -336,13 +329,6 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
     nodes there are); rank 0 is on this node. A node that stops heartbeating while training failed is named
     in the error; `draftline retry` resumes from the last checkpoint on whatever nodes are there then.
     CONFIG: the run's config for the children (`child_config`)."""
-    import dataclasses
-
-    from prefect.client.orchestration import get_client
-
-    from flows.prefect_api import submitting_worker
-    from tasks.address import digests
-    from tasks.train import STAGE, TrainError
     from tasks.train.inputs import resolve_inputs
     from tasks.train.ranks import Rendezvous, launch_ranks, node_address, secret_run_id, train_ranks
 
@@ -395,8 +381,6 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
 def lost_nodes(control: Any, spec: Any, claimed: list[Any]) -> list[Any]:
     """The child runs whose node stopped heartbeating on the control store (unchanged for NODE_LOST_AFTER
     seconds) while their run did not end: those nodes died (a node whose training failed ends its run)."""
-    from prefect.client.orchestration import get_client
-
     def beats() -> dict[Any, bytes | None]:
         out = {}
         for run in claimed:
@@ -423,10 +407,6 @@ def lost_nodes(control: Any, spec: Any, claimed: list[Any]) -> list[Any]:
 def train_child(cfg: RunConfig, store: Store, rendezvous: dict[str, Any], inputs: dict[str, Any], logger) -> dict:
     """One node of a run's training (the slice flow with stage=train): heartbeats on the run node's control
     store, waits for the node count there, then starts train.gpus ranks in the rendezvous."""
-    import dataclasses
-    import threading
-
-    from prefect.runtime import flow_run
 
     from tasks.train.ranks import Rendezvous, launch_ranks, train_ranks
 

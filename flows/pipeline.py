@@ -8,6 +8,10 @@ database, decides what runs.
 
 from __future__ import annotations
 
+# The train and vocab stages are imported where used: they import torch, which is heavy (seconds),
+# and a run that stops before them never needs them.
+
+import re
 import time
 from typing import Any, Callable
 
@@ -16,14 +20,30 @@ from prefect.artifacts import (
     create_markdown_artifact,
     create_table_artifact,
 )
+from prefect.client.orchestration import get_client
 from prefect.futures import wait
+from prefect.runtime import deployment, flow_run
 
 from flows.caching import stage_options
-from flows.prefect_api import EXTRACT_FLOW
-from flows.report_artifacts import Progress
+from flows.flow_runs import EXTRACT_FLOW
+from flows.interrupts import chain_into_flow
+from flows.nodes import SHARDED, child_config, finish_sharded, run_nodes, train_child, train_nodes
+from flows.preflight import check_head_layers, remote_code_problem
+from flows.report_artifacts import Progress, publish_summary
 from flows.run_record import RunRecord, announce, finish_stage
-from tasks.core.config import STAGES, RunConfig, check_until, load_config
+from tasks.address import digests
+from tasks.benchmark.export import run_serve
+from tasks.benchmark.stage import load_report, run_benchmark
+from tasks.core.config import ConfigError, HeadConfig, RunConfig, STAGES, check_until, head_config, load_config
+from tasks.core.faults import fail_point
+from tasks.data.prepare import run_prepare
+from tasks.data.regenerate import SHARD_STAGE, assemble_regenerate, plan_regenerate, regenerate_shard
+from tasks.engine.settings import EnginePool
+from tasks.engine.target import load_hf_config, resolve_model
+from tasks.engine.weights import WeightsError, pin_run
+from tasks.extract.stage import extract_shard, plan_extract
 from tasks.store.artifacts import ArtifactRef, Store
+from tasks.train import TrainError
 
 
 def as_ref(value: Any) -> ArtifactRef:
@@ -35,15 +55,11 @@ def as_ref(value: Any) -> ArtifactRef:
 
 @task(name="prepare", task_run_name="prepare")
 def prepare_task(cfg: RunConfig, digest: str) -> ArtifactRef:
-    from tasks.data.prepare import run_prepare
-
     return run_prepare(cfg, Store.from_config(cfg.store))
 
 
 @task(name="regenerate-shard", task_run_name="regenerate-shard-{shard}", retries=0)
 def regenerate_shard_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) -> ArtifactRef:
-    from tasks.data.regenerate import SHARD_STAGE, regenerate_shard
-
     store = Store.from_config(cfg.store)
 
     def compute() -> ArtifactRef:
@@ -62,8 +78,6 @@ def regenerate_shard_task(cfg: RunConfig, digest: str, shard: int, plan: Any, po
 def regenerate_task(cfg: RunConfig, digest: str, prepared: ArtifactRef, shards: list[ArtifactRef],
                     reused: int = 0, started: float | None = None) -> ArtifactRef:
     """The regenerate artifact from its shards' artifacts (tasks.data.regenerate.assemble_regenerate)."""
-    from tasks.data.regenerate import SHARD_STAGE, assemble_regenerate
-
     store = Store.from_config(cfg.store)
     arts = [store.open(SHARD_STAGE, as_ref(x).digest) for x in shards]
     return assemble_regenerate(cfg, store, prepared, arts, started or time.time(), reused)
@@ -82,9 +96,6 @@ def vocab_task(cfg: RunConfig, digest: str, data: ArtifactRef) -> ArtifactRef:
 
 @task(name="extract-shard", task_run_name="extract-shard-{shard}", retries=0)
 def extract_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) -> ArtifactRef:
-    from tasks.core.faults import fail_point
-    from tasks.extract.stage import extract_shard
-
     store = Store.from_config(cfg.store)
 
     def compute() -> ArtifactRef:
@@ -116,8 +127,6 @@ def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[Art
             logger.warning(f"train: {m['attn_fallback']}; training with sdpa")
 
     if cfg.train.nodes > 1:
-        from flows.nodes import train_nodes
-
         ref = train_nodes(cfg, Store.from_config(cfg.store), children or {}, vocab, shards, logger, on_metrics)
     else:
         ref = run_train(cfg, Store.from_config(cfg.store), vocab, shards, on_metrics=on_metrics)
@@ -133,10 +142,6 @@ def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[Art
 
 def _head_key(cfg: RunConfig) -> str:
     """'' for the default EAGLE-3 head, else '-' + its label as a Prefect artifact key allows."""
-    import re
-
-    from tasks.core.config import HeadConfig
-
     head = cfg.train.head
     return "" if head == HeadConfig() else "-" + re.sub(r"[^a-z0-9-]+", "-", head.label.lower())
 
@@ -168,10 +173,6 @@ def _train_log_line(m: dict[str, Any]) -> str | None:
 @task(name="benchmark", task_run_name="benchmark")
 def benchmark_task(cfg: RunConfig, digest: str, trained: ArtifactRef | list[tuple[str, ArtifactRef]],
                    data: ArtifactRef) -> ArtifactRef:
-    from prefect.runtime import flow_run
-
-    from tasks.benchmark.stage import run_benchmark
-
     # The report names the flow run that measured it (PREFECT__FLOW_RUN_ID is set only in deployed runs).
     ref = run_benchmark(cfg, Store.from_config(cfg.store), trained, data, flow_run_id=flow_run.id)
     return ref
@@ -186,10 +187,6 @@ def _stop_after(until: str | None, stage: str) -> bool:
 @flow(name="draftline", log_prints=True, persist_result=False)
 def pipeline(config_path: str | None = None, overrides: list[str] | None = None, until: str | None = None) -> dict:
     """Train an EAGLE-3 draft: parameters are a config file path plus `a.b=c` overrides."""
-    from prefect.runtime import flow_run
-
-    from flows.interrupts import chain_into_flow
-
     chain_into_flow()  # SIGTERM (a worker cancelling, a node shutting down) stops engines and waits first
     overrides = list(overrides or [])
     cfg = load_config(config_path, overrides)
@@ -220,16 +217,11 @@ def allow_remote_code(cfg: RunConfig, logger) -> None:
     """Refuse target.trust_remote_code in a deployment's run that does not allow it; warn when it is on."""
     if not cfg.target.trust_remote_code:
         return
-    from prefect.client.orchestration import get_client
-    from prefect.runtime import deployment
-
-    from tasks.core.config import ConfigError
 
     tags: list[str] = []
     if deployment.id:
         with get_client(sync_client=True) as client:
             tags = list(client.read_deployment(deployment.id).tags or [])
-    from flows.preflight import remote_code_problem
 
     problem = remote_code_problem(True, deployment.name if deployment.id else None, tags)
     if problem:
@@ -238,8 +230,6 @@ def allow_remote_code(cfg: RunConfig, logger) -> None:
 
 
 def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None, logger) -> None:
-    from tasks.address import digests
-
     def run_single(name: str, fn: Callable[[], ArtifactRef]) -> ArtifactRef:
         r = rec.stages[name]
         t0 = time.time()
@@ -289,9 +279,6 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
 
     # a head reading layers the extraction will not hold fails now, not after hours of extraction
     if until != "extract":
-        from flows.preflight import check_head_layers
-        from tasks.train import TrainError
-
         try:
             check_head_layers(cfg)
         except TrainError as exc:
@@ -304,9 +291,6 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         return skip_rest("extract")
 
     # train: one cached task per head of train.heads, each at its own address, from the same shards
-    from tasks.core.config import head_config
-
-    from flows.nodes import child_config
 
     heads: list[tuple[str, ArtifactRef]] = []
     t0 = time.time()
@@ -323,7 +307,6 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         r.stats = {"heads": ", ".join(f"{label} {ref.digest[:8]} ({ref.stats.get('steps')} steps)"
                                       for label, ref in heads)}
     trained = heads[0][1] if len(heads) == 1 else heads
-    from tasks.benchmark.export import run_serve
 
     try:
         rec.serve = run_serve(head_config(cfg, cfg.train.heads[0]), store, heads[0][1])
@@ -337,8 +320,6 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         return
     d = digests.benchmark(cfg, trained, data)
     bench = run_single("benchmark", lambda: benchmark_task.with_options(**opts("benchmark"))(cfg, d, trained, data))
-    from flows.report_artifacts import publish_summary
-    from tasks.benchmark.stage import load_report
 
     report = load_report(store, bench)
     rec.benchmark = report.get("benchmark")
@@ -356,8 +337,6 @@ def _run_regenerate(cfg: RunConfig, store: Store, rec: RunRecord, prepared: Arti
                     logger) -> ArtifactRef:
     """Regeneration's shards as tasks over this node's engine groups (and other nodes), then the stage
     artifact assembled from them; the run record counts shards, as extraction's does."""
-    from tasks.engine.target import resolve_model
-
     r = rec.stages["regenerate"]
     t0 = time.time()
     r.status = "running"
@@ -380,18 +359,12 @@ def _run_regenerate(cfg: RunConfig, store: Store, rec: RunRecord, prepared: Arti
 def _shard_plans(stage: str, cfg: RunConfig, data: ArtifactRef, model: str) -> list:
     """The shards of STAGE (`regenerate` or `extract`) that read DATA, each with its own address."""
     if stage == "regenerate":
-        from tasks.data.regenerate import plan_regenerate
-
         return plan_regenerate(cfg, data)
-    from tasks.extract.stage import plan_extract
-    from tasks.engine.target import load_hf_config
 
     return plan_extract(cfg, data, load_hf_config(cfg.target, model))
 
 
 def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, logger) -> list[ArtifactRef]:
-    from tasks.engine.target import resolve_model
-
     rec.stages["extract"].status = "running"
     return _run_sharded("extract", cfg, store, rec, data, resolve_model(cfg.target), logger)
 
@@ -401,8 +374,6 @@ def _run_sharded(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data:
     """STAGE's shards (regenerate or extract), one task each, over this node's engine groups and, with
     extract.nodes > 1, over other nodes (flows/nodes.py); the stage's record counts them. Raises when
     a shard failed: `draftline retry` runs only the shards not on the store."""
-    from flows.nodes import SHARDED, finish_sharded, run_nodes
-
     kind = SHARDED[stage]
     t0 = time.time()
     plans = _shard_plans(stage, cfg, data, model)
@@ -419,9 +390,6 @@ def _run_sharded(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data:
 def _shards_here(stage: str, cfg: RunConfig, store: Store, model: str, plans: list, logger,
                  progress: Progress) -> tuple[list[ArtifactRef], list[str]]:
     """One task per shard of PLANS in this flow run, fanned out over this node's engine groups."""
-    from flows.nodes import SHARDED
-    from tasks.engine.settings import EnginePool
-
     kind = SHARDED[stage]
     shard_task = regenerate_shard_task if stage == "regenerate" else extract_task
     t0 = time.time()
@@ -466,10 +434,6 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     """A slice of a run's regeneration or extraction shards (STAGE) on one node, started by the run with
     extract.nodes > 1 (flows/nodes.py); `data_*` name the artifact the shards read. With stage=train
     (train.nodes > 1): one node of the run's training, joining RENDEZVOUS with TRAIN_INPUTS."""
-    from flows.interrupts import chain_into_flow
-    from flows.nodes import SHARDED
-    from tasks.engine.target import resolve_model
-
     chain_into_flow()
     if stage not in SHARDED and stage != "train":
         raise RuntimeError(f"stage={stage!r}: a slice runs the shards of one of {', '.join(SHARDED)}, or train")
@@ -480,8 +444,6 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     logger = get_run_logger()
     allow_remote_code(cfg, logger)
     if stage == "train":
-        from flows.nodes import train_child
-
         if not rendezvous or not train_inputs:
             raise RuntimeError("stage=train: a training node needs the rendezvous and train_inputs parameters "
                                "its parent run sends")
@@ -507,8 +469,6 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
 
 def _pin_target(cfg: RunConfig, overrides: list[str]) -> list[str]:
     """The run's target pinned once (a hub id's commit) and recorded in every manifest (tasks/engine/weights.py)."""
-    from tasks.engine.weights import WeightsError, pin_run
-
     try:
         return pin_run(cfg, overrides)
     except WeightsError as exc:

@@ -7,16 +7,21 @@ the flow asks `check_head_layers` once the data stages are done, before extracti
 
 from __future__ import annotations
 
+# The vocab stage and the train inputs are imported where used: they import torch, which is heavy
+# (seconds), and `draftline run` asks these checks before anything heavy is needed.
+
 from pathlib import Path
 from typing import Any
+
+from tasks.core.config import head_config
+from tasks.engine.target import (TargetError, load_hf_config, max_model_len_problem, resolve_layer_ids, resolve_model,
+                                 text_config)
+from tasks.formats.drafts import DraftError, draft_folder_of
 
 
 def input_problems(cfg: Any) -> list[str]:
     """Every problem found in the config's inputs, each naming the fix; [] when there is none."""
     from tasks.data.vocab import VocabError, draft_size
-    from tasks.engine.target import (TargetError, load_hf_config, max_model_len_problem, resolve_layer_ids,
-                                     text_config)
-    from tasks.formats.drafts import DraftError, draft_folder_of
 
     problems = []
     t = cfg.target
@@ -61,8 +66,6 @@ def check_head_layers(cfg: Any) -> None:
     not after hours of extraction."""
     if not any(h.layer_ids for h in cfg.train.heads):
         return
-    from tasks.core.config import head_config
-    from tasks.engine.target import load_hf_config, resolve_layer_ids, resolve_model
     from tasks.train.inputs import head_layer_ids
 
     stored = resolve_layer_ids(cfg, load_hf_config(cfg.target, resolve_model(cfg.target)))

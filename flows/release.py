@@ -6,6 +6,8 @@ release's version: a node whose code is another commit is refused too, even with
 
 from __future__ import annotations
 
+# prefect_aws is imported where used: it is heavy, and only a deployment with a credentials block needs it.
+
 import importlib.metadata as md
 import os
 import re
@@ -13,7 +15,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from flows.console import ROOT
+from tasks.core.config import CHECKOUT as ROOT
 
 
 def code_version(code_dir: Path) -> str | None:

@@ -7,6 +7,9 @@ so a cached benchmark publishes the same figures, with the run that measured the
 
 from __future__ import annotations
 
+# Prefect's run context is imported where a bar cannot be made, to tell why (the heavy import is already paid
+# by the artifacts above).
+
 import time
 
 from typing import Any

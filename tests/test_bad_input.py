@@ -39,7 +39,7 @@ def manifests(root: Path) -> list[Path]:
 
 
 def draftline(*args: str):
-    from flows.cli import app  # here, not at the top: child processes import this module without Prefect
+    from cli.app import app  # here, not at the top: child processes import this module without Prefect
 
     return CliRunner().invoke(app, list(args))
 
@@ -171,7 +171,7 @@ def test_run_refuses_an_unusable_s3_store(s3_server, monkeypatch, tmp_path, case
 
 
 def test_doctor_names_an_incompatible_vllm(monkeypatch, tmp_path):
-    from flows import doctor
+    from cli.commands import doctor
 
     monkeypatch.chdir(tmp_path)  # doctor probes the default store, .draftline/store
     real = doctor.installed_version

@@ -22,7 +22,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from flows.cli import app
+from cli.app import app
 from tasks.core import owners
 from tasks.core.config import StoreConfig
 from tasks.store.artifacts import Store, StoreError
@@ -150,14 +150,30 @@ def test_output_to_a_pipe_is_not_folded(tmp_path):
     deep = tmp_path / ("x" * 90) / "store"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("COLUMNS", None)
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "ls", "--store", f"file://{deep}"], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-m", "cli.app", "ls", "--store", f"file://{deep}"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert f"committed artifacts in file://{deep}" in out.stdout.splitlines()[0], out.stdout
     missing = tmp_path / ("y" * 90) / "missing.yaml"
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "config", "show", str(missing)], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-m", "cli.app", "config", "show", str(missing)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and f"config file {missing} not found; pass a YAML file" in out.stderr.splitlines()[0]
+
+
+def test_an_unreachable_prefect_api_is_one_line_for_every_command_that_asks_it():
+    """The one error handler: every command that talks to the Prefect API (status, retry, ui, logs, submit,
+    deploy) ends the same way when the server is not there: one line naming the API address and the check,
+    exit status 2, no traceback."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    closed = "http://127.0.0.1:9/api"  # the discard port: nothing listens there
+    with temporary_settings(updates={PREFECT_API_URL: closed}):
+        for args in (["status"], ["retry"], ["ui"], ["logs"], ["submit", CONFIG, "-d", "local"],
+                     ["deploy", "--name", "local"]):
+            out = draftline(*args)
+            assert out.exit_code == 2, (args, out.output)
+            assert f"the Prefect API at {closed} failed" in flat(out.output), (args, out.output)
+            assert "Traceback" not in out.output and not isinstance(out.exception, Exception), args
 
 
 def test_a_hub_id_without_the_hub_fails_at_once(tmp_path, monkeypatch):
@@ -201,9 +217,9 @@ def dead_leftover(store: Store) -> str:
 
 @pytest.mark.s3
 def test_gc_asks_before_deleting_on_s3_and_refuses_without_a_terminal(s3_server, monkeypatch):
-    import flows.leftovers
+    import cli.leftovers
 
-    monkeypatch.setattr(flows.leftovers, "local_folders", lambda: [])  # this machine's temp folders: not ours
+    monkeypatch.setattr(cli.leftovers, "local_folders", lambda: [])  # this machine's temp folders: not ours
     # a prefix of other files (no store marker): refused, nothing deleted; inside a store a user's folder
     # (not an attempt's name) is never taken, on S3 as on file://
     home = Store(f"s3://draftline-test/home-{uuid.uuid4().hex[:8]}", Store.from_config(StoreConfig(
@@ -235,9 +251,9 @@ def test_gc_asks_before_deleting_on_s3_and_refuses_without_a_terminal(s3_server,
 
 def test_gc_on_a_local_store_asks_too(tmp_path, monkeypatch):
     """file:// as s3://: gc lists what it would delete and, with no terminal to ask on, deletes only with --yes."""
-    import flows.leftovers
+    import cli.leftovers
 
-    monkeypatch.setattr(flows.leftovers, "local_folders", lambda: [])
+    monkeypatch.setattr(cli.leftovers, "local_folders", lambda: [])
     store = Store(f"file://{tmp_path}/store")
     key = dead_leftover(store)
     out = draftline("gc", "--store", store.uri)
@@ -271,9 +287,9 @@ USER_FOLDERS = ["projects/myrepo/assets", "Documents/taxes/archive-2023", "a/b/a
 def test_gc_refuses_a_folder_that_is_not_a_store_and_deletes_nothing(tmp_path, monkeypatch):
     """The issue's repro: `draftline gc --store ~ --yes` on a home-like folder aged two hours. The old gc took
     every ROOT/X/Y/a* folder; now a root without draftline's store marker is refused, naming the fix."""
-    import flows.leftovers
+    import cli.leftovers
 
-    monkeypatch.setattr(flows.leftovers, "local_folders", lambda: [])
+    monkeypatch.setattr(cli.leftovers, "local_folders", lambda: [])
     home = tmp_path / "home"
     files = _user_files(home, USER_FOLDERS)
     _aged(home)
@@ -291,9 +307,9 @@ def test_gc_refuses_a_folder_that_is_not_a_store_and_deletes_nothing(tmp_path, m
 def test_gc_in_a_store_removes_only_draftline_attempts(tmp_path, monkeypatch):
     """A real store with user folders planted inside it (beside a committed attempt, at every depth): gc
     removes the abandoned attempt of a dead writer and nothing else; the committed artifact still verifies."""
-    import flows.leftovers
+    import cli.leftovers
 
-    monkeypatch.setattr(flows.leftovers, "local_folders", lambda: [])
+    monkeypatch.setattr(cli.leftovers, "local_folders", lambda: [])
     root = tmp_path / "store"
     store = Store(f"file://{root}")
     with store.write("prepare", "d" * 16, "v1") as w:
@@ -356,11 +372,11 @@ def test_owners_on_hosts_whose_names_differ_only_in_punctuation_are_distinct(tmp
 def test_a_live_process_temp_folder_survives_gc_and_a_dead_ones_goes(tmp_path, monkeypatch):
     """A temp folder a live process uses (the benchmark's draft copy, a checkpoint copy) has an owner record and
     survives gc however old; a dead owner's goes; a user's `draftline-*` folder without one is never touched."""
-    import flows.leftovers
+    import cli.leftovers
 
     temp = tmp_path / "tmp"
     temp.mkdir()
-    monkeypatch.setattr(flows.leftovers, "local_folders", lambda: [temp])
+    monkeypatch.setattr(cli.leftovers, "local_folders", lambda: [temp])
     live = Path(owners.owned_tempdir("copy", str(temp)))
     dead = Path(owners.owned_tempdir("ckpt", str(temp)))
     p = subprocess.Popen(["true"])
@@ -541,11 +557,11 @@ def test_watch_has_no_cap_and_progress_counts_stages_and_shards(a_run, prefect_s
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows import deploy, runs
-    from flows.prefect_api import client
+    from cli.commands import deploy, runs
+    from cli.prefect_api import client, progress_line
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}), client() as c:
-        line = runs.progress_line(c, c.read_flow_run(a_run))
+        line = progress_line(c, c.read_flow_run(a_run))
     assert line == "prepare 1/1 tasks; extract 2/2 shards", line
     for fn in (deploy.submit, runs.retry):
         assert inspect.signature(fn).parameters["timeout"].default.default is None, fn
@@ -559,7 +575,7 @@ def test_gc_on_s3_asks_on_a_terminal_and_no_keeps_everything(s3_server):
     store = Store.from_config(StoreConfig(uri=f"s3://draftline-test/gc-tty-{uuid.uuid4().hex[:8]}"))
     key = dead_leftover(store)
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "gc", "--store", store.uri], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "cli.app", "gc", "--store", store.uri], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=secondary, stdout=subprocess.PIPE,
                             stderr=secondary, text=True)
     os.close(secondary)
@@ -582,14 +598,14 @@ def test_gc_on_s3_asks_on_a_terminal_and_no_keeps_everything(s3_server):
 
 
 def test_watch_prints_stage_and_shard_progress_while_the_run_runs(prefect_server, monkeypatch, capsys):
-    """`submit --watch` / `retry --watch` (runs.wait_for) on a run in flight: one shard done, one running."""
+    """`submit --watch` / `retry --watch` (prefect_api.wait_for) on a run in flight: one shard done, one running."""
     import threading
 
     from prefect import flow, task
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows import runs
-    from flows.prefect_api import client, find_run, state_of
+    from cli import prefect_api
+    from cli.prefect_api import client, find_run, state_of
 
     gate = threading.Event()
 
@@ -620,20 +636,20 @@ def test_watch_prints_stage_and_shard_progress_while_the_run_runs(prefect_server
 
     th = threading.Thread(target=go, daemon=True)
     th.start()
-    monkeypatch.setattr(runs, "PROGRESS_EVERY_S", 0.5)
+    monkeypatch.setattr(prefect_api, "PROGRESS_EVERY_S", 0.5)
     try:
         with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}), client() as c:
             deadline = time.time() + 120
             while time.time() < deadline:  # until shard 0 finished and shard 1 waits at the gate
                 try:
-                    line = runs.progress_line(c, find_run(c, name))
+                    line = prefect_api.progress_line(c, find_run(c, name))
                 except Exception:  # noqa: BLE001 - the run is not created yet
                     line = ""
                 if "extract 1/2 shards (1 running)" in line:
                     break
                 time.sleep(0.5)
             threading.Timer(5, gate.set).start()
-            done = runs.wait_for(c, find_run(c, name).id)
+            done = prefect_api.wait_for(c, find_run(c, name).id)
     finally:
         gate.set()
         th.join(120)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli.app", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
 
 

@@ -22,7 +22,9 @@ import pytest
 import yaml
 
 import deploy_harness as harness
-from flows import deploy, doctor, prefect_api, release, runs
+from cli import prefect_api
+from cli.commands import deploy, doctor, runs
+from flows import flow_runs, release
 from tasks.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,13 +177,13 @@ def test_local_stack_says_what_is_missing(tmp_path):
 # =========================================================================== the CLI's decisions
 
 def test_submit_sends_a_path_inside_the_checkout_and_inlines_one_outside(tmp_path):
-    params, store = prefect_api.config_parameters(ROOT / "configs" / "demo.yaml", ["train.max_steps=5"], None)
+    params, store = flow_runs.config_parameters(ROOT / "configs" / "demo.yaml", ["train.max_steps=5"], None)
     assert params == {"config_path": "configs/demo.yaml", "overrides": ["train.max_steps=5"]} and store is None
 
     outside = tmp_path / "mine.yaml"
     outside.write_text((ROOT / "tests" / "configs" / "deploy-small.yaml").read_text().replace(
         "heldout: 4", "heldout: 3") + "store:\n  uri: s3://bucket/mine\n")
-    params, store = prefect_api.config_parameters(outside, ["vocab.draft_vocab_size=512"], None)
+    params, store = flow_runs.config_parameters(outside, ["vocab.draft_vocab_size=512"], None)
     assert params["config_path"] is None and store == "s3://bucket/mine"
     # what the worker rebuilds from the parameters is the config validated here (the store
     # travels as the store_uri job variable, which keeps its place below --set)
@@ -189,8 +191,8 @@ def test_submit_sends_a_path_inside_the_checkout_and_inlines_one_outside(tmp_pat
     here = load_config(outside, ["vocab.draft_vocab_size=512"])
     assert sent.model_dump(exclude={"store"}) == here.model_dump(exclude={"store"})
     assert sent.data.heldout == 3 and sent.vocab.draft_vocab_size == 512
-    with pytest.raises(prefect_api.OpsError, match="outside the checkout"):
-        prefect_api.config_parameters(outside, [], False)
+    with pytest.raises(flow_runs.OpsError, match="outside the checkout"):
+        flow_runs.config_parameters(outside, [], False)
 
 
 def _run(state: str, ts: dt.datetime, pid=None):
@@ -242,7 +244,7 @@ def test_a_retry_right_after_a_failure_survives_the_late_crash_report():
     runs.reschedule(server, just_failed, watch=False, poll_s=0)
     assert server.sets == 1
     # a run that keeps being marked crashed is reported, not rescheduled forever
-    with pytest.raises(prefect_api.OpsError, match="kept being marked crashed"):
+    with pytest.raises(flow_runs.OpsError, match="kept being marked crashed"):
         runs.reschedule(_ServerWithALateCrashReport(late_reports=5), just_failed, watch=True, poll_s=0)
 
 
@@ -326,7 +328,7 @@ def test_commands_that_need_a_server_say_how_to_get_one():
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli.app import app
 
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         for args in (["deploy"], ["submit", "tests/configs/deploy-small.yaml", "--deployment", "local"], ["ui"]):

@@ -47,7 +47,7 @@ UNTRAINED_BOUND = 1.3
 
 
 def draftline(*args: str, env: dict | None = None, timeout: float = 1500, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli.app", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 

@@ -263,7 +263,7 @@ def test_check_gives_one_verdict_on_a_draft_and_fails_a_drifted_one(exp):
     lengths, training and benchmark), and exit 1 with the cause when a check fails."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from cli.app import app
 
     def check(digest: str):
         r = CliRunner().invoke(app, ["check", digest, "--store", exp.store.uri, "--json"])

@@ -218,7 +218,7 @@ def test_block_heads_are_scored_over_whole_blocks_so_no_position_beats_certainty
                                     HeadConfig(kind="dflash", block_size=4, max_anchors=2)).train)
     _, m = _block_eval_batch(Block(), {}, kw)
     assert [(m[f"full_acc_{i}_sum"], m[f"full_acc_{i}_total"]) for i in range(3)] == [(1.0, 1.0)] * 3
-    from tasks.train.metrics import ratios
+    from tasks.train import ratios
 
     assert ratios(m, 3)["acc_per_pos"] == [1.0, 1.0, 1.0]
 

@@ -213,7 +213,7 @@ def test_a_fresh_process_after_a_sigkilled_one_reuses_its_shards_and_clears_its_
     store = Store(uri)
     args = args_for(uri, "extract")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "flows.cli", *args]
+    cmd = [sys.executable, "-m", "cli.app", *args]
     first = subprocess.Popen(cmd, cwd=ROOT, env={**env, "DRAFTLINE_FAULT_KILL": "commit.extract.before-manifest:2"},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     _, err = first.communicate(timeout=600)

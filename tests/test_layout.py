@@ -1,5 +1,7 @@
-"""The code's layout as the README promises it: tasks/ in packages by what things are, each saying what
-lives there; stages build on shared parts, never on each other; no import cycle among the project's
+"""The code's layout as the README promises it: three floors, tasks/ (plain Python) under flows/ (what runs
+inside a flow run) under cli/ (the command line), none reaching up; tasks/ in packages by what things are,
+each saying what lives there; stages build on shared parts, never on each other; commands never on each
+other; imports at the top of a command's file unless they are heavy; no import cycle among the project's
 modules; no module reaching for another's private names; and the README's layout table names exactly
 the modules that exist."""
 
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,17 +20,23 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("tasks.data.prepare", "tasks.data.regenerate", "tasks.data.vocab", "tasks.extract.stage",
           "tasks.train.stage", "tasks.benchmark.stage")
 # the packages from the bottom up: each imports only those before it (the README's layout table lists them so)
-TASK_PACKAGES = ("core", "store", "formats", "engine", "address", "data", "extract", "train", "benchmark")
+TASK_PACKAGES = ("core", "store", "formats", "engine", "address", "data", "extract", "train", "benchmark", "cost")
+# the floors of the house from the bottom up: each imports only the floors below it
+FLOORS = ("tasks", "flows", "cli")
+# libraries that take seconds to import: a command imports them (or a module that does) only inside the
+# function that needs them, so that `draftline --help` and every command's help answer at once
+HEAVY = ("prefect", "prefect_aws", "torch", "vllm", "transformers", "speculators", "datasets")
 
 
 def modules() -> dict[str, Path]:
     """Every project module by its dotted name; a package's `__init__.py` is the package itself."""
-    out = {f"flows.{p.stem}": p for p in sorted((ROOT / "flows").glob("*.py")) if p.stem != "__init__"}
-    for p in sorted((ROOT / "tasks").rglob("*.py")):
-        parts = p.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        if name != "tasks":
-            out[name] = p
+    out = {}
+    for floor in FLOORS:
+        for p in sorted((ROOT / floor).rglob("*.py")):
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if name not in FLOORS:
+                out[name] = p
     return out
 
 
@@ -67,8 +76,77 @@ def test_tasks_is_packages_each_saying_what_lives_there():
         assert heavy == set(), f"tasks/{pkg}/__init__.py imports (at its top) only the standard library and the error root"
 
 
+def test_each_floor_imports_only_the_floors_below_it():
+    """tasks/ < flows/ < cli/, at module or function level: the flow never reaches for a command, and plain
+    Python never for Prefect's flow nor the command line."""
+    rank = {f: i for i, f in enumerate(FLOORS)}
+    found = [f"{m} imports {i}" for m, p in modules().items() for i in sorted(imports(p, top_level_only=False))
+             if rank.get(i.split(".")[0], -1) > rank[m.split(".")[0]]]
+    assert found == []
+
+
+def test_no_command_imports_another_command():
+    """A command module (cli/commands/) builds on the shared modules of cli/, flows/ and tasks/, never on
+    another command: what two commands share is a module of its own."""
+    mods = modules()
+    commands = {m for m in mods if m.startswith("cli.commands.")}
+    assert len(commands) >= 10
+    found = [f"{m} imports {i}" for m in sorted(commands) for i in sorted(imports(mods[m], top_level_only=False))
+             if i.startswith("cli.commands") and i != m and i not in ("cli.commands",)]
+    found += [f"{m} imports cli.commands.{a.name}" for m in sorted(commands) for n in import_nodes(mods[m], False)
+              if isinstance(n, ast.ImportFrom) and n.module == "cli.commands" for a in n.names]
+    assert found == []
+
+
+def heavy_modules() -> set[str]:
+    """The project's modules that import a HEAVY library at their top, themselves or through another."""
+    mods = modules()
+    top = {m: imports(p, top_level_only=True) for m, p in mods.items()}
+    heavy = {m for m, i in top.items() if any(x.split(".")[0] in HEAVY for x in i)}
+    while True:
+        more = {m for m, i in top.items() if m not in heavy and i & heavy}
+        if not more:
+            return heavy
+        heavy |= more
+
+
+def test_imports_are_at_the_top_unless_an_import_is_heavy():
+    """The top of a file in cli/ or flows/ says what it depends on: an import inside a function is one that
+    would make `--help` (or a run that stops before the stage needing it) wait for a HEAVY library, itself or
+    through a module that imports one, and the module says so in a comment."""
+    mods = modules()
+    heavy = heavy_modules()
+    assert "flows.pipeline" in heavy  # the rule sees what it is about
+    found = []
+    for m, p in mods.items():
+        if not m.startswith(("cli.", "flows.")):
+            continue
+        if m == "cli.app" or m.startswith("cli.commands."):  # what `--help` imports
+            assert not (imports(p, top_level_only=True) & heavy), f"{m} imports a heavy module at its top"
+        text = p.read_text()
+        tree = ast.parse(text)
+        inner = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and n not in tree.body]
+        for node in inner:
+            names = ([f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+                     if isinstance(node, ast.ImportFrom) else [a.name for a in node.names])
+            if not any(n.split(".")[0] in HEAVY or n in heavy for n in names):
+                found.append(f"{m}:{node.lineno}: {text.splitlines()[node.lineno - 1].strip()}")
+        if inner:
+            assert re.search(r"#.*(heavy|slow to import|takes seconds)", text, re.I), \
+                f"{m} imports inside functions and does not say why"
+    assert found == [], "imports inside functions that are not heavy: move them to the top"
+
+
+def test_help_answers_without_importing_the_heavy_libraries():
+    code = ("import sys; sys.argv = ['draftline', '--help']\nfrom cli.app import app\ntry:\n    app()\n"
+            "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules if m.split('.')[0] in %r))" % (HEAVY,))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
+
 def test_each_package_imports_only_the_packages_below_it():
-    """core < store < formats < engine < address < data < extract < train < benchmark, at module or
+    """core < store < formats < engine < address < data < extract < train < benchmark < cost, at module or
     function level: a shared room that reaches up into one built on it is the layering gone wrong."""
     rank = {f"tasks.{p}": i for i, p in enumerate(TASK_PACKAGES)}
     mods = modules()
@@ -105,6 +183,31 @@ def test_every_stage_has_the_one_interface(module):
     for f in funcs.values():
         hooks = [a.arg for a in f.args.kwonlyargs if a.arg.startswith(("log", "progress"))]
         assert hooks == [], f"{module}.{f.name}: callbacks are named on_<event>"
+
+
+# the training components, siblings over tasks/train's shared parts (RunState, DistEnv, the package's helpers)
+TRAIN_COMPONENTS = ("tasks.train.schedule", "tasks.train.checkpoints", "tasks.train.metrics", "tasks.train.evaluation")
+
+
+def test_the_training_components_are_siblings():
+    """The schedule, the checkpoints, the metrics and the evaluation each build on what the package shares,
+    never on another component (type-checking and function-level imports included): the loop composes them."""
+    mods = modules()
+    found = [f"{m} imports {i}" for m in TRAIN_COMPONENTS
+             for i in sorted(imports(mods[m], top_level_only=False) | type_checking_imports(mods[m]))
+             if i in TRAIN_COMPONENTS and i != m]
+    assert found == []
+
+
+def type_checking_imports(path: Path) -> set[str]:
+    """What `if TYPE_CHECKING:` blocks import (ast.walk sees them too; named here so the rule says so)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            for n in ast.walk(node):
+                if isinstance(n, ast.ImportFrom) and n.module:
+                    out.add(n.module)
+    return out
 
 
 def test_no_stage_imports_another_stage():
@@ -160,8 +263,9 @@ def test_the_readme_layout_table_matches_the_tree():
     table = readme[readme.index("## Layout"):]
     table = table[table.index("| path"):].split("\n\n")[0]
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([a-z/]+)` \| (.*)$", table, re.M)}
-    flows = set(re.findall(r"`([a-z_]+)\.py`", rows["flows/"]))
-    assert flows == {p.stem for p in (ROOT / "flows").glob("*.py") if p.stem != "__init__"}
+    for folder in ("cli/", "cli/commands/", "flows/"):
+        listed = set(re.findall(r"`([a-z_]+)\.py`", rows[folder]))
+        assert listed == {p.stem for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"}, folder
     named = {row.split("/")[1] for row in rows if row.startswith("tasks/") and row != "tasks/"}
     assert sorted(named) == sorted(TASK_PACKAGES), "a package the README's layout table has no row for"
     for pkg in TASK_PACKAGES:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows import doctor
+from cli.commands import doctor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def node(n: int, driver: str) -> list[str]:
 def doctor_json(args: list[str], tmp_path: Path, monkeypatch, path_first: Path | None = None) -> tuple[int, dict]:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.cli import app
+    from cli.app import app
 
     monkeypatch.chdir(tmp_path)  # the default store is file://.draftline/store, here
     monkeypatch.setenv("DRAFTLINE_HOME", str(tmp_path / "cache"))
@@ -232,7 +232,7 @@ def test_the_dockerfiles_own_checks_run_against_this_tree(tmp_path):
     from fnmatch import fnmatch
 
     copies = [rest.split()[0] for word, rest in steps if word == "COPY"]
-    assert copies and "requirements" in copies and "flows" in copies
+    assert copies and "requirements" in copies and "cli" in copies and "flows" in copies
     for src in copies:
         assert (ROOT / src).exists(), src
         assert any(fnmatch(src, p) or fnmatch(f"{src}/x", p) for p in ignore), f"{src} is left out by .dockerignore"
@@ -294,7 +294,7 @@ def test_bootstrap_fetches_the_weights_before_doctor_and_the_worker(tmp_path):
     node's cache), after the install and before doctor and the worker; a failure stops the script there."""
     import deploy_harness as harness
 
-    from flows.cli import app
+    from cli.app import app
     import typer
 
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PREFECT_API_URL": "http://127.0.0.1:9/api",

@@ -79,7 +79,7 @@ def test_a_killed_filler_leaves_a_temp_file_that_is_never_data_and_is_cleaned(tm
     assert not cache.path(entry.sha256).exists() and cache.entries() == []  # not data
     assert [t[0] for t in cache.dead_temps()] == temps  # `draftline gc` lists it
 
-    from flows.leftovers import find
+    from cli.leftovers import find
 
     monkeypatch.setenv("DRAFTLINE_CACHE_DIR", str(tmp_path / "cache"))
     assert [x.where for x in find(s3, 3600) if x.kind == "cache-temp"] == [str(temps[0])]

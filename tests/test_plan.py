@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows import plan as planner
-from flows.cli import app
+from tasks.cost import plan as planner
+from cli.app import app
 from tasks.core.config import HeadConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

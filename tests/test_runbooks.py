@@ -31,7 +31,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from flows.cli import app
+from cli.app import app
 from tasks.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

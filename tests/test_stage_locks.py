@@ -182,7 +182,7 @@ def test_gc_lists_and_removes_what_dead_runs_left_and_spares_the_living(tmp_path
     dead_pid = owners.read(ckpt)["pid"]
     alive_dir = owners.owned_tempdir("ckpt", str(temp))
     try:
-        cli = [sys.executable, "-m", "flows.cli", "gc", "--set", f"store.uri={store.uri}"]
+        cli = [sys.executable, "-m", "cli.app", "gc", "--set", f"store.uri={store.uri}"]
         dry = subprocess.run([*cli, "--dry-run", "--json"], env=env, cwd=ROOT, capture_output=True, text=True,
                              timeout=120)
         assert dry.returncode == 0, dry.stderr[-3000:]

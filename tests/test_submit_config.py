@@ -19,8 +19,9 @@ import pytest
 from typer.testing import CliRunner
 
 import deploy_harness as harness
-from flows import deploy, release
-from flows.prefect_api import RELEASE_STEP
+from cli.commands import deploy
+from flows import release
+from cli.prefect_api import RELEASE_STEP
 from tasks.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +109,7 @@ def deployments(prefect_server, tmp_path_factory):
 def submit(prefect_server, monkeypatch, *args: str):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.cli import app
+    from cli.app import app
 
     monkeypatch.chdir(ROOT)
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}):
@@ -174,7 +175,7 @@ def test_a_config_the_release_does_not_have_is_inlined(deployments, prefect_serv
 def test_a_config_whose_base_file_differs_is_inlined(tmp_path):
     """A config that builds on another (`base:`): the worker reads both, so an edit to the base alone also
     sends the content (the worker here is a deployment folder holding the same config on another base)."""
-    from flows.prefect_api import config_chain, deployment_config
+    from cli.prefect_api import config_chain, deployment_config
 
     here = ROOT / ".draftline" / f"test-{uuid.uuid4().hex[:8]}"  # inside the checkout, never committed
     rel = here.relative_to(ROOT)

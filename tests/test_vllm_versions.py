@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.doctor import check_versions
+from cli.commands.doctor import check_versions
 from tasks.engine import vllm_versions
 from tasks.engine.process import EngineProcess
 from tasks.engine.vllm_versions import VllmVersionError, check_vllm, installed_vllm, supported
@@ -31,7 +31,7 @@ def test_an_unsupported_vllm_is_refused_before_an_engine_starts(monkeypatch):
 
 
 def test_doctor_warns_on_another_supported_release_and_fails_outside(monkeypatch):
-    import flows.doctor as doctor
+    import cli.commands.doctor as doctor
 
     real = doctor.installed_version
     for have, status in (("0.26.0+cpu", "warn"), ("0.24.0+cpu", "fail")):

@@ -55,7 +55,7 @@ def write_config(root: Path, model: str, store: str, shards: int = 2) -> Path:
 
 
 def draftline(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], env=env, cwd=cwd, text=True,
+    return subprocess.Popen([sys.executable, "-m", "cli.app", *args], env=env, cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -381,7 +381,7 @@ def test_a_run_resumes_after_the_model_folder_moves_and_on_another_prefect_home(
 
 
 def test_a_base_config_is_layered_under_the_file_and_travels_inlined(tmp_path, monkeypatch):
-    from flows.prefect_api import config_parameters
+    from flows.flow_runs import config_parameters
     from tasks.core.config import ConfigError
 
     (tmp_path / "presets").mkdir()

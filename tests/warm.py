@@ -88,7 +88,7 @@ def _draftline(args: list[str], out: str, session: bool = False) -> None:
     if session:
         os.setsid()
 
-    from flows.cli import app
+    from cli.app import app
 
     code = 0
     with open(out, "w") as fh, contextlib.redirect_stdout(fh):

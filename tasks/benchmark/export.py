@@ -12,7 +12,7 @@ the engine settings the benchmark measured it at (dtype, max_model_len, eager mo
 the benchmark measured (highest mean speedup over evals and batch sizes, then highest acceptance length), or
 the draft's trained speculative tokens when it was not measured.
 
-`serve_command` is the only place the line is built: the run summary (flows/local_run.py), report.md and the
+`serve_command` is the only place the line is built: the run summary (cli/local_run.py), report.md and the
 terminal table (tasks/benchmark/report.py), the UI's benchmark artifact (flows/report_artifacts.py), the
 export's README.md and `draftline export` all print what it returns.
 """

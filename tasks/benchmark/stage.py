@@ -30,7 +30,7 @@ engine started with it); one engine per head and k (`speculative_config`, k incl
 choose the ks with `benchmark.num_speculative_tokens`: the Kimi preset measures the k its users serve); and, with
 `benchmark.offline_replay`, the replay's hidden-state engine (extraction is itself a speculative method in vLLM, so
 the baseline cannot double as it; on a CPU the replay uses transformers). Each start is recorded in the report's
-`engines` (why, the `vllm.LLM` arguments, seconds) and `draftline plan` prices the same count (flows/plan.py).
+`engines` (why, the `vllm.LLM` arguments, seconds) and `draftline plan` prices the same count (tasks/cost/plan.py).
 
 Beside the measured acceptance length sits the offline estimate from the train
 artifact's `val_acc_per_pos` (see `simulated_acceptance_length`); a relative gap

@@ -529,3 +529,16 @@ def pin_run(cfg, overrides: list[str]) -> list[str]:
         overrides = [*overrides, f"target.revision={commit}"]
     os.environ[PROVENANCE_ENV] = json.dumps(provenance(cfg.target), sort_keys=True)
     return overrides
+
+
+def local_target(t) -> dict[str, Any] | None:
+    """A folder target (or the converted preset): its path, bytes and fingerprint, nothing fetched; None for a
+    hub id (`draftline weights` and `draftline doctor` tell the two apart here)."""
+    if is_hub_id(t.model):
+        return None
+    folder = cache_home() / "models" / t.model if t.model in PRESETS else Path(t.model).expanduser()
+    if not (folder / "config.json").is_file():
+        return {"path": str(folder), "bytes": 0, "fingerprint": None}
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    return {"path": str(folder.resolve()), "bytes": size,
+            "fingerprint": folder_fingerprint(folder, bool(t.trust_remote_code))}

@@ -19,7 +19,6 @@ import base64
 import json
 import os
 import random
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -32,7 +31,7 @@ from tasks.core.owners import owned_temporary_directory
 from tasks.store.artifacts import ArtifactCorrupt, Store
 from tasks.train import CKPT_STAGE, TrainError, log
 from tasks.train.dist import DistEnv
-from tasks.train.schedule import lr_at
+from tasks.train.state import RunState
 
 if TYPE_CHECKING:
     from tasks.train.stream import BatchStream
@@ -40,21 +39,6 @@ if TYPE_CHECKING:
 
 def checkpoint_digest(digest: str, step: int) -> str:
     return f"{digest[:20]}-s{step:08d}"
-
-
-@dataclass
-class RunState:
-    """What a checkpoint restores besides weights and optimizer moments."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    train_seconds: float = 0.0
-    history: list[dict[str, Any]] = field(default_factory=list)
-    positions: list[dict[str, int]] | None = None
-    rng: list[dict[str, Any]] | None = None
-    world: int = 1
-    stopped_reason: str | None = None
-    resumed_from: int | None = None
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -141,9 +125,10 @@ class Checkpointer:
                 "step": state.step, "tokens_seen": state.tokens_seen, "train_seconds": state.train_seconds,
                 "world": env.world, "positions": positions, "rng": rngs, "param_names": self.names,
                 "optimizer": {"param_groups": groups},
-                # the lr the last step used (under max_minutes it follows the clock, not the step)
+                # the lr the last step used (under max_minutes it follows the clock, not the step): the loop
+                # sets it on the optimizer's groups before each step, and the optimizer starts at the first one
                 "scheduler": {"kind": "warmup_cosine", "step": state.step, "by_clock": self.t.max_minutes is not None,
-                              "lr": state.history[-1]["lr"] if state.history else lr_at(state.step, self.t)},
+                              "lr": state.history[-1]["lr"] if state.history else groups[0]["lr"]},
                 "stopped_reason": state.stopped_reason, "history": state.history, "train_digest": self.train_digest,
             }
             with owned_temporary_directory("ckpt") as tmp, \

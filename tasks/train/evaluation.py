@@ -16,7 +16,7 @@ import torch
 
 from tasks.core.config import TrainConfig
 from tasks.formats.acceptance import LENGTH_BUCKETS, bucket_rank, length_bucket, simulated_acceptance_length
-from tasks.train.metrics import ratios, rounded
+from tasks.train import ratios, rounded
 from tasks.train.stream import Batch, PartData, PartSpec, eval_batches, holdout_plan, tail_copy
 
 

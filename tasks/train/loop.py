@@ -4,10 +4,9 @@ the schedule whether to stop and at what rate, takes a batch, steps the optimize
 metrics and lets the checkpointer save when due; a final checkpoint when it ends. `Trainer.export()`
 evaluates the held-out batches and writes the draft for vLLM (`export_draft`) as the train artifact.
 
-The components each live in their own module behind a small interface: `schedule.Schedule` (lr and the
-time budget), `checkpoints.Checkpointer` (what a checkpoint holds, loading it, cadence and retention),
-`metrics.Meter` (the step records and their emit), `evaluation.HeldOut` (the held-out split and its
-evaluation), `dist.DistEnv` (rank, world, device). `build_trainer` makes the store reads a Trainer needs
+The components (`Schedule`, `Checkpointer`, `Meter`, `HeldOut`; tasks/train/__init__.py lists every part)
+each live in their own module behind a small interface, siblings that share `RunState` and `DistEnv` and
+never import each other. `build_trainer` makes the store reads a Trainer needs
 (the part reader, the held-out split) and `train_here` is one rank's work: build, fit, export.
 """
 
@@ -26,12 +25,12 @@ from tasks.core.digest import VERSIONS
 from tasks.core.faults import kill_point
 from tasks.core.owners import owned_temporary_directory
 from tasks.store.artifacts import ArtifactRef, Store
-from tasks.train import STAGE, MetricsCallback, TrainError, log
-from tasks.train.checkpoints import Checkpointer, RunState
+from tasks.train import STAGE, MetricsCallback, TrainError, log, rounded
+from tasks.train.checkpoints import Checkpointer
 from tasks.train.dist import DistEnv
 from tasks.train.evaluation import HeldOut
 from tasks.train.inputs import TrainInputs, resolve_inputs, train_head
-from tasks.train.metrics import Meter, rounded
+from tasks.train.metrics import Meter
 from tasks.train.model import (
     attention_shape,
     build_draft_model,
@@ -44,6 +43,7 @@ from tasks.train.model import (
     trainable_names,
 )
 from tasks.train.schedule import Schedule, lr_at
+from tasks.train.state import RunState
 from tasks.train.stream import Batch, BatchStream, PartData, PartReader, PartSpec
 
 

@@ -1,8 +1,9 @@
 """What the training loop reports: `Meter` builds each step's record from all ranks' summed counters (loss,
 per-position and chain accuracy, lr, grad norm, tokens/s, data wait, TFLOP/s, MFU on known GPUs, a DFlash
 head's expected acceptance length), keeps it in the run's history, writes the periodic log line and emits
-records (train, checkpoint, start, eval, done) to the metrics callback on rank 0. `ratios` /
-`step_ratios` turn speculators' summed counters into per-position numbers (evaluation uses them too).
+records (train, checkpoint, start, eval, done) to the metrics callback on rank 0. `step_ratios` turns a
+training step's summed counters into per-position numbers, for every kind of head (an EAGLE-3 head's through
+`tasks.train.ratios`, which the evaluation uses too).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from tasks.core.config import TrainConfig
-from tasks.train import MetricsCallback, log
+from tasks.train import MetricsCallback, log, ratios, rounded
 from tasks.train.dist import DistEnv
 
 if TYPE_CHECKING:
-    from tasks.train.checkpoints import RunState
+    from tasks.train.state import RunState
     from tasks.train.stream import BatchStream
 
 # Dense bf16 peak of the GPUs we know, for MFU (None elsewhere: CPU MFU is not meaningful).
@@ -30,22 +31,6 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-
-
-def rounded(x: float, nd: int = 6) -> float:
-    return float(round(float(x), nd))
-
-
-def ratios(metrics: dict[str, float], ttt_steps: int) -> dict[str, Any]:
-    """Per-position numbers from speculators' summed counters (after any all-reduce)."""
-    chain = []
-    for k in range(ttt_steps):
-        tot = metrics.get(f"full_acc_{k}_total", 0.0)
-        chain.append(metrics.get(f"full_acc_{k}_sum", 0.0) / tot if tot > 0 else 0.0)
-    cond = [chain[0]] + [chain[k] / chain[k - 1] if chain[k - 1] > 0 else 0.0 for k in range(1, ttt_steps)]
-    losses = [metrics.get(f"loss_{k}_sum", 0.0) / max(metrics.get(f"loss_{k}_total", 1.0), 1e-12)
-              for k in range(ttt_steps)]
-    return {"acc_per_pos": cond, "chain_acc_per_pos": chain, "loss_per_pos": losses}
 
 
 def step_ratios(metrics: dict[str, float], head: Any, ttt_steps: int) -> dict[str, Any]:

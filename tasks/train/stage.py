@@ -14,28 +14,7 @@ launcher (`launch_ranks` in tasks/train/ranks.py, what torchrun runs), follows r
 they train and turns a failed rank into a TrainError naming it; each rank calls
 `run_train` again. Started by torchrun yourself, every rank calls it directly.
 
-The parts of a run, in the order `build_trainer` and the `Trainer` (tasks/train/loop.py) build them:
-
-- inputs      `resolve_inputs` (tasks/train/inputs.py): target folder and config, layer ids (checked
-              across shards and against the config), vocab maps, parts on the store
-- held-out    `HeldOut.split` (tasks/train/evaluation.py): the tail of the last part, kept out of
-              training and evaluated at the end (the one part read before the stream starts)
-- model       `build_draft_model` (tasks/train/model.py): decoder shaped like the target (Llama or Qwen3
-              layers), verifier embed/norm/lm_head from the target's safetensors;
-              attention `resolve_attn_impl` (auto: flex_attention on a GPU where it
-              compiles for the draft's shape, else sdpa, with the reason logged)
-- optimizer   AdamW over the trainable parameters; `Schedule` (tasks/train/schedule.py) sets its lr
-              each step from `lr_at`: linear warm-up, then cosine decay to `min_lr_ratio * lr` by the
-              step (or by the clock under `max_minutes`, which also stops the run)
-- metrics     `Meter` (tasks/train/metrics.py): one dict per step to `on_metrics` (loss, accuracy per
-              TTT position, lr, tokens/s, data wait, achieved FLOP/s)
-- checkpoints `Checkpointer` (tasks/train/checkpoints.py): every `checkpoint_every` steps, a committed
-              store artifact `checkpoint/<train digest[:20]>-s<step>`: fp32 weights, optimizer
-              state (safetensors), data position, RNG states, history (state.json)
-- data        `BatchStream` (tasks/train/stream.py), opened by `fit()`: a seeded (shard, part) order per
-              epoch, seeded sample order inside a part, packing to exactly `batch_tokens` per step,
-              `prefetch` parts loading ahead in parallel, a packer thread
-- export      `draft/config.json` + `draft/model.safetensors` (d2t/t2d included)
+The parts of a run, in the order they are built, are listed in tasks/train/__init__.py.
 
 Resume is exact: the weights after an interrupted-and-resumed run equal those of
 an uninterrupted one (same seed, same world size), because every source of

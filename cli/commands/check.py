@@ -9,9 +9,10 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from flows.console import JsonOpt, SetOpt, StoreOpt, console, fail, load_cfg, open_store
-from flows.export import resolve_train
+from cli.console import JsonOpt, SetOpt, StoreOpt, console, fail, load_cfg, open_store
+from cli.drafts import resolve_train
 from tasks.benchmark.evidence import as_rows, gather
+from tasks.engine.target import load_hf_config, resolve_model, text_config
 
 STYLE = {"ok": "green", "warn": "yellow", "fail": "red", "missing": "dim"}
 
@@ -26,8 +27,6 @@ def check(what: str = typer.Argument("last", help="A YAML config (its first head
     """The evidence the store holds for a trained draft: its stored states checked against the target, its
     vocabulary maps audited, their coverage, training lengths against the lengths benchmarked, and its
     acceptance; each with what to fix. Exits 1 when a check fails (read-only keys are enough)."""
-    from tasks.engine.target import load_hf_config, resolve_model, text_config
-
     from_config = what.endswith((".yaml", ".yml")) or Path(what).is_file()
     cfg = load_cfg(Path(what) if from_config and store_config is None else store_config, overrides, store_uri)
     store = open_store(cfg, write=False)

@@ -31,6 +31,7 @@ from flows.locks import lock_files
 from tasks.core import owners
 from tasks.engine.process import engine_tmp_base
 from tasks.store.artifacts import Store
+from tasks.store.part_cache import PartCache, default_root
 
 
 @dataclass
@@ -88,8 +89,6 @@ def find(store: Store, min_age_s: float) -> list[Leftover]:
             if why:
                 found.append(Leftover("lock", str(path), now - path.stat().st_mtime,
                                       owners.describe(info.get("owner")), why))
-    from tasks.store.part_cache import PartCache, default_root
-
     if default_root().joinpath("tmp").is_dir():
         for path, age, owner in PartCache(default_root(), cap_gib=0).dead_temps():
             found.append(Leftover("cache-temp", str(path), age, owner, "its filler is gone"))

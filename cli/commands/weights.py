@@ -1,35 +1,18 @@
 """`draftline weights CONFIG`: put the target's weights on this node ahead of a run (tasks/engine/weights.py). The
-disk check `draftline doctor` runs for them is flows/doctor.py `check_weights`."""
+disk check `draftline doctor` runs for them is cli/commands/doctor.py `check_weights`."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Optional
 
 import typer
 
-from flows.console import SetOpt, console, fail
-
-
-def gb(n: int) -> str:
-    return f"{n / 1e9:,.1f} GB"
-
-
-def local_target(t) -> dict[str, Any] | None:
-    """A folder target (or the converted preset): its path, bytes and fingerprint, nothing fetched."""
-    from tasks.core.home import cache_home
-    from tasks.engine.weights import PRESETS, folder_fingerprint, is_hub_id
-
-    if is_hub_id(t.model):
-        return None
-    folder = cache_home() / "models" / t.model if t.model in PRESETS else Path(t.model).expanduser()
-    if not (folder / "config.json").is_file():
-        return {"path": str(folder), "bytes": 0, "fingerprint": None}
-    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-    return {"path": str(folder.resolve()), "bytes": size,
-            "fingerprint": folder_fingerprint(folder, bool(t.trust_remote_code))}
+from cli.console import SetOpt, console, fail, gb
+from tasks.core.config import load_config
+from tasks.engine.target import resolve_model
+from tasks.engine.weights import disk_needed, ensure_snapshot, local_target
 
 
 def weights(config: Path = typer.Argument(..., help="YAML config whose target to fetch."),
@@ -37,9 +20,6 @@ def weights(config: Path = typer.Argument(..., help="YAML config whose target to
             as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object.")):
     """Fetch the target's weights into this node's cache (once; resumable; HF_TOKEN from the environment) and
     print the path, commit, bytes and the disk needed/free. A local folder is only fingerprinted."""
-    from tasks.core.config import load_config
-    from tasks.engine.weights import disk_needed, ensure_snapshot
-
     cfg = load_config(config, overrides)
     t = cfg.target
     out = local_target(t)
@@ -52,8 +32,6 @@ def weights(config: Path = typer.Argument(..., help="YAML config whose target to
         out = {"model": t.model, "path": snap.path, "commit": snap.commit, "bytes": snap.bytes,
                "fingerprint": snap.fingerprint, "needed_bytes": need["missing_bytes"]}
     elif not out["fingerprint"]:
-        from tasks.engine.target import resolve_model
-
         out["path"] = resolve_model(t)  # the preset converts here, once
         out = local_target(t)
     out["free_bytes"] = shutil.disk_usage(out["path"]).free

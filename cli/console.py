@@ -14,6 +14,10 @@ from typing import Optional
 import typer
 from rich.console import Console, ConsoleDimensions
 
+from tasks.core.config import load_config
+from tasks.core.secrets import mask
+from tasks.store.artifacts import Store
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The width of output that is not a terminal: wide enough that no line a command prints is folded.
@@ -40,10 +44,13 @@ err = _Console(stderr=True)
 
 
 def fail(msg: str, code: int = 2) -> None:
-    from tasks.core.secrets import mask
-
     err.print(f"[bold red]error:[/] {mask(str(msg))}")  # an error never echoes a credential
     raise typer.Exit(code)
+
+
+def gb(n: int) -> str:
+    """Bytes as gigabytes, one decimal."""
+    return f"{n / 1e9:,.1f} GB"
 
 
 def with_store(overrides: list[str], store: str | None) -> list[str]:
@@ -58,26 +65,21 @@ StoreOpt = typer.Option(None, "--store", metavar="URI", help="The store: file://
 
 JsonOpt = typer.Option(False, "--json", help="Print the result as JSON (for scripts).")
 
+TimeoutOpt = typer.Option(None, "--timeout", metavar="SECONDS",
+                          help="With --watch: give up after this many seconds (default: wait as long as it runs).")
+
 RunArg = typer.Argument("last", help="Flow run id (or its first 8+ characters), name, or `last` (the default).")
 
 
 def load_cfg(config: Optional[Path], overrides: list[str], store: Optional[str] = None):
-    """The config with --set and --store applied, or exit 2 with its problems."""
-    from tasks.core.config import ConfigError, load_config
-
-    try:
-        return load_config(config, with_store(overrides, store))
-    except ConfigError as exc:
-        fail(str(exc))
+    """The config with --set and --store applied (a ConfigError ends the command through the app's one
+    handler: exit 2 with its problems)."""
+    return load_config(config, with_store(overrides, store))
 
 
 def open_store(cfg, write: bool = True):
-    """The config's store, checked: `write=False` for commands that only read it (read-only keys pass)."""
-    from tasks.store.artifacts import Store, StoreError
-
-    try:
-        store = Store.from_config(cfg.store)
-        store.check(write=write)
-        return store
-    except StoreError as exc:
-        fail(str(exc))
+    """The config's store, checked: `write=False` for commands that only read it (read-only keys pass); a
+    StoreError ends the command through the app's one handler."""
+    store = Store.from_config(cfg.store)
+    store.check(write=write)
+    return store

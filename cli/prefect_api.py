@@ -1,25 +1,29 @@
-"""The Prefect API as the operations commands use it: where the server and its UI are, a run found by
-id, id prefix, name or `last`, its task runs and child runs, and which stage or shard a task name is.
+"""The Prefect API client the commands use: where the server and its UI are, a run found by id, id
+prefix, name or `last`, its task runs and child runs, which stage or shard a task name is, the config a
+deployment's run gets, and waiting for a run (`wait_for`, what `submit --watch` and `retry --watch` do).
 
 Everything here talks to the server named by PREFECT_API_URL (infra/local-stack.sh starts a local
-one); nothing here changes how a run computes."""
+one); nothing here changes how a run computes. What the flow itself knows of runs (the flows' names,
+config parameters, which worker started a run) is flows/flow_runs.py."""
 
 from __future__ import annotations
 
+# Prefect is imported inside the functions that use it: it takes seconds to import (heavy), and every
+# command's --help would wait for it.
+
 import datetime as dt
-import json
 import re
 import subprocess
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import yaml
 
-from tasks.core.errors import DraftlineError
-from flows.console import ROOT
+from cli.console import ROOT, console
+from flows.flow_runs import FLOW_NAME, OpsError, config_parameters
 from tasks.core.config import STAGES
-
-FLOW_NAME = "draftline"
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 
@@ -27,23 +31,6 @@ ALIVE = ("RUNNING", "PENDING", "CANCELLING")
 
 # The pull step of the deployments whose nodes run a pinned release (flows/release.py).
 RELEASE_STEP = "flows.release.use_release"
-
-# The flow of a slice of a run's regeneration or extraction shards on another node (extract.nodes > 1;
-# its `stage` parameter says which). Named before regeneration had slices: registered names stay valid.
-EXTRACT_FLOW = "draftline-extract"
-
-
-def slice_deployment(cfg: Any, own_deployment: str | None) -> str | None:
-    """Where a run sends its regeneration and extraction slices: extract.deployment, else draftline-extract/
-    plus the name of the run's own deployment (a run of draftline/b300 sends them to draftline-extract/b300)."""
-    name = cfg.extract.deployment or own_deployment
-    if not name:
-        return None
-    return name if "/" in name else f"{EXTRACT_FLOW}/{name}"
-
-
-class OpsError(DraftlineError, RuntimeError):
-    """An operation that cannot proceed; the message says what to do."""
 
 
 def api_url() -> str | None:
@@ -91,10 +78,6 @@ def client():
 
 def state_of(run: Any) -> str:
     return run.state.type.value if run.state is not None else "UNKNOWN"
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
 
 
 def find_run(c: Any, ref: str | None) -> Any:
@@ -170,31 +153,6 @@ def latest_by_name(runs: list[Any]) -> dict[str, Any]:
     return out
 
 
-def flow_run_events(c: Any, run_id: Any, event: str, since: dt.datetime, *, about: str = "resource",
-                    limit: int = 1) -> list[Any] | None:
-    """Events named EVENT since SINCE whose resource (`about="resource"`) or a related resource
-    (`about="related"`) is the flow run; None when the events API cannot be read (best-effort evidence)."""
-    from prefect.events.filters import (
-        EventFilter,
-        EventNameFilter,
-        EventOccurredFilter,
-        EventRelatedFilter,
-        EventResourceFilter,
-    )
-
-    ident = [f"prefect.flow-run.{run_id}"]
-    where = ({"resource": EventResourceFilter(id=ident)} if about == "resource"
-             else {"related": EventRelatedFilter(id=ident)})
-    until = utcnow() + dt.timedelta(minutes=1)
-    try:
-        page = c.read_events(filter=EventFilter(event=EventNameFilter(name=[event]),
-                                                occurred=EventOccurredFilter(since=since, until=until), **where),
-                             limit=limit)
-    except Exception:  # noqa: BLE001 - liveness evidence is best effort
-        return None
-    return list(page.events)
-
-
 def child_runs(c: Any, run_id: Any) -> list[Any]:
     """Flow runs started by this run through run_deployment (regeneration and extraction slices on other
     nodes), oldest first."""
@@ -207,46 +165,6 @@ def child_runs(c: Any, run_id: Any) -> list[Any]:
     return list(c.read_flow_runs(flow_run_filter=FlowRunFilter(
         parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id])),
         sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=200))
-
-
-def child_stage(run: Any) -> str:
-    """The stage whose shards a slice child runs (extraction's children carry no `stage` parameter)."""
-    return (run.parameters or {}).get("stage") or "extract"
-
-
-def config_parameters(config: Path, overrides: list[str], inline: bool | None) -> tuple[dict[str, Any], str | None]:
-    """Flow parameters for CONFIG: its path relative to the code folder when the worker has the same
-    file (inside this checkout), else its content inlined as `section=...` overrides. Returns the
-    parameters and, for an inlined config, its store.uri (the caller turns it into a job variable so
-    that the worker's DRAFTLINE_STORE_URI keeps the precedence it has over a config file)."""
-    path = config.resolve()
-    if not path.is_file():
-        raise OpsError(f"config file {config} not found")
-    try:
-        rel = path.relative_to(ROOT)
-    except ValueError:
-        rel = None
-    if inline is None:
-        inline = rel is None
-    if not inline:
-        if rel is None:
-            raise OpsError(f"{config} is outside the checkout {ROOT}: the worker cannot read it; "
-                           "drop --by-path to inline it")
-        return {"config_path": rel.as_posix(), "overrides": list(overrides)}, None
-    from tasks.core.config import ConfigError, read_config_file
-
-    try:
-        data = read_config_file(path)  # with its `base:` merged in: the worker may not have that file either
-    except ConfigError as exc:
-        raise OpsError(str(exc)) from None
-    file_store = None
-    store = data.get("store")
-    if isinstance(store, dict) and "uri" in store:
-        store = dict(store)
-        file_store = store.pop("uri")
-        data["store"] = store
-    sets = [f"{k}={json.dumps(v)}" for k, v in data.items() if not (k == "store" and not v)]
-    return {"config_path": None, "overrides": sets + list(overrides)}, file_store
 
 
 def worker_copy(rel: str, pull_steps: list[dict[str, Any]] | None) -> tuple[bytes | None, str]:
@@ -305,8 +223,6 @@ def deployment_config(config: Path, overrides: list[str], inline: bool | None,
 def config_chain(path: Path) -> list[Path]:
     """PATH and the files it builds on through `base:` (a path relative to the including file), in order; the
     worker reads every one of them, so each must be the same there for the path alone to be enough."""
-    import yaml  # (here: the module's own import may move with config_parameters)
-
     chain = [path.resolve()]
     while True:
         try:
@@ -322,20 +238,77 @@ def config_chain(path: Path) -> list[Path]:
         chain.append(nxt)
 
 
-def submitting_worker(c: Any, run: Any) -> Any | None:
-    """The worker that started the run's current attempt (from its `submitted-flow-run` event)."""
-    pool = getattr(run, "work_pool_name", None)
-    if not pool:
-        return None
-    since = (run.expected_start_time or run.created or utcnow()) - dt.timedelta(minutes=5)
-    events = flow_run_events(c, run.id, "prefect.worker.submitted-flow-run", since, about="related", limit=5)
-    if not events:
-        return None
+# Flow-run heartbeats come every 30 s (job templates); this much silence means the process is gone.
+HEARTBEAT_SECONDS = 30
+
+
+def progress_line(c: Any, run: Any) -> str:
+    """Where a run is, in one line: each stage's task runs (finished/all, running), extraction shards
+    included (its child runs' too), and the stages' progress artifacts (regeneration, extraction, training)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    runs = [run, *child_runs(c, run.id)]
+    stages: dict[str, list[int]] = {}
+    for r in runs:
+        for name, t in latest_by_name([t for t in task_runs(c, r.id) if "/" not in t.name]).items():
+            done, total, running = stages.setdefault(stage_of(name), [0, 0, 0])
+            kind = t.state.type.value if t.state is not None else ""
+            stages[stage_of(name)] = [done + (kind == "COMPLETED"), total + 1, running + (kind == "RUNNING")]
+    bars: dict[str, Any] = {}
     try:
-        name = max(events, key=lambda e: e.occurred).resource.get("prefect.resource.name")
-        for w in c.read_workers_for_work_pool(pool):
-            if w.name == name:
-                return w
-    except Exception:  # noqa: BLE001 - liveness evidence is best effort
-        return None
-    return None
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[r.id for r in runs]), type=ArtifactFilterType(any_=["progress"])))
+        for a in sorted(arts, key=lambda a: a.updated or a.created):
+            bars[(a.key or "").removesuffix("-progress")] = a
+    except Exception:  # noqa: BLE001 - progress is a courtesy; the states above stand
+        pass
+    parts = []
+    for name in sorted(stages, key=lambda s: STAGES.index(s) if s in STAGES else 99):
+        done, total, running = stages[name]
+        what = "shards" if name == "extract" else "tasks"
+        part = f"{name} {done}/{total} {what}" + (f" ({running} running)" if running else "")
+        bar = bars.get(name)
+        if bar is not None and done < total:
+            part += f", {float(bar.data or 0):.0f}%" + (f" {bar.description}" if bar.description else "")
+        parts.append(part)
+    return "; ".join(parts)
+
+
+PROGRESS_EVERY_S = 30.0
+
+
+def wait_for(c: Any, run_id: Any, timeout: float | None = None, *, quiet: bool = False,
+             not_before: dt.datetime | None = None) -> Any:
+    """Poll until the run reaches a terminal state (after `not_before`, for a retried run), printing its
+    state changes and, every PROGRESS_EVERY_S while it runs, its stage and shard progress when that moved.
+    No limit unless `timeout` (seconds): a big run takes days."""
+    deadline = time.time() + timeout if timeout else None
+    last = shown = None
+    since = note = time.time()
+    next_progress = 0.0
+    while True:
+        run = c.read_flow_run(run_id)
+        st = state_of(run)
+        fresh = not_before is None or (run.state is not None and run.state.timestamp >= not_before)
+        now = time.time()
+        if st != last and not quiet:
+            console.print(f"  {dt.datetime.now().strftime('%H:%M:%S')} {run.name}: {run.state.name if run.state else st}")
+            last, since, note = st, now, now
+        elif not quiet and st == "RUNNING" and now >= next_progress:
+            next_progress = now + PROGRESS_EVERY_S
+            line = progress_line(c, run)
+            if line and line != shown:
+                console.print(f"  {dt.datetime.now().strftime('%H:%M:%S')} {run.name}: {line}")
+                shown, note = line, now
+        if not quiet and now - note >= 600 or not quiet and st != "RUNNING" and now - note >= 60:
+            note = now
+            # Never silent: a Scheduled run waits for a worker of its pool, a Running one for its node.
+            waits = "for a worker of its pool to pick it up" if st in ("SCHEDULED", "PENDING") else "for it to finish"
+            console.print(f"  {dt.datetime.now().strftime('%H:%M:%S')} {run.name}: still {st} after "
+                          f"{now - since:.0f} s, waiting {waits}" + (
+                              f"; gives up at {time.strftime('%H:%M:%S', time.localtime(deadline))}" if deadline else ""))
+        if st in TERMINAL and fresh:
+            return run
+        if deadline is not None and now > deadline:
+            raise OpsError(f"run {run_id} still {st} after {timeout:.0f}s; `draftline status {run_id}` to look")
+        time.sleep(2)

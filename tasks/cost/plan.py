@@ -1,4 +1,4 @@
-"""`draftline plan CONFIG`: the tokens, store bytes, hours and money a run will take, before it starts.
+"""The cost model behind `draftline plan CONFIG` (cli/commands/plan.py): the tokens, store bytes, hours and money a run will take, before it starts.
 
 Everything comes from two places: the config (samples, lengths, layer ids, regeneration tokens, steps, batch
 sizes) and the rates in configs/rates.yaml, each of which names its source and kind (a run in
@@ -19,20 +19,17 @@ docs/kimi-k2.5.md shows verbatim (tests/test_plan.py keeps them equal).
 
 from __future__ import annotations
 
-import json
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import typer
 import yaml
 
+from tasks.core.config import CHECKOUT, RunConfig
 from tasks.core.errors import DraftlineError
-from flows.console import ROOT, SetOpt
-from tasks.core.config import RunConfig, load_config
 
-RATES_FILE = ROOT / "configs" / "rates.yaml"
+RATES_FILE = CHECKOUT / "configs" / "rates.yaml"
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train/checkpoints.py Checkpointer.write)
 DEFAULT_MACHINE = "b300-node"
 KINDS = ("measured", "cited", "assumption")
@@ -231,7 +228,7 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
             hf = load_hf_config(cfg.target)
         except (TargetError, OSError, ValueError) as exc:
             raise PlanError(f"target.model {model!r}: cannot read its config ({str(exc).splitlines()[0][:160]}); "
-                            f"add it under `targets:` in {RATES_FILE.relative_to(ROOT)} (its config.json fields, "
+                            f"add it under `targets:` in {RATES_FILE.relative_to(CHECKOUT)} (its config.json fields, "
                             f"active_params, and per machine {', '.join(TARGET_RATES)})") from None
         known_as = _same_shape(hf, rates["targets"])
         entry = rates["targets"][known_as] if known_as else {}
@@ -579,7 +576,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         f"{_bytes(from_store * bpt[dtype])} from the store at {_count(read_rate['store'])} tok/s "
         f"({read_h['store']:,.2f} h), {_bytes(from_cache * bpt[dtype])} from the node cache at "
         f"{_count(read_rate['node cache'])} tok/s ({read_h['node cache']:,.2f} h; "
-        + (f"it holds {hit:.0%} of an epoch, NODE_PART_CACHE in flows/plan.py" if NODE_PART_CACHE
+        + (f"it holds {hit:.0%} of an epoch, NODE_PART_CACHE in tasks/cost/plan.py" if NODE_PART_CACHE
            else "no node cache: NODE_PART_CACHE is off") + f"): **{binding}-bound**, {train_h:,.2f} h.",
         f"Engine starts: {start_h * 60:,.1f} min each ({r['engine.start_fixed_s']:g} s, engine.start_fixed_s, + "
         f"{t['weights_gb']:,.0f} GB of weights / {tp} GPU(s) x {r['engine.start_s_per_gb']:g} s per GB, "
@@ -706,45 +703,3 @@ def render(plan: Plan, description: str = "") -> str:
         value = _count(rate.value) if rate.value >= 1e6 else f"{rate.value:,.6g}"
         lines.append(f"| {rate.name} | {value} | {rate.unit} | {rate.kind} | {rate.source} |")
     return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------- the command
-
-def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi-k2.5-b300.yaml."),
-         nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes the extraction (and regeneration) "
-                                             "is dealt over (default: the config's extract.nodes); as --set "
-                                             "extract.nodes=N."),
-         machine: Optional[str] = typer.Option(None, "--machine", help="The machine's rates in configs/rates.yaml "
-                                               "(b300-node, workstation-rtx-pro-6000; default: the one whose "
-                                               "presets name the config, else b300-node)."),
-         gpu_hour_price: Optional[float] = typer.Option(None, "--gpu-hour-price",
-                                                        help="USD per GPU-hour (default: the machine's)."),
-         storage_price: Optional[float] = typer.Option(None, "--storage-price-gb-month",
-                                                       help="USD per GB-month kept on the store "
-                                                            "(default: configs/rates.yaml)."),
-         from_store: bool = typer.Option(False, "--from-store",
-                                         help="Take the mean prompt and answer lengths from this config's prepare "
-                                              "and regenerate stats on store.uri (--set store.uri=...), where "
-                                              "they exist."),
-         overrides: list[str] = SetOpt,
-         rate: list[str] = typer.Option([], "--rate", help="Override a rate: --rate node.matmul_tflops=2000 "
-                                                           "(repeatable; target.decode_tok_s=... for the target)."),
-         as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object.")):
-    """Time, store bytes and cost of a run, per stage, from the config and configs/rates.yaml."""
-    cfg = load_config(config, overrides)
-    rates = load_rates(RATES_FILE, list(rate), machine or machine_for(cfg.name))
-    for value, key, unit, flag in ((gpu_hour_price, "node.gpu_hour_price", "USD per GPU-hour", "--gpu-hour-price"),
-                                   (storage_price, "storage.gb_month_price", "USD per GB-month kept on the store",
-                                    "--storage-price-gb-month")):
-        if value is None:
-            continue
-        if value <= 0:
-            raise PlanError(f"{flag} must be positive, got {value:g}")
-        rates["rates"][key] = Rate(key, value, unit, "command line", f"{flag} {value:g}")
-    lengths = run_lengths(cfg) if from_store else None
-    result = make_plan(cfg, rates, nodes=cfg.extract.nodes if nodes is None else nodes,
-                       config_name=str(config), lengths=lengths)
-    if as_json:
-        print(json.dumps(asdict(result), indent=2))
-    else:
-        print(render(result, rates["description"]), end="")

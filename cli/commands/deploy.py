@@ -7,6 +7,9 @@ host), the store's credentials block, and a run started on a pool with its confi
 
 from __future__ import annotations
 
+# Prefect is imported inside the functions that use it: it takes seconds to import (heavy), and every
+# command's --help would wait for it.
+
 import datetime as dt
 import json
 import os
@@ -17,31 +20,28 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-import httpx
 import typer
 import yaml
 from rich.table import Table
 
-from flows.console import ROOT, JsonOpt, SetOpt, console, err, fail
-from flows.prefect_api import (
-    EXTRACT_FLOW,
-    FLOW_NAME,
+from cli.console import ROOT, JsonOpt, SetOpt, TimeoutOpt, console, err
+from cli.prefect_api import (
+    HEARTBEAT_SECONDS,
     RELEASE_STEP,
-    OpsError,
-    api_problem,
     api_url,
     client,
     deployment_config,
     require_server,
     run_url,
-    slice_deployment,
     state_of,
+    wait_for,
 )
+from flows.flow_runs import EXTRACT_FLOW, FLOW_NAME, OpsError, slice_deployment
 from flows.preflight import remote_code_problem
 from flows.release import code_commit
-from flows.runs import HEARTBEAT_SECONDS, TimeoutOpt, wait_for
-from tasks.core.config import STAGES, STORE_URI_ENV, ConfigError, check_until, load_config
+from tasks.core.config import STAGES, STORE_URI_ENV, check_until, load_config
 from tasks.core.secrets import WORKER_FIX, refuse_secrets
+from tasks.store.artifacts import s3_endpoint
 
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
 
@@ -107,33 +107,28 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
            as_json: bool = JsonOpt):
     """Create the work pools, register the deployments of deployments/prefect.yaml, and the automation
     that marks a flow run Crashed when its node stops sending heartbeats."""
-    try:
-        refuse_secrets({"store": store}, "draftline deploy")
-        url = require_server("draftline deploy")
-        deps = load_deployments()
-        known = [d["name"] for d in deps]
-        chosen = [d for d in deps if not names or d["name"] in names]
-        missing = [n for n in names if n not in known]
-        if missing:
-            raise OpsError(f"no deployment {', '.join(missing)} in {PREFECT_FILE}; choose from {', '.join(known)}")
-        if save_s3_credentials:
-            save_credentials_block(save_s3_credentials)
-            (err if as_json else console).print(f"saved AwsCredentials block {save_s3_credentials!r} (keys not shown)")
-        if crash_after < 2 * HEARTBEAT_SECONDS:
-            raise OpsError(f"--crash-after {crash_after}: flow runs send a heartbeat every {HEARTBEAT_SECONDS} s; "
-                           f"give at least {2 * HEARTBEAT_SECONDS} (default {CRASH_AFTER})")
-        rows = []
-        with client() as c:
-            for d in chosen:
-                pool, kind, template = pool_spec(d)
-                rows.append((f"{flow_of(d)}/{d['name']}", pool, kind, ensure_pool(c, pool, kind, template,
-                                                                                 update_pools)))
-            automation = ensure_crash_automation(c, crash_after)
-        _prefect_deploy(chosen, image=image, store=store)
-    except OpsError as exc:
-        fail(str(exc))
-    except httpx.HTTPError as exc:
-        fail(api_problem(exc))
+    refuse_secrets({"store": store}, "draftline deploy")
+    url = require_server("draftline deploy")
+    deps = load_deployments()
+    known = [d["name"] for d in deps]
+    chosen = [d for d in deps if not names or d["name"] in names]
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise OpsError(f"no deployment {', '.join(missing)} in {PREFECT_FILE}; choose from {', '.join(known)}")
+    if save_s3_credentials:
+        save_credentials_block(save_s3_credentials)
+        (err if as_json else console).print(f"saved AwsCredentials block {save_s3_credentials!r} (keys not shown)")
+    if crash_after < 2 * HEARTBEAT_SECONDS:
+        raise OpsError(f"--crash-after {crash_after}: flow runs send a heartbeat every {HEARTBEAT_SECONDS} s; "
+                       f"give at least {2 * HEARTBEAT_SECONDS} (default {CRASH_AFTER})")
+    rows = []
+    with client() as c:
+        for d in chosen:
+            pool, kind, template = pool_spec(d)
+            rows.append((f"{flow_of(d)}/{d['name']}", pool, kind, ensure_pool(c, pool, kind, template,
+                                                                             update_pools)))
+        automation = ensure_crash_automation(c, crash_after)
+    _prefect_deploy(chosen, image=image, store=store)
     if as_json:
         print(json.dumps({"api_url": url, "automation": {"name": CRASH_AUTOMATION, "status": automation,
                                                          "crash_after_s": crash_after},
@@ -254,8 +249,6 @@ def save_credentials_block(name: str) -> None:
     from prefect_aws import AwsCredentials
     from prefect_aws.client_parameters import AwsClientParameters
 
-    from tasks.store.artifacts import s3_endpoint
-
     endpoint = s3_endpoint()
     block = AwsCredentials(aws_access_key_id=key, aws_secret_access_key=secret,
                            region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
@@ -314,91 +307,80 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
     release commit `draftline deploy` recorded); one you edited travels as its content."""
     from prefect.deployments import run_deployment
 
-    try:
-        refuse_secrets({"store": store, "env": _env_pairs(env)}, "draftline submit")  # before anything is sent
-        require_server("draftline submit")
-        try:
-            check_until(until)
-        except ConfigError as exc:
-            raise OpsError(str(exc)) from None
-        try:
-            cfg = load_config(config, overrides)  # fail here, not on the node
-        except ConfigError as exc:
-            raise OpsError(str(exc)) from None
-        full = deployment if "/" in deployment else f"{FLOW_NAME}/{deployment}"
-        job_vars: dict[str, Any] = {}
-        with client() as c:
-            from prefect.exceptions import ObjectNotFound
+    refuse_secrets({"store": store, "env": _env_pairs(env)}, "draftline submit")  # before anything is sent
+    require_server("draftline submit")
+    check_until(until)
+    cfg = load_config(config, overrides)  # fail here, not on the node
+    full = deployment if "/" in deployment else f"{FLOW_NAME}/{deployment}"
+    job_vars: dict[str, Any] = {}
+    with client() as c:
+        from prefect.exceptions import ObjectNotFound
 
-            try:
-                dep = c.read_deployment_by_name(full)
-            except ObjectNotFound:
-                raise OpsError(f"no deployment {full} on {api_url()}; `draftline deploy --name "
-                               f"{full.split('/', 1)[1]}` registers it") from None
-            problem = remote_code_problem(cfg.target.trust_remote_code, full, list(dep.tags or []))
-            if problem:  # the run would be refused on the node: say so now
-                raise OpsError(problem)
-            # the config that runs is the one validated here: inlined unless the workers hold the same file
-            params, file_store, inlined_why = deployment_config(config, overrides, inline, dep.pull_steps)
-            params["until"] = until
-            pool = c.read_work_pool(dep.work_pool_name) if dep.work_pool_name else None
-            if store or (file_store and file_store != "file://.draftline/store"):
-                job_vars["store_uri"] = store or file_store
-            if gpus is not None:
-                if gpus < 0:
-                    raise OpsError("--gpus must be 0 or more")
-                if pool is not None and pool.type == "docker":
-                    job_vars["gpus"] = gpus
-                else:
-                    job_vars["gpu_ids"] = ",".join(str(i) for i in range(gpus))
-            if env:
-                job_vars["env"] = _env_pairs(env)
+        try:
+            dep = c.read_deployment_by_name(full)
+        except ObjectNotFound:
+            raise OpsError(f"no deployment {full} on {api_url()}; `draftline deploy --name "
+                           f"{full.split('/', 1)[1]}` registers it") from None
+        problem = remote_code_problem(cfg.target.trust_remote_code, full, list(dep.tags or []))
+        if problem:  # the run would be refused on the node: say so now
+            raise OpsError(problem)
+        # the config that runs is the one validated here: inlined unless the workers hold the same file
+        params, file_store, inlined_why = deployment_config(config, overrides, inline, dep.pull_steps)
+        params["until"] = until
+        pool = c.read_work_pool(dep.work_pool_name) if dep.work_pool_name else None
+        if store or (file_store and file_store != "file://.draftline/store"):
+            job_vars["store_uri"] = store or file_store
+        if gpus is not None:
+            if gpus < 0:
+                raise OpsError("--gpus must be 0 or more")
             if pool is not None and pool.type == "docker":
-                # A container's file:// store vanishes with the container.
-                chosen = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("store.uri=")), None)
-                chosen = chosen or job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri")
-                if not chosen or not str(chosen).startswith("s3://"):
-                    raise OpsError(f"{full} runs in containers: give it a shared store (--store s3://BUCKET/PREFIX, "
-                                   "or `draftline deploy --store ...`); a file:// store would vanish with the container")
-            online = []
-            if pool is not None:
-                online = [w.name for w in c.read_workers_for_work_pool(pool.name)
-                          if getattr(w.status, "value", str(w.status)) == "ONLINE"]
+                job_vars["gpus"] = gpus
+            else:
+                job_vars["gpu_ids"] = ",".join(str(i) for i in range(gpus))
+        if env:
+            job_vars["env"] = _env_pairs(env)
+        if pool is not None and pool.type == "docker":
+            # A container's file:// store vanishes with the container.
+            chosen = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("store.uri=")), None)
+            chosen = chosen or job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri")
+            if not chosen or not str(chosen).startswith("s3://"):
+                raise OpsError(f"{full} runs in containers: give it a shared store (--store s3://BUCKET/PREFIX, "
+                               "or `draftline deploy --store ...`); a file:// store would vanish with the container")
+        online = []
+        if pool is not None:
+            online = [w.name for w in c.read_workers_for_work_pool(pool.name)
+                      if getattr(w.status, "value", str(w.status)) == "ONLINE"]
+        if cfg.extract.nodes > 1:
+            slices = check_slice_deployment(c, cfg, dep)
+        run = run_deployment(full, parameters=params, job_variables=job_vars or None, timeout=0,
+                             flow_run_name=name, tags=[f"config:{config.name}"])
+        store_note = job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri") or \
+            f"the worker's {STORE_URI_ENV} (if set; else {cfg.store.uri})"
+        info = {"id": str(run.id), "name": run.name, "deployment": full, "ui_url": run_url(run.id),
+                "store": store_note, "state": state_of(run),
+                "config": params["config_path"] or "inlined", "inlined_because": inlined_why}
+        if not as_json:
+            console.print(f"submitted [bold]{run.name}[/] ({run.id}) to {full}")
+            console.print(f"  config {params['config_path'] or '(inlined) ' + config.name}, "
+                          f"overrides {len(params['overrides'])}, store {info['store']}")
+            if inlined_why:
+                console.print(f"  sent the config's content: {inlined_why}")
             if cfg.extract.nodes > 1:
-                slices = check_slice_deployment(c, cfg, dep)
-            run = run_deployment(full, parameters=params, job_variables=job_vars or None, timeout=0,
-                                 flow_run_name=name, tags=[f"config:{config.name}"])
-            store_note = job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri") or \
-                f"the worker's {STORE_URI_ENV} (if set; else {cfg.store.uri})"
-            info = {"id": str(run.id), "name": run.name, "deployment": full, "ui_url": run_url(run.id),
-                    "store": store_note, "state": state_of(run),
-                    "config": params["config_path"] or "inlined", "inlined_because": inlined_why}
-            if not as_json:
-                console.print(f"submitted [bold]{run.name}[/] ({run.id}) to {full}")
-                console.print(f"  config {params['config_path'] or '(inlined) ' + config.name}, "
-                              f"overrides {len(params['overrides'])}, store {info['store']}")
-                if inlined_why:
-                    console.print(f"  sent the config's content: {inlined_why}")
-                if cfg.extract.nodes > 1:
-                    console.print(f"  regeneration and extraction over up to {cfg.extract.nodes} nodes: this run's node and child "
-                                  f"runs of {slices}")
-                    if pool is not None and len(online) < cfg.extract.nodes:
-                        err.print(f"[yellow]extract.nodes={cfg.extract.nodes} but pool {pool.name} has "
-                                  f"{len(online)} online worker(s)[/]: the run holds one node; a child that no node takes "
-                                  "within 30 s goes back to it (slower): start more workers or lower extract.nodes")
-                if pool is not None and not online:
-                    err.print(f"[yellow]no worker is online in pool {pool.name}[/]: the run waits until one "
-                              f"starts (prefect worker start --pool {pool.name}, or infra/node-bootstrap.sh)")
-                if info["ui_url"]:
-                    console.print(f"  UI: {info['ui_url']}")
-                console.print(f"  draftline status {run.id}")
-            if watch:
-                run = wait_for(c, run.id, timeout, quiet=as_json)
-                info["state"] = state_of(run)
-    except OpsError as exc:
-        fail(str(exc))
-    except httpx.HTTPError as exc:
-        fail(api_problem(exc))
+                console.print(f"  regeneration and extraction over up to {cfg.extract.nodes} nodes: this run's node and child "
+                              f"runs of {slices}")
+                if pool is not None and len(online) < cfg.extract.nodes:
+                    err.print(f"[yellow]extract.nodes={cfg.extract.nodes} but pool {pool.name} has "
+                              f"{len(online)} online worker(s)[/]: the run holds one node; a child that no node takes "
+                              "within 30 s goes back to it (slower): start more workers or lower extract.nodes")
+            if pool is not None and not online:
+                err.print(f"[yellow]no worker is online in pool {pool.name}[/]: the run waits until one "
+                          f"starts (prefect worker start --pool {pool.name}, or infra/node-bootstrap.sh)")
+            if info["ui_url"]:
+                console.print(f"  UI: {info['ui_url']}")
+            console.print(f"  draftline status {run.id}")
+        if watch:
+            run = wait_for(c, run.id, timeout, quiet=as_json)
+            info["state"] = state_of(run)
     if as_json:
         print(json.dumps(info))
     if watch and info["state"] != "COMPLETED":

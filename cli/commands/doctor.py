@@ -6,6 +6,9 @@ do when it is not ok. A check that cannot run (a pool without a server to ask) f
 
 from __future__ import annotations
 
+# Prefect is imported inside the functions that use it: it takes seconds to import (heavy), and every
+# command's --help would wait for it.
+
 import importlib.metadata as md
 import json
 import os
@@ -13,18 +16,24 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import httpx
 import typer
+from huggingface_hub import constants
 from rich.table import Table
 
-from flows.console import ROOT, SetOpt, StoreOpt, console, fail, with_store
-from flows.prefect_api import api_url, client
+from cli.console import ROOT, SetOpt, StoreOpt, console, fail, gb, with_store
+from cli.prefect_api import api_url, client
 from tasks.core.config import STORE_URI_ENV, ConfigError, load_config
+from tasks.core.home import cache_home
 from tasks.engine.vllm_versions import VLLM_BELOW, VLLM_OLDEST, supported
+from tasks.engine.weights import WeightsError, disk_needed, local_target
+from tasks.store.artifacts import Store, StoreError, s3_endpoint
 
 # The versions draftline is tested with (doctor compares against these).
 CORE_PACKAGES = ("vllm", "speculators", "torch", "transformers", "prefect")
@@ -209,7 +218,7 @@ def check_driver(flavor: str, smi: Smi | None, tc: dict[str, Any] | None) -> Che
                      "check the driver install (`nvidia-smi`)")
     if need is None:
         return Check("driver", "warn", f"NVIDIA driver {smi.driver}; {source}, which this doctor has no "
-                                       "minimum driver for", "add it to CUDA_MIN_DRIVER (flows/doctor.py)")
+                                       "minimum driver for", "add it to CUDA_MIN_DRIVER (cli/commands/doctor.py)")
     if have < need:
         return Check("driver", "fail", f"NVIDIA driver {smi.driver} is too old: {source}, which needs "
                                        f"driver R{need} or newer",
@@ -269,9 +278,6 @@ def check_disk(name: str, path: Path, need_bytes: int, what: str, fix: str) -> C
 
 def check_weights(cfg: Any):
     """doctor's row: how much disk the target's weights need on this node and whether it has it."""
-    from flows.weights import gb, local_target
-    from tasks.engine.weights import WeightsError, disk_needed
-
     t = cfg.target
     local = local_target(t)
     if local is not None:
@@ -297,12 +303,6 @@ def check_weights(cfg: Any):
 
 def cache_dirs() -> dict[str, Path]:
     """The node's caches this process would use: draftline's (DRAFTLINE_HOME), Hugging Face's, temp."""
-    import tempfile
-
-    from huggingface_hub import constants
-
-    from tasks.core.home import cache_home
-
     return {"draftline cache": cache_home(), "hf cache": Path(constants.HF_HUB_CACHE),
             "temp": Path(tempfile.gettempdir())}
 
@@ -357,15 +357,9 @@ def _credentials_source(cfg: Any) -> str:
 
 
 def check_store(cfg: Any, timeout: float = 30.0) -> Check:
-    import threading
-
-    from tasks.store.artifacts import Store, StoreError
-
     uri = cfg.store.uri
     where = uri
     if uri.startswith("s3://"):
-        from tasks.store.artifacts import s3_endpoint
-
         where = f"{uri} at {s3_endpoint(cfg.store) or 'AWS'}; keys: {_credentials_source(cfg)}"
     result: dict[str, Any] = {}
 

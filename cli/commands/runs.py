@@ -13,28 +13,28 @@ host and the pid the worker started tell whether anything still runs it."""
 
 from __future__ import annotations
 
+# Prefect is imported inside the functions that use it: it takes seconds to import (heavy), and every
+# command's --help would wait for it.
+
 import datetime as dt
 import json
 import logging
 import socket
 import time
+import webbrowser
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import httpx
 import typer
 from rich.table import Table
 
-from flows.console import JsonOpt, RunArg, console, err, fail
-from flows.prefect_api import (
+from cli.console import JsonOpt, RunArg, TimeoutOpt, console, err, fail
+from cli.local_run import run_here
+from cli.prefect_api import (
     ALIVE,
-    FLOW_NAME,
     TERMINAL,
-    OpsError,
-    api_problem,
     child_runs,
-    child_stage,
     client,
     find_run,
     latest_by_name,
@@ -43,16 +43,13 @@ from flows.prefect_api import (
     shard_of,
     stage_of,
     state_of,
-    submitting_worker,
-    flow_run_events,
     task_runs,
-    utcnow,
+    wait_for,
 )
+from flows.flow_runs import FLOW_NAME, OpsError, child_stage, flow_run_events, submitting_worker, utcnow
 from tasks.core.config import STAGES
 from tasks.core.owners import pid_running
 
-# Flow-run heartbeats come every 30 s (job templates); this much silence means the process is gone.
-HEARTBEAT_SECONDS = 30
 
 HEARTBEAT_GRACE = 150.0
 
@@ -239,82 +236,6 @@ def print_report(rep: dict[str, Any], show_tasks: bool) -> None:
         console.print(f"  UI: {rep['ui_url']}")
 
 
-def progress_line(c: Any, run: Any) -> str:
-    """Where a run is, in one line: each stage's task runs (finished/all, running), extraction shards
-    included (its child runs' too), and the stages' progress artifacts (regeneration, extraction, training)."""
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
-
-    runs = [run, *child_runs(c, run.id)]
-    stages: dict[str, list[int]] = {}
-    for r in runs:
-        for name, t in latest_by_name([t for t in task_runs(c, r.id) if "/" not in t.name]).items():
-            done, total, running = stages.setdefault(stage_of(name), [0, 0, 0])
-            kind = t.state.type.value if t.state is not None else ""
-            stages[stage_of(name)] = [done + (kind == "COMPLETED"), total + 1, running + (kind == "RUNNING")]
-    bars: dict[str, Any] = {}
-    try:
-        arts = c.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[r.id for r in runs]), type=ArtifactFilterType(any_=["progress"])))
-        for a in sorted(arts, key=lambda a: a.updated or a.created):
-            bars[(a.key or "").removesuffix("-progress")] = a
-    except Exception:  # noqa: BLE001 - progress is a courtesy; the states above stand
-        pass
-    parts = []
-    for name in sorted(stages, key=lambda s: STAGES.index(s) if s in STAGES else 99):
-        done, total, running = stages[name]
-        what = "shards" if name == "extract" else "tasks"
-        part = f"{name} {done}/{total} {what}" + (f" ({running} running)" if running else "")
-        bar = bars.get(name)
-        if bar is not None and done < total:
-            part += f", {float(bar.data or 0):.0f}%" + (f" {bar.description}" if bar.description else "")
-        parts.append(part)
-    return "; ".join(parts)
-
-
-PROGRESS_EVERY_S = 30.0
-
-
-def wait_for(c: Any, run_id: Any, timeout: float | None = None, *, quiet: bool = False,
-             not_before: dt.datetime | None = None) -> Any:
-    """Poll until the run reaches a terminal state (after `not_before`, for a retried run), printing its
-    state changes and, every PROGRESS_EVERY_S while it runs, its stage and shard progress when that moved.
-    No limit unless `timeout` (seconds): a big run takes days."""
-    deadline = time.time() + timeout if timeout else None
-    last = shown = None
-    since = note = time.time()
-    next_progress = 0.0
-    while True:
-        run = c.read_flow_run(run_id)
-        st = state_of(run)
-        fresh = not_before is None or (run.state is not None and run.state.timestamp >= not_before)
-        now = time.time()
-        if st != last and not quiet:
-            console.print(f"  {dt.datetime.now().strftime('%H:%M:%S')} {run.name}: {run.state.name if run.state else st}")
-            last, since, note = st, now, now
-        elif not quiet and st == "RUNNING" and now >= next_progress:
-            next_progress = now + PROGRESS_EVERY_S
-            line = progress_line(c, run)
-            if line and line != shown:
-                console.print(f"  {dt.datetime.now().strftime('%H:%M:%S')} {run.name}: {line}")
-                shown, note = line, now
-        if not quiet and now - note >= 600 or not quiet and st != "RUNNING" and now - note >= 60:
-            note = now
-            # Never silent: a Scheduled run waits for a worker of its pool, a Running one for its node.
-            waits = "for a worker of its pool to pick it up" if st in ("SCHEDULED", "PENDING") else "for it to finish"
-            console.print(f"  {dt.datetime.now().strftime('%H:%M:%S')} {run.name}: still {st} after "
-                          f"{now - since:.0f} s, waiting {waits}" + (
-                              f"; gives up at {time.strftime('%H:%M:%S', time.localtime(deadline))}" if deadline else ""))
-        if st in TERMINAL and fresh:
-            return run
-        if deadline is not None and now > deadline:
-            raise OpsError(f"run {run_id} still {st} after {timeout:.0f}s; `draftline status {run_id}` to look")
-        time.sleep(2)
-
-
-TimeoutOpt = typer.Option(None, "--timeout", metavar="SECONDS",
-                          help="With --watch: give up after this many seconds (default: wait as long as it runs).")
-
-
 StaleOpt = typer.Option(30.0, "--stale-after", help="Minutes without progress (and without heartbeats) after "
                                                     "which a Running run counts as dead.")
 
@@ -324,13 +245,8 @@ def status(run: str = RunArg,
            stale_after: float = StaleOpt,
            as_json: bool = typer.Option(False, "--json", help="Print the status as JSON.")):
     """Where a run stands: its state, each stage's task runs, failed shards, and whether a Running run is dead."""
-    try:
-        with client() as c:
-            rep = run_report(c, find_run(c, run), stale_after * 60)
-    except OpsError as exc:
-        fail(str(exc))
-    except httpx.HTTPError as exc:
-        fail(api_problem(exc))
+    with client() as c:
+        rep = run_report(c, find_run(c, run), stale_after * 60)
     if as_json:
         print(json.dumps(rep, indent=2, default=str))
     else:
@@ -351,57 +267,52 @@ def retry(run: str = RunArg,
     """
     from prefect.states import Crashed
 
-    try:
-        with client() as c:
-            fr = find_run(c, run)
-            st = state_of(fr)
-            # its process may still be exiting (see reschedule); a run retry marks Crashed has none left
-            just_ended = st in ("FAILED", "CRASHED") and fr.state is not None and \
-                (utcnow() - fr.state.timestamp).total_seconds() < RECENT_END_S
-            if st in ALIVE:
-                live = assess(fr, task_runs(c, fr.id), heartbeat=last_heartbeat(c, fr), worker=submitting_worker(c, fr),
-                              stale_after=stale_after * 60)
-                if not live.stale and not force:
-                    raise OpsError(f"run {fr.name} is {st} and looks alive (last progress {live.last_progress}); "
-                                   "wait for it, cancel it, or pass --force if you know its node is gone")
-                why = "; ".join(live.reasons) or "forced by the user"
-                c.set_flow_run_state(fr.id, Crashed(message=f"marked Crashed by draftline retry: {why}"), force=True)
-                console.print(f"marked {fr.name} Crashed ({why})")
-                fr = c.read_flow_run(fr.id)
-            for ch in child_runs(c, fr.id):
-                # a child whose node died (and no automation marked it): Crashed, so nobody waits for it
-                if state_of(ch) in ALIVE:
-                    live = assess(ch, task_runs(c, ch.id), heartbeat=last_heartbeat(c, ch),
-                                  worker=submitting_worker(c, ch), stale_after=stale_after * 60)
-                    if live.stale:
-                        why = "; ".join(live.reasons)
-                        c.set_flow_run_state(ch.id, Crashed(message=f"marked Crashed by draftline retry: {why}"),
-                                             force=True)
-                        console.print(f"marked child {ch.name} Crashed ({why})")
-            if st == "SCHEDULED":
-                raise OpsError(f"run {fr.name} is already scheduled; a worker of pool "
-                               f"{getattr(fr, 'work_pool_name', None) or '?'} will pick it up")
-            elif st == "COMPLETED" and not force:
-                raise OpsError(f"run {fr.name} completed: nothing to retry (pass --force to run it again; "
-                               "everything would be reused)")
-            if fr.deployment_id:
-                t0 = utcnow()
-                reschedule(c, fr, watch=just_ended)
-                pool = getattr(fr, "work_pool_name", None)
-                console.print(f"retrying {fr.name} ({fr.id}) in place: scheduled for a worker of pool {pool}; "
-                              "finished shards are reused from the store")
-                if run_url(fr.id):
-                    console.print(f"  UI: {run_url(fr.id)}")
-                if watch:
-                    done = wait_for(c, fr.id, timeout, not_before=t0)
-                    if state_of(done) != "COMPLETED":
-                        raise typer.Exit(1)
-                return
-            params = dict(fr.parameters or {})
-    except OpsError as exc:
-        fail(str(exc))
-    except httpx.HTTPError as exc:
-        fail(api_problem(exc))
+    with client() as c:
+        fr = find_run(c, run)
+        st = state_of(fr)
+        # its process may still be exiting (see reschedule); a run retry marks Crashed has none left
+        just_ended = st in ("FAILED", "CRASHED") and fr.state is not None and \
+            (utcnow() - fr.state.timestamp).total_seconds() < RECENT_END_S
+        if st in ALIVE:
+            live = assess(fr, task_runs(c, fr.id), heartbeat=last_heartbeat(c, fr), worker=submitting_worker(c, fr),
+                          stale_after=stale_after * 60)
+            if not live.stale and not force:
+                raise OpsError(f"run {fr.name} is {st} and looks alive (last progress {live.last_progress}); "
+                               "wait for it, cancel it, or pass --force if you know its node is gone")
+            why = "; ".join(live.reasons) or "forced by the user"
+            c.set_flow_run_state(fr.id, Crashed(message=f"marked Crashed by draftline retry: {why}"), force=True)
+            console.print(f"marked {fr.name} Crashed ({why})")
+            fr = c.read_flow_run(fr.id)
+        for ch in child_runs(c, fr.id):
+            # a child whose node died (and no automation marked it): Crashed, so nobody waits for it
+            if state_of(ch) in ALIVE:
+                live = assess(ch, task_runs(c, ch.id), heartbeat=last_heartbeat(c, ch),
+                              worker=submitting_worker(c, ch), stale_after=stale_after * 60)
+                if live.stale:
+                    why = "; ".join(live.reasons)
+                    c.set_flow_run_state(ch.id, Crashed(message=f"marked Crashed by draftline retry: {why}"),
+                                         force=True)
+                    console.print(f"marked child {ch.name} Crashed ({why})")
+        if st == "SCHEDULED":
+            raise OpsError(f"run {fr.name} is already scheduled; a worker of pool "
+                           f"{getattr(fr, 'work_pool_name', None) or '?'} will pick it up")
+        elif st == "COMPLETED" and not force:
+            raise OpsError(f"run {fr.name} completed: nothing to retry (pass --force to run it again; "
+                           "everything would be reused)")
+        if fr.deployment_id:
+            t0 = utcnow()
+            reschedule(c, fr, watch=just_ended)
+            pool = getattr(fr, "work_pool_name", None)
+            console.print(f"retrying {fr.name} ({fr.id}) in place: scheduled for a worker of pool {pool}; "
+                          "finished shards are reused from the store")
+            if run_url(fr.id):
+                console.print(f"  UI: {run_url(fr.id)}")
+            if watch:
+                done = wait_for(c, fr.id, timeout, not_before=t0)
+                if state_of(done) != "COMPLETED":
+                    raise typer.Exit(1)
+            return
+        params = dict(fr.parameters or {})
     _retry_locally(fr, params, as_json)
 
 
@@ -441,8 +352,6 @@ def reschedule(c: Any, fr: Any, *, watch: bool, watch_s: float = OVERRIDE_WATCH_
 
 
 def _retry_locally(fr: Any, params: dict[str, Any], as_json: bool = False) -> None:
-    from flows.local_run import run_here
-
     cfg_path = params.get("config_path")
     if cfg_path and not Path(cfg_path).is_file():
         fail(f"run {fr.name} read its config from {cfg_path}, which is not here; run the retry from the "
@@ -456,21 +365,14 @@ def ui(run: str = RunArg,
        open_browser: bool = typer.Option(False, "--open", help="Also open it in the default browser."),
        as_json: bool = JsonOpt):
     """Print the run's URL in the Prefect UI (task runs per shard, artifacts, logs)."""
-    try:
-        require_server("draftline ui")
-        with client() as c:
-            fr = find_run(c, run)
-    except OpsError as exc:
-        fail(str(exc))
-    except httpx.HTTPError as exc:
-        fail(api_problem(exc))
+    require_server("draftline ui")
+    with client() as c:
+        fr = find_run(c, run)
     url = run_url(fr.id)
     if not url:
         fail("cannot tell the UI address from PREFECT_API_URL; set PREFECT_UI_URL")
     print(json.dumps({"id": str(fr.id), "name": fr.name, "state": state_of(fr), "ui_url": url}) if as_json else url)
     if open_browser:
-        import webbrowser
-
         webbrowser.open(url)
 
 
@@ -492,43 +394,38 @@ def logs(run: str = RunArg,
     least = logging.getLevelName(level.upper())
     if not isinstance(least, int):
         fail(f"--level {level!r}: use DEBUG, INFO, WARNING or ERROR")
-    try:
-        require_server("draftline logs")
-        with client() as c:
-            fr = find_run(c, run)
-            after: dt.datetime | None = None
-            first = True
-            while True:
-                ids = [fr.id, *(ch.id for ch in child_runs(c, fr.id))]
-                names = {t.id: t.name for i in ids for t in task_runs(c, i)}
-                got: list[Any] = []
-                while True:  # pages of 200, oldest first
-                    page = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids),
-                                                 level=LogFilterLevel(ge_=least),
-                                                 timestamp=LogFilterTimestamp(after_=after) if after else None),
-                                       limit=200, offset=len(got), sort=LogSort.TIMESTAMP_ASC)
-                    got += page
-                    if len(page) < 200:
-                        break
-                if after is not None:
-                    got = [g for g in got if g.timestamp > after]
-                if first and tail:
-                    got = got[-tail:]
-                for g in got:
-                    row = _log_row(g, names)
-                    if as_json:
-                        print(json.dumps(row))
-                    else:
-                        where = f" {row['task']}" if row["task"] else ""
-                        console.print(f"{row['time']} {row['level']:<7}{where} | {row['message']}", markup=False,
-                                      highlight=False)
-                if got:
-                    after = got[-1].timestamp
-                first = False
-                if not follow or state_of(c.read_flow_run(fr.id)) in TERMINAL:
+    require_server("draftline logs")
+    with client() as c:
+        fr = find_run(c, run)
+        after: dt.datetime | None = None
+        first = True
+        while True:
+            ids = [fr.id, *(ch.id for ch in child_runs(c, fr.id))]
+            names = {t.id: t.name for i in ids for t in task_runs(c, i)}
+            got: list[Any] = []
+            while True:  # pages of 200, oldest first
+                page = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids),
+                                             level=LogFilterLevel(ge_=least),
+                                             timestamp=LogFilterTimestamp(after_=after) if after else None),
+                                   limit=200, offset=len(got), sort=LogSort.TIMESTAMP_ASC)
+                got += page
+                if len(page) < 200:
                     break
-                time.sleep(2)
-    except OpsError as exc:
-        fail(str(exc))
-    except httpx.HTTPError as exc:
-        fail(api_problem(exc))
+            if after is not None:
+                got = [g for g in got if g.timestamp > after]
+            if first and tail:
+                got = got[-tail:]
+            for g in got:
+                row = _log_row(g, names)
+                if as_json:
+                    print(json.dumps(row))
+                else:
+                    where = f" {row['task']}" if row["task"] else ""
+                    console.print(f"{row['time']} {row['level']:<7}{where} | {row['message']}", markup=False,
+                                  highlight=False)
+            if got:
+                after = got[-1].timestamp
+            first = False
+            if not follow or state_of(c.read_flow_run(fr.id)) in TERMINAL:
+                break
+            time.sleep(2)

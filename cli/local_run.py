@@ -8,21 +8,27 @@ Exit status: 0 when every stage finished, 1 when one failed, 130 / 143 when stop
 from __future__ import annotations
 
 import json
+import signal as sig
 import time
 from typing import Any
 
 import typer
 from rich.table import Table
 
-from flows.console import console, err
+from cli.console import console, err
+from flows import interrupts
 from flows.run_record import RunRecord, recording
+from tasks.benchmark.report import render_terminal
+from tasks.benchmark.stage import find_report
 from tasks.core.config import load_config
+from tasks.extract.verify import summary_line
+from tasks.store.artifacts import Store
 
 
 def run_here(config_path: str | None, overrides: list[str], until: str | None, *, as_json: bool) -> None:
     """Run the flow with these parameters in this process and print its summary; exits non-zero unless
     it completed."""
-    from flows import interrupts
+    # here, not at the top: the flow imports Prefect, which takes seconds (`run --help` must not wait)
     from flows import pipeline as pl
 
     t0 = time.monotonic()
@@ -56,15 +62,10 @@ def run_here(config_path: str | None, overrides: list[str], until: str | None, *
 def print_benchmark(summary: dict[str, Any], config_path: str | None, overrides: list[str]) -> None:
     """The benchmark's figures; the stored report names the run that measured them (a cached stage's
     figures are older than this run)."""
-    from tasks.benchmark.stage import find_report
-    from tasks.benchmark.report import render_terminal
-
     rep = None
     art = (summary.get("stages", {}).get("benchmark") or {}).get("artifact")
     if art:
         try:
-            from tasks.store.artifacts import Store
-
             rep = find_report(Store.from_config(load_config(config_path, list(overrides)).store), art)
         except Exception:  # noqa: BLE001 - the figures are printed either way
             rep = None
@@ -73,12 +74,8 @@ def print_benchmark(summary: dict[str, Any], config_path: str | None, overrides:
 
 def stopped(rec: RunRecord | None, signum: int | None, seconds: float, as_json: bool) -> None:
     """The end of a run stopped by a signal: what was kept, and a clean exit (no process left)."""
-    import signal as sig
-
-    from flows.interrupts import exit_code, kill_descendants
-
     name = sig.Signals(signum).name if signum else "SIGINT"
-    left = kill_descendants(spare_prefect_server=True)
+    left = interrupts.kill_descendants(spare_prefect_server=True)
     summary = rec.to_json() if rec is not None else {"stages": {}}
     summary["state"] = "STOPPED"
     for r in summary["stages"].values():
@@ -92,7 +89,7 @@ def stopped(rec: RunRecord | None, signum: int | None, seconds: float, as_json: 
     err.print(f"[bold yellow]stopped[/] by {name} after {seconds:.1f} s"
               + (f" ({left} leftover process(es) killed)" if left else "")
               + ": committed stages and shards are kept and will be reused; run the same command again to resume")
-    raise typer.Exit(exit_code(signum or sig.SIGINT))
+    raise typer.Exit(interrupts.exit_code(signum or sig.SIGINT))
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -111,8 +108,6 @@ def print_summary(summary: dict[str, Any]) -> None:
     console.print(table)
     verified = ((summary.get("stages", {}).get("extract") or {}).get("stats") or {}).get("verified")
     if verified:
-        from tasks.extract.verify import summary_line
-
         console.print(f"extraction check: {summary_line(verified)}")
     for name, r in summary.get("stages", {}).items():
         if r.get("error"):

@@ -1,19 +1,21 @@
-"""`draftline export WHAT DEST`: find the train artifact WHAT names (a train digest or a unique prefix, a flow run
-id or name or `last`, or a config whose run trained it) and write it where vLLM loads it, with the exact `vllm
-serve` line (tasks/benchmark/export.py builds both)."""
+"""A trained draft found from what a user gives: a train digest (or a unique prefix), a flow run id or name or
+`last`, or a config whose run trained it; with the newest benchmark report that measured it and the serve
+settings it is exported at. `draftline export` and `draftline check` both start here."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-import typer
-
-from flows.console import JsonOpt, SetOpt, StoreOpt, console, fail, load_cfg, open_store
-from flows.prefect_api import OpsError, client, find_run
-from tasks.benchmark.results import find_report, load_report
+from cli.prefect_api import client, find_run
+from flows.flow_runs import OpsError
+from tasks.address import digests
 from tasks.benchmark.export import ExportError, run_serve
+from tasks.benchmark.results import find_report, load_report
+from tasks.core.config import ConfigError, RunConfig, head_config, load_config
+from tasks.engine.target import load_hf_config, resolve_model
+from tasks.extract.plan import plan_extract
+from tasks.store.artifacts import canonical_uri
 
 
 def resolve_train(store: Any, what: str, config: Any | None = None,
@@ -42,8 +44,6 @@ def resolve_train(store: Any, what: str, config: Any | None = None,
 def export_serve(store: Any, digest: str, report: dict | None, cfg: Any | None) -> dict[str, Any]:
     """The serve settings for an export: the benchmark's (measured), else the run's config's, else (a bare train
     digest) the target the draft's own config names with default engine settings."""
-    from tasks.core.config import RunConfig
-
     ref = store.open("train", digest).ref()
     if report is not None or cfg is not None:
         return run_serve(cfg or RunConfig(), store, ref, report)
@@ -70,11 +70,6 @@ def report_for(store: Any, train_digest: str) -> dict[str, Any] | None:
 def config_train_digest(store: Any, cfg: Any, head: str | None = None) -> str:
     """The train address a config's run has (or would have): the data, vocab and extraction artifacts are read
     from the store, as the pipeline computes them."""
-    from tasks.address import digests
-    from tasks.core.config import head_config
-    from tasks.extract.plan import plan_extract
-    from tasks.engine.target import load_hf_config, resolve_model
-
     def need(stage: str, digest: str) -> Any:
         art = store.find(stage, digest)
         if art is None:
@@ -100,8 +95,6 @@ def config_train_digest(store: Any, cfg: Any, head: str | None = None) -> str:
 def run_train_digest(store: Any, run: str, head: str | None = None) -> tuple[str, Any]:
     """The train address of a flow run (id, name or `last`) and its config, from the config and overrides it
     ran with."""
-    from tasks.core.config import ConfigError, load_config
-
     try:
         with client() as c:
             fr = find_run(c, run)
@@ -113,43 +106,7 @@ def run_train_digest(store: Any, run: str, head: str | None = None) -> tuple[str
     except ConfigError as exc:
         raise ExportError(f"flow run {fr.name} ({fr.id}) ran with a config that no longer loads here: {exc}; give "
                           "its train digest (`draftline ls --stage train`)") from None
-    from tasks.store.artifacts import canonical_uri
-
     if canonical_uri(cfg.store.uri) != store.uri:  # one store however it is written (relative, absolute, slash)
         raise ExportError(f"flow run {fr.name} wrote to {canonical_uri(cfg.store.uri)}, not {store.uri}: pass "
                           f"--store {canonical_uri(cfg.store.uri)}")
     return config_train_digest(store, cfg, head), cfg
-
-
-def export(what: str = typer.Argument(..., help="A train digest (or 6+ first characters), a flow run id or "
-                                                   "name, `last`, or a YAML config (its first head's draft)."),
-           dest: str = typer.Argument(..., help="Folder or s3:// prefix to write the draft to."),
-           store_config: Optional[Path] = typer.Option(None, "--config", help="Config naming the store (default: "
-                                                                               "WHAT when it is a config)."),
-           overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt,
-           head: Optional[str] = typer.Option(None, help="With a config or run of several train.heads: which."),
-           force: bool = typer.Option(False, "--force", help="Replace files in DEST that no draftline export "
-                                                             "wrote (README.md, serve.json, ...)."),
-           host: Optional[str] = typer.Option(None, "--host", help="The address the printed `vllm serve` line "
-                                              "binds (default engines.serve_host, 127.0.0.1: this machine only; "
-                                              "the API has no authentication)."),
-           as_json: bool = JsonOpt):
-    """Write a trained draft as vLLM loads it (draft/), its vocabulary maps and a README.md with the exact
-    `vllm serve` line, at the settings its benchmark measured."""
-    from tasks.benchmark.export import ExportError, export_draft
-
-    from_config = what.endswith((".yaml", ".yml")) or Path(what).is_file()
-    cfg = load_cfg(Path(what) if from_config and store_config is None else store_config, overrides, store_uri)
-    store = open_store(cfg, write=False)  # it reads the store only: read-only keys export
-    try:
-        digest, report, run_cfg = resolve_train(store, what, cfg if from_config else None, head)
-        out = export_draft(store, digest, dest, export_serve(store, digest, report, run_cfg), force=force,
-                           host=host)
-    except (ExportError, ValueError, LookupError) as exc:
-        fail(str(exc))
-    if as_json:
-        print(json.dumps(out, indent=2))
-        return
-    console.print(f"exported train artifact {digest} to {dest} ({len(out['files'])} files). Serve it:")
-    for line in out["serve"]["lines"]:
-        console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -1,0 +1,78 @@
+"""`draftline`: the command line. Run `draftline --help`.
+
+The app, its one error handler and the commands' registration; each command is a module of cli/commands/."""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import version
+
+# Before Prefect is imported: a fresh Prefect home migrates its database slowly on
+# small machines, and nothing here should phone home.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# draftline's own loggers (locks, engines, training) reach the terminal and the Prefect UI.
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftline")
+
+import httpx
+import typer
+from typer.core import TyperGroup
+
+from cli.commands import check, config, deploy, doctor, export, plan, report, run, runs, store, weights
+from cli.console import fail
+from cli.prefect_api import api_problem
+from tasks.core.errors import DraftlineError
+
+
+class _Commands(TyperGroup):
+    """Every command's mistakes end the same way: a `DraftlineError` (config, store, target, plan, an
+    operation the Prefect server refuses, ...) is printed as one line naming the problem and the fix, exit
+    code 2, and so is a Prefect API that cannot be reached (httpx.HTTPError); caught here once, not per
+    command."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DraftlineError as exc:
+            fail(str(exc))
+        except httpx.HTTPError as exc:
+            fail(api_problem(exc))
+
+
+app = typer.Typer(help="Train EAGLE-3 draft heads for vLLM targets, as a resumable Prefect pipeline.",
+                  cls=_Commands, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+store_app = typer.Typer(help="Set up a store.", no_args_is_help=True)
+app.add_typer(store_app, name="store")
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"draftline {version('draftline')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(_v: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+                                  help="Print draftline's version and exit.")):
+    pass
+
+
+config_app.command("show")(config.show)
+store_app.command("init")(store.init)
+for _command in (run.run, store.ls, store.gc, report.report, doctor.doctor, deploy.deploy, deploy.submit, runs.status,
+                 runs.retry, runs.ui, runs.logs, plan.plan, weights.weights, export.export, check.check):
+    app.command(_command.__name__)(_command)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
