@@ -413,6 +413,12 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         raise PlanError("data.max_samples is not set: a plan needs the number of samples (set it, or "
                         "--set data.max_samples=N)")
     shape = shape or make_shape(cfg, rates)
+    from flows.preflight import head_problems  # a head this target cannot train: refused as `draftline run` does
+    from tasks.engine.target import text_config
+
+    problems = head_problems(cfg, text_config(shape.target.hf_config))
+    if problems:
+        raise PlanError("\n".join(problems))
     lengths = lengths or Lengths()
     r = {k: v.value for k, v in rates["rates"].items()}
     target = shape.target

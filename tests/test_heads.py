@@ -87,8 +87,10 @@ def test_bad_heads_are_config_errors_that_say_what_to_do():
 
 
 def test_an_mla_head_on_a_target_without_mla_is_a_clear_error(tiny):
-    with pytest.raises(TrainError, match=r"an eagle3-mla head needs an MLA target .* this target's llama layers have "
-                                         r"none. Use an eagle3 or eagle3.1 head"):
+    # `draftline run` and `draftline plan` refuse it before any work (tests/test_bad_input.py, tests/test_plan.py);
+    # the train stage asks again
+    with pytest.raises(TrainError, match=r"head 'eagle3-mla' is eagle3-mla, which needs an MLA target .* has llama "
+                                         r"layers without MLA. Fix: give that head kind eagle3 or eagle3.1"):
         run_train(head_cfg(tiny, {"kind": "eagle3-mla"}), tiny.store, tiny.vref, tiny.refs)
 
 

@@ -364,6 +364,10 @@ def test_the_workstation_profile(kimi_shape):
     (["plan", "configs/demo.yaml", "--gpu-hour-price", "-1"], "--gpu-hour-price must be positive"),
     (["plan", "configs/demo.yaml", "--set", "target.model=./no-such-model"], "configs/rates.yaml"),
     (["plan", "configs/nope.yaml"], "not found"),
+    (["plan", "configs/demo.yaml", "--set", "train.heads=[{kind: eagle3}, {kind: eagle3-mla, name: mla}]"],
+     "train.heads: head 'mla' is eagle3-mla, which needs an MLA target (kv_lora_rank in its config: DeepSeek-V3, "
+     "Kimi-K2.5); target 'smollm2-135m-instruct' has llama layers without MLA. Fix: give that head kind eagle3 or "
+     "eagle3.1 for this target, or drop it"),
 ])
 def test_bad_input_names_the_fix(args, message):
     out = draftline(*args)
