@@ -87,11 +87,16 @@ def test_bad_heads_are_config_errors_that_say_what_to_do():
 
 
 def test_an_mla_head_on_a_target_without_mla_is_a_clear_error(tiny):
+    from tasks.engine.target import load_hf_config
+    from tasks.train.model import draft_layer_config
+
+    cfg = head_cfg(tiny, {"kind": "eagle3-mla"})
     # `draftline run` and `draftline plan` refuse it before any work (tests/test_bad_input.py, tests/test_plan.py);
     # the train stage asks again
     with pytest.raises(TrainError, match=r"head 'eagle3-mla' is eagle3-mla, which needs an MLA target .* has llama "
                                          r"layers without MLA. Fix: give that head kind eagle3 or eagle3.1"):
-        run_train(head_cfg(tiny, {"kind": "eagle3-mla"}), tiny.store, tiny.vref, tiny.refs)
+        draft_layer_config(cfg.train, cfg.target, str(tiny.path), load_hf_config(cfg.target, str(tiny.path)),
+                           kind="eagle3-mla")
 
 
 def test_a_speculators_without_the_kind_is_a_clear_error(monkeypatch):

@@ -42,11 +42,11 @@ def mla_layer_config(train: TrainConfig, tc: Any, model: str = "?") -> Any:
     """An eagle3-mla head's decoder layer config: a DeepSeek-V3 config with the target's MLA attention
     (MLA_LAYER_KEYS) and `train.num_layers` dense layers (first_k_dense_replace past them: vLLM's
     deepseek_eagle3 builds a dense MLP, never MoE) of the target's dense MLP width."""
-    from transformers import DeepseekV3Config
-
     problem = head_target_problem(train.head, tc, model)
     if problem:
         raise TrainError(problem)
+    from transformers import DeepseekV3Config
+
     _register_mla_layers()
     keys = {k: getattr(tc, k) for k in MLA_LAYER_KEYS if getattr(tc, k, None) is not None}
     return DeepseekV3Config(**keys, num_hidden_layers=train.num_layers, first_k_dense_replace=train.num_layers,
