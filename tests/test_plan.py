@@ -162,6 +162,17 @@ def test_the_plan_follows_the_config_and_the_price(kimi_shape):
         one.totals["train_compute_hours"] * (2 + 2 * cost["dflash"]))
     assert (f"eagle3 1.00, eagle3-mla 1.00, dflash {cost['dflash']:.2f}, dspark {cost['dspark']:.2f}"
             in " ".join(kinds.notes))
+    # every kind but EAGLE-3's (whose MFU is measured) is priced by a rate named as the assumption it is
+    named = {r.name: r for r in kinds.rates if r.name.startswith("train.head_cost.")}
+    assert sorted(named) == ["train.head_cost.dflash", "train.head_cost.dspark", "train.head_cost.eagle3-mla"]
+    assert all(r.kind == "assumption" and r.value == pytest.approx(cost[r.name.split(".")[-1]]) and
+               "not measured on a GPU" in r.source for r in named.values())
+    # each head's own train task: its hours, read-bound here (the store's reads, the same for every kind), add up
+    # to the train stage's
+    per_head = next(n for n in kinds.notes if n.startswith("Training per head"))
+    hours = [float(h) for h in re.findall(r": ([\d.]+) h \(", per_head)]
+    assert len(hours) == 4 and per_head.count("read-bound") == 4
+    assert sum(hours) == pytest.approx({s.stage: s for s in kinds.stages}["train"].wall_hours, rel=1e-3)
     # more nodes: the sharded stages finish sooner, cost a little more (one engine start per node)
     assert by4["extract"].wall_hours < by1["extract"].wall_hours / 3
     assert by4["extract"].node_hours > by1["extract"].node_hours
