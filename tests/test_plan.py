@@ -173,6 +173,16 @@ def test_the_plan_follows_the_config_and_the_price(kimi_shape):
     hours = [float(h) for h in re.findall(r": ([\d.]+) h \(", per_head)]
     assert len(hours) == 4 and per_head.count("read-bound") == 4
     assert sum(hours) == pytest.approx({s.stage: s for s in kinds.stages}["train"].wall_hours, rel=1e-3)
+    # the command the Kimi preset's comment gives for its two heads: each head priced on its own, the MLA head the
+    # same hours as EAGLE-3's (read-bound), on both presets
+    for preset in (KIMI, KIMI.with_name("kimi-k2.5-workstation.yaml")):
+        assert '"train.heads=[{kind: eagle3}, {kind: eagle3-mla}]"' in " ".join(
+            line.lstrip("# ") for line in KIMI.read_text().splitlines())
+        out = draftline("plan", str(preset), "--set", "train.heads=[{kind: eagle3}, {kind: eagle3-mla}]")
+        assert out.exit_code == 0, out.output
+        per_head = re.search(r"Training per head[^\n]*", " ".join(out.output.split("\n- "))).group(0)
+        assert re.search(r"eagle3 \(eagle3\) 60,000 steps x 1.00: ([\d.,]+) h \(read-bound\), \$([\d,]+); eagle3-mla "
+                         r"\(eagle3-mla\) 60,000 steps x 1.00: \1 h \(read-bound\), \$\2\.", per_head), per_head
     # more nodes: the sharded stages finish sooner, cost a little more (one engine start per node)
     assert by4["extract"].wall_hours < by1["extract"].wall_hours / 3
     assert by4["extract"].node_hours > by1["extract"].node_hours
