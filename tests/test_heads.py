@@ -336,3 +336,19 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
     out = console.export_text()
     assert "draft heads, one benchmark" in out and "offline only" in out and "eagle3.1" in out
     assert "dflash k=2: vLLM could not decode it: EngineError: dflash-k2 died while starting" in out
+
+
+def test_the_equal_budget_benchmark_gives_every_head_the_same_budget():
+    """benchmarks/heads_equal_budget.yaml (benchmarks/RESULTS.md, "Four heads at an equal training budget"): every
+    head the same steps x batch tokens, no clock that would give the slower kinds fewer, block heads able to serve
+    every k measured, a store of its own."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "benchmarks" / "heads_equal_budget.yaml")
+    assert [h.kind for h in cfg.train.heads] == ["eagle3", "eagle3.1", "dflash", "dspark"]
+    assert len({(head_config(cfg, h).train.max_steps, head_config(cfg, h).train.batch_tokens)
+                for h in cfg.train.heads}) == 1 and cfg.train.max_minutes is None
+    assert all(h.dflash_settings()["block_size"] - 1 >= max(cfg.benchmark.num_speculative_tokens)
+               for h in cfg.train.heads if h.drafts_blocks)
+    assert cfg.store.uri.startswith("file://.draftline/") and cfg.store.uri != load_config(root / "configs" / "demo.yaml").store.uri
