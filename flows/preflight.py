@@ -1,6 +1,7 @@
 """Preflight: what can be checked in seconds before a run's work starts, so a typo fails now and not after
 hours of earlier stages (each stage checks again). `draftline run` asks `input_problems` before it starts
-the flow (local paths, the target's config, layer ids, the draft vocabulary, drafts from outside the run);
+the flow (local paths, the target's config, layer ids, each head's kind against the target, the draft vocabulary,
+drafts from outside the run and the heads a warm start can seed; `draftline plan` asks `head_problems` too);
 the flow asks `check_head_layers` once the data stages are done, before extraction; a deployment's run (and
 `draftline submit`) asks `remote_code_problem` whether the deployment lets it run the target's own code.
 """
@@ -16,7 +17,7 @@ from typing import Any
 from tasks.core.config import head_config
 from tasks.engine.target import (TargetError, load_hf_config, max_model_len_problem, resolve_layer_ids, resolve_model,
                                  text_config)
-from tasks.formats.drafts import DraftError, draft_folder_of
+from tasks.formats.drafts import DraftError, draft_folder_of, read_config, warm_start_problem
 
 
 def input_problems(cfg: Any) -> list[str]:
@@ -44,6 +45,7 @@ def input_problems(cfg: Any) -> list[str]:
                 resolve_layer_ids(cfg, text)
             except TargetError as exc:
                 problems.append(str(exc))
+        problems += head_problems(cfg, text)
         too_long = max_model_len_problem(t, text)
         if too_long:
             problems.append(too_long)
@@ -55,10 +57,22 @@ def input_problems(cfg: Any) -> list[str]:
             (f"benchmark.drafts[{d.name}]", d.model) for d in cfg.benchmark.drafts]:
         try:
             if spec:
-                draft_folder_of(spec)
+                folder = draft_folder_of(spec)
+                if key == "train.init_from":  # each head it would seed must be of the draft's own kind
+                    conf = read_config(folder)
+                    problems += [f"train.init_from {spec!r}: {why}" for why in
+                                 (warm_start_problem(conf, h.kind, h.label) for h in cfg.train.heads) if why]
         except DraftError as exc:
             problems.append(f"{key}: {exc}")
     return problems
+
+
+def head_problems(cfg: Any, text: Any) -> list[str]:
+    """Each head of train.heads that this target cannot train (an eagle3-mla head on a target without MLA),
+    from the target's text config `text`; [] when every head fits."""
+    from tasks.train.model import head_target_problem
+
+    return [p for p in (head_target_problem(h, text, cfg.target.model) for h in cfg.train.heads) if p]
 
 
 def check_head_layers(cfg: Any) -> None:

@@ -95,12 +95,26 @@ RUN_CASES = [
      ["engines.benchmark.engine_args.max_model_len: set by draftline; fix: use target.max_model_len"]),
     ("malformed-set", ["--set", "train.max_steps"], ["expected KEY=VALUE, e.g. --set train.max_steps=50"]),
     ("unknown-until", ["--until", "deploy"], ["--until 'deploy': use one of prepare, regenerate, vocab"]),
+    ("mla-head-on-a-target-without-mla", ["--set", "train.heads=[{kind: eagle3}, {kind: eagle3-mla, name: mla}]"],
+     ["train.heads: head 'mla' is eagle3-mla, which needs an MLA target (kv_lora_rank in its config",
+      "target 'smollm2-135m-instruct' has llama layers without MLA",
+      "Fix: give that head kind eagle3 or eagle3.1 for this target, or drop it"]),
+    # {tmp}/eagle3-draft: an EAGLE-3 draft's config.json (the test writes it); every head it cannot seed is named
+    ("warm-start-of-other-kinds", ["--set", "train.init_from={tmp}/eagle3-draft", "--set",
+                                   "train.heads=[{kind: eagle3}, {kind: eagle3.1}, {kind: dspark}]"],
+     ["eagle3-draft': the draft's kind is eagle3, head 'eagle3.1' (eagle3.1) is another: a warm start needs a draft "
+      "of the head's own kind (set the head's kind: eagle3, or give an eagle3.1 draft)",
+      "eagle3-draft': head 'dspark' (dspark) cannot start from a draft: a warm start seeds eagle3, eagle3.1, "
+      "eagle3-mla heads only; remove train.init_from or train that head in a run without it"]),
 ]
 
 
 @pytest.mark.parametrize("args, needles", [pytest.param(a, n, id=i) for i, a, n in RUN_CASES])
 def test_run_refuses_bad_config_and_inputs(tmp_path, args, needles):
     (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "eagle3-draft").mkdir()
+    (tmp_path / "eagle3-draft" / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    (tmp_path / "eagle3-draft" / "model.safetensors").write_bytes(b"")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     store = tmp_path / "store"
     out = draftline("run", CONFIG, "--set", f"store.uri=file://{store}", *args)

@@ -183,7 +183,12 @@ def test_an_incompatible_draft_is_refused_with_the_reason_and_the_fix():
              ({"num_layers": 2}, "1 decoder layer(s), this run trains 2: set train.num_layers: 1"),
              ({"layer_ids": [1, 3, 5, 6]}, "reads target layers [1, 2, 3], this run feeds [1, 3, 5]: its fc weights "
                                            "belong to those layers; set extract.layer_ids: [1, 2, 3, 6]"),
-             ({"kind": "dflash"}, "a warm start needs an EAGLE-3 draft")]
+             ({"kind": "dflash"}, "this head (dflash) cannot start from a draft: a warm start seeds eagle3, "
+                                  "eagle3.1, eagle3-mla heads only"),
+             ({"kind": "eagle3.1"}, "the draft's kind is eagle3, this head (eagle3.1) is another: a warm start "
+                                    "needs a draft of the head's own kind (set the head's kind: eagle3, or give an "
+                                    "eagle3.1 draft)"),
+             ({"kind": "eagle3-mla"}, "the draft's kind is eagle3, this head (eagle3-mla) is another")]
     for change, why in cases:
         with pytest.raises(DraftError) as exc:
             check_compatible(CONF, "pub/draft", **{**ok, **change})

@@ -87,9 +87,16 @@ def test_bad_heads_are_config_errors_that_say_what_to_do():
 
 
 def test_an_mla_head_on_a_target_without_mla_is_a_clear_error(tiny):
-    with pytest.raises(TrainError, match=r"an eagle3-mla head needs an MLA target .* this target's llama layers have "
-                                         r"none. Use an eagle3 or eagle3.1 head"):
-        run_train(head_cfg(tiny, {"kind": "eagle3-mla"}), tiny.store, tiny.vref, tiny.refs)
+    from tasks.engine.target import load_hf_config
+    from tasks.train.model import draft_layer_config
+
+    cfg = head_cfg(tiny, {"kind": "eagle3-mla"})
+    # `draftline run` and `draftline plan` refuse it before any work (tests/test_bad_input.py, tests/test_plan.py);
+    # the train stage asks again
+    with pytest.raises(TrainError, match=r"head 'eagle3-mla' is eagle3-mla, which needs an MLA target .* has llama "
+                                         r"layers without MLA. Fix: give that head kind eagle3 or eagle3.1"):
+        draft_layer_config(cfg.train, cfg.target, str(tiny.path), load_hf_config(cfg.target, str(tiny.path)),
+                           kind="eagle3-mla")
 
 
 def test_a_speculators_without_the_kind_is_a_clear_error(monkeypatch):
@@ -329,3 +336,19 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
     out = console.export_text()
     assert "draft heads, one benchmark" in out and "offline only" in out and "eagle3.1" in out
     assert "dflash k=2: vLLM could not decode it: EngineError: dflash-k2 died while starting" in out
+
+
+def test_the_equal_budget_benchmark_gives_every_head_the_same_budget():
+    """benchmarks/heads_equal_budget.yaml (benchmarks/RESULTS.md, "Four heads at an equal training budget"): every
+    head the same steps x batch tokens, no clock that would give the slower kinds fewer, block heads able to serve
+    every k measured, a store of its own."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "benchmarks" / "heads_equal_budget.yaml")
+    assert [h.kind for h in cfg.train.heads] == ["eagle3", "eagle3.1", "dflash", "dspark"]
+    assert len({(head_config(cfg, h).train.max_steps, head_config(cfg, h).train.batch_tokens)
+                for h in cfg.train.heads}) == 1 and cfg.train.max_minutes is None
+    assert all(h.dflash_settings()["block_size"] - 1 >= max(cfg.benchmark.num_speculative_tokens)
+               for h in cfg.train.heads if h.drafts_blocks)
+    assert cfg.store.uri.startswith("file://.draftline/") and cfg.store.uri != load_config(root / "configs" / "demo.yaml").store.uri

@@ -402,6 +402,27 @@ def test_mla_head_trains_with_the_targets_attention_and_exports_what_vllms_deeps
     assert (info["kind"], info["vllm_method"], info["layer_ids"]) == ("eagle3-mla", "eagle3", [1, 3, 4])
 
 
+def test_an_mla_head_warm_starts_from_an_mla_draft_and_no_other_kind_does(mla_draft, kimi):
+    """train.init_from for the MLA variant: an eagle3-mla draft (its flat config) seeds an eagle3-mla head, every
+    weight copied; an EAGLE-3 head of another kind is refused with the draft's kind and the fix."""
+    from tasks.core.config import HeadConfig
+    from tasks.data.vocab import run_vocab
+    from tasks.formats.drafts import DraftError, check_compatible
+    from tasks.train.stage import run_train
+
+    cfg = kimi.cfg.model_copy(update={"train": kimi.cfg.train.model_copy(update={
+        "heads": [HeadConfig(kind="eagle3-mla")], "init_from": mla_draft.folder, "max_steps": 1, "lr": 1e-12})})
+    ref = run_train(cfg, kimi.store, run_vocab(kimi.cfg, kimi.store, kimi.data), kimi.refs)
+    assert ref.digest != mla_draft.ref.digest and ref.stats["init_from"]["vocab"] == "same"
+    w = st_load(kimi.store.open("train", ref.digest).read_bytes("draft/model.safetensors"))
+    for name in ("layers.0.self_attn.kv_a_proj_with_mqa.weight", "fc.weight", "fc_norm.0.weight"):
+        assert torch.allclose(w[name].float(), mla_draft.weights[name].float(), atol=1e-3), name
+    with pytest.raises(DraftError, match=r"the draft's kind is eagle3-mla, this head \(eagle3.1\) is another: .*"
+                                         r"set the head's kind: eagle3-mla"):
+        check_compatible(mla_draft.conf, mla_draft.folder, hidden=HIDDEN, vocab=VOCAB, layer_ids=[1, 3, 4, 5],
+                         num_layers=1, kind="eagle3.1")
+
+
 # ----------------------------------------------------------------------------- vLLM: config only, no weights
 
 

@@ -162,6 +162,27 @@ def test_the_plan_follows_the_config_and_the_price(kimi_shape):
         one.totals["train_compute_hours"] * (2 + 2 * cost["dflash"]))
     assert (f"eagle3 1.00, eagle3-mla 1.00, dflash {cost['dflash']:.2f}, dspark {cost['dspark']:.2f}"
             in " ".join(kinds.notes))
+    # every kind but EAGLE-3's (whose MFU is measured) is priced by a rate named as the assumption it is
+    named = {r.name: r for r in kinds.rates if r.name.startswith("train.head_cost.")}
+    assert sorted(named) == ["train.head_cost.dflash", "train.head_cost.dspark", "train.head_cost.eagle3-mla"]
+    assert all(r.kind == "assumption" and r.value == pytest.approx(cost[r.name.split(".")[-1]]) and
+               "not measured on a GPU" in r.source for r in named.values())
+    # each head's own train task: its hours, read-bound here (the store's reads, the same for every kind), add up
+    # to the train stage's
+    per_head = next(n for n in kinds.notes if n.startswith("Training per head"))
+    hours = [float(h) for h in re.findall(r": ([\d.]+) h \(", per_head)]
+    assert len(hours) == 4 and per_head.count("read-bound") == 4
+    assert sum(hours) == pytest.approx({s.stage: s for s in kinds.stages}["train"].wall_hours, rel=1e-3)
+    # the command the Kimi preset's comment gives for its two heads: each head priced on its own, the MLA head the
+    # same hours as EAGLE-3's (read-bound), on both presets
+    for preset in (KIMI, KIMI.with_name("kimi-k2.5-workstation.yaml")):
+        assert '"train.heads=[{kind: eagle3}, {kind: eagle3-mla}]"' in " ".join(
+            line.lstrip("# ") for line in KIMI.read_text().splitlines())
+        out = draftline("plan", str(preset), "--set", "train.heads=[{kind: eagle3}, {kind: eagle3-mla}]")
+        assert out.exit_code == 0, out.output
+        per_head = re.search(r"Training per head[^\n]*", " ".join(out.output.split("\n- "))).group(0)
+        assert re.search(r"eagle3 \(eagle3\) 60,000 steps x 1.00: ([\d.,]+) h \(read-bound\), \$([\d,]+); eagle3-mla "
+                         r"\(eagle3-mla\) 60,000 steps x 1.00: \1 h \(read-bound\), \$\2\.", per_head), per_head
     # more nodes: the sharded stages finish sooner, cost a little more (one engine start per node)
     assert by4["extract"].wall_hours < by1["extract"].wall_hours / 3
     assert by4["extract"].node_hours > by1["extract"].node_hours
@@ -378,6 +399,10 @@ def test_the_workstation_profile(kimi_shape):
     (["plan", "configs/demo.yaml", "--gpu-hour-price", "-1"], "--gpu-hour-price must be positive"),
     (["plan", "configs/demo.yaml", "--set", "target.model=./no-such-model"], "configs/rates.yaml"),
     (["plan", "configs/nope.yaml"], "not found"),
+    (["plan", "configs/demo.yaml", "--set", "train.heads=[{kind: eagle3}, {kind: eagle3-mla, name: mla}]"],
+     "train.heads: head 'mla' is eagle3-mla, which needs an MLA target (kv_lora_rank in its config: DeepSeek-V3, "
+     "Kimi-K2.5); target 'smollm2-135m-instruct' has llama layers without MLA. Fix: give that head kind eagle3 or "
+     "eagle3.1 for this target, or drop it"),
 ])
 def test_bad_input_names_the_fix(args, message):
     out = draftline(*args)

@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterator
 
 from tasks.address import digests
 from tasks.formats.acceptance import simulated_acceptance_length
+from tasks.formats.drafts import draft_kind, draft_layer
 from tasks.benchmark import STAGE, BenchmarkError
 from tasks.benchmark.identity import control_batch_sizes
 from tasks.benchmark.measure import RunResult, measure, spec_figures
@@ -111,7 +112,7 @@ def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
         raise BenchmarkError(f"{draft_dir}/config.json is not an EAGLE-3, DFlash or DSpark draft "
                              f"(speculators_model_type={algo!r})")
     text = text_config(target_hf_config)
-    layer = conf.get("transformer_layer_config") or conf  # an MLA draft's config is flat (formats.drafts)
+    layer = draft_layer(conf)
     if layer.get("hidden_size") not in (None, text.hidden_size):
         raise BenchmarkError(f"the draft was trained for hidden size {layer.get('hidden_size')}, the target has "
                              f"{text.hidden_size}: it belongs to another target (check target.model)")
@@ -120,8 +121,7 @@ def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
                              f"{text.vocab_size}: it belongs to another target (check target.model)")
     proposals = (conf.get("speculators_config") or {}).get("proposal_methods") or [{}]
     return {
-        "kind": algo if algo != "eagle3" else "eagle3-mla" if conf.get("kv_lora_rank") else "eagle3.1" if conf.get(
-            "fc_norm") else "eagle3",
+        "kind": draft_kind(conf),
         "vllm_method": VLLM_METHODS[algo],
         "draft_vocab_size": conf.get("draft_vocab_size"),
         "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids") or conf.get("aux_hidden_state_layer_ids"),

@@ -360,8 +360,10 @@ class TrainConfig(Section):
     )
     init_from: str | None = Field(
         None, description="A published EAGLE-3 draft (a local folder as `draftline export` writes it, or a hub "
-        "id) whose weights start training instead of a fresh draft: its hidden size, target vocabulary, depth "
-        "and auxiliary layer ids must match this run's (refused with the reason otherwise); another draft "
+        "id) whose weights start training instead of a fresh draft. It seeds every head of train.heads, and each "
+        "must be of the draft's own kind (eagle3, eagle3.1 or eagle3-mla; dflash and dspark heads start fresh "
+        "only): `draftline run` refuses any other head before work starts. Its hidden size, target vocabulary, "
+        "depth and auxiliary layer ids must match this run's (refused with the reason otherwise); another draft "
         "vocabulary is remapped (lm_head rows of tokens in both are copied). Its content digest, not its path, "
         "enters the train address.")
 

@@ -389,6 +389,20 @@ class Shape:
         return (self.flops_fixed + passes * self.flops_per_pass) / self.train_flops
 
 
+def head_cost_rate(head: Any, cost: float, train: Any, mfu_rate: str) -> Rate:
+    """A head kind's training cost over the EAGLE-3 draft's (Shape.head_cost), named as the assumption it is:
+    computed from FLOPs per token at the EAGLE-3 draft's MFU, never measured per kind on a GPU."""
+    from tasks.train.model import passes_per_token
+
+    left_out = {"dspark": "; DSpark's Markov and confidence heads left out",
+                "eagle3-mla": "; the MLA layer's own projections and attention scores left out",
+                "eagle3.1": "; its per-layer fc norms left out"}.get(head.kind, "")
+    return Rate(f"train.head_cost.{head.label}", cost, "x the EAGLE-3 draft's training FLOPs per token",
+                "assumption", f"computed (Shape.head_cost): {passes_per_token(head, train):g} decoder passes per "
+                f"token against EAGLE-3's {train.ttt_steps}, at the EAGLE-3 draft's MFU ({mfu_rate}); {head.kind} "
+                f"not measured on a GPU{left_out}")
+
+
 def make_shape(cfg: RunConfig, rates: dict[str, Any]) -> Shape:
     from tasks.engine.target import configured_layer_ids, text_config
     from tasks.train.model import flops_per_token
@@ -418,6 +432,12 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         raise PlanError("data.max_samples is not set: a plan needs the number of samples (set it, or "
                         "--set data.max_samples=N)")
     shape = shape or make_shape(cfg, rates)
+    from flows.preflight import head_problems  # a head this target cannot train: refused as `draftline run` does
+    from tasks.engine.target import text_config
+
+    problems = head_problems(cfg, text_config(shape.target.hf_config))
+    if problems:
+        raise PlanError("\n".join(problems))
     lengths = lengths or Lengths()
     r = {k: v.value for k, v in rates["rates"].items()}
     target = shape.target
@@ -488,7 +508,8 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     per_gpu = peak * mfu_t / shape.train_flops
     node_rate = per_gpu * ranks * (r["train.multi_gpu_efficiency"] if ranks > 1 else 1.0)  # all nodes together
     costs = [shape.head_cost(h, cfg.train) for h in heads]  # each head's FLOPs per token over the EAGLE-3 draft's
-    compute_h = sum(s * f for s, f in zip(head_steps, costs)) * cfg.train.batch_tokens * ranks / node_rate / 3600
+    head_compute = [s * f * cfg.train.batch_tokens * ranks / node_rate / 3600 for s, f in zip(head_steps, costs)]
+    compute_h = sum(head_compute)
     data_bytes = tokens * bpt[dtype]
     cache_bytes = r["node.cache_tb"] * 1e12
     hit = min(1.0, cache_bytes / data_bytes) if NODE_PART_CACHE and data_bytes else 0.0
@@ -499,7 +520,10 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
                  "node cache": r["node.cache_read_gb_s"] * 1e9 / bpt[dtype]}
     read_h = {"store": from_store / read_rate["store"] / tnodes / 3600,
               "node cache": from_cache / read_rate["node cache"] / tnodes / 3600}
-    train_h = max(compute_h, sum(read_h.values()))
+    # the heads train one after another, each as fast as the slower of its compute and its reads (its steps' share)
+    head_read = [sum(read_h.values()) * st / steps for st in head_steps]
+    head_h = [max(c, rd) for c, rd in zip(head_compute, head_read)]
+    train_h = sum(head_h)
     binding = "compute" if compute_h >= sum(read_h.values()) else max(read_h, key=read_h.get) + " read"
     ckpt_size = shape.trainable * CHECKPOINT_BYTES_PER_PARAM
     keep = int(getattr(cfg.train, "keep_checkpoints", 0) or 0) or None  # read defensively: older configs lack it
@@ -553,6 +577,11 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
            + ", ".join(f"{h.label} {c:.2f}" for h, c in zip(heads, costs)) + ")" if len(heads) > 1 else "") + ").",
     ]
     notes += length_notes(cfg, lengths)
+    if len(heads) > 1:  # each head's own train task: its steps, its FLOPs per token, its reads
+        notes.append("Training per head (one train task each, one after another): " + "; ".join(
+            f"{h.label} ({h.kind}) {st:,} steps x {c:.2f}: {hh:,.2f} h ({'compute' if hc >= hr else 'read'}-bound), "
+            f"${tnodes * hh * gpus * price:,.0f}"
+            for h, st, c, hc, hr, hh in zip(heads, head_steps, costs, head_compute, head_read, head_h)) + ".")
     if target.known_as and not Path(cfg.target.model).exists():
         notes.append(f"Target: {cfg.target.model} (not on this machine) is a local copy of {target.known_as} "
                      "(configs/rates.yaml local_copies): its shape and rates are used.")
@@ -605,7 +634,8 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
             "regenerate.answer_fill", "regenerate.prompt_tokens", "prepare.samples_per_s",
             "prepare.bytes_per_token", train_rate_name, "train.multi_gpu_efficiency", "storage.gb_month_price",
             "engine.start_fixed_s", "engine.start_s_per_gb"]
-    listed = [rates["rates"][k] for k in used] + list(target.rates.values())
+    listed = [rates["rates"][k] for k in used] + list(target.rates.values()) + [
+        head_cost_rate(h, c, cfg.train, train_rate_name) for h, c in zip(heads, costs) if h.kind != "eagle3"]
     if lengths.prompt is not None:
         listed = [Rate(x.name, prompt, x.unit, "the run's stats", lengths.source)
                   if x.name == "regenerate.prompt_tokens" else x for x in listed]

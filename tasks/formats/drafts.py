@@ -103,6 +103,41 @@ def mla_draft_config(conf: dict[str, Any]) -> dict[str, Any]:
             "eagle_aux_hidden_state_layer_ids": aux, "num_aux_hidden_states": len(aux)}
 
 
+def draft_layer(conf: dict[str, Any]) -> dict[str, Any]:
+    """A draft's decoder layer config: speculators' transformer_layer_config, or the config itself for an MLA
+    draft (flat, `mla_draft_config`)."""
+    return conf.get("transformer_layer_config") or conf
+
+
+def draft_kind(conf: dict[str, Any]) -> str | None:
+    """The train.heads kind a draft's config.json was written by: its speculators_model_type (dflash, dspark),
+    and for an EAGLE-3 draft eagle3-mla (MLA keys), eagle3.1 (per-layer fc_norm) or eagle3; None if not a draft."""
+    algo = conf.get("speculators_model_type")
+    if algo != "eagle3":
+        return algo
+    return "eagle3-mla" if draft_layer(conf).get("kv_lora_rank") else "eagle3.1" if conf.get("fc_norm") else "eagle3"
+
+
+# A warm start copies a draft's weights into a head of the same kind: the EAGLE-3 kinds, whose Eagle3DraftModel
+# names its weights as the exported draft does. DFlash and DSpark heads start fresh.
+WARM_START_KINDS = ("eagle3", "eagle3.1", "eagle3-mla")
+
+
+def warm_start_problem(conf: dict[str, Any], kind: str, label: str | None = None) -> str | None:
+    """Why the draft `conf` cannot seed a head of `kind` (None if its kind allows it)."""
+    head = f"head {label!r} ({kind})" if label else f"this head ({kind})"
+    if kind not in WARM_START_KINDS:
+        return (f"{head} cannot start from a draft: a warm start seeds {', '.join(WARM_START_KINDS)} heads only; "
+                "remove train.init_from or train that head in a run without it")
+    theirs = draft_kind(conf)
+    if theirs != kind:
+        fix = (f"set the head's kind: {theirs}, or give an {kind} draft" if theirs in WARM_START_KINDS
+               else f"give an {kind} draft")
+        return (f"the draft's kind is {theirs or 'unknown (no speculators_model_type)'}, {head} is another: a "
+                f"warm start needs a draft of the head's own kind ({fix})")
+    return None
+
+
 def layer_ids_of(conf: dict[str, Any]) -> list[int] | None:
     ids = conf.get("eagle_aux_hidden_state_layer_ids") or conf.get("aux_hidden_state_layer_ids")
     return list(ids) if ids else None
@@ -116,11 +151,10 @@ def check_compatible(conf: dict[str, Any], spec: str, *, hidden: int, vocab: int
     vocabulary (another target), another depth, other auxiliary layers (its fc reads other hidden states),
     another architecture."""
     problems = []
-    algo = conf.get("speculators_model_type")
-    if algo != "eagle3" or kind not in ("eagle3", "eagle3.1"):
-        problems.append(f"it is a {algo!r} draft and this head is {kind}: a warm start needs an EAGLE-3 draft for "
-                        "an eagle3/eagle3.1 head")
-    layer = conf.get("transformer_layer_config") or {}
+    wrong_kind = warm_start_problem(conf, kind)
+    if wrong_kind:
+        problems.append(wrong_kind)
+    layer = draft_layer(conf)
     if layer.get("hidden_size") != hidden:
         problems.append(f"its hidden size is {layer.get('hidden_size')}, the target's {hidden}: it was trained "
                         "for another target model")

@@ -27,16 +27,26 @@ def is_mla(tc: Any) -> bool:
     return bool(getattr(tc, "kv_lora_rank", None))
 
 
-def mla_layer_config(train: TrainConfig, tc: Any) -> Any:
+def head_target_problem(head: HeadConfig, tc: Any, model: str) -> str | None:
+    """Why head `head` cannot be trained for the target `model` (its text config `tc`), with the fix; None if
+    it can. Asked by `draftline run` and `draftline plan` before any work (flows/preflight.py), and by the
+    train stage (`mla_layer_config`)."""
+    if head.kind == "eagle3-mla" and not is_mla(tc):
+        return (f"train.heads: head {head.label!r} is eagle3-mla, which needs an MLA target (kv_lora_rank in its "
+                f"config: DeepSeek-V3, Kimi-K2.5); target {model!r} has {getattr(tc, 'model_type', '?')} layers "
+                "without MLA. Fix: give that head kind eagle3 or eagle3.1 for this target, or drop it")
+    return None
+
+
+def mla_layer_config(train: TrainConfig, tc: Any, model: str = "?") -> Any:
     """An eagle3-mla head's decoder layer config: a DeepSeek-V3 config with the target's MLA attention
     (MLA_LAYER_KEYS) and `train.num_layers` dense layers (first_k_dense_replace past them: vLLM's
     deepseek_eagle3 builds a dense MLP, never MoE) of the target's dense MLP width."""
+    problem = head_target_problem(train.head, tc, model)
+    if problem:
+        raise TrainError(problem)
     from transformers import DeepseekV3Config
 
-    if not is_mla(tc):
-        raise TrainError(f"train.heads: an eagle3-mla head needs an MLA target (DeepSeek-V3, Kimi-K2.5: kv_lora_rank "
-                         f"in its config); this target's {getattr(tc, 'model_type', '?')} layers have none. Use an "
-                         "eagle3 or eagle3.1 head")
     _register_mla_layers()
     keys = {k: getattr(tc, k) for k in MLA_LAYER_KEYS if getattr(tc, k, None) is not None}
     return DeepseekV3Config(**keys, num_hidden_layers=train.num_layers, first_k_dense_replace=train.num_layers,
@@ -82,7 +92,7 @@ def draft_layer_config(train: TrainConfig, target: TargetConfig, target_path: st
 
     tc = text_config(hf_config)
     if kind == "eagle3-mla":
-        return mla_layer_config(train, tc)
+        return mla_layer_config(train, tc, target.model)
     dflash = kind in BLOCK_KINDS
     layer_cfg = create_transformer_layer_config(
         verifier_name_or_path=target_path, num_layers=train.num_layers,
