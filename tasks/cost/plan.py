@@ -432,10 +432,13 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         raise PlanError("data.max_samples is not set: a plan needs the number of samples (set it, or "
                         "--set data.max_samples=N)")
     shape = shape or make_shape(cfg, rates)
-    from flows.preflight import head_problems  # a head this target cannot train: refused as `draftline run` does
+    # a head this target cannot train is refused as `draftline run` refuses it (the train stage's own check);
+    # tasks.train.model imports torch, which a plan made on a laptop needs only here
     from tasks.engine.target import text_config
+    from tasks.train.model import head_target_problem
 
-    problems = head_problems(cfg, text_config(shape.target.hf_config))
+    text = text_config(shape.target.hf_config)
+    problems = [p for p in (head_target_problem(h, text, cfg.target.model) for h in cfg.train.heads) if p]
     if problems:
         raise PlanError("\n".join(problems))
     lengths = lengths or Lengths()
