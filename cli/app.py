@@ -4,18 +4,11 @@ The app, its one error handler and the commands' registration; each command is a
 
 from __future__ import annotations
 
-import os
 from importlib.metadata import version
 
-# Before Prefect is imported: a fresh Prefect home migrates its database slowly on
-# small machines, and nothing here should phone home.
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# draftline's own loggers (locks, engines, training) reach the terminal and the Prefect UI.
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftline")
+from tasks.core.home import apply_env_defaults
+
+apply_env_defaults()  # before Prefect is imported (tasks.core.home.ENV_DEFAULTS says why)
 
 import httpx
 import typer

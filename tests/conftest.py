@@ -9,14 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from tasks.core.home import apply_env_defaults
+
 sys.path.insert(0, str(Path(__file__).parent))
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# draftline's environment, plus what the tests need: vLLM-CPU's KV cache small, no hub
+apply_env_defaults(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
 
 from prefect_server import PrefectServer  # noqa: E402
 from s3server import S3Server  # noqa: E402

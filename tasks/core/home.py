@@ -11,6 +11,26 @@ from pathlib import Path
 from typing import Iterator
 
 
+# The environment every draftline process runs in unless the user set otherwise, applied before Prefect is
+# imported (the command line, and the tests, which add their own): a fresh Prefect home migrates its database
+# slowly on small machines; nothing phones home; draftline's own loggers (locks, engines, training) reach the
+# terminal and the Prefect UI. One list: the Makefile exports only what its shell commands need before Python.
+ENV_DEFAULTS = {
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "draftline",
+}
+
+
+def apply_env_defaults(**extra: str) -> None:
+    """Set ENV_DEFAULTS (and `extra`) where the environment does not already say otherwise."""
+    for key, value in {**ENV_DEFAULTS, **extra}.items():
+        os.environ.setdefault(key, value)
+
+
 def cache_home() -> Path:
     root = os.environ.get("DRAFTLINE_HOME") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "draftline")
