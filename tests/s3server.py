@@ -24,12 +24,13 @@ SCOPED_KEYS = ("draftline-scoped-access", "draftline-scoped-secret-Vb7n")
 
 
 def free_port_block(n: int) -> int:
-    """A base port p such that p..p+n-1 and p+10000.. (weed's gRPC ports) are free."""
+    """A base port p such that p..p+n-1 and p+10000.. (weed's gRPC ports) are free, every one of them below
+    65000 (infra/local-stack.sh takes an S3 port below 55000 for that reason)."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + 10000 + n >= 65535:
+        if base + 10000 + n > 65000:
             continue
         ok = True
         for p in [*range(base, base + n), *range(base + 10000, base + 10000 + n)]:
