@@ -318,8 +318,8 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
                                            model)
             spec[k] = serve(f"{label}-k{k}", ran_with[k], why=f"{label} at k={k} (vLLM fixes k at engine start)")
         replayed: dict[str, Any] | None = None
+        smallest = min(b.batch_sizes)  # the replay's outputs and the vocabulary coverage's
         if b.offline_replay and b.temperature == 0 and method == "eagle3":
-            smallest = min(b.batch_sizes)
             t1 = time.time()
             try:
                 replayed = offline_replay(cfg, model, draft_dir, draft_info, evals,
@@ -360,7 +360,6 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
     with contextlib.suppress(OSError, AttributeError):
         timing["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
 
-    smallest = min(b.batch_sizes)
     report = assemble_report(cfg, evals, baseline, spec, train_art.stats, draft_info, measured_by, timing,
                              replayed, controls, data_stats=data_stats(store, data),
                              vocab_coverage={ev.name: vocab_coverage(in_draft, baseline[ev.name][smallest].outputs)

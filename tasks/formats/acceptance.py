@@ -57,6 +57,12 @@ def bucket_rank(label: str) -> int:
     return [lb for _, lb in LENGTH_BUCKETS].index(label)
 
 
+def bucket_bounds(label: str) -> tuple[int, int | None]:
+    """[lower, upper) context lengths of the bucket `label` (upper None: unbounded)."""
+    i = bucket_rank(label)
+    return (LENGTH_BUCKETS[i - 1][0] or 0) if i else 0, LENGTH_BUCKETS[i][0]
+
+
 def length_counts(lengths: Sequence[int]) -> dict[str, int]:
     """How many of `lengths` fall in each bucket: the non-empty ones, shortest first."""
     counts: dict[str, int] = {}

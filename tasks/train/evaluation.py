@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tasks.core.config import TrainConfig
-from tasks.formats.acceptance import LENGTH_BUCKETS, bucket_rank, length_bucket, simulated_acceptance_length
+from tasks.formats.acceptance import bucket_bounds, bucket_rank, length_bucket, simulated_acceptance_length
 from tasks.train import ratios, rounded
 from tasks.train.stream import Batch, PartData, PartSpec, eval_batches, holdout_plan, tail_copy
 
@@ -113,11 +113,9 @@ def _evaluate_pass(model: Any, batches: Sequence[Batch], device: torch.device, f
 
 def context_mask(position_ids: torch.Tensor, label: str) -> torch.Tensor:
     """True where a token's context (its position in its sample + 1) falls in the bucket `label`."""
-    bounds = [bound for bound, _ in LENGTH_BUCKETS]
-    i = bucket_rank(label)
+    lo, hi = bucket_bounds(label)
     ctx = position_ids + 1
-    inside = ctx >= (bounds[i - 1] if i else 0)
-    return inside & (ctx < bounds[i]) if bounds[i] is not None else inside
+    return (ctx >= lo) & (ctx < hi) if hi is not None else ctx >= lo
 
 
 def _drafted(model: Any) -> int:
