@@ -135,6 +135,31 @@ def exported(tiny, ref) -> tuple[dict, dict]:
     return json.loads(art.read_bytes("draft/config.json")), st_load(art.read_bytes("draft/model.safetensors"))
 
 
+def safetensors_shapes(blob: bytes) -> dict[str, list[int]]:
+    """Each tensor's shape from a safetensors file's header (8 bytes of length, then JSON)."""
+    n = int.from_bytes(blob[:8], "little")
+    return {k: v["shape"] for k, v in json.loads(blob[8:8 + n]).items() if k != "__metadata__"}
+
+
+def vllm026_dflash_fc_input_size(hf: dict) -> int:
+    """The fc input size vLLM 0.26.0 builds for a DFlash/DSpark draft, from the HF config its speculators reader
+    makes: model_executor/models/qwen3_dflash.py, DFlashQwen3Model.__init__ (0.26.0, lines 356-406):
+        drafter_config = getattr(self.config, "eagle_config", {})
+        drafter_config.update(getattr(self.config, "dflash_config", {}))
+        num_features_to_use = self.config.num_hidden_layers
+        if "target_layer_ids" in drafter_config: num_features_to_use = len(drafter_config["target_layer_ids"])
+        elif "layer_ids" in drafter_config: num_features_to_use = len(drafter_config["layer_ids"])
+        fc_input_size = (target_hidden_size if present else hidden_size) * num_features_to_use
+    (the top-level `target_layer_ids` its update_dspark sets is not read there)."""
+    drafter = {**(hf.get("eagle_config") or {}), **(hf.get("dflash_config") or {})}
+    n = hf["num_hidden_layers"]
+    if "target_layer_ids" in drafter:
+        n = len(drafter["target_layer_ids"])
+    elif "layer_ids" in drafter:
+        n = len(drafter["layer_ids"])
+    return (hf["target_hidden_size"] if "target_hidden_size" in hf else hf["hidden_size"]) * n
+
+
 def test_eagle31_head_trains_with_per_layer_fc_norms(tiny):
     ref = run_train(head_cfg(tiny, {"kind": "eagle3.1"}), tiny.store, tiny.vref, tiny.refs)
     conf, weights = exported(tiny, ref)
@@ -199,6 +224,30 @@ def test_dspark_head_trains_its_markov_and_confidence_heads_and_exports_what_vll
     pre = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(conf)))
     assert pre["architectures"] == ["Qwen3DSparkModel"] and pre["target_layer_ids"] == [i - 1 for i in LAYER_IDS[:-1]]
     assert (pre["dspark_bonus_anchor"], pre["markov_rank"], pre["confidence_head_with_markov"]) == (True, 256, True)
+    # vLLM 0.26 (the lent GPU's) sizes the fc it loads by the rule below: the config vLLM builds gives the fc the
+    # exported weight has (one draft layer reading three target layers: 64 x 3 inputs, not 64 x 1)
+    fc_in = safetensors_shapes(tiny.store.open("train", ref.digest).read_bytes("draft/model.safetensors"))["fc.weight"][1]
+    assert conf["transformer_layer_config"]["num_hidden_layers"] == 1 and len(LAYER_IDS[:-1]) == 3
+    assert pre["dflash_config"] == {"target_layer_ids": [i - 1 for i in LAYER_IDS[:-1]]}
+    assert vllm026_dflash_fc_input_size(pre) == fc_in == 64 * 3
+    # ...and the block vLLM 0.26 reads changes nothing in the installed vLLM's (0.32) reading of the draft: the
+    # same keys but dflash_config, the same fc size, attention per layer, causality and mask token
+    from vllm.model_executor.models import qwen3_dflash
+
+    plain = {**conf, "transformer_layer_config": {k: v for k, v in conf["transformer_layer_config"].items()
+                                                  if k != "dflash_config"}}
+    bare = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(plain)))
+    assert {k: v for k, v in pre.items() if k != "dflash_config"} == bare and "dflash_config" not in bare
+    seen = []
+    for p in (pre, bare):
+        hf = SpeculatorsConfig(**json.loads(json.dumps(p)))
+        seen.append((qwen3_dflash.dflash_has_any_non_causal(hf), qwen3_dflash._resolve_layer_attention(hf, 0),
+                     qwen3_dflash._get_dflash_fc_input_size(SimpleNamespace(speculative_config=SimpleNamespace(
+                         draft_model_config=SimpleNamespace(hf_config=hf)))),
+                     {**getattr(hf, "eagle_config", {}), **getattr(hf, "dflash_config", {})}.get(
+                         "mask_token_id", getattr(hf, "mask_token_id", None))))
+    # non-causal full attention in the block (as trained), the fc of the weights, mask token 0 (the head's)
+    assert seen[0] == seen[1] == (True, (None, False), fc_in, 0), seen
     # the same recipe as a DFlash head is another head: its own address
     cfg = heads("{kind: dflash}", "{kind: dspark}")
     assert len({digests.train(cfg, V, SHARDS, h) for h in cfg.train.heads}) == 2
