@@ -311,11 +311,23 @@ def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_
 # ============================================================================ one benchmark, every head
 
 
+def stored_heads(store: Store, drafts: dict[str, dict]) -> tuple[list, object]:
+    """A train artifact per head (its draft's config.json, weights vLLM would not read) and two held-out prompts."""
+    from test_benchmark import commit, heldout_parquet
+
+    trained = [(label, commit(store, "train", f"{i}" * 32, {"draft/config.json": json.dumps(conf).encode(),
+                                                             "draft/model.safetensors": b"x"},
+                              stats={"val_acc_per_pos": [0.5, 0.25], "steps": 10}))
+               for i, (label, conf) in enumerate(drafts.items())]
+    return trained, commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet(
+        [[{"role": "user", "content": q}] for q in ("Hi there", "How are you?")])})
+
+
 def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_decode_keeps_its_error(tmp_path,
                                                                                                  monkeypatch):
     """Three heads through run_benchmark with engines that count like vLLM; the DFlash engine fails to start
     the way vLLM fails: its row is offline-only with vLLM's own error, the others are measured."""
-    from test_benchmark import FakeEngine, bench_cfg, commit, heldout_parquet
+    from test_benchmark import FakeEngine, bench_cfg
 
     import tasks.benchmark.stage
     from tasks.benchmark.stage import load_report, run_benchmark
@@ -352,12 +364,7 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
               "eagle3.1": {"speculators_model_type": "eagle3", "fc_norm": True, "norm_output": True},
               "dflash": {"speculators_model_type": "dflash", "block_size": 3,
                          "aux_hidden_state_layer_ids": [2, 15, 27]}}
-    trained = [(label, commit(store, "train", f"{i}" * 32, {"draft/config.json": json.dumps(conf).encode(),
-                                                             "draft/model.safetensors": b"x"},
-                              stats={"val_acc_per_pos": [0.5, 0.25], "steps": 10}))
-               for i, (label, conf) in enumerate(drafts.items())]
-    data = commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet(
-        [[{"role": "user", "content": q}] for q in ("Hi there", "How are you?")])})
+    trained, data = stored_heads(store, drafts)
     rep = load_report(store, run_benchmark(cfg, store, trained, data, engine_factory=factory))
 
     assert started == ["baseline:None", "eagle3-k2:eagle3", "eagle3.1-k2:eagle3", "dflash-k2:dflash"]
@@ -385,6 +392,78 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
     out = console.export_text()
     assert "draft heads, one benchmark" in out and "offline only" in out and "eagle3.1" in out
     assert "dflash k=2: vLLM could not decode it: EngineError: dflash-k2 died while starting" in out
+
+
+def test_a_benchmark_run_again_after_a_kill_starts_only_the_engines_it_had_not_finished(tmp_path, monkeypatch):
+    """Each engine's figures are committed as it closes: a benchmark killed while the second head's engine starts
+    starts only that engine when it runs again, and with every engine committed the report is made again, the
+    same, without starting one. (tests/test_kill_anywhere.py does this with vLLM's CPU build and a real SIGKILL.)"""
+    from test_benchmark import FakeEngine, bench_cfg
+
+    import tasks.benchmark.stage
+    from tasks.benchmark.stage import load_report, run_benchmark
+
+    class Killed(BaseException):
+        """What a SIGKILL is to the benchmark: nothing after it runs."""
+
+    started: list[str] = []
+    kill_at: list[str] = ["eagle3.1-k2"]
+
+    class Engine(FakeEngine):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def start(self):
+            if self.name in kill_at:
+                kill_at.remove(self.name)
+                raise Killed(self.name)
+            started.append(self.name)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tasks.benchmark.stage, "_machine", lambda: {"machine": "test", "load_avg_1m": None})
+    store = Store(f"file://{tmp_path}/store")
+    cfg = bench_cfg(evals=[{"name": "heldout", "source": "heldout", "num_prompts": 2}], num_speculative_tokens=[2],
+                    batch_sizes=[2], max_tokens=4, offline_replay=False)
+    cfg.train.heads = [HeadConfig(kind="eagle3"), HeadConfig(kind="eagle3.1")]
+    drafts = {"eagle3": {"speculators_model_type": "eagle3", "norm_before_fc": True, "norm_output": True},
+              "eagle3.1": {"speculators_model_type": "eagle3", "fc_norm": True, "norm_output": True}}
+    trained, data = stored_heads(store, drafts)
+
+    def bench() -> dict:
+        started.clear()
+        return load_report(store, run_benchmark(cfg, store, trained, data,
+                                               engine_factory=lambda name, kwargs: Engine(name)))
+
+    with pytest.raises(Killed):
+        bench()
+    assert started == ["baseline", "eagle3-k2"] and store.list("benchmark") == []
+    assert sorted(m.stats["engine"] for m in store.list("benchmark-engine")) == ["baseline", "eagle3-k2"]
+    rep = bench()
+    assert started == ["eagle3.1-k2"]
+    assert {n: bool(e.get("reused")) for n, e in rep["engines"].items()} == {
+        "baseline": True, "eagle3-k2": True, "eagle3.1-k2": False}
+    assert [h["measured"] for h in rep["heads"].values()] == ["vllm", "vllm"]
+
+    import shutil
+
+    shutil.rmtree(tmp_path / "store" / "benchmark")
+    again = bench()
+    assert started == [] and all(e["reused"] for e in again["engines"].values())
+
+    def same(r: dict) -> dict:  # what was measured, not when the report was assembled
+        out = {k: v for k, v in r.items() if k not in ("measured_by", "timing", "engines")}
+        out["engines"] = {n: {k: v for k, v in e.items() if k != "reused"} for n, e in r["engines"].items()}
+        return {**out, "engine_start_s": r["timing"]["engine_start_s"], "measure_s": r["timing"]["measure_s"]}
+
+    assert same(again) == same(rep)
+    # another eval prompt, k or draft is another engine: measured, not reused
+    cfg.benchmark.num_speculative_tokens = [3]
+    shutil.rmtree(tmp_path / "store" / "benchmark")
+    bench()
+    assert started == ["eagle3-k3", "eagle3.1-k3"]
 
 
 def test_the_equal_budget_benchmark_gives_every_head_the_same_budget():
