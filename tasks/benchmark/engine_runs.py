@@ -20,12 +20,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from typing import Any
 
 from tasks.address import digests
 from tasks.benchmark.measure import RunResult, SpecCounters
 from tasks.store.artifacts import Store
 
+# the terminal and the Prefect UI (PREFECT_LOGGING_EXTRA_LOGGERS gives "draftline" Prefect's API handler; the
+# console is the root's, whose WARNING level would drop this INFO note unless the logger says INFO itself)
+log = logging.getLogger("draftline.benchmark")
+if log.level == logging.NOTSET:
+    log.setLevel(logging.INFO)
 ENGINE_FILE = "engine.json"
 # the parts of the stage's machine description that make figures comparable (not its host name or load)
 MACHINE_KEYS = ("cpu", "cpus", "gpus", "versions")

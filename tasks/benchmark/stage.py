@@ -56,6 +56,7 @@ from tasks.formats.acceptance import simulated_acceptance_length
 from tasks.formats.drafts import draft_kind, draft_layer
 from tasks.benchmark import STAGE, BenchmarkError
 from tasks.benchmark.engine_runs import EngineRun, commit_engine_run, engine_address, load_engine_run
+from tasks.benchmark.engine_runs import log as reuse_log
 from tasks.benchmark.identity import control_batch_sizes
 from tasks.benchmark.measure import RunResult, measure, spec_figures
 from tasks.benchmark.prompts import EvalPrompts, load_eval_prompts
@@ -293,7 +294,10 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
             if control:
                 controls.update(done.controls)
                 timing["control_s"] = done.timing.get("control_s")
-            _log(log, f"benchmark: {name}: reused {done.uri} (measured {done.created}), no engine started")
+            note = f"benchmark: {name}: reused {done.uri} (measured {done.created}), no engine started"
+            if log is None:  # a flow run passes no on_log: its terminal and the Prefect UI
+                reuse_log.info(note)
+            _log(log, note)
             return done.results
         engine = factory(name, kwargs)
         engines[name] = {"why": why, "args": kwargs}
