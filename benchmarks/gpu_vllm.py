@@ -3,6 +3,7 @@ own commands and stage code:
 
     python3 benchmarks/gpu_vllm.py serve --config benchmarks/gpu_vllm_demo.yaml --dest DIR --out serve.json
     python3 benchmarks/gpu_vllm.py kimi --root DIR --out kimi.json
+    python3 benchmarks/gpu_vllm.py dspark --config benchmarks/gpu_vllm_demo.yaml --out dspark.json [--k 3]
     python3 benchmarks/gpu_vllm.py report --dir /tmp/gv --out gpu_vllm.json [--cpu-store DIR]
 
 `serve` (item d): `draftline export CONFIG DEST --json`, then the serve line it prints, run as printed (`vllm
@@ -12,6 +13,10 @@ accepted tokens above zero, the server's start seconds.
 `kimi` (item e): a tiny random-init Kimi-K2.5-layout repository built as the hub has it (tests/test_kimi_layout.py
 `tiny_kimi`: MLA, routed + shared experts, the VLM wrapper), served by the stand-in hub (tests/hub_server.py),
 fetched with `draftline weights`, then `draftline run --until extract` through vLLM from exactly what was fetched.
+
+`dspark`: the pipeline's DSpark draft (its train artifact on the config's store, found by head kind) measured in
+vLLM at k=3 by draftline's benchmark stage against the same baseline; engines the pipeline's benchmark already
+committed there are reused (tasks/benchmark/engine_runs.py), so a pipeline whose benchmark ran starts none or one.
 
 `report`: the figures of every step (bench_gpu.json, the pipeline's and the eager regeneration's summaries and
 stores, serve.json, kimi.json) as one JSON and a markdown summary on stdout; `--cpu-store` adds the acceptance
@@ -179,6 +184,67 @@ def kimi(args) -> None:
         Path(args.out).write_text(json.dumps(res, indent=2, default=str))
 
 
+# =========================================================================== DSpark in vLLM
+
+
+def dspark(args) -> None:
+    """The pipeline's DSpark draft (the store's train artifact of head kind dspark) measured in vLLM at k=`args.k`
+    by draftline's own benchmark stage (run_benchmark), against the config's baseline, on the same store: engines
+    the pipeline's benchmark already measured there (its baseline, the DSpark head at that k) are reused, not
+    started again. Writes the acceptance per eval and batch size, the engines started or reused, and the
+    draft's fc-sizing block (what vLLM 0.26 reads) to `args.out`."""
+    from tasks.benchmark.stage import load_report, run_benchmark
+    from tasks.core.config import load_config
+    from tasks.core.home import apply_env_defaults
+    from tasks.store.artifacts import Store
+
+    apply_env_defaults()  # what `draftline` sets for its engines
+    res: dict = {"k": args.k}
+    try:
+        cfg = load_config(args.config, [f"benchmark.num_speculative_tokens=[{args.k}]"])
+        store = Store.from_config(cfg.store)
+        found = [m for m in store.list("train") if m.stats.get("head_kind") == "dspark"]
+        if not found:
+            raise SystemExit(f"no train artifact of head kind dspark in {cfg.store.uri}: run the pipeline step first")
+        m = found[-1]
+        label = m.stats.get("head") or "dspark"
+        heads = [h for h in cfg.train.heads if h.label == label]
+        if not heads:
+            raise SystemExit(f"{args.config} has no head labelled {label!r} (the stored DSpark draft's)")
+        cfg.train.heads = heads
+        trained = store.open("train", m.digest)
+        conf = trained.read_json("draft/config.json")
+        res.update({"train_digest": m.digest, "head": label, "steps": m.stats.get("steps"),
+                    "layer_ids": m.stats.get("layer_ids"),  # the auxiliary layers, then the last one
+                    "num_layers": conf["transformer_layer_config"].get("num_hidden_layers"),
+                    "dflash_config": conf["transformer_layer_config"].get("dflash_config"),
+                    "simulated_acceptance_length": m.stats.get("simulated_acceptance_length")})
+        # the data the pipeline's benchmark read: its extraction's (regenerated, else prepared) conversations
+        shard = store.manifest("extract", m.inputs["extract"].split(",")[0])
+        data_digest = shard.inputs["data"]
+        data = next(store.open(st, data_digest).ref() for st in ("regenerate", "prepare")
+                    if store.manifest(st, data_digest) is not None)
+        t0 = time.time()
+        try:
+            ref = run_benchmark(cfg, store, [(label, trained.ref())], data, on_log=log)
+        except Exception as exc:  # noqa: BLE001 - the engine's own error line is the finding (the baseline stays)
+            from tasks.benchmark.stage import engine_error_text
+
+            res["error"] = engine_error_text(exc)
+            raise SystemExit(f"DSpark k={args.k}: not measured: {res['error']}") from None
+        finally:
+            res["benchmark_s"] = round(time.time() - t0, 1)
+        rep = load_report(store, ref)
+        head = rep["heads"][label]
+        res.update({"benchmark_digest": ref.digest, "measured": head.get("measured"), "errors": head.get("errors"),
+                    "acceptance": _acceptance({"heads": {label: head}}).get(label, {}),
+                    "engines": {n: {"start_s": e.get("start_s"), "reused": e.get("reused")}
+                                for n, e in (rep.get("engines") or {}).items()}})
+        log(f"DSpark k={args.k}: {res['measured']}; acceptance {res['acceptance']}; errors {res['errors']}")
+    finally:
+        Path(args.out).write_text(json.dumps(res, indent=2, default=str))
+
+
 # =========================================================================== a draft back from the device
 
 
@@ -323,6 +389,14 @@ def report(args) -> None:
         lines += ["## (d) `vllm serve` with the printed line", "", f"`{sv.get('serve_line')}`", "",
                   f"- up in {sv.get('server_start_s')} s; {sv.get('completion_tokens')} tokens; counters "
                   f"{sv.get('counters')}; ok={sv.get('ok')}", ""]
+    ds = out["dspark"] = _load(d / "dspark.json")
+    if ds:
+        lines += [f"## DSpark in vLLM at k={ds.get('k')} (the pipeline's draft, draftline's benchmark stage)", "",
+                  f"- draft {ds.get('train_digest')}: {ds.get('num_layers')} layer(s) reading {ds.get('layer_ids')}; "
+                  f"dflash_config {ds.get('dflash_config')}; training estimate {ds.get('simulated_acceptance_length')}",
+                  f"- measured: {ds.get('measured')}; acceptance {ds.get('acceptance')}; errors "
+                  f"{ds.get('errors') or ds.get('error')}",
+                  f"- engines: {ds.get('engines')}", ""]
     km = out["kimi"]
     if km:
         lines += ["## (e) tiny Kimi-K2.5 layout, fetched from the stand-in hub", "",
@@ -359,14 +433,18 @@ def _bench_report(store: Path) -> dict:
     if not store.exists():
         return {}
     st = Store(f"file://{store}")
+    reports = []
     for m in st.list("benchmark"):
         try:
-            rep = st.open("benchmark", m.digest).read_json("report.json")
+            reports.append((m.digest, st.open("benchmark", m.digest).read_json("report.json")))
         except Exception:  # noqa: BLE001 - a report of what is there
             continue
-        return {"acceptance": _acceptance(rep), "engine_start_s": (rep.get("timing") or {}).get("engine_start_s"),
-                "digest": m.digest}
-    return {}
+    if not reports:
+        return {}
+    # the pipeline's (every head), not the dspark step's (one head) when both are on the store
+    digest, rep = max(reports, key=lambda dr: len(dr[1].get("heads") or {}))
+    return {"acceptance": _acceptance(rep), "engine_start_s": (rep.get("timing") or {}).get("engine_start_s"),
+            "digest": digest}
 
 
 def main() -> None:
@@ -390,13 +468,17 @@ def main() -> None:
     jn.add_argument("parts")
     jn.add_argument("embed_from")
     jn.add_argument("dest")
+    ds = sub.add_parser("dspark")
+    ds.add_argument("--config", required=True)
+    ds.add_argument("--out", required=True)
+    ds.add_argument("--k", type=int, default=3)
     r = sub.add_parser("report")
     r.add_argument("--dir", required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--cpu-store", default=None, help="a CPU store whose benchmark measured the same drafts")
     args = ap.parse_args()
     {"serve": serve, "kimi": kimi, "report": report, "split-draft": split_draft,
-     "join-draft": join_draft}[args.cmd](args)
+     "join-draft": join_draft, "dspark": dspark}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@
 #                (gpu_vllm.py split-draft: all but the target's embedding) so the CPU machine measures the same
 #                draft on the same prompts: `python3 benchmarks/gpu_vllm.py join-draft OUT CPU_DRAFT DIR`, then
 #                `draftline run configs/demo.yaml --set 'benchmark.drafts=[{name: gpu, model: DIR}]'`
+#   dspark       the pipeline's DSpark draft (the store's train artifact of head kind dspark) in vLLM at k=3 through
+#                draftline's benchmark stage (gpu_vllm.py dspark): acceptance per eval into /tmp/gv/dspark.json;
+#                the engines the pipeline's benchmark committed (baseline, the head at k=3) are reused
 #   kimi         (e) a tiny random-init Kimi-K2.5-layout target (MLA, experts, the VLM wrapper) served by the
 #                stand-in hub, fetched with `draftline weights`, its states extracted through vLLM
 #   errors       the engines' own error lines into $OUT/engine-errors.log (their logs do not outlive the machine)
@@ -86,6 +89,10 @@ for step in "$@"; do
       --out /tmp/gv/serve.json >"$OUT/serve.log" 2>&1
     say "serve rc=$?"; tail -5 "$OUT/serve.log"
     python3 benchmarks/gpu_vllm.py split-draft /tmp/gv/my-draft/draft "$OUT" ;;
+  dspark)
+    timeout "${GV_DSPARK_S:-420}" python3 benchmarks/gpu_vllm.py dspark --config benchmarks/gpu_vllm_demo.yaml \
+      --out /tmp/gv/dspark.json --k "${GV_DSPARK_K:-3}" >"$OUT/dspark.log" 2>&1
+    say "dspark rc=$?"; grep -E "DSpark k=|reused|Error" "$OUT/dspark.log" | tail -8; cp /tmp/gv/dspark.json "$OUT/" 2>/dev/null ;;
   kimi)
     REPO=(); [ -d /tmp/gv/kimi/repo ] && REPO=(--repo /tmp/gv/kimi/repo)
     timeout 300 python3 benchmarks/gpu_vllm.py kimi --root /tmp/gv/kimi "${REPO[@]}" --out /tmp/gv/kimi.json \

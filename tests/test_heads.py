@@ -135,6 +135,31 @@ def exported(tiny, ref) -> tuple[dict, dict]:
     return json.loads(art.read_bytes("draft/config.json")), st_load(art.read_bytes("draft/model.safetensors"))
 
 
+def safetensors_shapes(blob: bytes) -> dict[str, list[int]]:
+    """Each tensor's shape from a safetensors file's header (8 bytes of length, then JSON)."""
+    n = int.from_bytes(blob[:8], "little")
+    return {k: v["shape"] for k, v in json.loads(blob[8:8 + n]).items() if k != "__metadata__"}
+
+
+def vllm026_dflash_fc_input_size(hf: dict) -> int:
+    """The fc input size vLLM 0.26.0 builds for a DFlash/DSpark draft, from the HF config its speculators reader
+    makes: model_executor/models/qwen3_dflash.py, DFlashQwen3Model.__init__ (0.26.0, lines 356-406):
+        drafter_config = getattr(self.config, "eagle_config", {})
+        drafter_config.update(getattr(self.config, "dflash_config", {}))
+        num_features_to_use = self.config.num_hidden_layers
+        if "target_layer_ids" in drafter_config: num_features_to_use = len(drafter_config["target_layer_ids"])
+        elif "layer_ids" in drafter_config: num_features_to_use = len(drafter_config["layer_ids"])
+        fc_input_size = (target_hidden_size if present else hidden_size) * num_features_to_use
+    (the top-level `target_layer_ids` its update_dspark sets is not read there)."""
+    drafter = {**(hf.get("eagle_config") or {}), **(hf.get("dflash_config") or {})}
+    n = hf["num_hidden_layers"]
+    if "target_layer_ids" in drafter:
+        n = len(drafter["target_layer_ids"])
+    elif "layer_ids" in drafter:
+        n = len(drafter["layer_ids"])
+    return (hf["target_hidden_size"] if "target_hidden_size" in hf else hf["hidden_size"]) * n
+
+
 def test_eagle31_head_trains_with_per_layer_fc_norms(tiny):
     ref = run_train(head_cfg(tiny, {"kind": "eagle3.1"}), tiny.store, tiny.vref, tiny.refs)
     conf, weights = exported(tiny, ref)
@@ -199,6 +224,30 @@ def test_dspark_head_trains_its_markov_and_confidence_heads_and_exports_what_vll
     pre = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(conf)))
     assert pre["architectures"] == ["Qwen3DSparkModel"] and pre["target_layer_ids"] == [i - 1 for i in LAYER_IDS[:-1]]
     assert (pre["dspark_bonus_anchor"], pre["markov_rank"], pre["confidence_head_with_markov"]) == (True, 256, True)
+    # vLLM 0.26 (the lent GPU's) sizes the fc it loads by the rule below: the config vLLM builds gives the fc the
+    # exported weight has (one draft layer reading three target layers: 64 x 3 inputs, not 64 x 1)
+    fc_in = safetensors_shapes(tiny.store.open("train", ref.digest).read_bytes("draft/model.safetensors"))["fc.weight"][1]
+    assert conf["transformer_layer_config"]["num_hidden_layers"] == 1 and len(LAYER_IDS[:-1]) == 3
+    assert pre["dflash_config"] == {"target_layer_ids": [i - 1 for i in LAYER_IDS[:-1]]}
+    assert vllm026_dflash_fc_input_size(pre) == fc_in == 64 * 3
+    # ...and the block vLLM 0.26 reads changes nothing in the installed vLLM's (0.32) reading of the draft: the
+    # same keys but dflash_config, the same fc size, attention per layer, causality and mask token
+    from vllm.model_executor.models import qwen3_dflash
+
+    plain = {**conf, "transformer_layer_config": {k: v for k, v in conf["transformer_layer_config"].items()
+                                                  if k != "dflash_config"}}
+    bare = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(plain)))
+    assert {k: v for k, v in pre.items() if k != "dflash_config"} == bare and "dflash_config" not in bare
+    seen = []
+    for p in (pre, bare):
+        hf = SpeculatorsConfig(**json.loads(json.dumps(p)))
+        seen.append((qwen3_dflash.dflash_has_any_non_causal(hf), qwen3_dflash._resolve_layer_attention(hf, 0),
+                     qwen3_dflash._get_dflash_fc_input_size(SimpleNamespace(speculative_config=SimpleNamespace(
+                         draft_model_config=SimpleNamespace(hf_config=hf)))),
+                     {**getattr(hf, "eagle_config", {}), **getattr(hf, "dflash_config", {})}.get(
+                         "mask_token_id", getattr(hf, "mask_token_id", None))))
+    # non-causal full attention in the block (as trained), the fc of the weights, mask token 0 (the head's)
+    assert seen[0] == seen[1] == (True, (None, False), fc_in, 0), seen
     # the same recipe as a DFlash head is another head: its own address
     cfg = heads("{kind: dflash}", "{kind: dspark}")
     assert len({digests.train(cfg, V, SHARDS, h) for h in cfg.train.heads}) == 2
@@ -262,11 +311,23 @@ def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_
 # ============================================================================ one benchmark, every head
 
 
+def stored_heads(store: Store, drafts: dict[str, dict]) -> tuple[list, object]:
+    """A train artifact per head (its draft's config.json, weights vLLM would not read) and two held-out prompts."""
+    from test_benchmark import commit, heldout_parquet
+
+    trained = [(label, commit(store, "train", f"{i}" * 32, {"draft/config.json": json.dumps(conf).encode(),
+                                                             "draft/model.safetensors": b"x"},
+                              stats={"val_acc_per_pos": [0.5, 0.25], "steps": 10}))
+               for i, (label, conf) in enumerate(drafts.items())]
+    return trained, commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet(
+        [[{"role": "user", "content": q}] for q in ("Hi there", "How are you?")])})
+
+
 def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_decode_keeps_its_error(tmp_path,
                                                                                                  monkeypatch):
     """Three heads through run_benchmark with engines that count like vLLM; the DFlash engine fails to start
     the way vLLM fails: its row is offline-only with vLLM's own error, the others are measured."""
-    from test_benchmark import FakeEngine, bench_cfg, commit, heldout_parquet
+    from test_benchmark import FakeEngine, bench_cfg
 
     import tasks.benchmark.stage
     from tasks.benchmark.stage import load_report, run_benchmark
@@ -303,12 +364,7 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
               "eagle3.1": {"speculators_model_type": "eagle3", "fc_norm": True, "norm_output": True},
               "dflash": {"speculators_model_type": "dflash", "block_size": 3,
                          "aux_hidden_state_layer_ids": [2, 15, 27]}}
-    trained = [(label, commit(store, "train", f"{i}" * 32, {"draft/config.json": json.dumps(conf).encode(),
-                                                             "draft/model.safetensors": b"x"},
-                              stats={"val_acc_per_pos": [0.5, 0.25], "steps": 10}))
-               for i, (label, conf) in enumerate(drafts.items())]
-    data = commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet(
-        [[{"role": "user", "content": q}] for q in ("Hi there", "How are you?")])})
+    trained, data = stored_heads(store, drafts)
     rep = load_report(store, run_benchmark(cfg, store, trained, data, engine_factory=factory))
 
     assert started == ["baseline:None", "eagle3-k2:eagle3", "eagle3.1-k2:eagle3", "dflash-k2:dflash"]
@@ -336,6 +392,78 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
     out = console.export_text()
     assert "draft heads, one benchmark" in out and "offline only" in out and "eagle3.1" in out
     assert "dflash k=2: vLLM could not decode it: EngineError: dflash-k2 died while starting" in out
+
+
+def test_a_benchmark_run_again_after_a_kill_starts_only_the_engines_it_had_not_finished(tmp_path, monkeypatch):
+    """Each engine's figures are committed as it closes: a benchmark killed while the second head's engine starts
+    starts only that engine when it runs again, and with every engine committed the report is made again, the
+    same, without starting one. (tests/test_kill_anywhere.py does this with vLLM's CPU build and a real SIGKILL.)"""
+    from test_benchmark import FakeEngine, bench_cfg
+
+    import tasks.benchmark.stage
+    from tasks.benchmark.stage import load_report, run_benchmark
+
+    class Killed(BaseException):
+        """What a SIGKILL is to the benchmark: nothing after it runs."""
+
+    started: list[str] = []
+    kill_at: list[str] = ["eagle3.1-k2"]
+
+    class Engine(FakeEngine):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def start(self):
+            if self.name in kill_at:
+                kill_at.remove(self.name)
+                raise Killed(self.name)
+            started.append(self.name)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tasks.benchmark.stage, "_machine", lambda: {"machine": "test", "load_avg_1m": None})
+    store = Store(f"file://{tmp_path}/store")
+    cfg = bench_cfg(evals=[{"name": "heldout", "source": "heldout", "num_prompts": 2}], num_speculative_tokens=[2],
+                    batch_sizes=[2], max_tokens=4, offline_replay=False)
+    cfg.train.heads = [HeadConfig(kind="eagle3"), HeadConfig(kind="eagle3.1")]
+    drafts = {"eagle3": {"speculators_model_type": "eagle3", "norm_before_fc": True, "norm_output": True},
+              "eagle3.1": {"speculators_model_type": "eagle3", "fc_norm": True, "norm_output": True}}
+    trained, data = stored_heads(store, drafts)
+
+    def bench() -> dict:
+        started.clear()
+        return load_report(store, run_benchmark(cfg, store, trained, data,
+                                               engine_factory=lambda name, kwargs: Engine(name)))
+
+    with pytest.raises(Killed):
+        bench()
+    assert started == ["baseline", "eagle3-k2"] and store.list("benchmark") == []
+    assert sorted(m.stats["engine"] for m in store.list("benchmark-engine")) == ["baseline", "eagle3-k2"]
+    rep = bench()
+    assert started == ["eagle3.1-k2"]
+    assert {n: bool(e.get("reused")) for n, e in rep["engines"].items()} == {
+        "baseline": True, "eagle3-k2": True, "eagle3.1-k2": False}
+    assert [h["measured"] for h in rep["heads"].values()] == ["vllm", "vllm"]
+
+    import shutil
+
+    shutil.rmtree(tmp_path / "store" / "benchmark")
+    again = bench()
+    assert started == [] and all(e["reused"] for e in again["engines"].values())
+
+    def same(r: dict) -> dict:  # what was measured, not when the report was assembled
+        out = {k: v for k, v in r.items() if k not in ("measured_by", "timing", "engines")}
+        out["engines"] = {n: {k: v for k, v in e.items() if k != "reused"} for n, e in r["engines"].items()}
+        return {**out, "engine_start_s": r["timing"]["engine_start_s"], "measure_s": r["timing"]["measure_s"]}
+
+    assert same(again) == same(rep)
+    # another eval prompt, k or draft is another engine: measured, not reused
+    cfg.benchmark.num_speculative_tokens = [3]
+    shutil.rmtree(tmp_path / "store" / "benchmark")
+    bench()
+    assert started == ["eagle3-k3", "eagle3.1-k3"]
 
 
 def test_the_equal_budget_benchmark_gives_every_head_the_same_budget():

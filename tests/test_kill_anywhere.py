@@ -156,18 +156,57 @@ def test_a_run_killed_anywhere_resumes_exactly_on_s3(prefect_server, s3_server, 
     kill_and_resume(tmp_path, f"s3://draftline-test/kill-{uuid.uuid4().hex[:8]}")
 
 
+def engine_runs(store: Store) -> dict[str, tuple[str, str]]:
+    """The benchmark engines committed on the store: name -> (digest, when committed)."""
+    return {m.stats["engine"]: (m.digest, m.created) for m in store.list("benchmark-engine")}
+
+
 @pytest.mark.slow
-def test_a_run_killed_during_the_benchmark_resumes_only_the_benchmark(prefect_server, tmp_path):
+def test_a_run_killed_during_the_benchmark_resumes_only_the_benchmark_engines_it_had_not_finished(prefect_server,
+                                                                                                  tmp_path):
+    """Killed after the baseline and the draft at k=1 were measured (each engine's figures committed as it
+    closes), the same command starts only the engine at k=2; the report, made again from the committed engines
+    alone, is the same one."""
     uri = f"file://{tmp_path}/store"
     store = Store(uri)
+    ks = "benchmark.num_speculative_tokens=[1,2]"
     s = completed_run(args_for(uri, "train"), tmp_path, "warm")
     assert counts(s)["train"] == ("ran", 1, 0)
-    pid = killed_run(args_for(uri, None), "benchmark.baseline-measured", tmp_path, "kb")
+    pid = killed_run(args_for(uri, None, ks), "benchmark.engine-committed:2", tmp_path, "kb")
     assert committed(store, "benchmark") == set()
-    s = completed_run(args_for(uri, None), tmp_path, "rb")
+    before = engine_runs(store)
+    assert sorted(before) == ["baseline", "eagle3-k1"], before
+    s = completed_run(args_for(uri, None, ks), tmp_path, "rb")
     assert counts(s) == {"prepare": ("cached", 0, 1), "vocab": ("cached", 0, 1), "extract": ("cached", 0, 4),
                          "train": ("cached", 0, 1), "benchmark": ("ran", 1, 0)}, counts(s)
+    after = engine_runs(store)
+    assert sorted(after) == ["baseline", "eagle3-k1", "eagle3-k2"] and {n: after[n] for n in before} == before
+    log = (tmp_path / "rb.log").read_text()
+    for name in ("baseline", "eagle3-k1"):
+        assert f"benchmark: {name}: reused " in log, log[-3000:]
+    assert "benchmark: eagle3-k2: reused" not in log
+    (bench,) = store.list("benchmark")
+    rep = store.open("benchmark", bench.digest).read_json("report.json")
+    assert {n: bool(e.get("reused")) for n, e in rep["engines"].items()} == {
+        "baseline": True, "eagle3-k1": True, "eagle3-k2": False}
     verify_and_collect(store, {pid})
+
+    # every engine committed: the benchmark made again starts none and reports the same figures
+    import shutil
+
+    shutil.rmtree(tmp_path / "store" / "benchmark")
+    s = completed_run(args_for(uri, None, ks), tmp_path, "again")
+    assert counts(s)["benchmark"] == ("ran", 1, 0) and engine_runs(store) == after
+    again = store.open("benchmark", bench.digest).read_json("report.json")
+    assert all(e.get("reused") for e in again["engines"].values()), again["engines"]
+
+    def same(r: dict) -> dict:  # what was measured, not when the report was assembled
+        out = {k: v for k, v in r.items() if k not in ("measured_by", "timing", "engines")}
+        out["engines"] = {n: {k: v for k, v in e.items() if k != "reused"} for n, e in r["engines"].items()}
+        out["engine_start_s"] = r["timing"]["engine_start_s"]
+        return out
+
+    assert same(again) == same(rep)
 
 
 def _signal_mid_extraction(tmp_path: Path, sig: signal.Signals) -> None:

@@ -120,6 +120,19 @@ def train(cfg, vocab_ref, shard_refs, head=None) -> str:
     return stage_digest("train", section, train_inputs(cfg, vocab_ref, shard_refs))
 
 
+BENCHMARK_ENGINE = "benchmark-engine"
+
+
+def benchmark_engine(cfg, engine: dict[str, Any], measured: dict[str, Any], prompts: str, draft: str | None) -> str:
+    """One benchmark engine's measurements (the baseline, or one draft at one k), committed as the engine closes so
+    a benchmark run again after a kill starts only the engines it had not finished (tasks/benchmark/engine_runs.py).
+    What decides them: the target, the engine's `vllm.LLM` arguments (`engine`, the draft named by its address
+    `draft`, not by its folder), `measured` (the sampling, batch sizes, controls, the engine's environment, the
+    machine kind and releases), and the eval prompts' digest `prompts`. The benchmark stage's version is theirs."""
+    return stage_digest(BENCHMARK_ENGINE, {"target": target_identity(cfg), "engine": engine, **measured},
+                        {"prompts": prompts, **({"draft": draft} if draft else {})}, version=VERSIONS["benchmark"])
+
+
 def benchmark(cfg, trained, data) -> str:
     """`trained`: the train artifact of the one head, or (label, artifact) per head in cfg.train.heads order.
     One head: the address it always had; several: every head's label and artifact enter it."""

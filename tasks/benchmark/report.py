@@ -146,7 +146,9 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines += [f"{i}. {c}" for i, c in enumerate(MISMATCH_CAUSES, 1)]
     t = report.get("timing") or {}
     if t:
-        starts = ", ".join(f"{k} {v}s" for k, v in (t.get("engine_start_s") or {}).items())
+        reused = {n for n, e in (report.get("engines") or {}).items() if e.get("reused")}
+        starts = ", ".join(f"{k} {v}s" + (" (an earlier run's, reused)" if k in reused else "")
+                           for k, v in (t.get("engine_start_s") or {}).items())
         lines += ["", f"Benchmark wall time {t.get('total_s')}s (engine starts: {starts}"
                   + (f"; greedy-identity control decodes {t['control_s']}s" if t.get("control_s") is not None else "")
                   + (f"; offline replay {t['replay_s']}s" if t.get("replay_s") is not None else "") + ")."]

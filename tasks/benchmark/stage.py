@@ -31,6 +31,8 @@ choose the ks with `benchmark.num_speculative_tokens`: the Kimi preset measures 
 `benchmark.offline_replay`, the replay's hidden-state engine (extraction is itself a speculative method in vLLM, so
 the baseline cannot double as it; on a CPU the replay uses transformers). Each start is recorded in the report's
 `engines` (why, the `vllm.LLM` arguments, seconds) and `draftline plan` prices the same count (tasks/cost/plan.py).
+Each engine's figures are committed as it closes (tasks/benchmark/engine_runs.py): a benchmark killed part way
+starts, when run again, only the engines it had not finished, and marks the others `reused` in `engines`.
 
 Beside the measured acceptance length sits the offline estimate from the train
 artifact's `val_acc_per_pos` (see `simulated_acceptance_length`); a relative gap
@@ -53,6 +55,8 @@ from tasks.address import digests
 from tasks.formats.acceptance import simulated_acceptance_length
 from tasks.formats.drafts import draft_kind, draft_layer
 from tasks.benchmark import STAGE, BenchmarkError
+from tasks.benchmark.engine_runs import EngineRun, commit_engine_run, engine_address, load_engine_run
+from tasks.benchmark.engine_runs import log as reuse_log
 from tasks.benchmark.identity import control_batch_sizes
 from tasks.benchmark.measure import RunResult, measure, spec_figures
 from tasks.benchmark.prompts import EvalPrompts, load_eval_prompts
@@ -274,9 +278,30 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
     # the chosen k's): what vLLM allows to share, and so what is started, is in the module docstring.
     engines: dict[str, dict[str, Any]] = {}
 
-    def serve(name: str, kwargs: dict, control: bool = False, why: str = "") -> dict[str, dict[int, RunResult]]:
+    def serve(name: str, kwargs: dict, control: bool = False, why: str = "",
+              draft: str | None = None) -> dict[str, dict[int, RunResult]]:
+        # each engine's figures are committed as it closes (tasks/benchmark/engine_runs.py): one measured by a
+        # run that was killed later is reused, its engine not started again
+        measured = {"sampling": sampling, "batch_sizes": b.batch_sizes, "env": engine_env(cfg),
+                    "controls": control and {ev.name: control_batch_sizes(b.batch_sizes, len(ev.prompts))
+                                             for ev in evals}}
+        address = engine_address(cfg, kwargs, measured, evals, draft, measured_by)
+        done = load_engine_run(store, address)
+        if done is not None:
+            engines[name] = {"why": why, "args": kwargs, "start_s": done.timing.get("start_s"), "reused": done.uri}
+            timing["engine_start_s"][name] = done.timing.get("start_s")
+            timing["measure_s"][name] = done.timing.get("measure_s")
+            if control:
+                controls.update(done.controls)
+                timing["control_s"] = done.timing.get("control_s")
+            note = f"benchmark: {name}: reused {done.uri} (measured {done.created}), no engine started"
+            if log is None:  # a flow run passes no on_log: its terminal and the Prefect UI
+                reuse_log.info(note)
+            _log(log, note)
+            return done.results
         engine = factory(name, kwargs)
         engines[name] = {"why": why, "args": kwargs}
+        mine: dict[str, dict[str, RunResult]] = {}
         t0 = time.time()
         try:
             engine.start()
@@ -290,13 +315,18 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
             if control:  # the same prompts again, on the same engine: the baseline's own divergence
                 t1 = time.time()
                 for ev in evals:
-                    controls[ev.name] = {f"batch {bs} (repeat)" if bs in b.batch_sizes else f"batch {bs}":
-                                         measure(engine, ev.prompts, sampling, bs)
-                                         for bs in control_batch_sizes(b.batch_sizes, len(ev.prompts))}
+                    mine[ev.name] = {f"batch {bs} (repeat)" if bs in b.batch_sizes else f"batch {bs}":
+                                     measure(engine, ev.prompts, sampling, bs)
+                                     for bs in control_batch_sizes(b.batch_sizes, len(ev.prompts))}
                 timing["control_s"] = round(time.time() - t1, 1)
-            return res
+                controls.update(mine)
         finally:
             engine.close()
+        commit_engine_run(store, address, EngineRun(res, mine, {
+            "start_s": timing["engine_start_s"][name], "measure_s": timing["measure_s"][name],
+            "control_s": timing.get("control_s") if control else None}), name, draft)
+        kill_point("benchmark.engine-committed")
+        return res
 
     with draft_folder(train_art) as draft_dir:
         draft_info = check_draft(draft_dir, hf_config)
@@ -316,7 +346,8 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
             _log(log, f"benchmark: {label} engine ({method}), k={k}")
             ran_with[k] = benchmark_kwargs(cfg, {"method": method, "model": draft_dir, "num_speculative_tokens": k},
                                            model)
-            spec[k] = serve(f"{label}-k{k}", ran_with[k], why=f"{label} at k={k} (vLLM fixes k at engine start)")
+            spec[k] = serve(f"{label}-k{k}", ran_with[k], why=f"{label} at k={k} (vLLM fixes k at engine start)",
+                            draft=f"train:{trained.digest}")
         replayed: dict[str, Any] | None = None
         smallest = min(b.batch_sizes)  # the replay's outputs and the vocabulary coverage's
         if b.offline_replay and b.temperature == 0 and method == "eagle3":
@@ -352,7 +383,7 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
                 try:
                     entry["spec"][k] = serve(f"{other_label}-k{k}", benchmark_kwargs(
                         cfg, {"method": info["vllm_method"], "model": other_dir, "num_speculative_tokens": k}, model),
-                        why=f"{other_label} at k={k} ({origin})")
+                        why=f"{other_label} at k={k} ({origin})", draft=f"{ref.stage}:{ref.digest}")
                 except Exception as exc:  # noqa: BLE001 - vLLM cannot decode this head: keep the error, go on
                     entry["errors"][k] = engine_error_text(exc)
                     _log(log, f"benchmark: {other_label} k={k} could not be measured in vLLM: {entry['errors'][k]}")

@@ -13,6 +13,7 @@ Ctrl-C); only the moment is chosen. Points, in the order a run meets them:
     train.checkpoint-file            one file of a training checkpoint written, the others not
     cache.mid-fill                   the node part cache's filler has written the first chunk of a part
     benchmark.baseline-measured      the benchmark's baseline decoded, the draft not yet
+    benchmark.engine-committed       a benchmark engine's figures committed (`:2`: the baseline's and the next one's)
     train.rank<R>.step               training rank R (of train.gpus > 1) after a step: that rank alone dies
     engine.<name>.request            an engine (e.g. extract-cpu1) about to serve a request: the engine
                                      kills its own process group (the run itself lives on)

@@ -32,6 +32,10 @@ VERSION_LINES = (
     ("where EngineArgs has it (0.32 does)", "tasks/engine/child.py",
      "per_request_spec_decode_metrics=detailed on a speculative engine: each request's accepted tokens per verify "
      "step (the benchmark's acceptance by context length); without it the report has no such table"),
+    ("0.26", "tasks/formats/drafts.py (dspark_vllm_config)",
+     "a speculators DSpark draft's fc is sized from transformer_layer_config.dflash_config.target_layer_ids "
+     "(qwen3_dflash.py DFlashQwen3Model.__init__), not from the aux layers its update_dspark sets at the top: "
+     "draftline's export writes that block; 0.32 and 0.33 size the fc from the aux layers and ignore it"),
     ("0.32 CPU build", "tasks/engine/settings.py",
      "attention_backend=CPU_MLA for an MLA target in float32 on a CPU (the AMX MLA backend takes bf16 only)"),
 )

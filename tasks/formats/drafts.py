@@ -103,6 +103,36 @@ def mla_draft_config(conf: dict[str, Any]) -> dict[str, Any]:
             "eagle_aux_hidden_state_layer_ids": aux, "num_aux_hidden_states": len(aux)}
 
 
+# vLLM 0.26's DSpark loader sizes a speculators DSpark draft's fc by its own draft layers, not by the target layers it
+# reads. Its speculators reader (transformers_utils/configs/speculators/algos.py, update_dspark) builds the draft's
+# HF config from `transformer_layer_config` and puts `target_layer_ids = [i - 1 for i in aux_layer_ids]` at its top;
+# the DFlash backbone DSpark reuses (model_executor/models/qwen3_dflash.py, DFlashQwen3Model.__init__) counts the fc's
+# input features from `eagle_config` + `dflash_config` only:
+#     drafter_config = getattr(self.config, "eagle_config", {})
+#     drafter_config.update(getattr(self.config, "dflash_config", {}))
+#     num_features_to_use = self.config.num_hidden_layers
+#     if "target_layer_ids" in drafter_config: num_features_to_use = len(drafter_config["target_layer_ids"])
+# so a one-layer draft reading three layers got an fc of hidden x hidden and failed at weight load ("Tried to load
+# weights of size [576, 1728] to a parameter of size [576, 576]", SmolLM2-135M on the lent H100). speculators writes
+# no dflash_config; draftline writes one inside transformer_layer_config, which vLLM copies into the HF config as
+# is, holding only `target_layer_ids` in vLLM's own i - 1 numbering. It changes nothing on 0.32 and 0.33: their fc
+# is sized from the auxiliary layers (_get_dflash_fc_input_size, get_eagle3_aux_layers_from_config, which reads
+# `eagle_aux_hidden_state_layer_ids` first, set by update_dspark); `dflash_config.target_layer_ids` is read there
+# only by the Qwen3-Omni DSpark check (config/speculative.py), with the same values as the top-level key; the keys
+# of dflash_config that steer a DFlash/DSpark draft (causal, use_swa, swa_window_size, attention_sink_bias,
+# attention_value_scale, mask_token_id, use_aux_hidden_state, sample_from_anchor) stay unset, so each falls back
+# to what it was without the block (tests/test_heads.py reads vLLM 0.32's own functions on both configs).
+
+
+def dspark_vllm_config(conf: dict[str, Any]) -> dict[str, Any]:
+    """A DSpark draft's config.json (speculators' `conf`) with the `dflash_config` vLLM 0.26 sizes its fc from
+    (see above): `transformer_layer_config.dflash_config.target_layer_ids`, the auxiliary layers minus one."""
+    layer = dict(conf["transformer_layer_config"])
+    layer["dflash_config"] = {**(layer.get("dflash_config") or {}),
+                              "target_layer_ids": [int(i) - 1 for i in conf["aux_hidden_state_layer_ids"]]}
+    return {**conf, "transformer_layer_config": layer}
+
+
 def draft_layer(conf: dict[str, Any]) -> dict[str, Any]:
     """A draft's decoder layer config: speculators' transformer_layer_config, or the config itself for an MLA
     draft (flat, `mla_draft_config`)."""

@@ -291,6 +291,10 @@ def export_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
         from tasks.formats.drafts import mla_draft_config
 
         config = mla_draft_config(config)
+    if config.get("speculators_model_type") == "dspark":  # the fc size vLLM 0.26 reads (tasks/formats/drafts.py)
+        from tasks.formats.drafts import dspark_vllm_config
+
+        config = dspark_vllm_config(config)
     with open(os.path.join(folder, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2, sort_keys=True)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
