@@ -160,6 +160,21 @@ def test_two_takers_of_a_free_lock_one_wins(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["k.lock"]  # no temp files left
 
 
+def test_an_address_lock_is_a_file_in_the_store_that_marks_it_as_one(tmp_path):
+    """The flow's lock of STAGE/DIGEST (flows/caching.py): STORE/_locks/STAGE-DIGEST.lock while held, naming
+    the process and flow run; taking it marks the root as a store, so a run killed before its first commit
+    leaves a root that `draftline gc` and `store init` know as draftline's."""
+    from tasks.store.artifacts import Store
+    from tasks.store.leases import address_lock
+
+    store = Store(f"file://{tmp_path}/store")
+    with address_lock(store, "extract", "d1", {"flow_run": "run-1"}):
+        info = read_lock(lock_folder(store) / "extract-d1.lock")
+        assert info["owner"]["pid"] == os.getpid() and info["flow_run"] == "run-1"
+        assert store.has_marker()
+    assert list(lock_folder(store).iterdir()) == [] and store.collectable() and store.list() == []
+
+
 def test_gc_lists_and_removes_what_dead_runs_left_and_spares_the_living(tmp_path):
     """`draftline gc --dry-run` lists, with age and owner: a stale lock of an older version (in the folder
     versions that locked through Prefect used, STORE/_prefect/locks), a dead run's lock, a dead writer's

@@ -36,6 +36,7 @@ from typing import Any, Iterator
 
 from tasks.core import owners, stopping
 from tasks.core.errors import DraftlineError
+from tasks.store.artifacts import Store
 
 FORMAT = "draftline-lease-1"
 DEFAULT_WAIT_S = 3600.0
@@ -246,15 +247,16 @@ _FOLDERS: dict[Path, LeaseLocks] = {}
 _FOLDERS_MUTEX = threading.Lock()
 
 
-def lock_folder(store: Any, old: bool = False) -> Path:
+def lock_folder(store: Store, old: bool = False) -> Path:
     """STORE/_locks of a file:// store (OLD: the folder versions that locked through Prefect used)."""
     return Path(store.root).joinpath(*(OLD_LOCKS if old else (LOCKS,)))
 
 
-def address_lock(store: Any, stage: str, digest: str, note: dict[str, Any] | None = None):
+def address_lock(store: Store, stage: str, digest: str, note: dict[str, Any] | None = None):
     """The lock of STAGE/DIGEST as a context manager: a lease lock on a file:// store, nothing on s3://."""
     if not store.is_local:
         return contextlib.nullcontext()
+    store.ensure_marker()  # the lock is the run's first write here: gc and `store init` know the root as a store
     folder = lock_folder(store).resolve()
     with _FOLDERS_MUTEX:
         locks = _FOLDERS.setdefault(folder, LeaseLocks(folder))
