@@ -4,7 +4,7 @@
 
 1. acquire + release of one key, side by side in one process: no lock, Prefect's
    FileSystemLockManager (what draftline used before: never released by a killed run), and
-   draftline's LeaseLockManager (owner + renewed lease);
+   draftline's LeaseLocks (tasks/store/leases.py: owner + renewed lease);
 2. takeover after the holder is SIGKILLed: a child process takes the lock and is killed; the time
    from its death until a waiter in this process holds the lock, for an owner on this machine (pid
    check) and for one that cannot be checked (another host: the lease must run out; measured with a
@@ -29,14 +29,14 @@ sys.path.insert(0, str(ROOT))
 
 from prefect.locking.filesystem import FileSystemLockManager  # noqa: E402
 
-from flows.locks import LeaseLockManager, read_lock  # noqa: E402
+from tasks.store.leases import LeaseLocks, read_lock  # noqa: E402
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from flows.locks import LeaseLockManager
-m = LeaseLockManager(Path(sys.argv[1]), lease_s=float(sys.argv[2]))
-m.acquire_lock("k", holder="child")
+from tasks.store.leases import LeaseLocks
+m = LeaseLocks(Path(sys.argv[1]), lease_s=float(sys.argv[2]))
+m.acquire("k")
 print("held", flush=True)
 time.sleep(600)
 """
@@ -56,9 +56,8 @@ def overhead(rounds: int) -> dict[str, float]:
         fs = FileSystemLockManager(Path(d) / "prefect")
         out["prefect_filesystem_us"] = per_call_us(
             lambda i: (fs.acquire_lock(f"k{i}", "h"), fs.release_lock(f"k{i}", "h")), rounds)
-        lease = LeaseLockManager(Path(d) / "lease")
-        out["lease_us"] = per_call_us(
-            lambda i: (lease.acquire_lock(f"k{i}", "h"), lease.release_lock(f"k{i}", "h")), rounds)
+        lease = LeaseLocks(Path(d) / "lease")
+        out["lease_us"] = per_call_us(lambda i: lease.release(f"k{i}", lease.acquire(f"k{i}")), rounds)
     return {k: round(v, 1) for k, v in out.items()}
 
 
@@ -77,7 +76,7 @@ def takeover(lease_s: float, other_host: bool) -> float:
             rec = read_lock(path)
             rec["owner"]["host"] = "another-node"
             path.write_text(json.dumps(rec))
-        LeaseLockManager(Path(d), poll_s=0.05).acquire_lock("k", holder="me")
+        LeaseLocks(Path(d), poll_s=0.05).acquire("k")
         return round(time.monotonic() - t0, 3)
 
 

@@ -3,8 +3,9 @@
 - on the store, only under a root that holds draftline's store marker (`Store.collectable`): attempt folders
   named as draftline names them that no manifest names, and manifest temp files
   (tasks/store/artifacts.py `garbage_detail`);
-- stale locks of a file:// store (flows/locks.py): a dead holder's, an expired lease's, or an older
-  version's (which were never released when their run was killed);
+- stale locks of a file:// store (tasks/store/leases.py, in STORE/_locks and, left by versions that locked
+  through Prefect, STORE/_prefect/locks): a dead holder's, an expired lease's, or an older version's (which
+  were never released when their run was killed). Nothing else under STORE/_prefect is touched;
 - on this machine: the node part cache's temp files whose filler died (tasks/store/part_cache.py; the next
   fill of that part removes them too), engine work folders (hidden-state files and ring buffers in /dev/shm, i.e. RAM),
   temporary checkpoint, draft and export copies (`draftline-KIND-WHEN-<16 hex>` under the temp folder,
@@ -26,11 +27,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.caching import lock_folder
-from flows.locks import lock_files
 from tasks.core import owners
 from tasks.engine.process import engine_tmp_base
 from tasks.store.artifacts import Store
+from tasks.store.leases import lock_files, lock_folder
 from tasks.store.part_cache import PartCache, default_root
 
 
@@ -85,7 +85,7 @@ def find(store: Store, min_age_s: float) -> list[Leftover]:
                       "its writer is gone" if g["owner"].get("alive") is False else f"older than {min_age_s:.0f} s")
              for g in store.garbage_detail(min_age_s)]  # raises NotAStore on a root draftline did not mark
     if store.is_local and store.has_marker():
-        for path, info, why in lock_files(lock_folder(store)):
+        for path, info, why in lock_files(lock_folder(store)) + lock_files(lock_folder(store, old=True)):
             if why:
                 found.append(Leftover("lock", str(path), now - path.stat().st_mtime,
                                       owners.describe(info.get("owner")), why))

@@ -1,9 +1,9 @@
 """The draftline Prefect flow: prepare -> regenerate -> vocab -> extract[shards] -> train -> benchmark.
 
-Each stage is a thin task around a plain function in tasks/. Tasks are keyed by
-their artifact digest (flows/caching.py); the stage functions themselves also
-return at once when their artifact is committed, so the store, not Prefect's
-database, decides what runs.
+Each stage is a thin task around a plain function in tasks/. A task computes its
+artifact's address once and asks the store (flows/caching.py `finished_or_run`): a
+committed artifact ends the task at once as Cached, otherwise it computes under the
+address's lock. The store's manifest, not Prefect's database, decides what runs.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from prefect.client.orchestration import get_client
 from prefect.futures import wait
 from prefect.runtime import deployment, flow_run
 
-from flows.caching import stage_options
+from flows.caching import TASK_OPTIONS, as_ref, finished_or_run
 from flows.flow_runs import EXTRACT_FLOW
 from flows.interrupts import chain_into_flow
 from flows.nodes import SHARDED, child_config, finish_sharded, run_nodes, train_child, train_nodes
@@ -46,19 +46,15 @@ from tasks.store.artifacts import ArtifactRef, Store
 from tasks.train import TrainError
 
 
-def as_ref(value: Any) -> ArtifactRef:
-    """Task results are stored as JSON (never pickle); cached ones come back as dicts."""
-    return value if isinstance(value, ArtifactRef) else ArtifactRef.model_validate(value)
-
-
 # --------------------------------------------------------------------------- tasks
 
-@task(name="prepare", task_run_name="prepare")
+@task(name="prepare", task_run_name="prepare", **TASK_OPTIONS)
 def prepare_task(cfg: RunConfig, digest: str) -> ArtifactRef:
-    return run_prepare(cfg, Store.from_config(cfg.store))
+    store = Store.from_config(cfg.store)
+    return finished_or_run("prepare", store, digest, lambda: run_prepare(cfg, store))
 
 
-@task(name="regenerate-shard", task_run_name="regenerate-shard-{shard}", retries=0)
+@task(name="regenerate-shard", task_run_name="regenerate-shard-{shard}", retries=0, **TASK_OPTIONS)
 def regenerate_shard_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) -> ArtifactRef:
     store = Store.from_config(cfg.store)
 
@@ -71,30 +67,39 @@ def regenerate_shard_task(cfg: RunConfig, digest: str, shard: int, plan: Any, po
                               f"generated tokens in {secs:.0f}s" + (f", {gen / secs:.0f} tok/s" if secs > 0 else ""))
         return ref
 
-    return store.found_or_compute(SHARD_STAGE, digest, compute)
+    return finished_or_run(SHARD_STAGE, store, digest, compute)
 
 
-@task(name="regenerate", task_run_name="regenerate")
+@task(name="regenerate", task_run_name="regenerate", **TASK_OPTIONS)
 def regenerate_task(cfg: RunConfig, digest: str, prepared: ArtifactRef, shards: list[ArtifactRef],
                     reused: int = 0, started: float | None = None) -> ArtifactRef:
     """The regenerate artifact from its shards' artifacts (tasks.data.regenerate.assemble_regenerate)."""
     store = Store.from_config(cfg.store)
-    arts = [store.open(SHARD_STAGE, as_ref(x).digest) for x in shards]
-    return assemble_regenerate(cfg, store, prepared, arts, started or time.time(), reused)
+
+    def compute() -> ArtifactRef:
+        arts = [store.open(SHARD_STAGE, as_ref(x).digest) for x in shards]
+        return assemble_regenerate(cfg, store, prepared, arts, started or time.time(), reused)
+
+    return finished_or_run("regenerate", store, digest, compute)
 
 
-@task(name="vocab", task_run_name="vocab")
+@task(name="vocab", task_run_name="vocab", **TASK_OPTIONS)
 def vocab_task(cfg: RunConfig, digest: str, data: ArtifactRef) -> ArtifactRef:
-    from tasks.data.vocab import run_vocab
+    store = Store.from_config(cfg.store)
 
-    ref = run_vocab(cfg, Store.from_config(cfg.store), data)
-    summary = ref.stats.get("summary_md")
-    if summary:
-        create_markdown_artifact(summary, key="draft-vocabulary", description="Draft vocabulary coverage")
-    return ref
+    def compute() -> ArtifactRef:
+        from tasks.data.vocab import run_vocab
+
+        ref = run_vocab(cfg, store, data)
+        summary = ref.stats.get("summary_md")
+        if summary:
+            create_markdown_artifact(summary, key="draft-vocabulary", description="Draft vocabulary coverage")
+        return ref
+
+    return finished_or_run("vocab", store, digest, compute)
 
 
-@task(name="extract-shard", task_run_name="extract-shard-{shard}", retries=0)
+@task(name="extract-shard", task_run_name="extract-shard-{shard}", retries=0, **TASK_OPTIONS)
 def extract_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) -> ArtifactRef:
     store = Store.from_config(cfg.store)
 
@@ -103,13 +108,20 @@ def extract_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) 
         with pool.engine() as engine:
             return extract_shard(cfg, store, plan, engine)
 
-    return store.found_or_compute("extract", digest, compute)
+    return finished_or_run("extract", store, digest, compute)
 
 
-@task(name="train", task_run_name="train")
+@task(name="train", task_run_name="train", **TASK_OPTIONS)
 def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[ArtifactRef],
                children: dict[str, Any] | None = None) -> ArtifactRef:
     """CHILDREN: with train.nodes > 1, the run's config for the other nodes' child runs (flows/nodes.py)."""
+    store = Store.from_config(cfg.store)
+    return finished_or_run("train", store, digest, lambda: _train(cfg, store, vocab, shards, children))
+
+
+def _train(cfg: RunConfig, store: Store, vocab: ArtifactRef, shards: list[ArtifactRef],
+           children: dict[str, Any] | None) -> ArtifactRef:
+    """Train one head (over nodes with train.nodes > 1), with its progress and held-out accuracy in the UI."""
     from tasks.train.stage import run_train
 
     logger = get_run_logger()
@@ -127,9 +139,9 @@ def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[Art
             logger.warning(f"train: {m['attn_fallback']}; training with sdpa")
 
     if cfg.train.nodes > 1:
-        ref = train_nodes(cfg, Store.from_config(cfg.store), children or {}, vocab, shards, logger, on_metrics)
+        ref = train_nodes(cfg, store, children or {}, vocab, shards, logger, on_metrics)
     else:
-        ref = run_train(cfg, Store.from_config(cfg.store), vocab, shards, on_metrics=on_metrics)
+        ref = run_train(cfg, store, vocab, shards, on_metrics=on_metrics)
     progress.update(100.0)
     acc = ref.stats.get("val_acc_per_pos")
     if acc:
@@ -170,12 +182,13 @@ def _train_log_line(m: dict[str, Any]) -> str | None:
     return None
 
 
-@task(name="benchmark", task_run_name="benchmark")
+@task(name="benchmark", task_run_name="benchmark", **TASK_OPTIONS)
 def benchmark_task(cfg: RunConfig, digest: str, trained: ArtifactRef | list[tuple[str, ArtifactRef]],
                    data: ArtifactRef) -> ArtifactRef:
+    store = Store.from_config(cfg.store)
     # The report names the flow run that measured it (PREFECT__FLOW_RUN_ID is set only in deployed runs).
-    ref = run_benchmark(cfg, Store.from_config(cfg.store), trained, data, flow_run_id=flow_run.id)
-    return ref
+    return finished_or_run("benchmark", store, digest,
+                           lambda: run_benchmark(cfg, store, trained, data, flow_run_id=flow_run.id))
 
 
 # --------------------------------------------------------------------------- the flow
@@ -249,11 +262,9 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         for s in STAGES[STAGES.index(after) + 1:]:
             rec.stages[s].status = "skipped"
 
-    opts = lambda stage: stage_options(stage, store, d)  # noqa: E731  (d: the digest computed just before)
-
     # prepare
     d = digests.prepare(cfg)
-    prepared = run_single("prepare", lambda: prepare_task.with_options(**opts("prepare"))(cfg, d))
+    prepared = run_single("prepare", lambda: prepare_task(cfg, d))
     if _stop_after(until, "prepare"):
         return skip_rest("prepare")
 
@@ -262,8 +273,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
     if cfg.regenerate.enabled:
         d = digests.regenerate(cfg, prepared)
         if store.find("regenerate", d) is not None:
-            data = run_single("regenerate", lambda: regenerate_task.with_options(**opts("regenerate"))(
-                cfg, d, prepared, []))
+            data = run_single("regenerate", lambda: regenerate_task(cfg, d, prepared, []))
         else:
             data = _run_regenerate(cfg, store, rec, prepared, d, logger)
     else:
@@ -273,7 +283,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
 
     # vocab
     d = digests.vocab(cfg, data)
-    vocab = run_single("vocab", lambda: vocab_task.with_options(**opts("vocab"))(cfg, d, data))
+    vocab = run_single("vocab", lambda: vocab_task(cfg, d, data))
     if _stop_after(until, "vocab"):
         return skip_rest("vocab")
 
@@ -300,7 +310,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         d = digests.train(hcfg, vocab, shards)
         task_name = "train" if len(cfg.train.heads) == 1 else f"train-{head.label}"
         heads.append((head.label, run_single("train", lambda: train_task.with_options(
-            **opts("train"), name=task_name, task_run_name=task_name)(hcfg, d, vocab, shards, children))))
+            name=task_name, task_run_name=task_name)(hcfg, d, vocab, shards, children))))
     if len(heads) > 1:
         r = rec.stages["train"]
         finish_stage(r, t0, [ref for _, ref in heads])
@@ -319,7 +329,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         rec.stages["benchmark"].status = "skipped"
         return
     d = digests.benchmark(cfg, trained, data)
-    bench = run_single("benchmark", lambda: benchmark_task.with_options(**opts("benchmark"))(cfg, d, trained, data))
+    bench = run_single("benchmark", lambda: benchmark_task(cfg, d, trained, data))
 
     report = load_report(store, bench)
     rec.benchmark = report.get("benchmark")
@@ -343,8 +353,7 @@ def _run_regenerate(cfg: RunConfig, store: Store, rec: RunRecord, prepared: Arti
     shards = _run_sharded("regenerate", cfg, store, rec, prepared, resolve_model(cfg.target), logger)
     counts = dict(r.stats)
     try:
-        ref = as_ref(regenerate_task.with_options(**stage_options("regenerate", store, digest))(
-            cfg, digest, prepared, shards, r.cached, t0))
+        ref = as_ref(regenerate_task(cfg, digest, prepared, shards, r.cached, t0))
     except Exception as exc:
         r.status, r.error = "failed", f"{type(exc).__name__}: {exc}"
         raise
@@ -402,8 +411,7 @@ def _shards_here(stage: str, cfg: RunConfig, store: Store, model: str, plans: li
     refs: list[ArtifactRef] = []
     errors: list[str] = []
     try:
-        futures = [shard_task.with_options(**stage_options(kind.store_stage, store, p.digest)).submit(
-            cfg, p.digest, p.shard, p, pool) for p in plans]
+        futures = [shard_task.submit(cfg, p.digest, p.shard, p, pool) for p in plans]
         pending = set(futures)
         while pending:
             finished, pending = wait(list(pending), timeout=5)

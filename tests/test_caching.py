@@ -1,8 +1,8 @@
-"""Caching keyed by artifact digests, with Prefect records on the store.
+"""Finished work is what the store's manifests say (flows/caching.py): a task whose artifact is committed
+ends Cached, in the flow and in the Prefect API (what the UI shows), with the artifact's ref as its result.
 
-Each run is a fresh process with a FRESH Prefect home (its own ephemeral
-server and empty database): the only shared state is the store, as between
-a laptop and a rented node.
+Each run is a fresh process; the second "machine" has a FRESH Prefect home (its own server and empty
+database): the only shared state is the store, as between a laptop and a rented node.
 """
 
 from __future__ import annotations
@@ -24,14 +24,20 @@ from tasks.address import digests
 TOY = Path(__file__).parent / "toy_flow.py"
 
 
-def run_toy(store_uri: str, marker: Path, server, logs: list[str] | None = None) -> dict:
+def run_toy(store_uri: str, marker: Path, server, logs: list[str] | None = None) -> dict[str, str]:
+    """{stage: its task run's final state name} of one run of tests/toy_flow.py."""
     env = dict(os.environ, PYTHONPATH=os.getcwd(), **server.env())
     out = subprocess.run([sys.executable, str(TOY), store_uri, str(marker)], env=env, capture_output=True,
                          text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     if logs is not None:
         logs.append(out.stdout + out.stderr)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    states = {stage: got[stage] for stage in ("prepare", "vocab")}
+    assert got["api"] == states, got  # the Prefect API (the UI) shows what the flow saw
+    for stage, ref in got["refs"].items():  # the flow got the artifact's ref as the task's result, cached or not
+        assert ref["uri"].endswith(f"/{stage}/{ref['digest']}") and ref["stats"]["bytes"] > 0, ref
+    return states
 
 
 def bodies(marker: Path) -> list[str]:
@@ -54,10 +60,10 @@ def test_fresh_prefect_home_against_same_s3_store_runs_no_stage_body(s3_server, 
     finally:
         other.stop()
     assert bodies(marker) == ["prepare", "vocab"]  # nothing recomputed
-    assert second == {"prepare": "Cached", "vocab": "Cached"}  # hits from records on the store
+    assert second == {"prepare": "Cached", "vocab": "Cached"}  # found on the store, shown as Cached
 
-    # The store is the truth: remove the committed prepare artifact; its Prefect record
-    # still exists, but the stage runs again (and vocab, whose input is unchanged, does not).
+    # The store is the truth: remove the committed prepare artifact; the stage runs again (and vocab,
+    # whose input is unchanged, does not).
     from tasks.store.artifacts import Store
 
     Store(uri).delete("prepare", stage_digest("prepare", {"x": 1}))
@@ -139,52 +145,40 @@ class _Plant:
         return (Path.touch, (self.path,))
 
 
-def test_planted_cache_records_are_refused_never_decoded(prefect_server, tmp_path):
-    """Anyone who can write to the store can rewrite Prefect's records under `_prefect/`. Prefect decodes
-    a record with the serializer the record names (pickle) and its JSON decoder builds any class a record
-    names: a planted record must be refused (the stage runs again, its artifact found on the store) and
-    never executed."""
+def test_a_planted_prefect_record_is_inert_and_an_older_store_is_reused_whole(prefect_server, tmp_path):
+    """Versions that cached through Prefect kept its records under `STORE/_prefect/`, and anyone who can write
+    to the store can write there. Prefect would decode a record with the serializer the record names (pickle)
+    and its JSON decoder builds any class a record names. Nothing reads those records now: a store holding
+    them (planted or left by an older version) is reused whole, by its manifests; nothing in them is decoded
+    or run, and they are left as they were."""
+    import base64
     import pickle
 
     root = tmp_path / "store"
     uri = f"file://{root}"
     marker = tmp_path / "bodies.txt"
     assert run_toy(uri, marker, prefect_server) == {"prepare": "Completed", "vocab": "Completed"}
-    keys = root / "_prefect" / "cache-keys"
-    meta_path = keys / f"prepare-{stage_digest('prepare', {'x': 1})}"
-    meta = json.loads(meta_path.read_text())
-    result_path = Path(meta["storage_key"])
-    if not result_path.is_absolute():
-        result_path = root / "_prefect" / "results" / result_path
+    assert not (root / "_prefect").exists()  # Prefect writes nothing on the store
 
+    # What an older version wrote for prepare, rewritten by an attacker: a record naming pickle whose result is
+    # a pickle that would create a file; and for vocab a JSON result naming a class the decoder would build.
     pwned = tmp_path / "pwned"
-    # 1. the record names pickle and its result is a pickle that would create a file
-    meta["serializer"] = {"type": "pickle", "picklelib": "cloudpickle", "picklelib_version": None}
-    meta_path.write_text(json.dumps(meta))
-    import base64
-    result_path.write_bytes(base64.b64encode(pickle.dumps(_Plant(pwned))))
+    keys, results = root / "_prefect" / "cache-keys", root / "_prefect" / "results"
+    keys.mkdir(parents=True)
+    results.mkdir(parents=True)
+    planted = {
+        keys / f"prepare-{stage_digest('prepare', {'x': 1})}": json.dumps({
+            "storage_key": "r-prepare", "expiration": None,
+            "serializer": {"type": "pickle", "picklelib": "cloudpickle", "picklelib_version": None}}).encode(),
+        results / "r-prepare": base64.b64encode(pickle.dumps(_Plant(pwned))),
+        results / "r-vocab": json.dumps({"__class__": "pathlib.Path", "data": str(pwned)}).encode(),
+        keys / "vocab-any": json.dumps({"storage_key": "r-vocab", "serializer": {
+            "type": "json", "object_decoder": "os.system"}}).encode(),
+    }
+    for path, content in planted.items():
+        path.write_bytes(content)
     logs: list[str] = []
-    out = run_toy(uri, marker, prefect_server, logs)
-    assert not pwned.exists()
-    assert out == {"prepare": "Completed", "vocab": "Cached"}  # refused: the stage ran again
-    assert "refused Prefect cache record cache-keys/prepare-" in logs[-1] and "'pickle'" in logs[-1]
-    assert bodies(marker) == ["prepare", "vocab"]  # ... and found its artifact on the store
-
-    # 2. a JSON record naming a class the decoder would import and build
-    meta = json.loads(meta_path.read_text())
-    assert meta["serializer"]["type"] == "json"  # the refused record was replaced by a good one
-    result_path = Path(meta["storage_key"])
-    if not result_path.is_absolute():
-        result_path = root / "_prefect" / "results" / result_path
-    result_path.write_text(json.dumps({"__class__": "pathlib.Path", "data": str(pwned)}))
-    out = run_toy(uri, marker, prefect_server, logs)
-    assert out == {"prepare": "Completed", "vocab": "Cached"}
-    assert "it names class 'pathlib.Path'" in logs[-1]
-    # 3. a JSON serializer whose decoder is any importable function
-    meta = json.loads(meta_path.read_text())
-    meta["serializer"]["object_decoder"] = "os.system"
-    meta_path.write_text(json.dumps(meta))
-    out = run_toy(uri, marker, prefect_server, logs)
-    assert out == {"prepare": "Completed", "vocab": "Cached"}
-    assert "names serializer 'json' with settings draftline never writes" in logs[-1]
-    assert not pwned.exists() and bodies(marker) == ["prepare", "vocab"]
+    assert run_toy(uri, marker, prefect_server, logs) == {"prepare": "Cached", "vocab": "Cached"}
+    assert not pwned.exists() and bodies(marker) == ["prepare", "vocab"]  # nothing decoded, nothing recomputed
+    assert "pickle" not in logs[-1] and "Traceback" not in logs[-1]
+    assert {p: p.read_bytes() for p in planted} == planted  # read by nobody, left as they were

@@ -446,8 +446,8 @@ def _prepare_child(cfg_json: dict, out: str) -> None:
 
 @pytest.mark.slow
 def test_two_runs_of_one_config_at_once(prefect_server, tmp_path):
-    """Two `draftline run` processes of the same config against one store: Prefect's lock (file lock on
-    a local store) makes the second wait and reuse the first's artifact. Without a shared lock (two
+    """Two `draftline run` processes of the same config against one store: the address's lease lock (on a
+    local store; tasks/store/leases.py) makes the second wait, find the first's manifest and reuse it. Without a shared lock (two
     machines), both compute and both commit: the manifest that lands last names a complete set of
     files, and the two copies are identical."""
     from tasks.core.config import load_config

@@ -30,6 +30,7 @@ import psutil
 import pytest
 
 from tasks.store.artifacts import Store
+from tasks.store.leases import lock_folder
 from warm import finish, start_draftline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +104,7 @@ def verify_and_collect(store: Store, dead_pids: set[int]) -> None:
     store.gc(min_age_s=3600)
     assert store.garbage_detail(min_age_s=0) == []
     if store.is_local:
-        locks = Path(store.root) / "_prefect" / "locks"
+        locks = lock_folder(store)
         assert not locks.exists() or not list(locks.glob("*.lock")), list(locks.glob("*"))
 
 
@@ -259,7 +260,7 @@ def test_a_fresh_process_after_a_sigkilled_one_reuses_its_shards_and_clears_its_
     assert first.returncode == -signal.SIGKILL, err[-3000:]
     wait_engines_gone(first.pid)
     assert len(committed(store, "extract")) == 1
-    locks = sorted((Path(store.root) / "_prefect" / "locks").glob("*.lock"))
+    locks = sorted(lock_folder(store).glob("*.lock"))
     assert locks, "the killed run held no lock: this test would not show the old hang"
     second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                             start_new_session=True)

@@ -2,7 +2,7 @@
 or unpickles data by default.
 
 The secret test runs a real piece of the pipeline (`draftline run --until vocab`: prepare and vocab,
-their manifests, Prefect's cache records and results, a markdown artifact, logs, flow parameters)
+their manifests, a markdown artifact, logs, task runs, flow parameters)
 against the SeaweedFS store with a secret nobody else uses, then greps everything that was written.
 """
 
@@ -64,7 +64,8 @@ def test_no_secret_reaches_the_store_prefect_or_the_logs(s3_server, prefect_serv
                                  "refused cli": (out2 + err2).encode()}
     store = Store(uri, {"client_kwargs": {"endpoint_url": s3_server.endpoint}})
     keys = store.fs.find(store.root)
-    assert any(k.endswith("/manifest.json") for k in keys) and any("/_prefect/" in k for k in keys), keys
+    assert any(k.endswith("/manifest.json") for k in keys), keys
+    assert not any("/_prefect/" in k for k in keys), keys  # Prefect keeps nothing on the store (flows/caching.py)
     written.update({k: store.fs.cat_file(k) for k in keys})
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}), get_client(sync_client=True) as c:
         runs = FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
@@ -137,6 +138,33 @@ def test_nothing_is_unpickled_from_files():
                 value = kw.get("allow_pickle")
                 if isinstance(value, ast.Constant) and value.value is True:
                     bad.append(where + " with allow_pickle=True")
+    assert bad == []
+
+
+def test_prefect_reads_and_writes_no_record_of_its_own():
+    """What Prefect would decode from a record on the store (a pickle, a JSON naming any class) cannot reach
+    a run when Prefect keeps no record: every task of the flows has no cache policy and persists no result
+    (flows/caching.py TASK_OPTIONS), and nothing names a result or cache-key storage, a result serializer or
+    a cache key function. A record planted under STORE/_prefect is therefore never read:
+    tests/test_caching.py::test_a_planted_prefect_record_is_inert_and_an_older_store_is_reused_whole."""
+    from prefect import Task
+    from prefect.cache_policies import NO_CACHE
+
+    import flows.pipeline as pipeline
+
+    tasks = [v for v in vars(pipeline).values() if isinstance(v, Task)]
+    assert len(tasks) >= 7, tasks
+    for t in tasks:
+        assert t.cache_policy is NO_CACHE and t.persist_result is False, t.name
+    bad = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.keyword) and node.arg in ("result_storage", "key_storage", "result_serializer",
+                                                               "cache_key_fn", "result_storage_key"):
+                bad.append(f"{path.relative_to(ROOT)}:{node.value.lineno} {node.arg}=")
+            if isinstance(node, ast.keyword) and node.arg == "persist_result":
+                if not (isinstance(node.value, ast.Constant) and node.value.value is False):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.value.lineno} persist_result not False")
     assert bad == []
 
 

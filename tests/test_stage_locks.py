@@ -1,4 +1,4 @@
-"""Locks that die with their holder (flows/locks.py), tried with real processes and real signals.
+"""Locks that die with their holder (tasks/store/leases.py), tried with real processes and real signals.
 
 Prefect's own file lock, left by a SIGKILLed run, made every later run of that config wait
 forever. These tests hold a lock in a real child process, kill it, and check that the
@@ -21,17 +21,17 @@ from pathlib import Path
 
 import pytest
 
-from flows.locks import FORMAT, LeaseLockManager, LockWaitTimeout, lock_files, read_lock
 from tasks.core import owners, stopping
+from tasks.store.leases import FORMAT, LeaseLocks, LockWaitTimeout, lock_files, lock_folder, read_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from flows.locks import LeaseLockManager
-m = LeaseLockManager(Path(sys.argv[1]), lease_s=float(sys.argv[3]))
-assert m.acquire_lock(sys.argv[2], holder="child")
+from tasks.store.leases import LeaseLocks
+m = LeaseLocks(Path(sys.argv[1]), lease_s=float(sys.argv[3]))
+m.acquire(sys.argv[2])
 print("held", flush=True)
 time.sleep(600)
 """
@@ -58,30 +58,29 @@ def test_a_sigkilled_holders_lock_is_taken_over_at_once(tmp_path, caplog):
     child.send_signal(signal.SIGKILL)
     child.wait()
 
-    m = LeaseLockManager(tmp_path)
+    m = LeaseLocks(tmp_path)
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="draftline.locks"):
-        assert m.acquire_lock("extract-abc", holder="me")
-    assert time.monotonic() - t0 < 2.0
-    assert f"pid {child.pid}" in caplog.text and "is gone" in caplog.text
-    assert read_lock(tmp_path / "extract-abc.lock")["holder"] == "me"
-    m.release_lock("extract-abc", "me")
-    assert not (tmp_path / "extract-abc.lock").exists()
+    with caplog.at_level(logging.WARNING, logger="draftline.locks"), m.hold("extract-abc", {"flow_run": "r1"}):
+        assert time.monotonic() - t0 < 2.0
+        assert f"pid {child.pid}" in caplog.text and "is gone" in caplog.text
+        info = read_lock(tmp_path / "extract-abc.lock")
+        assert info["owner"]["pid"] == os.getpid() and info["flow_run"] == "r1"
+    assert not (tmp_path / "extract-abc.lock").exists()  # released when the block ends
 
 
 def test_a_live_holder_is_waited_for_with_a_log_line_and_a_named_bound(tmp_path, caplog):
     child = hold_in_child(tmp_path, "train-xyz")
     try:
-        m = LeaseLockManager(tmp_path, wait_s=1.5, log_every_s=0.5)
+        m = LeaseLocks(tmp_path, wait_s=1.5, log_every_s=0.5)
         t0 = time.monotonic()
         with caplog.at_level(logging.INFO, logger="draftline.locks"), pytest.raises(LockWaitTimeout) as err:
-            m.acquire_lock("train-xyz", holder="me")
+            m.acquire("train-xyz")
         assert 1.4 < time.monotonic() - t0 < 5
         assert "waiting for the lock on train-xyz" in caplog.text and f"pid {child.pid}" in caplog.text
         msg = str(err.value)
         assert f"pid {child.pid}" in msg and "(alive)" in msg and "DRAFTLINE_LOCK_WAIT_S=2 s" in msg
         assert "draftline gc" in msg
-        assert read_lock(tmp_path / "train-xyz.lock")["holder"] == "child"  # a live lock is never broken
+        assert read_lock(tmp_path / "train-xyz.lock")["owner"]["pid"] == child.pid  # a live lock is never broken
     finally:
         child.kill()
         child.wait()
@@ -93,7 +92,8 @@ def test_the_lease_is_renewed_while_held_and_runs_out_when_it_is_not(tmp_path):
         first = read_lock(tmp_path / "vocab-1.lock")
         time.sleep(0.6)
         later = read_lock(tmp_path / "vocab-1.lock")
-        assert later["holder"] == "child" and later["renewed"] > first["renewed"] and later["expires"] > time.time()
+        assert later["holder"] == first["holder"] and later["renewed"] > first["renewed"]
+        assert later["expires"] > time.time()
     finally:
         child.kill()
         child.wait()
@@ -101,12 +101,13 @@ def test_the_lease_is_renewed_while_held_and_runs_out_when_it_is_not(tmp_path):
     rec = {**later, "owner": {**later["owner"], "host": "another-node"}}
     rec["expires"] = time.time() + 30
     (tmp_path / "vocab-1.lock").write_text(json.dumps(rec))
-    m = LeaseLockManager(tmp_path, wait_s=0.6)
+    m = LeaseLocks(tmp_path, wait_s=0.6)
     with pytest.raises(LockWaitTimeout, match="cannot check: another host"):
-        m.acquire_lock("vocab-1", holder="me")
+        m.acquire("vocab-1")
     rec["expires"] = time.time() - 1
     (tmp_path / "vocab-1.lock").write_text(json.dumps(rec))
-    assert m.acquire_lock("vocab-1", holder="me")
+    me = m.acquire("vocab-1")
+    assert read_lock(tmp_path / "vocab-1.lock")["holder"] == me
 
 
 def test_locks_of_older_versions_are_recognised_and_cleared(tmp_path):
@@ -116,8 +117,8 @@ def test_locks_of_older_versions_are_recognised_and_cleared(tmp_path):
     FileSystemLockManager(tmp_path).acquire_lock("extract-old", holder="a-dead-run")
     ((path, info, why),) = lock_files(tmp_path)
     assert info["expiration"] is None and "older draftline" in why
-    assert LeaseLockManager(tmp_path).acquire_lock("extract-old", holder="me")
-    assert read_lock(path)["holder"] == "me"
+    me = LeaseLocks(tmp_path).acquire("extract-old")
+    assert read_lock(path)["holder"] == me
 
 
 def test_a_stop_request_ends_a_wait_at_once(tmp_path):
@@ -126,7 +127,7 @@ def test_a_stop_request_ends_a_wait_at_once(tmp_path):
 
     def wait() -> None:
         try:
-            LeaseLockManager(tmp_path).acquire_lock("extract-def", holder="me")
+            LeaseLocks(tmp_path).acquire("extract-def")
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -146,34 +147,59 @@ def test_a_stop_request_ends_a_wait_at_once(tmp_path):
 
 def test_two_takers_of_a_free_lock_one_wins(tmp_path):
     """The lock file appears whole and only once (link, not create-then-write)."""
-    m1, m2 = LeaseLockManager(tmp_path, wait_s=0.5), LeaseLockManager(tmp_path, wait_s=0.5)
-    assert m1.acquire_lock("k", holder="one")
+    m1, m2 = LeaseLocks(tmp_path, wait_s=0.5), LeaseLocks(tmp_path, wait_s=0.5)
+    one = m1.acquire("k")
     with pytest.raises(LockWaitTimeout):
-        m2.acquire_lock("k", holder="two")
-    assert m1.is_lock_holder("k", "one") and not m2.is_lock_holder("k", "two") and m2.is_locked("k")
-    m1.release_lock("k", "one")
-    assert m2.acquire_lock("k", holder="two")
+        m2.acquire("k")
+    assert read_lock(tmp_path / "k.lock")["holder"] == one
+    m2.release("k", "not-its-holder")  # a holder that is not the lock's removes nothing
+    assert read_lock(tmp_path / "k.lock")["holder"] == one
+    m1.release("k", one)
+    two = m2.acquire("k")
+    assert read_lock(tmp_path / "k.lock")["holder"] == two
     assert [p.name for p in tmp_path.iterdir()] == ["k.lock"]  # no temp files left
 
 
+def test_an_address_lock_is_a_file_in_the_store_that_marks_it_as_one(tmp_path):
+    """The flow's lock of STAGE/DIGEST (flows/caching.py): STORE/_locks/STAGE-DIGEST.lock while held, naming
+    the process and flow run; taking it marks the root as a store, so a run killed before its first commit
+    leaves a root that `draftline gc` and `store init` know as draftline's."""
+    from tasks.store.artifacts import Store
+    from tasks.store.leases import address_lock
+
+    store = Store(f"file://{tmp_path}/store")
+    with address_lock(store, "extract", "d1", {"flow_run": "run-1"}):
+        info = read_lock(lock_folder(store) / "extract-d1.lock")
+        assert info["owner"]["pid"] == os.getpid() and info["flow_run"] == "run-1"
+        assert store.has_marker()
+    assert list(lock_folder(store).iterdir()) == [] and store.collectable() and store.list() == []
+
+
 def test_gc_lists_and_removes_what_dead_runs_left_and_spares_the_living(tmp_path):
-    """`draftline gc --dry-run` lists, with age and owner: a stale lock of an older version, a dead
-    writer's attempt folder, an engine work folder in /dev/shm and a trainer's temporary checkpoint
-    whose process is gone. `draftline gc` removes exactly those; a live process's are kept."""
+    """`draftline gc --dry-run` lists, with age and owner: a stale lock of an older version (in the folder
+    versions that locked through Prefect used, STORE/_prefect/locks), a dead run's lock, a dead writer's
+    attempt folder, an engine work folder in /dev/shm and a trainer's temporary checkpoint whose process is
+    gone. `draftline gc` removes exactly those; a live process's are kept, and so is everything else an older
+    version left under STORE/_prefect (its Prefect cache records: nothing reads them, gc does not judge them)."""
     from prefect.locking.filesystem import FileSystemLockManager
 
     from tasks.store.artifacts import Store
 
     store_dir = tmp_path / "store"
     store = Store(f"file://{store_dir}")
-    locks = store_dir / "_prefect" / "locks"
-    FileSystemLockManager(locks).acquire_lock("extract-old", holder="a-dead-run")
-    live_lock = LeaseLockManager(locks)
-    live_lock.acquire_lock("extract-live", holder="me")
+    old_locks, locks = lock_folder(store, old=True), lock_folder(store)
+    FileSystemLockManager(old_locks).acquire_lock("extract-old", holder="a-dead-run")
+    old_records = [store_dir / "_prefect" / "cache-keys" / "prepare-d0", store_dir / "_prefect" / "results" / "r0"]
+    for path in old_records:
+        path.parent.mkdir(parents=True)
+        path.write_text('{"storage_key": "r0"}')
+    live_lock = LeaseLocks(locks)
+    live = live_lock.acquire("extract-live")
     temp = tmp_path / "tmp"
     temp.mkdir()
-    # A real process that wrote part of an artifact and made two temp folders, then died.
+    # A real process that took a lock, wrote part of an artifact and made two temp folders, then died.
     script = ("import tempfile, sys; from tasks.store.artifacts import Store; from tasks.core.owners import owned_tempdir; "
+              f"from tasks.store.leases import LeaseLocks; LeaseLocks({str(locks)!r}).acquire('extract-d0'); "
               f"w = Store({store.uri!r}).writer('extract', 'd0', 'v1'); w.write_bytes('part-00000.safetensors', b'x' * 9); "
               "print(owned_tempdir('ckpt'), owned_tempdir('engine-gctest', '/dev/shm'))")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(temp)}
@@ -188,23 +214,26 @@ def test_gc_lists_and_removes_what_dead_runs_left_and_spares_the_living(tmp_path
         assert dry.returncode == 0, dry.stderr[-3000:]
         found = {(x["kind"], x["where"]): x for x in json.loads(dry.stdout)}
         attempt = next(w for k, w in found if k == "attempt" and "/extract/d0/draftline-attempt-" in w)
-        for key, owner, why in [(("lock", str(locks / "extract-old.lock")), "owner unknown", "older draftline"),
+        for key, owner, why in [(("lock", str(old_locks / "extract-old.lock")), "owner unknown", "older draftline"),
+                                (("lock", str(locks / "extract-d0.lock")), f"pid {dead_pid}", "is gone"),
                                 (("attempt", attempt), f"pid {dead_pid}", "its writer is gone"),
                                 (("temp-dir", ckpt), f"pid {dead_pid}", "its owner is gone"),
                                 (("engine-dir", shm), f"pid {dead_pid}", "its owner is gone")]:
             assert key in found, (key, dry.stdout)
             assert owner in found[key]["owner"] and why in found[key]["why"] and found[key]["age_s"] >= 0, found[key]
             assert found[key]["removed"] is False
-        assert not any("extract-live" in w or w == alive_dir for _, w in found)
-        assert os.path.isdir(ckpt) and os.path.isdir(shm) and (locks / "extract-old.lock").exists()
+        assert not any("extract-live" in w or w == alive_dir or "/_prefect/cache-keys" in w or "/_prefect/results" in w
+                       for _, w in found), found
+        assert os.path.isdir(ckpt) and os.path.isdir(shm) and (old_locks / "extract-old.lock").exists()
 
         done = subprocess.run([*cli, "--yes"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
         assert not os.path.exists(ckpt) and not os.path.exists(shm)
-        assert not (locks / "extract-old.lock").exists() and (locks / "extract-live.lock").exists()
+        assert not (old_locks / "extract-old.lock").exists() and not (locks / "extract-d0.lock").exists()
+        assert (locks / "extract-live.lock").exists() and all(p.exists() for p in old_records)
         assert store.garbage_detail(min_age_s=0) == [] and os.path.isdir(alive_dir)
     finally:
-        live_lock.release_lock("extract-live", "me")
+        live_lock.release("extract-live", live)
         import shutil
 
         shutil.rmtree(shm, ignore_errors=True)

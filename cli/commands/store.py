@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from cli.console import JsonOpt, SetOpt, StoreOpt, console, err, fail, load_cfg, open_store
+from cli.leftovers import find, human_age
 from tasks.core.config import check_stage
 from tasks.store.artifacts import Store
 
@@ -56,9 +57,6 @@ def gc(config: Optional[Path] = typer.Argument(None, help="Config whose store to
     process is gone goes at once; one whose owner cannot be checked, after --min-age. Only inside a
     draftline store (its root holds draftline-store.json, see `draftline store init`). It lists what it
     will delete and asks, unless --yes."""
-    # here, not at the top: it reads Prefect's lock folders (flows/caching.py), and Prefect is slow to import
-    from cli.leftovers import find, human_age
-
     cfg = load_cfg(config, overrides, store_uri)
     store = open_store(cfg, write=not dry_run)
     found = find(store, min_age)

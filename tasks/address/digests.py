@@ -1,5 +1,5 @@
-"""Each stage's address: one function per stage, used by the stage itself and by the Prefect cache policy
-(flows/caching.py), so both always agree on where an artifact lives. Scheduling-only keys (devices,
+"""Each stage's address: one function per stage, used by the stage itself and by the flow's task that asks the
+store for it (flows/caching.py), so both always agree on where an artifact lives. Scheduling-only keys (devices,
 prefetch, batch sizes that do not change the bytes) are left out on purpose. The hashing itself, and the
 stage versions, are tasks/core/digest.py's `stage_digest` and `VERSIONS`.
 """

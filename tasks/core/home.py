@@ -1,6 +1,7 @@
 """draftline's folder on this machine (`cache_home`: the offline model, hub snapshots, the node part cache,
 locks; $DRAFTLINE_HOME, else $XDG_CACHE_HOME/draftline, else ~/.cache/draftline), its private folders
-(`private_folder`: 0700, e.g. engine logs) and the file lock the processes of one node share it under."""
+(`private_folder`: 0700, e.g. engine logs) and the file locks the processes of one node share it under
+(`lock_fd`: an flock, shared or exclusive, that the kernel frees when its holder dies; `file_lock`)."""
 
 from __future__ import annotations
 
@@ -48,12 +49,43 @@ def private_folder(name: str) -> Path:
     return p
 
 
+def lock_fd(path: Path, mode: int, block: bool = True) -> int | None:
+    """An flock on `path` (created if missing), held by the returned fd; None when `block` is False and
+    another holds it. Re-opens when the file was removed and re-made meanwhile (an eviction), so the
+    lock held is always the one on the file that is at `path` now."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, mode | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def unlock_fd(fd: int | None) -> None:
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # closing the last fd of the open file releases its flock
+
+
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` for the block: the node's processes take turns; the kernel frees it when
+    its holder dies (SIGKILL included), so a node-local lock needs no owner record (a store's locks do:
+    tasks/store/leases.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    fd = lock_fd(path, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        unlock_fd(fd)

@@ -776,9 +776,10 @@ class Store:
         return art
 
     def found_or_compute(self, stage: str, digest: str, compute: Callable[[], ArtifactRef]) -> ArtifactRef:
-        """The one found-or-compute rule every stage and the flow's tasks follow: the committed artifact at
-        this address when there is one (finished work is never paid for twice, with or without Prefect's
-        record of it), else what `compute()` commits there."""
+        """The one found-or-compute rule every stage follows: the committed artifact at this address when
+        there is one (finished work is never paid for twice), else what `compute()` commits there. The flow's
+        tasks apply the same rule first, under the address's lock, and show a found artifact as Cached
+        (flows/caching.py)."""
         hit = self.find(stage, digest)
         if hit is not None:
             return hit.ref()

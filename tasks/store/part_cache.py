@@ -47,7 +47,7 @@ from typing import IO, Any, Callable, Iterator
 
 from tasks.core.errors import DraftlineError
 from tasks.core import owners
-from tasks.core.home import cache_home
+from tasks.core.home import cache_home, lock_fd, unlock_fd
 from tasks.core.faults import kill_point
 
 log = logging.getLogger("draftline.part_cache")
@@ -91,35 +91,6 @@ def cap_from(cache_gib: float | None) -> float | None:
     return value
 
 
-def _flock(path: Path, mode: int, block: bool = True) -> int | None:
-    """An flock on `path` (created if missing), held by the returned fd; None when `block` is False and
-    another holds it. Re-opens when the file was removed and re-made meanwhile (an eviction), so the
-    lock held is always the one on the file that is at `path` now."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, mode | (0 if block else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
-            raise
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)
-
-
-def _unlock(fd: int | None) -> None:
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)  # closing the last fd of the open file releases its flock
-
-
 @dataclass
 class Lease:
     """A cached part held for use: `path` stays valid (not evicted) until `release()`."""
@@ -131,7 +102,7 @@ class Lease:
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
-        _unlock(fd)
+        unlock_fd(fd)
 
     def __enter__(self) -> "Lease":
         return self
@@ -220,7 +191,7 @@ class PartCache:
         corrupt one); held until the lease is released. `fill` writes the part into `fh` and raises if
         what it wrote is not the part (Artifact.copy_to does both)."""
         path = self.path(sha256)
-        fd = _flock(self._lease_lock(sha256), fcntl.LOCK_SH)
+        fd = lock_fd(self._lease_lock(sha256), fcntl.LOCK_SH)
         try:
             fetched = 0
             if not self._usable(sha256, size, path):
@@ -232,7 +203,7 @@ class PartCache:
                 os.utime(path)  # the LRU clock
             return Lease(str(path), sha256, fetched, fd)
         except BaseException:
-            _unlock(fd)
+            unlock_fd(fd)
             raise
 
     def _usable(self, sha256: str, size: int, path: Path, fill_locked: bool = False) -> bool:
@@ -251,7 +222,7 @@ class PartCache:
             with self._lock:
                 self._verified.add(key)
             return True
-        fd = None if fill_locked else _flock(self._fill_lock(sha256), fcntl.LOCK_EX)
+        fd = None if fill_locked else lock_fd(self._fill_lock(sha256), fcntl.LOCK_EX)
         try:
             with contextlib.suppress(FileNotFoundError):
                 if os.stat(path).st_ino == st.st_ino:  # not already replaced by a fresh fill
@@ -261,12 +232,12 @@ class PartCache:
                     with self._lock:
                         self.stats.refetched_corrupt += 1
         finally:
-            _unlock(fd)
+            unlock_fd(fd)
         return False
 
     def _fill(self, sha256: str, size: int, fill: Callable[[IO[bytes]], Any], path: Path) -> int:
         t0 = time.perf_counter()
-        fd = _flock(self._fill_lock(sha256), fcntl.LOCK_EX)  # one filler per part; a dead one's lock is freed
+        fd = lock_fd(self._fill_lock(sha256), fcntl.LOCK_EX)  # one filler per part; a dead one's lock is freed
         try:
             waited = time.perf_counter() - t0
             if path.exists() and self._usable(sha256, size, path, fill_locked=True):
@@ -305,7 +276,7 @@ class PartCache:
                 self.stats.fetched_bytes += size
             return size
         finally:
-            _unlock(fd)
+            unlock_fd(fd)
 
     # ---------------------------------------------------------------- room
     def _make_room(self, size: int, keep: str) -> None:
@@ -333,19 +304,19 @@ class PartCache:
     def _evict(self, sha256: str) -> bool:
         """Remove an entry nobody holds; False if a live process leases it."""
         lock = self._lease_lock(sha256)
-        fd = _flock(lock, fcntl.LOCK_EX, block=False)
+        fd = lock_fd(lock, fcntl.LOCK_EX, block=False)
         if fd is None:
             return False
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path(sha256))
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock)  # while held: a waiter re-opens (see _flock)
+                os.unlink(lock)  # while held: a waiter re-opens (see lock_fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._fill_lock(sha256))  # harmless: flocks are re-checked by inode
             return True
         finally:
-            _unlock(fd)
+            unlock_fd(fd)
 
     # ---------------------------------------------------------------- leftovers
     def _remove_dead_temps(self, sha256: str) -> None:

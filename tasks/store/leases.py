@@ -1,29 +1,27 @@
-"""A Prefect lock manager whose locks die with their holder.
+"""One lock per store address, that dies with its holder: two runs of one config on one machine compute
+an artifact once.
 
-Two runs of one config on one machine must not compute the same shard at once (on a GPU node
-they would fight for the same devices' memory): Prefect's SERIALIZABLE isolation takes a lock
-per cache key, and the second run waits and then reuses the first one's result. Prefect's own
-`FileSystemLockManager` writes `{"holder": uuid, "expiration": null}`: a run killed while it
-holds a lock (SIGKILL, OOM, a preempted node) leaves a lock nobody ever releases, and every
-later run of that config waits for it forever.
+Two runs of one config on one machine must not compute the same shard at once (on a GPU node they would
+fight for the same devices' memory): the flow's task takes the lock of the artifact's address
+(`address_lock`) before it computes, so the second run waits, finds the first one's artifact committed
+and reuses it (flows/caching.py). The lock only saves duplicated work: what is finished is decided by the
+store's manifest alone, and two writers of one address are kept apart by their attempt folders
+(tasks/store/artifacts.py), so taking over a lock that was not really dead costs work, never data.
 
-Here a lock file records its owner (host, boot, pid, process start time: tasks/core/owners.py) and a
-lease that a thread of the holding process renews. A waiter takes a lock over at once when its
-owner is a dead process on this machine, and after the lease ran out (no renewal for
-`lease_s`) when the owner is elsewhere (a store folder shared between machines) or cannot be
-checked. Locks of older versions (no owner recorded, never renewed) are cleared on sight.
-Taking over a lock that was not really dead costs duplicated work, never wrong data: the
-store's manifest-last commit keeps concurrent writers apart (docs/RELIABILITY.md).
+A lock is a file `STORE/_locks/STAGE-DIGEST.lock` recording its owner (host, boot, pid, process start time:
+tasks/core/owners.py) and a lease that a thread of the holding process renews. A waiter takes a lock over
+at once when its owner is a dead process on this machine, and after the lease ran out (no renewal for
+`lease_s`) when the owner is elsewhere (a store folder shared between machines) or cannot be checked.
+Locks of older versions (Prefect's file lock: no owner recorded, never renewed, in `STORE/_prefect/locks`)
+are cleared on sight; `draftline gc` lists stale locks of both folders (`lock_files`).
 
-A waiter logs what it waits for, held by whom and since when, every `log_every_s`; gives up
-after `wait_s` (DRAFTLINE_LOCK_WAIT_S, default 1 h) with an error that says what to do; and
-stops within a poll interval when the run is asked to stop (tasks/core/stopping.py).
+A waiter logs what it waits for, held by whom and since when, every `log_every_s`; gives up after `wait_s`
+(DRAFTLINE_LOCK_WAIT_S, default 1 h) with an error that says what to do; and stops within a poll interval
+when the run is asked to stop (tasks/core/stopping.py). On an s3:// store there is no lock (no atomic
+create-if-absent that every S3 server has): concurrent runs there compute twice, but correctly.
 """
 
 from __future__ import annotations
-
-# Prefect's run logger and runtime are imported where used, inside a guard: outside a flow run they are not
-# there to ask (the heavy import itself is already paid by the lock protocol above).
 
 import contextlib
 import datetime as dt
@@ -34,30 +32,23 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
-
-import anyio
-from prefect.locking.protocol import LockManager
+from typing import Any, Iterator
 
 from tasks.core import owners, stopping
 from tasks.core.errors import DraftlineError
+from tasks.store.artifacts import Store
 
 FORMAT = "draftline-lease-1"
 DEFAULT_WAIT_S = 3600.0
 DEFAULT_LEASE_S = 60.0
+LOCKS = "_locks"  # STORE/_locks/: the store's address locks (the `_` keeps it out of listings and gc's walk)
+OLD_LOCKS = ("_prefect", "locks")  # where versions that locked through Prefect left theirs
+
+log = logging.getLogger("draftline.locks")
 
 
 class LockWaitTimeout(DraftlineError, RuntimeError):
     """A live holder kept the lock longer than the waiter's bound."""
-
-
-def _logger():
-    try:
-        from prefect.logging import get_run_logger
-
-        return get_run_logger()
-    except Exception:  # outside a flow or task run
-        return logging.getLogger("draftline.locks")
 
 
 def _iso(t: float) -> str:
@@ -102,8 +93,9 @@ def why_stale(info: dict[str, Any], mtime: float, now: float | None = None) -> s
     return None
 
 
-class LeaseLockManager(LockManager):
-    """See the module docstring. One instance per lock folder is shared by a process's tasks."""
+class LeaseLocks:
+    """The locks of one folder (see the module docstring). One instance per folder is shared by a process's
+    threads (`address_lock` keeps them); `hold(key)` is the lock as a context manager."""
 
     def __init__(self, directory: Path, lease_s: float = DEFAULT_LEASE_S, wait_s: float | None = None,
                  poll_s: float = 0.25, log_every_s: float = 30.0):
@@ -121,14 +113,9 @@ class LeaseLockManager(LockManager):
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.lock"
 
-    def _record(self, key: str, holder: str) -> dict[str, Any]:
+    def _record(self, key: str, holder: str, note: dict[str, Any]) -> dict[str, Any]:
         now = time.time()
-        ctx: dict[str, Any] = {}
-        with contextlib.suppress(Exception):
-            from prefect.runtime import flow_run
-
-            ctx["flow_run"] = str(flow_run.id or "") or None
-        return {"format": FORMAT, "key": key, "holder": holder, "owner": owners.me(), **ctx,
+        return {"format": FORMAT, "key": key, "holder": holder, "owner": owners.me(), **note,
                 "since": now, "renewed": now, "expires": now + self.lease_s}
 
     def _create(self, key: str, record: dict[str, Any]) -> bool:
@@ -159,7 +146,7 @@ class LeaseLockManager(LockManager):
             grave.unlink(missing_ok=True)
             return
         grave.unlink(missing_ok=True)
-        _logger().warning(f"cleared a stale lock on {key}: {why}")
+        log.warning(f"cleared a stale lock on {key}: {why}")
 
     # ------------------------------------------------------------------ renewal
     def _renew_loop(self) -> None:
@@ -184,7 +171,7 @@ class LeaseLockManager(LockManager):
                         if key in self._held:
                             self._held[key] = new
 
-    def _hold(self, key: str, record: dict[str, Any]) -> None:
+    def _keep(self, key: str, record: dict[str, Any]) -> None:
         with self._mutex:
             self._held[key] = record
             if self._renewer is None:
@@ -192,18 +179,16 @@ class LeaseLockManager(LockManager):
                 self._renewer.start()
 
     # ------------------------------------------------------------------ waiting
-    def _wait_free(self, key: str, holder: str | None, timeout: float | None) -> bool:
-        """Wait until `key` is unlocked (or held by `holder`). Clears stale locks; logs while it waits.
-
-        Returns False only when `timeout` (Prefect's own argument) ran out; our own bound raises."""
+    def _wait_free(self, key: str) -> None:
+        """Wait until `key` is unlocked: clears stale locks, logs while it waits, raises LockWaitTimeout after
+        `wait_s` and stopping.Stopped when the run is asked to stop."""
         t0 = time.time()
-        bound = self.wait_s if timeout is None else min(timeout, self.wait_s)
         next_log = t0
         path = self.path(key)
         while True:
             info = read_lock(path)
-            if info is None or (holder is not None and info.get("holder") == holder):
-                return True
+            if info is None:
+                return
             try:
                 mtime = path.stat().st_mtime
             except FileNotFoundError:
@@ -216,40 +201,32 @@ class LeaseLockManager(LockManager):
             owner = info.get("owner") or {}
             who = (f"{owners.describe(owner)}" + (f", flow run {info['flow_run']}" if info.get("flow_run") else "")
                    + f", holding it since {_clock(float(info.get('since') or mtime))}")
-            if now - t0 >= bound:
-                if timeout is not None and timeout < self.wait_s:
-                    return False
+            if now - t0 >= self.wait_s:
                 raise LockWaitTimeout(
                     f"waited {now - t0:.0f} s for the lock on {key} ({who}); gave up after "
                     f"DRAFTLINE_LOCK_WAIT_S={self.wait_s:.0f} s. Another run is computing this artifact: let it "
                     f"finish and run again (its result is reused), stop it, or raise DRAFTLINE_LOCK_WAIT_S. "
                     f"`draftline gc` lists locks and their owners.")
             if now >= next_log:
-                _logger().info(f"waiting for the lock on {key}: {who}; waited {now - t0:.0f} s, giving up at "
-                               f"{_clock(t0 + bound)} (DRAFTLINE_LOCK_WAIT_S={self.wait_s:.0f})")
+                log.info(f"waiting for the lock on {key}: {who}; waited {now - t0:.0f} s, giving up at "
+                         f"{_clock(t0 + self.wait_s)} (DRAFTLINE_LOCK_WAIT_S={self.wait_s:.0f})")
                 next_log = now + self.log_every_s
             stopping.wait(self.poll_s, f"waiting for the lock on {key}")
 
-    # ------------------------------------------------------------------ LockManager protocol
-    def acquire_lock(self, key: str, holder: str, acquire_timeout: float | None = None,
-                     hold_timeout: float | None = None) -> bool:
+    # ------------------------------------------------------------------ taking and giving back
+    def acquire(self, key: str, note: dict[str, Any] | None = None) -> str:
+        """Take the lock on `key`, waiting for a live holder; returns this holding's token for `release`.
+        NOTE (e.g. the flow run) is recorded in the lock file for the waiters' log lines."""
+        holder = uuid.uuid4().hex
         while True:
             stopping.check(f"taking the lock on {key}")
-            record = self._record(key, holder)
+            record = self._record(key, holder, note or {})
             if self._create(key, record):
-                self._hold(key, record)
-                return True
-            cur = read_lock(self.path(key))
-            if cur and cur.get("holder") == holder:
-                return True
-            if not self._wait_free(key, holder, acquire_timeout):
-                return False
+                self._keep(key, record)
+                return holder
+            self._wait_free(key)
 
-    async def aacquire_lock(self, key: str, holder: str, acquire_timeout: float | None = None,
-                            hold_timeout: float | None = None) -> bool:
-        return await anyio.to_thread.run_sync(self.acquire_lock, key, holder, acquire_timeout, hold_timeout)
-
-    def release_lock(self, key: str, holder: str) -> None:
+    def release(self, key: str, holder: str) -> None:
         with self._mutex:
             self._held.pop(key, None)
         info = read_lock(self.path(key))
@@ -257,27 +234,33 @@ class LeaseLockManager(LockManager):
             self.path(key).unlink(missing_ok=True)
         # else: already gone, or taken over after our lease ran out: nothing of ours to remove
 
-    def is_locked(self, key: str) -> bool:
-        path = self.path(key)
-        info = read_lock(path)
-        if info is None:
-            return False
-        with contextlib.suppress(FileNotFoundError):
-            why = why_stale(info, path.stat().st_mtime)
-            if why:
-                self._break(key, info, why)
-                return False
-        return True
+    @contextlib.contextmanager
+    def hold(self, key: str, note: dict[str, Any] | None = None) -> Iterator[None]:
+        holder = self.acquire(key, note)
+        try:
+            yield
+        finally:
+            self.release(key, holder)
 
-    def is_lock_holder(self, key: str, holder: str) -> bool:
-        info = read_lock(self.path(key))
-        return bool(info) and info.get("holder") == holder
 
-    def wait_for_lock(self, key: str, timeout: float | None = None) -> bool:
-        return self._wait_free(key, None, timeout)
+_FOLDERS: dict[Path, LeaseLocks] = {}
+_FOLDERS_MUTEX = threading.Lock()
 
-    async def await_for_lock(self, key: str, timeout: float | None = None) -> bool:
-        return await anyio.to_thread.run_sync(self.wait_for_lock, key, timeout)
+
+def lock_folder(store: Store, old: bool = False) -> Path:
+    """STORE/_locks of a file:// store (OLD: the folder versions that locked through Prefect used)."""
+    return Path(store.root).joinpath(*(OLD_LOCKS if old else (LOCKS,)))
+
+
+def address_lock(store: Store, stage: str, digest: str, note: dict[str, Any] | None = None):
+    """The lock of STAGE/DIGEST as a context manager: a lease lock on a file:// store, nothing on s3://."""
+    if not store.is_local:
+        return contextlib.nullcontext()
+    store.ensure_marker()  # the lock is the run's first write here: gc and `store init` know the root as a store
+    folder = lock_folder(store).resolve()
+    with _FOLDERS_MUTEX:
+        locks = _FOLDERS.setdefault(folder, LeaseLocks(folder))
+    return locks.hold(f"{stage}-{digest}", note)
 
 
 def lock_files(directory: Path) -> list[tuple[Path, dict[str, Any], str | None]]:
