@@ -11,7 +11,7 @@ import pytest
 
 from tasks.core.home import apply_env_defaults
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))  # the helpers, by their plain names
 # draftline's environment, plus what the tests need: vLLM-CPU's KV cache small, no hub
 apply_env_defaults(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
 
