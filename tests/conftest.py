@@ -55,6 +55,18 @@ def part_cache_dir(tmp_path_factory):
         os.environ["DRAFTLINE_CACHE_DIR"] = old
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch in this process on one thread for the test: two OpenMP threads on a busy 2-core machine run ~6x slower
+    than one (spin-waits)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     server = S3Server(tmp_path_factory.mktemp("seaweedfs")).start()

@@ -133,13 +133,7 @@ def with_config(src: str, dest: Path, **changes) -> str:
     return str(dest)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two OpenMP threads on a busy 2-core machine run far slower than one (spin-waits)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -39,13 +39,7 @@ REPO = Path(__file__).resolve().parents[3]
 LAYER_IDS = [1, 2, 3, 4]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two OpenMP threads on a busy 2-core machine run ~6x slower than one (spin-waits)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
