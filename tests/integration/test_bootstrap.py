@@ -72,7 +72,10 @@ def test_bootstrap_installs_the_lock_from_a_fresh_virtualenv_and_leaves_a_worker
            "DRAFTLINE_REPO": release_repo(tmp_path), "DRAFTLINE_RELEASE": release,
            "DRAFTLINE_PREFIX": str(prefix), "DRAFTLINE_CACHE": str(tmp_path / "cache"),
            "DRAFTLINE_EXPECT_GPUS": "0", "PREFECT_HOME": str(tmp_path / "prefect-home"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+           # pip installs the same files but leaves their bytecode to the first import (byte-compiling the lock's
+           # ~28K .py files is ~30-60 s of the install on 2 cores; doctor and the worker compile what they import)
+           "PIP_COMPILE": "0"}
     t0 = time.time()
     out = subprocess.run(["bash", str(BOOTSTRAP), "--pool", pool, "--lock", "requirements/cpu.lock", "--background"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
