@@ -43,10 +43,10 @@ demo: venv
 	@mkdir -p $(PREFECT_HOME)
 	$(BIN)/draftline run configs/demo.yaml
 
-# The UI test (tests/test_ui.py) drives Debian's headless Chromium; install it once if missing.
+# The UI test (tests/e2e/test_ui.py) drives Debian's headless Chromium; install it once if missing.
 chromium:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
-	  echo "installing chromium for tests/test_ui.py"; \
+	  echo "installing chromium for tests/e2e/test_ui.py"; \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
@@ -64,7 +64,7 @@ lock:
 	/tmp/draftline-lock/bin/pip freeze --exclude-editable > requirements/cpu.lock
 
 # The GPU nodes' lock, resolved here for another platform (uv can target one; pip cannot).
-# tests/test_locks.py runs the command in the lock's header again and fails when the lock is stale.
+# tests/repo/test_locks.py runs the command in the lock's header again and fails when the lock is stale.
 gpu-lock: venv
 	$(BIN)/uv pip compile requirements/gpu.in --excludes requirements/gpu.exclude \
 	  --python-platform x86_64-manylinux_2_34 --python-version 3.12 --only-binary :all: -o requirements/gpu.lock

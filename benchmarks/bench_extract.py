@@ -19,7 +19,7 @@ order rotated from round to round:
   engine is still one call ahead: the code before the background writer);
 - overlap: `extract_shard` with the background part writer (`write_overlap: true`, `write_queue: 1`).
 serial and overlap run once per store (`--stores`, default shm,s3): file:// on /dev/shm, file:// on
-the disk under $TMPDIR (tmp), s3:// on a local SeaweedFS (tests/s3server.py). Reported: tokens/s (wall clock around the call,
+the disk under $TMPDIR (tmp), s3:// on a local SeaweedFS (tests/support/s3server.py). Reported: tokens/s (wall clock around the call,
 reading the shard and committing included) and each round's ratio to that round's bare run.
 By default `part_tokens` = `batch_tokens` = `--batch-tokens`, so every engine call yields one part,
 as in the H200 measurement; `--part-tokens` makes parts span several calls (the config default is
@@ -69,7 +69,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -123,7 +123,7 @@ def write_target(args: argparse.Namespace, work: Path):
     if args.target == "smollm2":
         return resolve_model(make_cfg(args).target), lambda st: prepared(make_cfg(args), st)
     from bench_gpu import random_prompts, write_data
-    from test_extract import tiny_llama
+    from tests.unit.extract.test_extract import tiny_llama
 
     model = tiny_llama(work / "tiny-llama")
     prompts = random_prompts(args.tiny_prompts, min(args.max_length, 500), 512, seed=0)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
 
 
 def first_differences(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
@@ -67,7 +67,7 @@ def main() -> int:
     from tasks.benchmark.stage import default_engine_factory, engine_kwargs
     from tasks.core.config import RunConfig
     from tasks.engine.target import resolve_model
-    from test_benchmark import make_random_draft
+    from tests.unit.benchmark.test_benchmark import make_random_draft
 
     cfg = RunConfig()
     cfg.target.max_model_len = 2048

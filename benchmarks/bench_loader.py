@@ -12,7 +12,7 @@ node part cache from S3, bf16 and fp8 parts, beside the Kimi-shaped training ste
 
 Parts: `--ranks x --parts-per-rank` parts of `--part-tokens` tokens (by default one batch of positions each) (random hidden states in the extract
 stage's format, tasks.formats.parts.PartBuffer), written once per dtype to a file:// store and to a SeaweedFS
-server (tests/s3server.py) on this machine. Every rank is its own process (as under torchrun), reads its
+server (tests/support/s3server.py) on this machine. Every rank is its own process (as under torchrun), reads its
 share of the parts (the stream's deal, tasks/train/stream.py) with the training stream itself
 (BatchStream over a PartReader: prefetch threads, packing into staging buffers, pinned on a GPU), and
 turns each batch into the step's device inputs (`Batch.model_inputs`: the stored bytes copied to the
@@ -56,7 +56,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402

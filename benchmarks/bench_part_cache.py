@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_part_cache.py                    # 2 nodes x 2 ranks, 3 epochs
     .venv/bin/python benchmarks/bench_part_cache.py --nodes 1 --ranks 8 --parts 32
 
-A real SeaweedFS server (tests/s3server.py) holds --parts extraction parts (random hidden states in
+A real SeaweedFS server (tests/support/s3server.py) holds --parts extraction parts (random hidden states in
 the extract stage's format, tasks.formats.parts.PartBuffer). Every rank runs the training stream
 (tasks.train.stream.BatchStream over a PartReader, the loop's own data path) until it has finished
 --epochs epochs of its share (its positions, counted; prefetch 0, so nothing is read ahead but
@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 
 import torch  # noqa: E402
 

@@ -157,7 +157,7 @@ fi
 # When the lock is installed here (not --docker, no DRAFTLINE_VENV): the Python it was resolved for (uv's
 # header: --python-version X.Y) and its wheels' platform (--python-platform ...-manylinux_2_XX: the node's
 # glibc must be at least 2.XX, or pip finds no wheel for some packages; llguidance 1.7 has none below
-# manylinux_2_34). The GPU lock's are known before the release is cloned (tests/test_locks.py keeps
+# manylinux_2_34). The GPU lock's are known before the release is cloned (tests/repo/test_locks.py keeps
 # GPU_LOCK_PYTHON and GPU_LOCK_GLIBC equal to its header).
 GPU_LOCK_PYTHON=3.12
 GPU_LOCK_GLIBC=2.34
@@ -245,7 +245,7 @@ if (( INSTALL && ! CHECK_ONLY )); then
     [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     if (( DOCKER )); then
-      # The host holds no checkout; these are requirements/gpu.lock's versions (tests/test_locks.py).
+      # The host holds no checkout; these are requirements/gpu.lock's versions (tests/repo/test_locks.py).
       say "installing the docker worker (prefect, prefect-docker) into $VENV"
       "$VENV/bin/python" -m pip install -q "prefect==3.7.7" "prefect-docker==0.7.3" "prefect-aws==0.7.11"
     else

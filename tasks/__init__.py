@@ -1,6 +1,6 @@
 """draftline's stages and what they share, as plain Python (no Prefect: flows/ wraps them in tasks).
 
-Packages from the bottom up, each importing only those before it (tests/test_layout.py): core, store,
+Packages from the bottom up, each importing only those before it (tests/repo/test_layout.py): core, store,
 formats, engine, address, data, extract, train, benchmark; each `__init__.py` says what lives there.
 
 The stage interface. Every stage has one entry, `run_<stage>(cfg, store, *inputs) -> ArtifactRef`, or, for

@@ -11,9 +11,11 @@ import pytest
 
 from tasks.core.home import apply_env_defaults
 
-sys.path.insert(0, str(Path(__file__).parent))
-# draftline's environment, plus what the tests need: vLLM-CPU's KV cache small, no hub
-apply_env_defaults(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
+sys.path.insert(0, str(Path(__file__).parent / "support"))  # the helpers, by their plain names
+# draftline's environment, plus what the tests need: vLLM-CPU's KV cache small, no hub, and the tests' Prefect workers
+# (tests/integration/test_nodes.py, test_train_nodes.py, the deployment scenario) asking for scheduled runs every 2 s
+# instead of Prefect's 10: a run, a child run or a retry is picked up ~4 s sooner on average, nothing else changes
+apply_env_defaults(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", PREFECT_WORKER_QUERY_SECONDS="2")
 
 from prefect_server import PrefectServer  # noqa: E402
 from s3server import S3Server  # noqa: E402
@@ -53,6 +55,18 @@ def part_cache_dir(tmp_path_factory):
         os.environ.pop("DRAFTLINE_CACHE_DIR", None)
     else:
         os.environ["DRAFTLINE_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch in this process on one thread for the test: two OpenMP threads on a busy 2-core machine run ~6x slower
+    than one (spin-waits)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

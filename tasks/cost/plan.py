@@ -14,7 +14,7 @@ training runs on `train.nodes` nodes (one in the presets), the benchmark on one.
 wall-clock, a schedule that rents the nodes per stage, and the busy node-hours alone.
 
 `make_plan` is a plain function (config and rates in, numbers out); `render` prints the markdown that
-docs/kimi-k2.5.md shows verbatim (tests/test_plan.py keeps them equal).
+docs/kimi-k2.5.md shows verbatim (tests/unit/cost/test_plan.py keeps them equal).
 """
 
 from __future__ import annotations

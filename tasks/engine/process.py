@@ -81,7 +81,7 @@ def vllm_extract_kwargs(layer_ids: list[int], asynchronous: bool = False) -> dic
     copies on a side stream into pinned memory and writes from a thread pool, so the engine never waits
     on a write. False (no CUDA): ours, `SyncHiddenStatesConnector`, the same class with that one step done
     inline (the stock one needs CUDA). Both write the same files under the same lock protocol
-    (tests/test_vllm_connector.py). The connector's `shared_storage_path` is filled in by the engine (its
+    (tests/unit/engine/test_vllm_connector.py). The connector's `shared_storage_path` is filled in by the engine (its
     work folder).
     """
     connector: dict[str, Any] = ({"kv_connector": HS_CONNECTOR_ASYNC} if asynchronous else

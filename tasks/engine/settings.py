@@ -3,7 +3,7 @@ extraction and the benchmark's decoding engines.
 
 Every purpose must see the same model the same way: the pinned `target.revision` (answers,
 hidden states and the benchmark come from one revision), one attention backend for an MLA target
-on a CPU, one KV-cache size rule. tests/test_engine_settings.py holds each purpose to these rules.
+on a CPU, one KV-cache size rule. tests/unit/engine/test_engine_settings.py holds each purpose to these rules.
 
 The same module plans what the engines run on, for regeneration and extraction alike: one engine per
 GPU group on a GPU node (a group is `extract.tensor_parallel_size` GPUs), or `extract.cpu_groups`

@@ -10,7 +10,7 @@ a GPU too, but there TP rank 0 would write each file inside the engine step
 while the other ranks wait: engines on CUDA use the stock class
 (`tasks.engine.process.vllm_extract_kwargs(..., asynchronous=True)`, chosen per engine
 group in `tasks.engine.settings.engine_for_group`). Both write the same files
-(tests/test_vllm_connector.py).
+(tests/unit/engine/test_vllm_connector.py).
 
 It is loaded by module path from the engine process:
 

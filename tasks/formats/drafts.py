@@ -121,7 +121,7 @@ def mla_draft_config(conf: dict[str, Any]) -> dict[str, Any]:
 # only by the Qwen3-Omni DSpark check (config/speculative.py), with the same values as the top-level key; the keys
 # of dflash_config that steer a DFlash/DSpark draft (causal, use_swa, swa_window_size, attention_sink_bias,
 # attention_value_scale, mask_token_id, use_aux_hidden_state, sample_from_anchor) stay unset, so each falls back
-# to what it was without the block (tests/test_heads.py reads vLLM 0.32's own functions on both configs).
+# to what it was without the block (tests/unit/train/test_heads.py reads vLLM 0.32's own functions on both configs).
 
 
 def dspark_vllm_config(conf: dict[str, Any]) -> dict[str, Any]:

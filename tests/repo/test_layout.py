@@ -1,0 +1,291 @@
+"""The code's layout as the README promises it: three floors, tasks/ (plain Python) under flows/ (what runs
+inside a flow run) under cli/ (the command line), none reaching up; tasks/ in packages by what things are,
+each saying what lives there; stages build on shared parts, never on each other; commands never on each
+other; imports at the top of a command's file unless they are heavy; no import cycle among the project's
+modules; no module reaching for another's private names; and the README's layout table names exactly
+the modules that exist."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# the six stages of the DAG, each a module of its package
+STAGES = ("tasks.data.prepare", "tasks.data.regenerate", "tasks.data.vocab", "tasks.extract.stage",
+          "tasks.train.stage", "tasks.benchmark.stage")
+# the packages from the bottom up: each imports only those before it (the README's layout table lists them so)
+TASK_PACKAGES = ("core", "store", "formats", "engine", "address", "data", "extract", "train", "benchmark", "cost")
+# the floors of the house from the bottom up: each imports only the floors below it
+FLOORS = ("tasks", "flows", "cli")
+# libraries that take seconds to import: a command imports them (or a module that does) only inside the
+# function that needs them, so that `draftline --help` and every command's help answer at once
+HEAVY = ("prefect", "prefect_aws", "torch", "vllm", "transformers", "speculators", "datasets")
+
+
+def modules() -> dict[str, Path]:
+    """Every project module by its dotted name; a package's `__init__.py` is the package itself."""
+    out = {}
+    for floor in FLOORS:
+        for p in sorted((ROOT / floor).rglob("*.py")):
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if name not in FLOORS:
+                out[name] = p
+    return out
+
+
+def import_nodes(path: Path, top_level_only: bool) -> list[ast.stmt]:
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    return [n for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def imports(path: Path, top_level_only: bool) -> set[str]:
+    out = set()
+    for node in import_nodes(path, top_level_only):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def package_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_tasks_is_packages_each_saying_what_lives_there():
+    found = sorted(p.name for p in (ROOT / "tasks").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert found == sorted(TASK_PACKAGES)
+    assert sorted(p.name for p in (ROOT / "tasks").glob("*.py")) == ["__init__.py"], "a module outside the packages"
+    for pkg in TASK_PACKAGES:
+        init = ROOT / "tasks" / pkg / "__init__.py"
+        tree = ast.parse(init.read_text())
+        assert ast.get_docstring(tree), f"tasks/{pkg}/__init__.py says what lives in the package"
+        heavy = {(n.module or "") if isinstance(n, ast.ImportFrom) else a.name
+                 for n in import_nodes(init, True) for a in n.names}
+        heavy = {m for m in heavy if m.split(".")[0] not in sys.stdlib_module_names
+                 and m not in ("__future__", "tasks.core.errors")}
+        assert heavy == set(), f"tasks/{pkg}/__init__.py imports (at its top) only the standard library and the error root"
+
+
+def test_each_floor_imports_only_the_floors_below_it():
+    """tasks/ < flows/ < cli/, at module or function level: the flow never reaches for a command, and plain
+    Python never for Prefect's flow nor the command line."""
+    rank = {f: i for i, f in enumerate(FLOORS)}
+    found = [f"{m} imports {i}" for m, p in modules().items() for i in sorted(imports(p, top_level_only=False))
+             if rank.get(i.split(".")[0], -1) > rank[m.split(".")[0]]]
+    assert found == []
+
+
+def test_no_command_imports_another_command():
+    """A command module (cli/commands/) builds on the shared modules of cli/, flows/ and tasks/, never on
+    another command: what two commands share is a module of its own."""
+    mods = modules()
+    commands = {m for m in mods if m.startswith("cli.commands.")}
+    assert len(commands) >= 10
+    found = [f"{m} imports {i}" for m in sorted(commands) for i in sorted(imports(mods[m], top_level_only=False))
+             if i.startswith("cli.commands") and i != m and i not in ("cli.commands",)]
+    found += [f"{m} imports cli.commands.{a.name}" for m in sorted(commands) for n in import_nodes(mods[m], False)
+              if isinstance(n, ast.ImportFrom) and n.module == "cli.commands" for a in n.names]
+    assert found == []
+
+
+def heavy_modules() -> set[str]:
+    """The project's modules that import a HEAVY library at their top, themselves or through another."""
+    mods = modules()
+    top = {m: imports(p, top_level_only=True) for m, p in mods.items()}
+    heavy = {m for m, i in top.items() if any(x.split(".")[0] in HEAVY for x in i)}
+    while True:
+        more = {m for m, i in top.items() if m not in heavy and i & heavy}
+        if not more:
+            return heavy
+        heavy |= more
+
+
+def test_imports_are_at_the_top_unless_an_import_is_heavy():
+    """The top of a file in cli/ or flows/ says what it depends on: an import inside a function is one that
+    would make `--help` (or a run that stops before the stage needing it) wait for a HEAVY library, itself or
+    through a module that imports one, and the module says so in a comment."""
+    mods = modules()
+    heavy = heavy_modules()
+    assert "flows.pipeline" in heavy  # the rule sees what it is about
+    found = []
+    for m, p in mods.items():
+        if not m.startswith(("cli.", "flows.")):
+            continue
+        if m == "cli.app" or m.startswith("cli.commands."):  # what `--help` imports
+            assert not (imports(p, top_level_only=True) & heavy), f"{m} imports a heavy module at its top"
+        text = p.read_text()
+        tree = ast.parse(text)
+        inner = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and n not in tree.body]
+        for node in inner:
+            names = ([f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+                     if isinstance(node, ast.ImportFrom) else [a.name for a in node.names])
+            if not any(n.split(".")[0] in HEAVY or n in heavy for n in names):
+                found.append(f"{m}:{node.lineno}: {text.splitlines()[node.lineno - 1].strip()}")
+        if inner:
+            assert re.search(r"#.*(heavy|slow to import|takes seconds)", text, re.I), \
+                f"{m} imports inside functions and does not say why"
+    assert found == [], "imports inside functions that are not heavy: move them to the top"
+
+
+def test_help_answers_without_importing_the_heavy_libraries():
+    code = ("import sys; sys.argv = ['draftline', '--help']\nfrom cli.app import app\ntry:\n    app()\n"
+            "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules if m.split('.')[0] in %r))" % (HEAVY,))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
+
+def test_each_package_imports_only_the_packages_below_it():
+    """core < store < formats < engine < address < data < extract < train < benchmark < cost, at module or
+    function level: a shared room that reaches up into one built on it is the layering gone wrong."""
+    rank = {f"tasks.{p}": i for i, p in enumerate(TASK_PACKAGES)}
+    mods = modules()
+    found = [f"{m} imports {i}" for m, p in mods.items() if package_of(m) in rank
+             for i in sorted(imports(p, top_level_only=False))
+             if i in mods and package_of(i) in rank and rank[package_of(i)] > rank[package_of(m)]]
+    assert found == []
+    readme = (ROOT / "README.md").read_text()
+    listed = [m.group(1) for m in re.finditer(r"^\| `tasks/(\w+)/` \|", readme, re.M)]
+    assert listed == list(TASK_PACKAGES), "the README's layout table lists the packages from the bottom up"
+
+
+# each stage's entries (tasks/__init__.py: the stage interface)
+STAGE_ENTRIES = {"tasks.data.prepare": ["run_prepare"], "tasks.data.regenerate": ["regenerate_shard", "run_regenerate"],
+                 "tasks.data.vocab": ["run_vocab"], "tasks.extract.stage": ["extract_shard"],
+                 "tasks.train.stage": ["run_train"], "tasks.benchmark.stage": ["run_benchmark"]}
+
+
+@pytest.mark.parametrize("module", sorted(STAGE_ENTRIES))
+def test_every_stage_has_the_one_interface(module):
+    """(cfg, store, inputs...) -> ArtifactRef through Store.found_or_compute, callbacks keyword-only on_*."""
+    assert set(STAGE_ENTRIES) == set(STAGES)
+    tree = ast.parse(modules()[module].read_text())
+    funcs = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    for name in STAGE_ENTRIES[module]:
+        f = funcs[name]
+        assert [a.arg for a in f.args.args[:2]] == ["cfg", "store"], f"{module}.{name}"
+        assert f.returns is not None and ast.unparse(f.returns) == "ArtifactRef", f"{module}.{name}"
+        positional_hooks = [a.arg for a in f.args.args if a.arg.startswith(("on_", "log", "progress"))]
+        assert positional_hooks == [], f"{module}.{name}: callbacks are keyword-only on_<event>"
+        calls = [n for n in ast.walk(f) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and n.func.attr == "found_or_compute"]
+        assert calls, f"{module}.{name} finds or computes its artifact through Store.found_or_compute"
+    for f in funcs.values():
+        hooks = [a.arg for a in f.args.kwonlyargs if a.arg.startswith(("log", "progress"))]
+        assert hooks == [], f"{module}.{f.name}: callbacks are named on_<event>"
+
+
+# the training components, siblings over tasks/train's shared parts (RunState, DistEnv, the package's helpers)
+TRAIN_COMPONENTS = ("tasks.train.schedule", "tasks.train.checkpoints", "tasks.train.metrics", "tasks.train.evaluation")
+
+
+def test_the_training_components_are_siblings():
+    """The schedule, the checkpoints, the metrics and the evaluation each build on what the package shares,
+    never on another component (type-checking and function-level imports included): the loop composes them."""
+    mods = modules()
+    found = [f"{m} imports {i}" for m in TRAIN_COMPONENTS
+             for i in sorted(imports(mods[m], top_level_only=False) | type_checking_imports(mods[m]))
+             if i in TRAIN_COMPONENTS and i != m]
+    assert found == []
+
+
+def type_checking_imports(path: Path) -> set[str]:
+    """What `if TYPE_CHECKING:` blocks import (ast.walk sees them too; named here so the rule says so)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            for n in ast.walk(node):
+                if isinstance(n, ast.ImportFrom) and n.module:
+                    out.add(n.module)
+    return out
+
+
+def test_no_stage_imports_another_stage():
+    """A stage module is imported only by the flow and by its own package's helpers (never by another
+    stage, nor by a shared package), at module or function level."""
+    found = []
+    for m, p in modules().items():
+        if not m.startswith("tasks."):
+            continue
+        for i in imports(p, top_level_only=False):
+            if i in STAGES and i != m and (m in STAGES or package_of(m) != package_of(i)):
+                found.append(f"{m} imports {i}")
+    assert found == []
+
+
+@pytest.mark.parametrize("top_level_only", [True, False], ids=["module-level", "with-function-level"])
+def test_no_import_cycle_among_project_modules(top_level_only):
+    """Not even through an import inside a function: two modules that need each other are one
+    concern split badly (the CLI and the operations commands were, and the train stage and its ranks)."""
+    mods = modules()
+    graph = {m: {i for i in imports(p, top_level_only) if i in mods and i != m} for m, p in mods.items()}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(path[path.index(n):] + [n] if n in path else [m, n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """`from tasks.x import _helper` couples two modules through what one of them calls internal: the
+    helper is either public (renamed) or stays where it is used."""
+    mods = modules()
+    found = [f"{m}: from {n.module} import {a.name}"
+             for m, p in mods.items() for n in import_nodes(p, False)
+             if isinstance(n, ast.ImportFrom) and n.module in mods
+             for a in n.names if a.name.startswith("_")]
+    assert found == []
+
+
+def test_the_readme_layout_table_matches_the_tree():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Layout"):]
+    table = table[table.index("| path"):].split("\n\n")[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([a-z/]+)` \| (.*)$", table, re.M)}
+    for folder in ("cli/", "cli/commands/", "flows/"):
+        listed = set(re.findall(r"`([a-z_]+)\.py`", rows[folder]))
+        assert listed == {p.stem for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"}, folder
+    named = {row.split("/")[1] for row in rows if row.startswith("tasks/") and row != "tasks/"}
+    assert sorted(named) == sorted(TASK_PACKAGES), "a package the README's layout table has no row for"
+    for pkg in TASK_PACKAGES:
+        listed = set(re.findall(r"`([a-z_]+)\.py`", rows[f"tasks/{pkg}/"]))
+        present = {p.stem for p in (ROOT / "tasks" / pkg).glob("*.py") if p.stem != "__init__"}
+        assert sorted(present - listed) == [], f"modules of tasks/{pkg}/ the README's layout table does not name"
+        assert sorted(listed - present) == [], f"modules the README's tasks/{pkg}/ row names that do not exist"
+    for stage in STAGES:
+        assert f"`{stage.split('.', 1)[1].replace('.', '/')}.py`" in rows["tasks/"], stage
+
+
+def test_every_error_has_the_one_root():
+    """Every exception class the project defines derives `DraftlineError` (which the command line catches
+    once), keeping the built-in base callers catch; `Stopped` is a request to stop, not an error."""
+    builtin = {"Exception", "ValueError", "RuntimeError", "LookupError", "OSError", "KeyError"}
+    found = []
+    for m, p in modules().items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and node.name not in ("Stopped", "DraftlineError"):
+                bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
+                if bases & builtin and "DraftlineError" not in bases:
+                    found.append(f"{m}.{node.name}")
+    assert found == []
