@@ -32,7 +32,7 @@ from flows.preflight import check_head_layers, remote_code_problem
 from flows.report_artifacts import Progress, publish_summary
 from flows.run_record import RunRecord, announce, finish_stage
 from tasks.address import digests
-from tasks.benchmark.export import run_serve
+from tasks.benchmark.serve import run_serve
 from tasks.benchmark.stage import load_report, run_benchmark
 from tasks.core.config import ConfigError, HeadConfig, RunConfig, STAGES, check_until, head_config, load_config
 from tasks.core.faults import fail_point

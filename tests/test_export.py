@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from tasks.address import digests
 from tasks.core.config import RunConfig, load_config
 from tasks.formats.drafts import DraftError, check_compatible, content_digest, remap_rows
-from tasks.benchmark.export import best_k, export_draft, run_serve, serve_command
+from tasks.benchmark.serve import best_k, export_draft, run_serve, serve_command
 from tasks.store.artifacts import Store
 from tasks.train.stage import run_train
 from tasks.train import TrainError
@@ -81,7 +81,7 @@ def test_the_serve_line_is_the_engine_the_benchmark_ran(tmp_path):
     from transformers import DeepseekV3Config
     from transformers.models.kimi_k25 import Kimi_K25Config
 
-    from tasks.benchmark.export import serve_settings
+    from tasks.benchmark.serve import serve_settings
     from tasks.engine.settings import benchmark_kwargs
 
     snapshot = tmp_path / "hub-cache" / "snapshots" / ("c" * 40)  # where the benchmark's engine read it from
@@ -328,7 +328,7 @@ def test_check_coverage_adds_each_benchmark_evals_share_of_the_targets_output(tm
 def test_the_exported_maps_are_trainings_byte_for_byte_and_a_drifted_draft_is_refused(exp, tmp_path):
     """The draft vLLM will serve proposes ids through its d2t/t2d: they must be the vocab artifact's that
     training read, byte for byte. A train artifact whose draft carries other maps is not exported."""
-    from tasks.benchmark.export import ExportError
+    from tasks.benchmark.serve import ExportError
     from tasks.formats.vocab_maps import read_maps
 
     maps = read_maps(exp.store, exp.vref)

@@ -160,7 +160,7 @@ def test_each_package_imports_only_the_packages_below_it():
 
 
 # each stage's entries (tasks/__init__.py: the stage interface)
-STAGE_ENTRIES = {"tasks.data.prepare": ["run_prepare"], "tasks.data.regenerate": ["regenerate_shard", "run_regenerate"],
+STAGE_ENTRIES = {"tasks.data.prepare": ["run_prepare"], "tasks.data.regenerate": ["regenerate_shard", "assemble_regenerate"],
                  "tasks.data.vocab": ["run_vocab"], "tasks.extract.stage": ["extract_shard"],
                  "tasks.train.stage": ["run_train"], "tasks.benchmark.stage": ["run_benchmark"]}
 

@@ -373,7 +373,7 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
         for k, e in h["errors"].items():
             report["warnings"].append(f"{other} ({h['kind']}) k={k}: not measured in vLLM, its figures are offline-only: "
                                       f"{e}")
-    from tasks.benchmark.export import best_k, run_serve, serve_settings
+    from tasks.benchmark.serve import best_k, run_serve, serve_settings
 
     chosen = best_k(report) or b.num_speculative_tokens[0]
     report["serve"] = run_serve(cfg, store, trained, {"serve": serve_settings(

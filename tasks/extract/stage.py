@@ -3,7 +3,7 @@
 One artifact per shard (`extract/DIGEST/`), so a failed or killed shard is the
 only work repeated: every other shard is committed and found on the store.
 
-    plans = plan_extract(cfg, data_ref, hf_config)           # one ShardPlan (and digest) per shard
+    plans = plan_extract(cfg, data_ref, hf_config)           # one ExtractShard plan (and digest) per shard
     for group in engine_groups(cfg):                         # the flow fans shards over groups
         with engine_for_group(cfg, model_path, group) as engine:
             refs = [extract_shard(cfg, store, p, engine) for p in my_plans]
@@ -34,7 +34,7 @@ from tasks.core.config import RunConfig
 from tasks.core.digest import VERSIONS
 from tasks.core.faults import kill_point
 from tasks.engine.process import EngineProcess
-from tasks.extract.plan import STAGE, ExtractError, ProgressCallback, ShardPlan, plan_extract  # noqa: F401
+from tasks.extract.shards import STAGE, ExtractError, ProgressCallback, ExtractShard, plan_extract  # noqa: F401
 from tasks.extract.verify import StateCheck, verifier_head
 from tasks.formats.parts import PartBuffer
 from tasks.store.artifacts import ArtifactRef, ArtifactWriter, Store
@@ -42,7 +42,7 @@ from tasks.store.artifacts import ArtifactRef, ArtifactWriter, Store
 # ============================================================================ the stage
 
 
-def _read_shard(store: Store, plan: ShardPlan) -> list[tuple[str, list[int], list[int]]]:
+def _read_shard(store: Store, plan: ExtractShard) -> list[tuple[str, list[int], list[int]]]:
     import pyarrow.parquet as pq
 
     data = store.open(plan.data_stage, plan.data_digest)
@@ -76,7 +76,7 @@ def _batches(samples: list, batch_tokens: int) -> Iterator[list]:
         yield batch
 
 
-def _store_batch(plan: ShardPlan, buf: "PartBuffer", batch: list, hidden: list, done: int,
+def _store_batch(plan: ExtractShard, buf: "PartBuffer", batch: list, hidden: list, done: int,
                  masked: int) -> tuple[int, int]:
     """`hidden`: (hidden states, the engine's next token or None) per sample of `batch`."""
     if len(hidden) != len(batch):
@@ -282,7 +282,7 @@ def _state_check(cfg: RunConfig, engine: Any) -> StateCheck | None:
     return StateCheck(head, cfg.extract.verify_positions, cfg.extract.verify_min_agreement)
 
 
-def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProcess, *,
+def extract_shard(cfg: RunConfig, store: Store, plan: ExtractShard, engine: EngineProcess, *,
                   on_progress: ProgressCallback | None = None) -> ArtifactRef:
     """Extract one shard into `extract/<plan.digest>/`; returns at once if it is already committed.
 
@@ -295,7 +295,7 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
     return store.found_or_compute(STAGE, plan.digest, lambda: _extract(cfg, store, plan, engine, on_progress))
 
 
-def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProcess,
+def _extract(cfg: RunConfig, store: Store, plan: ExtractShard, engine: EngineProcess,
              on_progress: ProgressCallback | None) -> ArtifactRef:
     e = cfg.extract
     samples = _read_shard(store, plan)

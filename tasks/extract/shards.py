@@ -1,4 +1,4 @@
-"""Planning the extract stage: one ShardPlan (and the digest its artifact lives under) per data shard.
+"""Planning the extract stage: one `ExtractShard` plan (and the digest its artifact lives under) per data shard.
 
 Apart from the stage so that what only needs the addresses (`draftline export`, the flow's fan-out) reads
 them without the engine and part-writing machinery.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from tasks.core.errors import DraftlineError
 from tasks.address import digests
@@ -16,6 +16,7 @@ from tasks.core.config import RunConfig
 from tasks.store.stats import StatsError, data_stats
 from tasks.engine.target import resolve_layer_ids, text_config, validate_for_vllm
 from tasks.store.artifacts import ArtifactRef
+from tasks.store.stages import ShardPlan
 
 STAGE = "extract"
 # Keys that decide where and how fast extraction runs, not what it produces.
@@ -29,11 +30,9 @@ class ExtractError(DraftlineError, RuntimeError):
     """Extraction cannot proceed; the message names the problem and the fix."""
 
 
-class ShardPlan(BaseModel):
+class ExtractShard(ShardPlan):
     """Everything one shard's extraction needs, and the digest its artifact lives under."""
 
-    shard: int
-    digest: str
     data_stage: str
     data_digest: str
     data_file: str
@@ -47,7 +46,7 @@ class ShardPlan(BaseModel):
         return {"data": self.data_digest, "shard": str(self.shard)}
 
 
-def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[ShardPlan]:
+def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[ExtractShard]:
     if data_ref.stage not in DATA_STAGES:
         raise ExtractError(f"extract reads a prepare or regenerate artifact, got stage {data_ref.stage!r}")
     try:
@@ -64,7 +63,7 @@ def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[
     plans = []
     for i in range(num_shards):
         digest = digests.extract_shard(cfg, layer_ids, data_ref.digest, i)
-        plans.append(ShardPlan(shard=i, digest=digest, data_stage=data_ref.stage, data_digest=data_ref.digest,
+        plans.append(ExtractShard(shard=i, digest=digest, data_stage=data_ref.stage, data_digest=data_ref.digest,
                                data_file=f"shard-{i:05d}.parquet", layer_ids=layer_ids,
                                hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
                                config=section))
