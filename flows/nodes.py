@@ -322,7 +322,7 @@ NODE_LOST_AFTER = 8.0  # a node whose heartbeat has not changed this long (and w
 
 
 def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: ArtifactRef,
-                shards: list[ArtifactRef], logger, on_metrics) -> ArtifactRef:
+                extracted: ArtifactRef, logger, on_metrics) -> ArtifactRef:
     """train.nodes > 1: torch's elastic launcher on this node and on train.nodes - 1 child flow runs of
     `child_deployment` (the slice flow with stage=train), one c10d rendezvous hosted here. The nodes that
     take their child within TAKE_BACK_AFTER seconds train (the others are cancelled: the run trains on the
@@ -331,7 +331,9 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
     CONFIG: the run's config for the children (`child_config`)."""
     from tasks.train.inputs import resolve_inputs
     from tasks.train.ranks import Rendezvous, launch_ranks, node_address, secret_run_id, train_ranks
+    from tasks.train.stage import training_shards
 
+    shards = training_shards(store, extracted)
     digest = digests.train(cfg, vocab, shards)
     found = store.find(STAGE, digest)
     if found is not None:

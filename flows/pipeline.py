@@ -41,7 +41,8 @@ from tasks.data.regenerate import SHARD_STAGE, assemble_regenerate, plan_regener
 from tasks.engine.settings import EnginePool
 from tasks.engine.target import load_hf_config, resolve_model
 from tasks.engine.weights import WeightsError, pin_run
-from tasks.extract.stage import extract_shard, plan_extract
+from tasks.extract.shards import extract_shards
+from tasks.extract.stage import assemble_extract, extract_shard, plan_extract
 from tasks.store.artifacts import ArtifactRef, Store
 from tasks.train import TrainError
 
@@ -107,7 +108,7 @@ def extract_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) 
 
 
 @task(name="train", task_run_name="train")
-def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[ArtifactRef],
+def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, extracted: ArtifactRef,
                children: dict[str, Any] | None = None) -> ArtifactRef:
     """CHILDREN: with train.nodes > 1, the run's config for the other nodes' child runs (flows/nodes.py)."""
     from tasks.train.stage import run_train
@@ -127,9 +128,9 @@ def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[Art
             logger.warning(f"train: {m['attn_fallback']}; training with sdpa")
 
     if cfg.train.nodes > 1:
-        ref = train_nodes(cfg, Store.from_config(cfg.store), children or {}, vocab, shards, logger, on_metrics)
+        ref = train_nodes(cfg, Store.from_config(cfg.store), children or {}, vocab, extracted, logger, on_metrics)
     else:
-        ref = run_train(cfg, Store.from_config(cfg.store), vocab, shards, on_metrics=on_metrics)
+        ref = run_train(cfg, Store.from_config(cfg.store), vocab, extracted, on_metrics=on_metrics)
     progress.update(100.0)
     acc = ref.stats.get("val_acc_per_pos")
     if acc:
@@ -286,11 +287,13 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
             raise
 
     # extract: one task per shard, fanned out over GPU groups
-    shards = _run_extract(cfg, store, rec, data, logger)
+    extracted = _run_extract(cfg, store, rec, data, logger)
+    shards = extract_shards(store, extracted)
     if _stop_after(until, "extract"):
         return skip_rest("extract")
 
-    # train: one cached task per head of train.heads, each at its own address, from the same shards
+    # train: one cached task per head of train.heads, each at its own address (made of the shards), from the
+    # extract stage's artifact
 
     heads: list[tuple[str, ArtifactRef]] = []
     t0 = time.time()
@@ -300,7 +303,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         d = digests.train(hcfg, vocab, shards)
         task_name = "train" if len(cfg.train.heads) == 1 else f"train-{head.label}"
         heads.append((head.label, run_single("train", lambda: train_task.with_options(
-            **opts("train"), name=task_name, task_run_name=task_name)(hcfg, d, vocab, shards, children))))
+            **opts("train"), name=task_name, task_run_name=task_name)(hcfg, d, vocab, extracted, children))))
     if len(heads) > 1:
         r = rec.stages["train"]
         finish_stage(r, t0, [ref for _, ref in heads])
@@ -364,9 +367,15 @@ def _shard_plans(stage: str, cfg: RunConfig, data: ArtifactRef, model: str) -> l
     return plan_extract(cfg, data, load_hf_config(cfg.target, model))
 
 
-def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, logger) -> list[ArtifactRef]:
-    rec.stages["extract"].status = "running"
-    return _run_sharded("extract", cfg, store, rec, data, resolve_model(cfg.target), logger)
+def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, logger) -> ArtifactRef:
+    """Extraction's shards as tasks, then the stage's artifact naming them (the one input training takes)."""
+    r = rec.stages["extract"]
+    r.status = "running"
+    t0 = time.time()
+    shards = _run_sharded("extract", cfg, store, rec, data, resolve_model(cfg.target), logger)
+    ref = assemble_extract(cfg, store, shards, t0, r.cached)
+    r.artifact = ref.uri
+    return ref
 
 
 def _run_sharded(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, model: str,

@@ -27,7 +27,7 @@ from tasks.store.artifacts import Store
 from tasks.train.stage import run_train
 from tasks.train import TrainError
 from test_heads import LAYER_IDS, tiny  # noqa: F401 - the tiny target's fixture, shared
-from train_data import make_tiny_target, write_vocab
+from train_data import extract_stage, make_tiny_target, write_vocab
 
 
 class Ref:
@@ -212,7 +212,7 @@ def test_rows_of_tokens_in_both_vocabularies_are_found():
 def exp(tiny):
     """tests/test_heads.py's 4-layer target and its stored hidden states, a draft trained on them and exported."""
     cfg = train_cfg(tiny.path)
-    trained = run_train(cfg, tiny.store, tiny.vref, tiny.refs)
+    trained = run_train(cfg, tiny.store, tiny.vref, extract_stage(tiny.store, tiny.refs))
     dest = Path(tiny.store.uri.removeprefix("file://")).parent / "exported"
     out = export_draft(tiny.store, trained.digest, str(dest), run_serve(cfg, tiny.store, trained))
     return SimpleNamespace(**vars(tiny), trained=trained, dest=dest, out=out, cfg=cfg)
@@ -395,7 +395,7 @@ def test_export_refuses_to_replace_a_users_files_unless_forced_and_never_follows
 def test_warm_start_from_an_export_starts_at_its_loss(exp):
     events: list[dict] = []
     warm = run_train(train_cfg(exp.path, max_steps=2, init_from=str(exp.dest / "draft")), exp.store, exp.vref,
-                     exp.refs, on_metrics=events.append)
+                     extract_stage(exp.store, exp.refs), on_metrics=events.append)
     assert warm.digest != exp.trained.digest
     init = warm.stats["init_from"]
     assert init["vocab"] == "same" and init["draft_vocab_rows_copied"] == 128
@@ -410,7 +410,7 @@ def test_warm_start_from_an_export_starts_at_its_loss(exp):
 def test_warm_start_with_another_draft_vocabulary_copies_the_shared_rows(exp):
     other = write_vocab(exp.store, exp.samples, 256, 64, tag="smaller")
     ref = run_train(train_cfg(exp.path, max_steps=1, init_from=str(exp.dest / "draft")), exp.store, other,
-                    exp.refs)
+                    extract_stage(exp.store, exp.refs))
     init = ref.stats["init_from"]
     old = set(json.loads((exp.dest / "vocab/t2d.json").read_text()))
     art = exp.store.open("train", ref.digest)
@@ -426,7 +426,7 @@ def test_warm_start_with_another_draft_vocabulary_copies_the_shared_rows(exp):
 def test_a_warm_start_that_cannot_fit_fails_before_training(exp):
     with pytest.raises(TrainError, match=r"1 decoder layer\(s\), this run trains 2"):
         run_train(train_cfg(exp.path, max_steps=1, num_layers=2, init_from=str(exp.dest / "draft")), exp.store,
-                  exp.vref, exp.refs)
+                  exp.vref, extract_stage(exp.store, exp.refs))
     # another target (hidden 32): refused by the warm start itself, on a draft built for that target
     from tasks.formats.drafts import warm_start
     from tasks.engine.target import load_hf_config

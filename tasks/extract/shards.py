@@ -15,10 +15,12 @@ from tasks.address import digests
 from tasks.core.config import RunConfig
 from tasks.store.stats import StatsError, data_stats
 from tasks.engine.target import resolve_layer_ids, text_config, validate_for_vllm
-from tasks.store.artifacts import ArtifactRef
+from tasks.store.artifacts import ArtifactRef, Store
 from tasks.store.stages import ShardPlan
 
 STAGE = "extract"
+# the stage's own artifact: a manifest naming every shard (tasks/extract/stage.py assemble_extract)
+STAGE_ARTIFACT = digests.EXTRACT_STAGE
 # Keys that decide where and how fast extraction runs, not what it produces.
 SCHEDULING_KEYS = digests.EXTRACT_SCHEDULING_KEYS
 DATA_STAGES = ("prepare", "regenerate")
@@ -68,3 +70,24 @@ def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[
                                hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
                                config=section))
     return plans
+
+
+def extract_shards(store: Store, extracted: ArtifactRef) -> list[ArtifactRef]:
+    """The shard artifacts the extract stage's artifact EXTRACTED names, in shard order (what training reads)."""
+    if extracted.stage != STAGE_ARTIFACT:
+        raise ExtractError(f"{extracted.uri} is a {extracted.stage!r} artifact, not the extract stage's "
+                           f"({STAGE_ARTIFACT}/DIGEST, naming its shards)")
+    manifest = store.manifest(STAGE_ARTIFACT, extracted.digest)
+    if manifest is None:
+        raise ExtractError(f"the extract stage's artifact {extracted.uri} is not committed on {store.uri}; "
+                           "re-run the extract stage (completed shards are reused)")
+    names = sorted((k for k in manifest.inputs if k.startswith("shard-")), key=lambda k: int(k.split("-")[1]))
+    refs = []
+    for name in names:
+        art = store.find(STAGE, manifest.inputs[name])
+        if art is None:
+            raise ExtractError(f"extraction shard {store.uri_of(STAGE, manifest.inputs[name])} (named by "
+                               f"{extracted.uri}) is not committed on {store.uri}; re-run the extract stage for it "
+                               "(completed shards are reused)")
+        refs.append(art.ref())
+    return refs
