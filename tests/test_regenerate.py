@@ -53,11 +53,11 @@ def regenerate_on(cfg, store, prepared, engine):
     found = store.find("regenerate", digests.regenerate(cfg, prepared))
     if found is not None:
         return found.ref()
-    arts, reused = [], 0
+    refs, reused = [], 0
     for plan in plan_regenerate(cfg, prepared):
         reused += store.find(SHARD_STAGE, plan.digest) is not None
-        arts.append(store.open(SHARD_STAGE, regenerate_shard(cfg, store, plan, engine).digest))
-    return assemble_regenerate(cfg, store, prepared, arts, t0, reused)
+        refs.append(regenerate_shard(cfg, store, plan, engine))
+    return assemble_regenerate(cfg, store, prepared, refs, t0, reused)
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ from tasks.formats.acceptance import merge_counts
 from tasks.formats.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats
 from tasks.store.stats import data_stats
 from tasks.store.artifacts import Artifact, ArtifactRef, Store
-from tasks.store.stages import ShardPlan
+from tasks.store.stages import ShardedStage, ShardPlan
 
 STAGE = "regenerate"
 SHARD_STAGE = digests.REGENERATE_SHARD
@@ -202,14 +202,14 @@ def _regenerate_shard(cfg: RunConfig, store: Store, plan: RegenerateShard, engin
         return w.commit(stats).ref()
 
 
-def assemble_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef, shard_arts: list[Artifact],
+def assemble_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef, shards: list[ArtifactRef],
                         t0: float, reused: int) -> ArtifactRef:
     """The `regenerate` artifact (prepare's layout) from every shard's artifact, in shard order;
     `reused`: how many of them were on the store before this run, `t0`: when this run's stage began
     (its `wall_seconds`: engine starts, every shard on every group and node, and this assembly)."""
     digest = digests.regenerate(cfg, prepared)
-    return store.found_or_compute(STAGE, digest,
-                                  lambda: _assemble(cfg, store, prepared, shard_arts, t0, reused, digest))
+    return store.found_or_compute(STAGE, digest, lambda: _assemble(
+        cfg, store, prepared, [store.open(SHARD_STAGE, r.digest) for r in shards], t0, reused, digest))
 
 
 def _assemble(cfg: RunConfig, store: Store, prepared: ArtifactRef, shard_arts: list[Artifact], t0: float,
@@ -271,3 +271,11 @@ def _assemble(cfg: RunConfig, store: Store, prepared: ArtifactRef, shard_arts: l
         w.write_bytes(HELDOUT, prep_art.read_bytes(HELDOUT))
         stats["wall_seconds"] = round(time.time() - t0, 2)  # the stage: engine starts, every shard, copying
         return w.commit(stats).ref()
+
+
+# the stage as the flow runs it (tasks/store/stages.py)
+STAGE_DEF = ShardedStage(
+    name=STAGE, inputs=("prepare",), store_stage=STAGE, shard_stage=SHARD_STAGE, plan=plan_regenerate,
+    address=lambda cfg, data, plans: digests.regenerate(cfg, data), shard=regenerate_shard,
+    assemble=assemble_regenerate, copies_shards=True, label="regeneration", title="Regeneration",
+    tokens="generated_tokens", rate="generated tok/s", enabled=lambda cfg: cfg.regenerate.enabled)

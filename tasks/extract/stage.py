@@ -37,11 +37,13 @@ from tasks.core.config import RunConfig
 from tasks.core.digest import VERSIONS
 from tasks.core.faults import kill_point
 from tasks.engine.process import EngineProcess
+from tasks.engine.target import load_hf_config, resolve_model
 from tasks.address import digests
 from tasks.extract.shards import STAGE, STAGE_ARTIFACT, ExtractError, ExtractShard, ProgressCallback, plan_extract  # noqa: F401
 from tasks.extract.verify import StateCheck, summarize, verifier_head
 from tasks.formats.parts import PartBuffer
 from tasks.store.artifacts import ArtifactRef, ArtifactWriter, Store
+from tasks.store.stages import ShardedStage
 
 # ============================================================================ the stage
 
@@ -280,8 +282,6 @@ def _state_check(cfg: RunConfig, engine: Any) -> StateCheck | None:
     model = getattr(engine, "model", None)
     if cfg.extract.verify_positions <= 0 or not isinstance(model, str) or not hasattr(engine, "last_next_tokens"):
         return None
-    from tasks.engine.target import load_hf_config
-
     head = verifier_head(model, load_hf_config(cfg.target, model))
     return StateCheck(head, cfg.extract.verify_positions, cfg.extract.verify_min_agreement)
 
@@ -448,3 +448,16 @@ def _assemble(cfg: RunConfig, store: Store, shards: list[ArtifactRef], t0: float
                                    for r in shards])
         stats["wall_seconds"] = round(time.time() - t0, 2)  # the stage: engine starts, every shard, every node
         return w.commit(stats).ref()
+
+
+def plan_shards(cfg: RunConfig, data: ArtifactRef) -> list[ExtractShard]:
+    """The run's extraction shards of DATA (plan_extract on the target's own config)."""
+    return plan_extract(cfg, data, load_hf_config(cfg.target, resolve_model(cfg.target)))
+
+
+# the stage as the flow runs it (tasks/store/stages.py)
+STAGE_DEF = ShardedStage(
+    name=STAGE, inputs=("data",), store_stage=STAGE_ARTIFACT, shard_stage=STAGE, plan=plan_shards,
+    address=lambda cfg, data, plans: digests.extract_stage([p.digest for p in plans]), shard=extract_shard,
+    assemble=lambda cfg, store, data, shards, t0, reused: assemble_extract(cfg, store, shards, t0, reused),
+    copies_shards=False, label="extraction", title="Extraction", tokens="tokens", rate="tok/s")

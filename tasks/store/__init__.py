@@ -1,5 +1,5 @@
 """The artifact store (`artifacts.py`: `STORE/STAGE/DIGEST/` on file:// or s3://, manifests written last),
 the typed manifest stats a stage reads from an upstream artifact (`stats.py`) and the node-local,
 content-addressed part cache training reads through (`part_cache.py`), and what a stage is to the flow
-(`stages.py`: the one `ShardPlan` every sharded stage's shard plans derive from).
+(`stages.py`: `Stage`, `ShardedStage` and the one `ShardPlan` every sharded stage's shard plans derive from).
 """

@@ -27,6 +27,7 @@ from __future__ import annotations
 from tasks.address import digests
 from tasks.core.config import RunConfig
 from tasks.store.artifacts import ArtifactRef, Store
+from tasks.store.stages import Stage
 from tasks.extract.shards import ExtractError, extract_shards
 from tasks.train import STAGE, MetricsCallback, TrainError
 from tasks.train.inputs import resolve_inputs, train_head
@@ -70,3 +71,10 @@ def training_shards(store: Store, extracted: ArtifactRef) -> list[ArtifactRef]:
         return extract_shards(store, extracted)
     except ExtractError as exc:
         raise TrainError(str(exc)) from None
+
+
+# the stage as the flow runs it (tasks/store/stages.py), once per head of train.heads (tasks.core.config
+# head_config): its address is made of the shards the extract stage's artifact names
+STAGE_DEF = Stage(name=STAGE, inputs=("vocab", "extract"),
+                  address=lambda cfg, store, vocab, extracted: digests.train(cfg, vocab, training_shards(store, extracted)),
+                  run=run_train)
