@@ -167,7 +167,7 @@ def _train_log_line(m: dict[str, Any]) -> str | None:
         return (f"train: held-out accuracy per position {m.get('val_acc_per_pos')}, simulated acceptance length "
                 f"{m.get('simulated_acceptance_length')}")
     if kind == "done" and m.get("head"):
-        return f"train: the {m['head']} head ({m.get('head_kind')}) exported after {m.get('steps')} steps"
+        return f"train: the {m['head']} head ({m.get('head_kind')}) saved after {m.get('steps')} steps"
     return None
 
 

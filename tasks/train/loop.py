@@ -7,7 +7,7 @@ evaluates the held-out batches and writes the draft for vLLM (`save_draft`) as t
 The components (`Schedule`, `Checkpointer`, `Meter`, `HeldOut`; tasks/train/__init__.py lists every part)
 each live in their own module behind a small interface, siblings that share `RunState` and `DistEnv` and
 never import each other. `build_trainer` makes the store reads a Trainer needs
-(the part reader, the held-out split) and `train_here` is one rank's work: build, fit, export.
+(the part reader, the held-out split) and `train_here` is one rank's work: build, fit, commit.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class Trainer:
         state = self.checkpointer.load()
         self.announce(state)
         if state.stopped_reason == "time_budget" or state.step >= self.t.max_steps:
-            return state  # the last run already finished training; only eval/export remain
+            return state  # the last run already finished training; only eval and the commit remain
         stream = self.open_stream(state)
         self.schedule.start(state.train_seconds)
         try:
@@ -219,7 +219,7 @@ class Trainer:
                 self.checkpointer.save(state, stream)
             if state.stopped_reason is None:
                 state.stopped_reason = "max_steps"
-            self.checkpointer.save(state, stream, last_step=True)  # a crash during export never retrains
+            self.checkpointer.save(state, stream, last_step=True)  # a crash during the commit never retrains
         finally:
             stream.close()
         return state

@@ -1,4 +1,4 @@
-"""Stage `train`: an EAGLE-3 draft head trained on stored hidden states, exported for vLLM.
+"""Stage `train`: an EAGLE-3 draft head trained on stored hidden states, saved for vLLM.
 
     ref = run_train(cfg, store, vocab_ref, extracted, on_metrics=print)   # extracted: the extract stage's artifact
     # store: train/DIGEST/draft/{config.json, model.safetensors}, metrics.json
