@@ -12,7 +12,7 @@ import pytest
 from tasks.core.config import RunConfig
 from tasks.data.prepare import HELDOUT, read_samples, run_prepare, shard_name
 from tasks.address import digests
-from tasks.data.regenerate import SHARD_STAGE, assemble_regenerate, plan_regenerate, regenerate_shard
+from tasks.data.regenerate import SHARD_STAGE, STAGE_DEF as REGENERATE
 from tasks.store.artifacts import Store
 
 
@@ -47,17 +47,18 @@ class StubEngine:
 
 
 def regenerate_on(cfg, store, prepared, engine):
-    """The flow's regeneration on one engine (started), shard after shard: the stage's plan, each shard
-    (`regenerate_shard`, as a flow task runs it), then the stage artifact (`assemble_regenerate`)."""
+    """The flow's regeneration (tasks.data.regenerate.STAGE_DEF, what flows/pipeline.py runs) on one started
+    engine, shard after shard: its plan, each shard, then the stage's artifact; nothing when that is stored."""
     t0 = time.time()
-    found = store.find("regenerate", digests.regenerate(cfg, prepared))
+    plans = REGENERATE.plan(cfg, prepared)
+    found = store.find(REGENERATE.store_stage, REGENERATE.address(cfg, prepared, plans))
     if found is not None:
         return found.ref()
     refs, reused = [], 0
-    for plan in plan_regenerate(cfg, prepared):
-        reused += store.find(SHARD_STAGE, plan.digest) is not None
-        refs.append(regenerate_shard(cfg, store, plan, engine))
-    return assemble_regenerate(cfg, store, prepared, refs, t0, reused)
+    for plan in plans:
+        reused += store.find(REGENERATE.shard_stage, plan.digest) is not None
+        refs.append(REGENERATE.shard(cfg, store, plan, engine))
+    return REGENERATE.assemble(cfg, store, prepared, refs, t0, reused)
 
 
 @pytest.fixture
