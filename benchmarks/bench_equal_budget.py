@@ -39,7 +39,7 @@ threads (2 on 2 cores) and the same precision (bf16 autocast on a bf16 CPU: ours
   6-step calibration run measures their CPU seconds per step and the real run gets
   floor(budget / that) steps, stopping early if the budget runs out first.
 
-Every draft is exported with tasks.train.loop.export_draft (speculators' format, what vLLM loads) into
+Every draft is exported with tasks.train.loop.save_draft (speculators' format, what vLLM loads) into
 `--work`/NAME/drafts/, then measured with the benchmark stage's own code (tasks.benchmark.stage:
 load_eval_prompts, engine_kwargs, measure, acceptance_figures) in vLLM: one engine per draft and k, plus
 a baseline engine for tokens/s, on `--mtbench` MT-Bench first turns and `--heldout` held-out prompts of
@@ -72,7 +72,7 @@ from tasks.core.config import EvalConfig, RunConfig, load_config  # noqa: E402
 from tasks.store.artifacts import Store  # noqa: E402
 from tasks.train.dist import DistEnv  # noqa: E402
 from tasks.train.inputs import resolve_inputs  # noqa: E402
-from tasks.train.loop import Trainer, build_trainer, export_draft  # noqa: E402
+from tasks.train.loop import Trainer, build_trainer, save_draft  # noqa: E402
 
 
 class CpuClock:
@@ -172,7 +172,7 @@ def train_steps(cfg: RunConfig, store: Store, vocab, shards, steps: int, drafts:
     wall = time.perf_counter() - t0
     folder = drafts / f"{name}-ours-{steps}steps"
     folder.mkdir(parents=True, exist_ok=True)
-    export_draft(trainer.model, str(folder), cfg.target.dtype)
+    save_draft(trainer.model, str(folder), cfg.target.dtype)
     timed = [r for r in recs if r.get("kind") == "train"][2:]
     ours = {"draft": folder.name, "side": "ours", "steps": state.step, "wall_s": round(wall, 1),
             "tokens": state.tokens_seen, "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in timed), 1),
@@ -226,7 +226,7 @@ def export_theirs(res: dict, folder: Path, cfg: RunConfig) -> None:
     """run_speculators' kept model (popped from `res`) exported in speculators' format, then freed."""
     model = res.pop("_model")
     folder.mkdir(parents=True, exist_ok=True)
-    export_draft(model, str(folder), cfg.target.dtype)
+    save_draft(model, str(folder), cfg.target.dtype)
     del model
     free_memory()
 
@@ -262,7 +262,7 @@ def train_ours(cfg: RunConfig, store: Store, vocab, shards, budget_min: float, e
             trainer = holder["trainer"]
             folder = drafts / f"{name}-{minutes:g}min"
             folder.mkdir(parents=True, exist_ok=True)
-            export_draft(trainer.model, str(folder), cfg.target.dtype)
+            save_draft(trainer.model, str(folder), cfg.target.dtype)
             ev = trainer.evaluate()
             out.append({"draft": folder.name, "side": "ours", "budget_cpu_min": minutes, "steps": rec["step"],
                         "cpu_s": round(rec["elapsed_s"], 1), "wall_s": round(rec["wall_s"], 1),

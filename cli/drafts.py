@@ -10,11 +10,11 @@ from typing import Any
 from cli.prefect_api import client, find_run
 from flows.flow_runs import OpsError
 from tasks.address import digests
-from tasks.benchmark.export import ExportError, run_serve
+from tasks.benchmark.serve import ExportError, run_serve
 from tasks.benchmark.results import find_report, load_report
 from tasks.core.config import ConfigError, RunConfig, head_config, load_config
 from tasks.engine.target import load_hf_config, resolve_model
-from tasks.extract.plan import plan_extract
+from tasks.extract.shards import plan_extract
 from tasks.store.artifacts import canonical_uri
 
 

@@ -251,6 +251,8 @@ def progress_line(c: Any, run: Any) -> str:
     stages: dict[str, list[int]] = {}
     for r in runs:
         for name, t in latest_by_name([t for t in task_runs(c, r.id) if "/" not in t.name]).items():
+            if name == "extract":  # the stage's artifact, after its shards: the line counts extraction's shards
+                continue
             done, total, running = stages.setdefault(stage_of(name), [0, 0, 0])
             kind = t.state.type.value if t.state is not None else ""
             stages[stage_of(name)] = [done + (kind == "COMPLETED"), total + 1, running + (kind == "RUNNING")]

@@ -3,7 +3,8 @@ yet on the store are dealt into slices, this node runs the first and each other 
 run of the `draftline-extract` deployment (the slice flow, flows/pipeline.py `extract_slice`, with a
 `stage` parameter) that a worker on any node of the pool picks up. The shared store, not Prefect, says
 what is done; a lost node leaves exactly its unfinished shards for `draftline retry`. One mechanism for
-both stages: `SHARDED` says where each stage's shards are committed and how they are counted.
+both stages: `SHARDED` holds their stage objects (tasks/store/stages.py), which say where each stage's shards
+are committed and how they are counted.
 
 Training over several nodes (train.nodes > 1, `train_nodes`) starts its other nodes the same way
 (`start_children`, the slice flow with stage=train, `train_child` there): one c10d rendezvous hosted by
@@ -20,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,27 +38,15 @@ from flows.run_record import RunRecord, StageRecord, finish_stage
 from tasks.address import digests
 from tasks.core import stopping
 from tasks.core.config import RunConfig
+from tasks.data.regenerate import STAGE_DEF as REGENERATE
+from tasks.extract.stage import STAGE_DEF as EXTRACT
 from tasks.extract.verify import markdown, summarize, summary_line
 from tasks.store.artifacts import ArtifactRef, Store
 from tasks.train import STAGE, TrainError
 
 
-@dataclass(frozen=True)
-class ShardedStage:
-    """A stage that runs as one task per shard, over engine groups and nodes."""
-
-    store_stage: str  # where each shard is committed (the store's stage folder)
-    label: str        # in messages: "3 of 8 extraction shards failed"
-    title: str        # progress artifacts: "Extraction: 3/8 shards"
-    tokens: str       # the shard stat the stage sums and reports a rate of
-    rate: str         # that rate's unit
-
-
-SHARDED = {
-    "regenerate": ShardedStage("regenerate-shard", "regeneration", "Regeneration", "generated_tokens",
-                               "generated tok/s"),
-    "extract": ShardedStage("extract", "extraction", "Extraction", "tokens", "tok/s"),
-}
+# the sharded stages by name (tasks/store/stages.py ShardedStage: where shards are committed, how they are counted)
+SHARDED = {st.name: st for st in (REGENERATE, EXTRACT)}
 
 
 def finish_sharded(stage: str, record: StageRecord, store: Store, plans: list, refs: list[ArtifactRef],
@@ -71,7 +59,7 @@ def finish_sharded(stage: str, record: StageRecord, store: Store, plans: list, r
     done = {int(x.stats.get("shard", 0)) for x in refs}
     lost = sorted(p.shard for p in plans if p.shard not in done)
     finish_stage(record, t0, refs, failed=len(lost), executed=executed)
-    record.artifact = f"{store.uri}/{kind.store_stage}/"
+    record.artifact = f"{store.uri}/{kind.shard_stage}/"
     record.stats = {"shards": len(plans), kind.tokens: sum(int(x.stats.get(kind.tokens, 0)) for x in refs)}
     if stage == "extract":
         _publish_check(record, refs, errors, logger)
@@ -135,7 +123,7 @@ def run_nodes(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: Ar
     kind = SHARDED[stage]
     r = rec.stages[stage]
     by_shard = {p.shard: p for p in plans}
-    cached = [p.shard for p in plans if store.find(kind.store_stage, p.digest) is not None]
+    cached = [p.shard for p in plans if store.find(kind.shard_stage, p.digest) is not None]
     missing = [p.shard for p in plans if p.shard not in set(cached)]
     # A retry whose earlier attempt's children still run (its own node died, theirs did not): wait for
     # them instead of running their shards a second time.
@@ -162,7 +150,7 @@ def run_nodes(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: Ar
         errors.extend(errs)
 
     errors += wait_children(children, store, by_shard, logger, take_back, stage=stage)
-    found = {s: store.find(kind.store_stage, by_shard[s].digest) for s in missing}
+    found = {s: store.find(kind.shard_stage, by_shard[s].digest) for s in missing}
     have = {int(x.stats.get("shard", 0)) for x in refs}
     refs += [a.ref() for s, a in found.items() if a is not None and s not in have]
     return finish_sharded(stage, r, store, plans, refs, errors, t0, logger,
@@ -238,7 +226,7 @@ def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard:
     those whose shards are not all on the store. A child still Scheduled TAKE_BACK_AFTER seconds after
     this node went idle is cancelled, and `take_back` runs its shards here (a pool short of nodes never
     hangs)."""
-    store_stage = SHARDED[stage].store_stage if stage in SHARDED else None
+    store_stage = SHARDED[stage].shard_stage if stage in SHARDED else None
     errors: list[str] = []
     pending = {c.id: (c, shards) for c, shards in children}
     last_note = idle_since = time.time()
@@ -322,7 +310,7 @@ NODE_LOST_AFTER = 8.0  # a node whose heartbeat has not changed this long (and w
 
 
 def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: ArtifactRef,
-                shards: list[ArtifactRef], logger, on_metrics) -> ArtifactRef:
+                extracted: ArtifactRef, logger, on_metrics) -> ArtifactRef:
     """train.nodes > 1: torch's elastic launcher on this node and on train.nodes - 1 child flow runs of
     `child_deployment` (the slice flow with stage=train), one c10d rendezvous hosted here. The nodes that
     take their child within TAKE_BACK_AFTER seconds train (the others are cancelled: the run trains on the
@@ -331,7 +319,9 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
     CONFIG: the run's config for the children (`child_config`)."""
     from tasks.train.inputs import resolve_inputs
     from tasks.train.ranks import Rendezvous, launch_ranks, node_address, secret_run_id, train_ranks
+    from tasks.train.stage import training_shards
 
+    shards = training_shards(store, extracted)
     digest = digests.train(cfg, vocab, shards)
     found = store.find(STAGE, digest)
     if found is not None:

@@ -1,19 +1,17 @@
 """The draftline Prefect flow: prepare -> regenerate -> vocab -> extract[shards] -> train -> benchmark.
 
-Each stage is a thin task around a plain function in tasks/. A task computes its
-artifact's address once and asks the store (flows/caching.py `finished_or_run`): a
-committed artifact ends the task at once as Cached, otherwise it computes under the
-address's lock. The store's manifest, not Prefect's database, decides what runs.
+The flow iterates the stages (STAGE_DEFS: each stage module's `STAGE_DEF`, tasks/store/stages.py says what
+one is) with one generic task per stage (`stage_task`) and one per shard of a sharded stage (`shard_task`).
+A task computes nothing twice: it asks the store's manifest at its artifact's address (flows/caching.py
+`finished_or_run`): a committed artifact ends the task at once as Cached, otherwise it computes under the
+address's lock. The store, not Prefect's database, decides what runs.
 """
 
 from __future__ import annotations
 
-# The train and vocab stages are imported where used: they import torch, which is heavy (seconds),
-# and a run that stops before them never needs them.
-
 import re
 import time
-from typing import Any, Callable
+from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import (
@@ -31,99 +29,87 @@ from flows.nodes import SHARDED, child_config, finish_sharded, run_nodes, train_
 from flows.preflight import check_head_layers, remote_code_problem
 from flows.report_artifacts import Progress, publish_summary
 from flows.run_record import RunRecord, announce, finish_stage
-from tasks.address import digests
-from tasks.benchmark.export import run_serve
-from tasks.benchmark.stage import load_report, run_benchmark
+from tasks.benchmark.serve import run_serve
+from tasks.benchmark.stage import STAGE_DEF as BENCHMARK, load_report
 from tasks.core.config import ConfigError, HeadConfig, RunConfig, STAGES, check_until, head_config, load_config
 from tasks.core.faults import fail_point
-from tasks.data.prepare import run_prepare
-from tasks.data.regenerate import SHARD_STAGE, assemble_regenerate, plan_regenerate, regenerate_shard
+from tasks.data.prepare import STAGE_DEF as PREPARE
+from tasks.data.regenerate import STAGE_DEF as REGENERATE
+from tasks.data.vocab import STAGE_DEF as VOCAB
 from tasks.engine.settings import EnginePool
-from tasks.engine.target import load_hf_config, resolve_model
+from tasks.engine.target import resolve_model
 from tasks.engine.weights import WeightsError, pin_run
-from tasks.extract.stage import extract_shard, plan_extract
+from tasks.extract.stage import STAGE_DEF as EXTRACT
 from tasks.store.artifacts import ArtifactRef, Store
+from tasks.store.stages import ShardedStage, Stage
 from tasks.train import TrainError
+from tasks.train.stage import STAGE_DEF as TRAIN
+
+# the stages in the order the flow runs them (STAGES, the names `--until` takes)
+STAGE_DEFS: tuple[Stage | ShardedStage, ...] = (PREPARE, REGENERATE, VOCAB, EXTRACT, TRAIN, BENCHMARK)
+BY_NAME = {s.name: s for s in STAGE_DEFS}
+assert tuple(BY_NAME) == STAGES
 
 
 # --------------------------------------------------------------------------- tasks
 
-@task(name="prepare", task_run_name="prepare", **TASK_OPTIONS)
-def prepare_task(cfg: RunConfig, digest: str) -> ArtifactRef:
+def named(fn: Any, name: str) -> Any:
+    """Task FN as the Prefect UI shows it: NAME (prepare, extract-shard-3, train-eagle3, ...)."""
+    return fn.with_options(name=name, task_run_name=name)
+
+
+@task(name="stage", **TASK_OPTIONS)
+def stage_task(stage: str, cfg: RunConfig, digest: str, inputs: list[Any], extra: dict[str, Any] | None = None
+               ) -> ArtifactRef:
+    """STAGE's artifact at DIGEST from INPUTS (a sharded stage's: its data, its shards' artifacts, when the
+    stage began, how many shards were reused), with what the Prefect UI shows of it."""
+    st = BY_NAME[stage]
     store = Store.from_config(cfg.store)
-    return finished_or_run("prepare", store, digest, lambda: run_prepare(cfg, store))
+    if isinstance(st, ShardedStage):
+        data, shards, started, reused = inputs
+        return finished_or_run(st.store_stage, store, digest, lambda: st.assemble(
+            cfg, store, as_ref(data), [as_ref(x) for x in shards], started, reused))
+    run = {"vocab": _vocab, "train": _train, "benchmark": _benchmark}.get(stage)
+    return finished_or_run(stage, store, digest,
+                           lambda: run(cfg, store, inputs, extra or {}) if run else st.run(cfg, store, *inputs))
 
 
-@task(name="regenerate-shard", task_run_name="regenerate-shard-{shard}", retries=0, **TASK_OPTIONS)
-def regenerate_shard_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) -> ArtifactRef:
+@task(name="shard", retries=0, **TASK_OPTIONS)
+def shard_task(stage: str, cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) -> ArtifactRef:
+    """Shard SHARD of STAGE (its PLAN) at DIGEST, on an engine of POOL started only when it is not stored."""
+    st = SHARDED[stage]
     store = Store.from_config(cfg.store)
 
     def compute() -> ArtifactRef:
+        fail_point(stage, shard, digest)  # DRAFTLINE_FAULT_<STAGE>_SHARDS: drills only (tasks/core/faults.py)
         with pool.engine() as engine:
-            ref = regenerate_shard(cfg, store, plan, engine)
-        st = ref.stats
-        secs, gen = float(st.get("seconds") or 0.0), int(st.get("generated_tokens") or 0)
-        get_run_logger().info(f"regenerate: shard {shard} on {st.get('engine')}: {st.get('samples')} samples, {gen} "
-                              f"generated tokens in {secs:.0f}s" + (f", {gen / secs:.0f} tok/s" if secs > 0 else ""))
+            ref = st.shard(cfg, store, plan, engine)
+        s = ref.stats
+        secs, n = float(s.get("seconds") or 0.0), int(s.get(st.tokens) or 0)
+        get_run_logger().info(f"{stage}: shard {shard} on {s.get('engine')}: {s.get('samples')} samples, {n} "
+                              f"{st.tokens.replace('_', ' ')} in {secs:.0f}s"
+                              + (f", {n / secs:.0f} {st.rate}" if secs > 0 else ""))
         return ref
 
-    return finished_or_run(SHARD_STAGE, store, digest, compute)
+    return finished_or_run(st.shard_stage, store, digest, compute)
 
 
-@task(name="regenerate", task_run_name="regenerate", **TASK_OPTIONS)
-def regenerate_task(cfg: RunConfig, digest: str, prepared: ArtifactRef, shards: list[ArtifactRef],
-                    reused: int = 0, started: float | None = None) -> ArtifactRef:
-    """The regenerate artifact from its shards' artifacts (tasks.data.regenerate.assemble_regenerate)."""
-    store = Store.from_config(cfg.store)
-
-    def compute() -> ArtifactRef:
-        arts = [store.open(SHARD_STAGE, as_ref(x).digest) for x in shards]
-        return assemble_regenerate(cfg, store, prepared, arts, started or time.time(), reused)
-
-    return finished_or_run("regenerate", store, digest, compute)
+def _vocab(cfg: RunConfig, store: Store, inputs: list[Any], extra: dict[str, Any]) -> ArtifactRef:
+    ref = VOCAB.run(cfg, store, *inputs)
+    summary = ref.stats.get("summary_md")
+    if summary:
+        create_markdown_artifact(summary, key="draft-vocabulary", description="Draft vocabulary coverage")
+    return ref
 
 
-@task(name="vocab", task_run_name="vocab", **TASK_OPTIONS)
-def vocab_task(cfg: RunConfig, digest: str, data: ArtifactRef) -> ArtifactRef:
-    store = Store.from_config(cfg.store)
-
-    def compute() -> ArtifactRef:
-        from tasks.data.vocab import run_vocab
-
-        ref = run_vocab(cfg, store, data)
-        summary = ref.stats.get("summary_md")
-        if summary:
-            create_markdown_artifact(summary, key="draft-vocabulary", description="Draft vocabulary coverage")
-        return ref
-
-    return finished_or_run("vocab", store, digest, compute)
+def _benchmark(cfg: RunConfig, store: Store, inputs: list[Any], extra: dict[str, Any]) -> ArtifactRef:
+    # The report names the flow run that measured it (PREFECT__FLOW_RUN_ID is set only in deployed runs).
+    return BENCHMARK.run(cfg, store, *inputs, flow_run_id=flow_run.id)
 
 
-@task(name="extract-shard", task_run_name="extract-shard-{shard}", retries=0, **TASK_OPTIONS)
-def extract_task(cfg: RunConfig, digest: str, shard: int, plan: Any, pool: Any) -> ArtifactRef:
-    store = Store.from_config(cfg.store)
-
-    def compute() -> ArtifactRef:
-        fail_point("extract", shard, digest)  # DRAFTLINE_FAULT_EXTRACT_SHARDS: drills only (tasks/core/faults.py)
-        with pool.engine() as engine:
-            return extract_shard(cfg, store, plan, engine)
-
-    return finished_or_run("extract", store, digest, compute)
-
-
-@task(name="train", task_run_name="train", **TASK_OPTIONS)
-def train_task(cfg: RunConfig, digest: str, vocab: ArtifactRef, shards: list[ArtifactRef],
-               children: dict[str, Any] | None = None) -> ArtifactRef:
-    """CHILDREN: with train.nodes > 1, the run's config for the other nodes' child runs (flows/nodes.py)."""
-    store = Store.from_config(cfg.store)
-    return finished_or_run("train", store, digest, lambda: _train(cfg, store, vocab, shards, children))
-
-
-def _train(cfg: RunConfig, store: Store, vocab: ArtifactRef, shards: list[ArtifactRef],
-           children: dict[str, Any] | None) -> ArtifactRef:
-    """Train one head (over nodes with train.nodes > 1), with its progress and held-out accuracy in the UI."""
-    from tasks.train.stage import run_train
-
+def _train(cfg: RunConfig, store: Store, inputs: list[Any], extra: dict[str, Any]) -> ArtifactRef:
+    """EXTRA's `children`: with train.nodes > 1, the run's config for the other nodes' child runs (flows/nodes.py)."""
+    vocab, extracted = inputs
     logger = get_run_logger()
     progress = Progress("train-progress", "Training steps")
 
@@ -139,9 +125,9 @@ def _train(cfg: RunConfig, store: Store, vocab: ArtifactRef, shards: list[Artifa
             logger.warning(f"train: {m['attn_fallback']}; training with sdpa")
 
     if cfg.train.nodes > 1:
-        ref = train_nodes(cfg, store, children or {}, vocab, shards, logger, on_metrics)
+        ref = train_nodes(cfg, store, extra.get("children") or {}, vocab, extracted, logger, on_metrics)
     else:
-        ref = run_train(cfg, store, vocab, shards, on_metrics=on_metrics)
+        ref = TRAIN.run(cfg, store, vocab, extracted, on_metrics=on_metrics)
     progress.update(100.0)
     acc = ref.stats.get("val_acc_per_pos")
     if acc:
@@ -178,17 +164,8 @@ def _train_log_line(m: dict[str, Any]) -> str | None:
         return (f"train: held-out accuracy per position {m.get('val_acc_per_pos')}, simulated acceptance length "
                 f"{m.get('simulated_acceptance_length')}")
     if kind == "done" and m.get("head"):
-        return f"train: the {m['head']} head ({m.get('head_kind')}) exported after {m.get('steps')} steps"
+        return f"train: the {m['head']} head ({m.get('head_kind')}) saved after {m.get('steps')} steps"
     return None
-
-
-@task(name="benchmark", task_run_name="benchmark", **TASK_OPTIONS)
-def benchmark_task(cfg: RunConfig, digest: str, trained: ArtifactRef | list[tuple[str, ArtifactRef]],
-                   data: ArtifactRef) -> ArtifactRef:
-    store = Store.from_config(cfg.store)
-    # The report names the flow run that measured it (PREFECT__FLOW_RUN_ID is set only in deployed runs).
-    return finished_or_run("benchmark", store, digest,
-                           lambda: run_benchmark(cfg, store, trained, data, flow_run_id=flow_run.id))
 
 
 # --------------------------------------------------------------------------- the flow
@@ -243,98 +220,89 @@ def allow_remote_code(cfg: RunConfig, logger) -> None:
 
 
 def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None, logger) -> None:
-    def run_single(name: str, fn: Callable[[], ArtifactRef]) -> ArtifactRef:
-        r = rec.stages[name]
-        t0 = time.time()
-        r.status = "running"
-        try:
-            ref = as_ref(fn())
-        except Exception as exc:
-            finish_stage(r, t0, [], failed=1)
-            r.error = f"{type(exc).__name__}: {exc}"
-            raise
-        finish_stage(r, t0, [ref])
-        r.artifact, r.stats = ref.uri, _brief(ref.stats)
-        logger.info(f"{name}: {r.status} in {r.seconds}s -> {ref.uri}")
-        return ref
-
-    def skip_rest(after: str) -> None:
-        for s in STAGES[STAGES.index(after) + 1:]:
-            rec.stages[s].status = "skipped"
-
-    # prepare
-    d = digests.prepare(cfg)
-    prepared = run_single("prepare", lambda: prepare_task(cfg, d))
-    if _stop_after(until, "prepare"):
-        return skip_rest("prepare")
-
-    # regenerate: one task per shard, fanned out over engine groups (and nodes), then one artifact
-    data = prepared
-    if cfg.regenerate.enabled:
-        d = digests.regenerate(cfg, prepared)
-        if store.find("regenerate", d) is not None:
-            data = run_single("regenerate", lambda: regenerate_task(cfg, d, prepared, []))
+    """Each stage in turn, from the artifacts the stages before it made (`made`, by stage; `data`: the
+    regenerate artifact when regeneration ran, else prepare's), until UNTIL."""
+    made: dict[str, Any] = {}
+    for st in STAGE_DEFS:
+        if not st.enabled(cfg):
+            rec.stages[st.name].status = "skipped"
         else:
-            data = _run_regenerate(cfg, store, rec, prepared, d, logger)
-    else:
-        rec.stages["regenerate"].status = "skipped"
-    if _stop_after(until, "regenerate"):
-        return skip_rest("regenerate")
+            if st is EXTRACT and until != "extract":
+                _check_heads(cfg, rec)
+            inputs = [made[name] for name in st.inputs]
+            if isinstance(st, ShardedStage):
+                made[st.name] = _run_sharded_stage(st, cfg, store, rec, inputs[0], logger)
+            elif st is TRAIN:
+                made[st.name] = _run_heads(cfg, store, rec, inputs, logger)
+            else:
+                made[st.name] = _run_stage(st, cfg, store, rec, inputs, logger)
+        made["data"] = made.get("regenerate") or made.get("prepare")
+        if st is BENCHMARK and st.name in made:
+            _after_benchmark(cfg, store, rec, made, logger)
+        if _stop_after(until, st.name):
+            for later in STAGES[STAGES.index(st.name) + 1:]:
+                rec.stages[later].status = "skipped"
+            return
 
-    # vocab
-    d = digests.vocab(cfg, data)
-    vocab = run_single("vocab", lambda: vocab_task(cfg, d, data))
-    if _stop_after(until, "vocab"):
-        return skip_rest("vocab")
 
-    # a head reading layers the extraction will not hold fails now, not after hours of extraction
-    if until != "extract":
-        try:
-            check_head_layers(cfg)
-        except TrainError as exc:
-            rec.stages["train"].status, rec.stages["train"].error = "failed", str(exc)
-            raise
+def _run_stage(st: Stage, cfg: RunConfig, store: Store, rec: RunRecord, inputs: list[Any], logger,
+               extra: dict[str, Any] | None = None, name: str | None = None) -> ArtifactRef:
+    """One task for stage ST (named NAME, default the stage's), recorded in the run's record."""
+    r = rec.stages[st.name]
+    t0 = time.time()
+    r.status = "running"
+    digest = st.address(cfg, store, *inputs)
+    try:
+        ref = as_ref(named(stage_task, name or st.name)(st.name, cfg, digest, inputs, extra))
+    except Exception as exc:
+        finish_stage(r, t0, [], failed=1)
+        r.error = f"{type(exc).__name__}: {exc}"
+        raise
+    finish_stage(r, t0, [ref])
+    r.artifact, r.stats = ref.uri, _brief(ref.stats)
+    logger.info(f"{st.name}: {r.status} in {r.seconds}s -> {ref.uri}")
+    return ref
 
-    # extract: one task per shard, fanned out over GPU groups
-    shards = _run_extract(cfg, store, rec, data, logger)
-    if _stop_after(until, "extract"):
-        return skip_rest("extract")
 
-    # train: one cached task per head of train.heads, each at its own address, from the same shards
+def _check_heads(cfg: RunConfig, rec: RunRecord) -> None:
+    """A head reading layers the extraction will not hold fails now, not after hours of extraction."""
+    try:
+        check_head_layers(cfg)
+    except TrainError as exc:
+        rec.stages["train"].status, rec.stages["train"].error = "failed", str(exc)
+        raise
 
+
+def _run_heads(cfg: RunConfig, store: Store, rec: RunRecord, inputs: list[Any], logger
+               ) -> ArtifactRef | list[tuple[str, ArtifactRef]]:
+    """One cached train task per head of train.heads, each at its own address, from the same inputs; the
+    draft's `vllm serve` line. Returns the one head's artifact, or (label, artifact) per head."""
     heads: list[tuple[str, ArtifactRef]] = []
     t0 = time.time()
-    children = child_config(rec) if cfg.train.nodes > 1 else None
+    extra = {"children": child_config(rec)} if cfg.train.nodes > 1 else None
     for head in cfg.train.heads:
-        hcfg = head_config(cfg, head)
-        d = digests.train(hcfg, vocab, shards)
-        task_name = "train" if len(cfg.train.heads) == 1 else f"train-{head.label}"
-        heads.append((head.label, run_single("train", lambda: train_task.with_options(
-            name=task_name, task_run_name=task_name)(hcfg, d, vocab, shards, children))))
+        name = "train" if len(cfg.train.heads) == 1 else f"train-{head.label}"
+        heads.append((head.label, _run_stage(TRAIN, head_config(cfg, head), store, rec, inputs, logger, extra, name)))
     if len(heads) > 1:
         r = rec.stages["train"]
         finish_stage(r, t0, [ref for _, ref in heads])
         r.stats = {"heads": ", ".join(f"{label} {ref.digest[:8]} ({ref.stats.get('steps')} steps)"
                                       for label, ref in heads)}
-    trained = heads[0][1] if len(heads) == 1 else heads
-
     try:
         rec.serve = run_serve(head_config(cfg, cfg.train.heads[0]), store, heads[0][1])
     except Exception as exc:  # noqa: BLE001 - the draft is committed either way; `draftline export` prints it too
         logger.warning(f"could not build the draft's vllm serve line: {exc}")
-    if _stop_after(until, "train"):
-        return skip_rest("train")
+    return heads[0][1] if len(heads) == 1 else heads
 
-    if not cfg.benchmark.enabled:
-        rec.stages["benchmark"].status = "skipped"
-        return
-    d = digests.benchmark(cfg, trained, data)
-    bench = run_single("benchmark", lambda: benchmark_task(cfg, d, trained, data))
 
-    report = load_report(store, bench)
+def _after_benchmark(cfg: RunConfig, store: Store, rec: RunRecord, made: dict[str, Any], logger) -> None:
+    """The run's figures and `vllm serve` line from the benchmark's report, and the report in the UI."""
+    report = load_report(store, made["benchmark"])
     rec.benchmark = report.get("benchmark")
+    trained = made["train"]
+    first = trained if isinstance(trained, ArtifactRef) else trained[0][1]
     if report.get("serve"):  # the settings it was measured at (a report from before they were kept: the config's)
-        rec.serve = run_serve(cfg, store, heads[0][1], report)
+        rec.serve = run_serve(cfg, store, first, report)
     if len(report.get("heads") or {}) > 1:  # every head's rows, for --json and the terminal
         rec.stages["benchmark"].stats["heads"] = report.get("head_table")
     try:
@@ -343,75 +311,70 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
         logger.warning(f"could not publish benchmark artifacts to Prefect: {exc}")
 
 
-def _run_regenerate(cfg: RunConfig, store: Store, rec: RunRecord, prepared: ArtifactRef, digest: str,
-                    logger) -> ArtifactRef:
-    """Regeneration's shards as tasks over this node's engine groups (and other nodes), then the stage
-    artifact assembled from them; the run record counts shards, as extraction's does."""
-    r = rec.stages["regenerate"]
+def _run_sharded_stage(st: ShardedStage, cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef,
+                       logger) -> ArtifactRef:
+    """A sharded stage: its shards as tasks over this node's engine groups (and other nodes), then its own
+    artifact from them, as one more task. A stage whose artifact copies its shards and is committed runs no
+    shard; one that names its shards checks them all (each found or run). The record counts shards."""
+    r = rec.stages[st.name]
     t0 = time.time()
     r.status = "running"
-    shards = _run_sharded("regenerate", cfg, store, rec, prepared, resolve_model(cfg.target), logger)
-    counts = dict(r.stats)
+    plans = st.plan(cfg, data)
+    digest = st.address(cfg, data, plans)
+    counts: dict[str, Any] = {}
+    shards: list[ArtifactRef] = []
+    if not (st.copies_shards and store.find(st.store_stage, digest) is not None):
+        shards = _run_shards(st, cfg, store, rec, data, plans, logger)
+        counts = dict(r.stats)
     try:
-        ref = as_ref(regenerate_task(cfg, digest, prepared, shards, r.cached, t0))
+        ref = as_ref(named(stage_task, st.name)(st.name, cfg, digest, [data, shards, t0, r.cached]))
     except Exception as exc:
+        if not shards:
+            finish_stage(r, t0, [], failed=1)
         r.status, r.error = "failed", f"{type(exc).__name__}: {exc}"
         raise
+    if not shards:
+        finish_stage(r, t0, [ref])
     r.seconds = round(time.time() - t0, 1)
     if ref.executed_here and r.status == "cached":
         r.status = "ran"  # every shard was on the store, the stage artifact was not
     r.artifact, r.stats = ref.uri, {**_brief(ref.stats), **counts}
-    logger.info(f"regenerate: {r.status} in {r.seconds}s -> {ref.uri}")
+    logger.info(f"{st.name}: {r.status} in {r.seconds}s -> {ref.uri}")
     return ref
 
 
-def _shard_plans(stage: str, cfg: RunConfig, data: ArtifactRef, model: str) -> list:
-    """The shards of STAGE (`regenerate` or `extract`) that read DATA, each with its own address."""
-    if stage == "regenerate":
-        return plan_regenerate(cfg, data)
-
-    return plan_extract(cfg, data, load_hf_config(cfg.target, model))
-
-
-def _run_extract(cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, logger) -> list[ArtifactRef]:
-    rec.stages["extract"].status = "running"
-    return _run_sharded("extract", cfg, store, rec, data, resolve_model(cfg.target), logger)
-
-
-def _run_sharded(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, model: str,
-                 logger) -> list[ArtifactRef]:
-    """STAGE's shards (regenerate or extract), one task each, over this node's engine groups and, with
-    extract.nodes > 1, over other nodes (flows/nodes.py); the stage's record counts them. Raises when
-    a shard failed: `draftline retry` runs only the shards not on the store."""
-    kind = SHARDED[stage]
+def _run_shards(st: ShardedStage, cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, plans: list,
+                logger) -> list[ArtifactRef]:
+    """ST's shards (PLANS), one task each, over this node's engine groups and, with extract.nodes > 1, over
+    other nodes (flows/nodes.py); the stage's record counts them. Raises when a shard failed: `draftline
+    retry` runs only the shards not on the store."""
     t0 = time.time()
-    plans = _shard_plans(stage, cfg, data, model)
+    model = resolve_model(cfg.target)
 
     def here(mine: list, progress: Progress) -> tuple[list[ArtifactRef], list[str]]:
-        return _shards_here(stage, cfg, store, model, mine, logger, progress)
+        return _shards_here(st, cfg, store, model, mine, logger, progress)
 
     if cfg.extract.nodes > 1:
-        return run_nodes(stage, cfg, store, rec, data, plans, logger, t0, here)
-    refs, errors = here(plans, Progress(f"{stage}-progress", f"{kind.title}: 0/{len(plans)} shards"))
-    return finish_sharded(stage, rec.stages[stage], store, plans, refs, errors, t0, logger)
+        return run_nodes(st.name, cfg, store, rec, data, plans, logger, t0, here)
+    refs, errors = here(plans, Progress(f"{st.name}-progress", f"{st.title}: 0/{len(plans)} shards"))
+    return finish_sharded(st.name, rec.stages[st.name], store, plans, refs, errors, t0, logger)
 
 
-def _shards_here(stage: str, cfg: RunConfig, store: Store, model: str, plans: list, logger,
+def _shards_here(st: ShardedStage, cfg: RunConfig, store: Store, model: str, plans: list, logger,
                  progress: Progress) -> tuple[list[ArtifactRef], list[str]]:
     """One task per shard of PLANS in this flow run, fanned out over this node's engine groups."""
-    kind = SHARDED[stage]
-    shard_task = regenerate_shard_task if stage == "regenerate" else extract_task
     t0 = time.time()
-    pool = EnginePool.for_purpose(cfg, model, stage)
+    pool = EnginePool.for_purpose(cfg, model, st.name)
     if len(pool.groups) > 1:
-        logger.info(f"{stage}: {len(plans)} shards over {len(pool.groups)} engines side by side: "
+        logger.info(f"{st.name}: {len(plans)} shards over {len(pool.groups)} engines side by side: "
                     + ", ".join(g.name for g in pool.groups))
     done = 0
     tokens = 0
     refs: list[ArtifactRef] = []
     errors: list[str] = []
     try:
-        futures = [shard_task.submit(cfg, p.digest, p.shard, p, pool) for p in plans]
+        futures = [named(shard_task, f"{st.name}-shard-{p.shard}").submit(
+            st.name, cfg, p.digest, p.shard, p, pool) for p in plans]
         pending = set(futures)
         while pending:
             finished, pending = wait(list(pending), timeout=5)
@@ -423,12 +386,12 @@ def _shards_here(stage: str, cfg: RunConfig, store: Store, model: str, plans: li
                     errors.append(f"{type(exc).__name__}: {exc}")
                 else:
                     refs.append(ref)
-                    tokens += int(ref.stats.get(kind.tokens, 0))
+                    tokens += int(ref.stats.get(st.tokens, 0))
                 done += 1
             el = max(1e-6, time.time() - t0)
             progress.update(100.0 * done / max(1, len(plans)),
-                            f"{kind.title}: {done}/{len(plans)} shards, {len(errors)} failed, "
-                            f"{tokens / el:,.0f} {kind.rate} (incl. cached)")
+                            f"{st.title}: {done}/{len(plans)} shards, {len(errors)} failed, "
+                            f"{tokens / el:,.0f} {st.rate} (incl. cached)")
     finally:
         pool.close()
     refs.sort(key=lambda x: int(x.stats.get("shard", 0)))
@@ -460,13 +423,14 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     if hit is None:
         raise RuntimeError(f"the data this slice reads ({data_stage}/{data_digest}) is not on {store.uri}: "
                            "the parent run and this node must share one s3:// store")
+    st = SHARDED[stage]
     model = resolve_model(cfg.target)
     want = set(shards or [])
-    plans = [p for p in _shard_plans(stage, cfg, hit.ref(), model) if p.shard in want]
+    plans = [p for p in st.plan(cfg, hit.ref()) if p.shard in want]
     if len(plans) != len(want):
         raise RuntimeError(f"shards {sorted(want - {p.shard for p in plans})} do not exist in {data_stage}/{data_digest}")
-    progress = Progress(f"{stage}-progress", f"{SHARDED[stage].title} slice: 0/{len(plans)} shards")
-    refs, errors = _shards_here(stage, cfg, store, model, plans, logger, progress)
+    progress = Progress(f"{stage}-progress", f"{st.title} slice: 0/{len(plans)} shards")
+    refs, errors = _shards_here(st, cfg, store, model, plans, logger, progress)
     summary = {"stage": stage, "shards": sorted(want), "executed": sum(1 for x in refs if x.executed_here),
                "cached": sum(1 for x in refs if not x.executed_here), "failed": len(errors)}
     logger.info(f"{stage} slice: {summary}")

@@ -39,7 +39,7 @@ class RunRecord:
     state: str = "RUNNING"
     stages: dict[str, StageRecord] = field(default_factory=lambda: {s: StageRecord() for s in STAGES})
     benchmark: dict[str, Any] | None = None
-    serve: dict[str, Any] | None = None  # the trained draft's `vllm serve` line (tasks/benchmark/export.py run_serve)
+    serve: dict[str, Any] | None = None  # the trained draft's `vllm serve` line (tasks/benchmark/serve.py run_serve)
     store: str = ""
     started: float = field(default_factory=time.time)
 

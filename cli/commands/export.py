@@ -1,6 +1,6 @@
 """`draftline export WHAT DEST`: find the train artifact WHAT names (a train digest or a unique prefix, a flow run
 id or name or `last`, or a config whose run trained it) and write it where vLLM loads it, with the exact `vllm
-serve` line (tasks/benchmark/export.py builds both)."""
+serve` line (tasks/benchmark/serve.py builds both)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import typer
 
 from cli.console import JsonOpt, SetOpt, StoreOpt, console, fail, load_cfg, open_store
 from cli.drafts import export_serve, resolve_train
-from tasks.benchmark.export import ExportError, export_draft
+from tasks.benchmark.serve import ExportError, export_draft
 
 
 def export(what: str = typer.Argument(..., help="A train digest (or 6+ first characters), a flow run id or "

@@ -75,6 +75,17 @@ def extract_shard(cfg, layer_ids: list[int], data_digest: str, shard: int) -> st
     return stage_digest("extract", extract_section(cfg, layer_ids), {"data": data_digest, "shard": str(shard)})
 
 
+EXTRACT_STAGE = "extract-stage"
+
+
+def extract_stage(shard_digests: list[str]) -> str:
+    """The extract stage's artifact: the set of its shards (their addresses, in shard order), nothing else, so
+    the same shards are always the same stage artifact. The train address stays made of the shards
+    themselves (`train_inputs`), as it was before the stage artifact existed."""
+    return stage_digest(EXTRACT_STAGE, {}, {f"shard-{i}": d for i, d in enumerate(shard_digests)},
+                        version=VERSIONS["extract"])
+
+
 # Train keys that change how fast or where the draft is made, not the recipe: the number of ranks
 # (a retry may resume on another count), kernels computing the same function (attention, loss), and the
 # node-local part cache's cap.

@@ -74,7 +74,7 @@ def _agreement(s: dict[str, Any]) -> str:
 
 def maps(store: Store, train_digest: str, vocab_digest: str | None, vocab_size: int | None) -> Finding:
     """The vocab artifact's maps checked, and the draft's own equal to them."""
-    from tasks.benchmark.export import ExportError, same_maps_as_training
+    from tasks.benchmark.serve import ExportError, same_maps_as_training
     from tasks.formats.vocab_maps import VocabFormatError, read_vocab
 
     if not vocab_digest:

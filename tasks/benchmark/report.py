@@ -183,7 +183,7 @@ def lengths_markdown(report: dict[str, Any]) -> list[str]:
 
 
 def serve_markdown(report: dict[str, Any]) -> list[str]:
-    """'## Serve this draft': the exact `vllm serve` line (tasks/benchmark/export.py builds it), at the measured settings."""
+    """'## Serve this draft': the exact `vllm serve` line (tasks/benchmark/serve.py builds it), at the measured settings."""
     serve = report.get("serve")
     if not serve or not serve.get("lines"):
         return []

@@ -75,6 +75,7 @@ from tasks.core.config import RunConfig
 from tasks.engine.settings import benchmark_kwargs, engine_env
 from tasks.core.faults import kill_point
 from tasks.store.artifacts import Artifact, ArtifactRef, Store
+from tasks.store.stages import Stage
 
 DRAFT_FILES = ("draft/config.json", "draft/model.safetensors")
 # speculators_model_type of a draft -> the `method` of vLLM's speculative_config that decodes it
@@ -404,7 +405,7 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
         for k, e in h["errors"].items():
             report["warnings"].append(f"{other} ({h['kind']}) k={k}: not measured in vLLM, its figures are offline-only: "
                                       f"{e}")
-    from tasks.benchmark.export import best_k, run_serve, serve_settings
+    from tasks.benchmark.serve import best_k, run_serve, serve_settings
 
     chosen = best_k(report) or b.num_speculative_tokens[0]
     report["serve"] = run_serve(cfg, store, trained, {"serve": serve_settings(
@@ -466,3 +467,10 @@ def other_head(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str, dic
             "layer_ids": info.get("layer_ids"), "block_size": info.get("block_size"), "steps": st.get("steps"),
             "val_acc_per_pos": acc, "simulated_acceptance_length": st.get("simulated_acceptance_length"),
             "simulated_by_k": sim_by_k, "errors": errors, "benchmark": bench}
+
+
+# the stage as the flow runs it (tasks/store/stages.py): TRAIN is the one head's artifact or (label, artifact)
+# per head of train.heads
+STAGE_DEF = Stage(name=STAGE, inputs=("train", "data"),
+                  address=lambda cfg, store, trained, data: digests.benchmark(cfg, trained, data),
+                  run=run_benchmark, enabled=lambda cfg: cfg.benchmark.enabled)

@@ -36,6 +36,7 @@ from tasks.address import digests
 from tasks.core.digest import VERSIONS
 from tasks.formats.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats  # noqa: F401
 from tasks.store.artifacts import ArtifactRef, Store
+from tasks.store.stages import Stage
 
 STAGE = "prepare"
 
@@ -194,3 +195,7 @@ def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
         stats["samples_per_s"] = round((len(train) + len(heldout)) / max(stats["seconds"], 1e-9), 1)
         art = w.commit(stats)
     return art.ref()
+
+
+# the stage as the flow runs it (tasks/store/stages.py)
+STAGE_DEF = Stage(name=STAGE, inputs=(), address=lambda cfg, store: digests.prepare(cfg), run=run_prepare)

@@ -8,8 +8,7 @@ own small artifact (`regenerate-shard/DIGEST`). A crash loses at most the shard
 in flight: a re-run finds the committed shards and only generates the rest.
 The final `regenerate` artifact has prepare's layout and Parquet schema.
 The flow (flows/pipeline.py) runs each shard as its own task (`regenerate_shard`) over the node's engine
-groups and, with `extract.nodes` > 1, over several nodes, then `assemble_regenerate`; `run_regenerate`
-is the same on one engine, shard after shard.
+groups and, with `extract.nodes` > 1, over several nodes, then `assemble_regenerate`.
 
 Multi-turn: turn t of every conversation in the shard is generated in one
 batched pass (batches of `regenerate.batch_size`), then turn t+1 with the
@@ -36,9 +35,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
-
-from pydantic import BaseModel
+from typing import Any, Protocol
 
 from tasks.core.errors import DraftlineError
 from tasks.core.config import RunConfig
@@ -50,6 +47,7 @@ from tasks.formats.acceptance import merge_counts
 from tasks.formats.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats
 from tasks.store.stats import data_stats
 from tasks.store.artifacts import Artifact, ArtifactRef, Store
+from tasks.store.stages import ShardedStage, ShardPlan
 
 STAGE = "regenerate"
 SHARD_STAGE = digests.REGENERATE_SHARD
@@ -166,35 +164,31 @@ def regenerate_samples(cfg: RunConfig, masker: ChatMasker, engine: Engine, sampl
                          "truncated": truncated, "per_source": per_source, **dict(counts)}
 
 
-class ShardPlan(BaseModel):
+class RegenerateShard(ShardPlan):
     """One regeneration shard: shard `shard` of the prepare artifact `prepared`, committed at
     `regenerate-shard/DIGEST` (a flow task's argument, like extraction's plans)."""
 
-    shard: int
-    digest: str
     prepared: ArtifactRef
 
 
-def plan_regenerate(cfg: RunConfig, prepared: ArtifactRef) -> list[ShardPlan]:
+def plan_regenerate(cfg: RunConfig, prepared: ArtifactRef) -> list[RegenerateShard]:
     """The shards of the prepare artifact `prepared`, each with its own address (tasks/address/digests.py)."""
     stage = digests.regenerate(cfg, prepared)
-    return [ShardPlan(shard=i, digest=digests.regenerate_shard(stage, i), prepared=prepared)
+    return [RegenerateShard(shard=i, digest=digests.regenerate_shard(stage, i), prepared=prepared)
             for i in range(data_stats(prepared).num_shards)]
 
 
-def regenerate_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: Engine,
-                     masker: ChatMasker | None = None) -> ArtifactRef:
-    """Answer one shard's prompts and commit them at `plan.digest`; the committed shard if it is there."""
-    return store.found_or_compute(SHARD_STAGE, plan.digest, lambda: _regenerate_shard(cfg, store, plan, engine, masker))
+def regenerate_shard(cfg: RunConfig, store: Store, plan: RegenerateShard, engine: Engine) -> ArtifactRef:
+    """Answer one shard's prompts with `engine` (started) and commit them at `plan.digest`; the committed
+    shard if it is there."""
+    return store.found_or_compute(SHARD_STAGE, plan.digest, lambda: _regenerate_shard(cfg, store, plan, engine))
 
 
-def _regenerate_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: Engine,
-                      masker: ChatMasker | None) -> ArtifactRef:
+def _regenerate_shard(cfg: RunConfig, store: Store, plan: RegenerateShard, engine: Engine) -> ArtifactRef:
     t0 = time.time()
     prepared = plan.prepared
     prep_art = store.open(prepared.stage, prepared.digest)
-    if masker is None:
-        masker = make_masker(cfg, template_kwargs={"enable_thinking": bool(cfg.regenerate.thinking)})
+    masker = make_masker(cfg, template_kwargs={"enable_thinking": bool(cfg.regenerate.thinking)})
     samples = read_samples(prep_art, shard_name(plan.shard))
     new, info = regenerate_samples(cfg, masker, engine, samples)
     stats = {**token_stats(new), **info, "shard": plan.shard, "prompts": len(samples),
@@ -208,56 +202,14 @@ def _regenerate_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: Eng
         return w.commit(stats).ref()
 
 
-def run_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef,
-                   engine_factory: Callable[[], Engine], *,
-                   on_shard: Callable[[int, int, dict[str, Any], bool], None] | None = None) -> ArtifactRef:
-    """Regenerate the answers of the prepare artifact `prepared` with one engine, shard after shard;
-    resumable per shard. (The flow runs the same `regenerate_shard` as tasks over its engine groups
-    and nodes, then `assemble_regenerate`.)
-
-    `engine_factory()` returns an engine (`tasks.engine.process.EngineProcess`); it is started only when a
-    shard needs generating and closed before this returns. `on_shard(done, total, stats, reused)`
-    is called after each shard.
-    """
-    return store.found_or_compute(STAGE, digests.regenerate(cfg, prepared),
-                                  lambda: _regenerate(cfg, store, prepared, engine_factory, on_shard))
-
-
-def _regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef, engine_factory: Callable[[], Engine],
-                on_shard: Callable[[int, int, dict[str, Any], bool], None] | None) -> ArtifactRef:
-    t0 = time.time()
-    plans = plan_regenerate(cfg, prepared)
-    masker = make_masker(cfg, template_kwargs={"enable_thinking": bool(cfg.regenerate.thinking)})
-    engine: Engine | None = None
-    shard_arts: list[Artifact] = []
-    reused = 0
-    try:
-        for plan in plans:
-            art = store.find(SHARD_STAGE, plan.digest)
-            found = art is not None
-            reused += found
-            if art is None:
-                if engine is None:
-                    engine = engine_factory()
-                    engine.start()
-                art = store.open(SHARD_STAGE, regenerate_shard(cfg, store, plan, engine, masker).digest)
-            if on_shard is not None:
-                on_shard(plan.shard + 1, len(plans), dict(art.stats), found)
-            shard_arts.append(art)
-    finally:
-        if engine is not None:
-            engine.close()
-    return assemble_regenerate(cfg, store, prepared, shard_arts, t0, reused)
-
-
-def assemble_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef, shard_arts: list[Artifact],
+def assemble_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef, shards: list[ArtifactRef],
                         t0: float, reused: int) -> ArtifactRef:
     """The `regenerate` artifact (prepare's layout) from every shard's artifact, in shard order;
     `reused`: how many of them were on the store before this run, `t0`: when this run's stage began
     (its `wall_seconds`: engine starts, every shard on every group and node, and this assembly)."""
     digest = digests.regenerate(cfg, prepared)
-    return store.found_or_compute(STAGE, digest,
-                                  lambda: _assemble(cfg, store, prepared, shard_arts, t0, reused, digest))
+    return store.found_or_compute(STAGE, digest, lambda: _assemble(
+        cfg, store, prepared, [store.open(SHARD_STAGE, r.digest) for r in shards], t0, reused, digest))
 
 
 def _assemble(cfg: RunConfig, store: Store, prepared: ArtifactRef, shard_arts: list[Artifact], t0: float,
@@ -319,3 +271,11 @@ def _assemble(cfg: RunConfig, store: Store, prepared: ArtifactRef, shard_arts: l
         w.write_bytes(HELDOUT, prep_art.read_bytes(HELDOUT))
         stats["wall_seconds"] = round(time.time() - t0, 2)  # the stage: engine starts, every shard, copying
         return w.commit(stats).ref()
+
+
+# the stage as the flow runs it (tasks/store/stages.py)
+STAGE_DEF = ShardedStage(
+    name=STAGE, inputs=("prepare",), store_stage=STAGE, shard_stage=SHARD_STAGE, plan=plan_regenerate,
+    address=lambda cfg, data, plans: digests.regenerate(cfg, data), shard=regenerate_shard,
+    assemble=assemble_regenerate, copies_shards=True, label="regeneration", title="Regeneration",
+    tokens="generated_tokens", rate="generated tok/s", enabled=lambda cfg: cfg.regenerate.enabled)

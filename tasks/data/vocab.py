@@ -25,6 +25,7 @@ from tasks.core.config import RunConfig, VocabConfig
 from tasks.address import digests
 from tasks.core.digest import VERSIONS
 from tasks.store.artifacts import ArtifactRef, Store
+from tasks.store.stages import Stage
 from tasks.formats.vocab_maps import FILE
 
 STAGE = "vocab"
@@ -184,3 +185,7 @@ def _vocab(cfg: RunConfig, store: Store, data_ref: ArtifactRef, digest: str) -> 
         stats["seconds"] = round(time.time() - t0, 2)
         art = w.commit(stats)
     return art.ref()
+
+
+# the stage as the flow runs it (tasks/store/stages.py)
+STAGE_DEF = Stage(name=STAGE, inputs=("data",), address=lambda cfg, store, data: digests.vocab(cfg, data), run=run_vocab)

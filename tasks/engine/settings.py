@@ -114,7 +114,7 @@ def vllm_kwargs(cfg: RunConfig, model_path: str, *, on_gpu: bool | None = None, 
 def benchmark_kwargs(cfg: RunConfig, speculative: dict | None, model_path: str | None = None) -> dict[str, Any]:
     """The benchmark's decoding engines' `vllm.LLM` arguments: the target's, plus the draft (`speculative`: vLLM's
     speculative_config; None: the baseline). The one place they are built: the benchmark's engines run with them,
-    and the printed `vllm serve` line is built from what its engine at the chosen k got (tasks/benchmark/export.py)."""
+    and the printed `vllm serve` line is built from what its engine at the chosen k got (tasks/benchmark/serve.py)."""
     from tasks.engine.target import resolve_model
 
     extra: dict[str, Any] = {"disable_log_stats": False}  # the spec-decode counters and latency histograms

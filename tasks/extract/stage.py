@@ -1,12 +1,15 @@
 """Stage `extract`: run the target over each data shard once and store its hidden states.
 
 One artifact per shard (`extract/DIGEST/`), so a failed or killed shard is the
-only work repeated: every other shard is committed and found on the store.
+only work repeated: every other shard is committed and found on the store. When every
+shard is there, `assemble_extract` commits the stage's own artifact (`extract-stage/DIGEST/`,
+a manifest naming each shard), the one input training takes.
 
-    plans = plan_extract(cfg, data_ref, hf_config)           # one ShardPlan (and digest) per shard
+    plans = plan_extract(cfg, data_ref, hf_config)           # one ExtractShard plan (and digest) per shard
     for group in engine_groups(cfg):                         # the flow fans shards over groups
         with engine_for_group(cfg, model_path, group) as engine:
             refs = [extract_shard(cfg, store, p, engine) for p in my_plans]
+    extracted = assemble_extract(cfg, store, refs, t0, reused)       # extract-stage/DIGEST: names every shard
 
 Inside a shard three things run at once: the engine computes batch k+1, the
 calling thread collects batch k into the current part, and a background writer
@@ -34,15 +37,18 @@ from tasks.core.config import RunConfig
 from tasks.core.digest import VERSIONS
 from tasks.core.faults import kill_point
 from tasks.engine.process import EngineProcess
-from tasks.extract.plan import STAGE, ExtractError, ProgressCallback, ShardPlan, plan_extract  # noqa: F401
-from tasks.extract.verify import StateCheck, verifier_head
+from tasks.engine.target import load_hf_config, resolve_model
+from tasks.address import digests
+from tasks.extract.shards import STAGE, STAGE_ARTIFACT, ExtractError, ExtractShard, ProgressCallback, plan_extract  # noqa: F401
+from tasks.extract.verify import StateCheck, summarize, verifier_head
 from tasks.formats.parts import PartBuffer
 from tasks.store.artifacts import ArtifactRef, ArtifactWriter, Store
+from tasks.store.stages import ShardedStage
 
 # ============================================================================ the stage
 
 
-def _read_shard(store: Store, plan: ShardPlan) -> list[tuple[str, list[int], list[int]]]:
+def _read_shard(store: Store, plan: ExtractShard) -> list[tuple[str, list[int], list[int]]]:
     import pyarrow.parquet as pq
 
     data = store.open(plan.data_stage, plan.data_digest)
@@ -76,7 +82,7 @@ def _batches(samples: list, batch_tokens: int) -> Iterator[list]:
         yield batch
 
 
-def _store_batch(plan: ShardPlan, buf: "PartBuffer", batch: list, hidden: list, done: int,
+def _store_batch(plan: ExtractShard, buf: "PartBuffer", batch: list, hidden: list, done: int,
                  masked: int) -> tuple[int, int]:
     """`hidden`: (hidden states, the engine's next token or None) per sample of `batch`."""
     if len(hidden) != len(batch):
@@ -276,13 +282,11 @@ def _state_check(cfg: RunConfig, engine: Any) -> StateCheck | None:
     model = getattr(engine, "model", None)
     if cfg.extract.verify_positions <= 0 or not isinstance(model, str) or not hasattr(engine, "last_next_tokens"):
         return None
-    from tasks.engine.target import load_hf_config
-
     head = verifier_head(model, load_hf_config(cfg.target, model))
     return StateCheck(head, cfg.extract.verify_positions, cfg.extract.verify_min_agreement)
 
 
-def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProcess, *,
+def extract_shard(cfg: RunConfig, store: Store, plan: ExtractShard, engine: EngineProcess, *,
                   on_progress: ProgressCallback | None = None) -> ArtifactRef:
     """Extract one shard into `extract/<plan.digest>/`; returns at once if it is already committed.
 
@@ -295,7 +299,7 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineP
     return store.found_or_compute(STAGE, plan.digest, lambda: _extract(cfg, store, plan, engine, on_progress))
 
 
-def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProcess,
+def _extract(cfg: RunConfig, store: Store, plan: ExtractShard, engine: EngineProcess,
              on_progress: ProgressCallback | None) -> ArtifactRef:
     e = cfg.extract
     samples = _read_shard(store, plan)
@@ -407,3 +411,53 @@ def _extract(cfg: RunConfig, store: Store, plan: ShardPlan, engine: EngineProces
         }
         art = w.commit(stats)
     return art.ref()
+
+
+SHARDS_FILE = "shards.json"  # the stage artifact's one file: each shard's number, address and size, for a reader
+
+
+def assemble_extract(cfg: RunConfig, store: Store, shards: list[ArtifactRef], t0: float, reused: int) -> ArtifactRef:
+    """The extract stage's artifact from every shard's: a manifest naming each shard (inputs `shard-I`) with the
+    stage's totals, committed at `extract-stage/DIGEST` (the set of shards' addresses). `reused`: how many shards
+    were on the store before this run; `t0`: when this run's stage began (its `wall_seconds`)."""
+    shards = sorted(shards, key=lambda r: int(r.stats.get("shard", 0)))
+    numbers = [int(r.stats.get("shard", -1)) for r in shards]
+    if not shards or len(set(numbers)) != len(numbers):
+        raise ExtractError(f"the extract stage's artifact needs each shard once, got shards {numbers}")
+    digest = digests.extract_stage([r.digest for r in shards])
+    return store.found_or_compute(STAGE_ARTIFACT, digest, lambda: _assemble(cfg, store, shards, t0, reused, digest))
+
+
+def _assemble(cfg: RunConfig, store: Store, shards: list[ArtifactRef], t0: float, reused: int,
+              digest: str) -> ArtifactRef:
+    stats: dict[str, Any] = {
+        "num_shards": len(shards),
+        **{k: sum(int(r.stats.get(k, 0)) for r in shards) for k in ("samples", "tokens", "masked_tokens", "bytes")},
+        "layer_ids": shards[0].stats.get("layer_ids"), "hidden_size": shards[0].stats.get("hidden_size"),
+        "storage_dtype": shards[0].stats.get("storage_dtype"), "shards_reused": reused,
+        "seconds": round(sum(float(r.stats.get("seconds", 0)) for r in shards), 2),
+    }
+    verified = summarize([r.stats for r in shards])
+    if verified is not None:
+        stats["verified"] = verified
+    inputs = {f"shard-{i}": r.digest for i, r in enumerate(shards)}
+    with store.write(STAGE_ARTIFACT, digest, VERSIONS[STAGE], inputs, digests.extract_section(
+            cfg, list(shards[0].stats.get("layer_ids") or []))) as w:
+        w.write_json(SHARDS_FILE, [{"shard": int(r.stats.get("shard", 0)), "digest": r.digest, "uri": r.uri,
+                                    "samples": int(r.stats.get("samples", 0)), "tokens": int(r.stats.get("tokens", 0))}
+                                   for r in shards])
+        stats["wall_seconds"] = round(time.time() - t0, 2)  # the stage: engine starts, every shard, every node
+        return w.commit(stats).ref()
+
+
+def plan_shards(cfg: RunConfig, data: ArtifactRef) -> list[ExtractShard]:
+    """The run's extraction shards of DATA (plan_extract on the target's own config)."""
+    return plan_extract(cfg, data, load_hf_config(cfg.target, resolve_model(cfg.target)))
+
+
+# the stage as the flow runs it (tasks/store/stages.py)
+STAGE_DEF = ShardedStage(
+    name=STAGE, inputs=("data",), store_stage=STAGE_ARTIFACT, shard_stage=STAGE, plan=plan_shards,
+    address=lambda cfg, data, plans: digests.extract_stage([p.digest for p in plans]), shard=extract_shard,
+    assemble=lambda cfg, store, data, shards, t0, reused: assemble_extract(cfg, store, shards, t0, reused),
+    copies_shards=False, label="extraction", title="Extraction", tokens="tokens", rate="tok/s")

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.extract.plan import ExtractError
+from tasks.extract.shards import ExtractError
 
 
 _heads: dict[str, Any] = {}

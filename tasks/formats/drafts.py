@@ -7,7 +7,7 @@ identified by its content, checked against this run's target, and used as a warm
 
 A draft's identity is its content, never its path: the same files under another folder (or fetched again
 from the hub) give the same digest, so `train.init_from` and `benchmark.drafts` address artifacts by what
-the draft IS. The on-disk format is speculators' (tasks/train/loop.py export_draft): `config.json`
+the draft IS. The on-disk format is speculators' (tasks/train/loop.py save_draft): `config.json`
 (`speculators_model_type`, `eagle_aux_hidden_state_layer_ids`, `draft_vocab_size`,
 `transformer_layer_config`) and `model.safetensors` with the draft's weights plus `d2t` (draft index i ->
 target id i + d2t[i]) and `t2d` (a bool mask over the target vocabulary).

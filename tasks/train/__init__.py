@@ -1,6 +1,6 @@
 """The train stage and its parts. `stage.py` finds, resumes or trains a head (`run_train`), over a node's GPUs
 through `ranks.py`; every rank runs the `Trainer` of `loop.py`, whose `fit()` calls the components and whose
-`export()` writes the draft for vLLM.
+`commit()` writes the draft for vLLM (`save_draft`) and commits the train artifact.
 
 What every part shares (the components build on these, never on each other):
 
@@ -30,7 +30,7 @@ The parts of a run, in the order `build_trainer` and the `Trainer` (loop.py) bui
 - data        `BatchStream` (stream.py), opened by `fit()`: a seeded (shard, part) order per epoch, seeded
               sample order inside a part, packing to exactly `batch_tokens` per step, `prefetch` parts
               loading ahead in parallel, a packer thread
-- export      `draft/config.json` + `draft/model.safetensors` (d2t/t2d included), by loop.py
+- commit      `draft/config.json` + `draft/model.safetensors` (d2t/t2d included), by loop.py
 """
 
 from __future__ import annotations

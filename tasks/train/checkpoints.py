@@ -3,7 +3,7 @@ calls the `Checkpointer` as `load()` before its steps, `save(state, stream)` aft
 `save(state, stream, last_step=True)` when it ends.
 
 Cadence: every `train.checkpoint_every` steps before the last, and once at the end unless that step is
-already saved (so a crash during evaluation or export never retrains). Retention: the newest
+already saved (so a crash during evaluation or the commit never retrains). Retention: the newest
 `train.keep_checkpoints` of this train address (`checkpoint/<train digest[:20]>-s<step>`), older ones deleted
 after a new one is committed. A checkpoint is one artifact, committed whole or not at all: the trainable
 weights (`model.safetensors`, fp32), the optimizer's tensors (`optimizer.safetensors`, `<param>::<key>`) and

@@ -1,13 +1,13 @@
 """The training loop every rank of the train stage runs, read in phases like torchtitan's `train()`:
 `Trainer.fit()` loads the newest checkpoint, announces the run, opens the batch stream, then per step asks
 the schedule whether to stop and at what rate, takes a batch, steps the optimizer, records the step's
-metrics and lets the checkpointer save when due; a final checkpoint when it ends. `Trainer.export()`
-evaluates the held-out batches and writes the draft for vLLM (`export_draft`) as the train artifact.
+metrics and lets the checkpointer save when due; a final checkpoint when it ends. `Trainer.commit()`
+evaluates the held-out batches and writes the draft for vLLM (`save_draft`) as the train artifact.
 
 The components (`Schedule`, `Checkpointer`, `Meter`, `HeldOut`; tasks/train/__init__.py lists every part)
 each live in their own module behind a small interface, siblings that share `RunState` and `DistEnv` and
 never import each other. `build_trainer` makes the store reads a Trainer needs
-(the part reader, the held-out split) and `train_here` is one rank's work: build, fit, export.
+(the part reader, the held-out split) and `train_here` is one rank's work: build, fit, commit.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class Trainer:
         state = self.checkpointer.load()
         self.announce(state)
         if state.stopped_reason == "time_budget" or state.step >= self.t.max_steps:
-            return state  # the last run already finished training; only eval/export remain
+            return state  # the last run already finished training; only eval and the commit remain
         stream = self.open_stream(state)
         self.schedule.start(state.train_seconds)
         try:
@@ -219,13 +219,13 @@ class Trainer:
                 self.checkpointer.save(state, stream)
             if state.stopped_reason is None:
                 state.stopped_reason = "max_steps"
-            self.checkpointer.save(state, stream, last_step=True)  # a crash during export never retrains
+            self.checkpointer.save(state, stream, last_step=True)  # a crash during the commit never retrains
         finally:
             stream.close()
         return state
 
-    # ---------------------------------------------------------------- export
-    def export(self, state: RunState) -> ArtifactRef:
+    # ---------------------------------------------------------------- commit
+    def commit(self, state: RunState) -> ArtifactRef:
         """Evaluate, write the vLLM draft folder and metrics, commit the train artifact (rank 0)."""
         env = self.env
         if env.rank == 0:
@@ -255,7 +255,7 @@ class Trainer:
             with owned_temporary_directory("draft") as tmp, \
                     self.store.write(STAGE, self.inp.digest, VERSIONS[STAGE], self.inp.inputs,
                                      self.cfg.train.model_dump(mode="json")) as w:
-                export_draft(self.model, tmp, self.cfg.target.dtype)
+                save_draft(self.model, tmp, self.cfg.target.dtype)
                 w.put_file("draft/config.json", os.path.join(tmp, "config.json"))
                 w.put_file("draft/model.safetensors", os.path.join(tmp, "model.safetensors"))
                 w.write_json("metrics.json", metrics)
@@ -265,7 +265,7 @@ class Trainer:
         return self.store.open(STAGE, self.inp.digest).ref()
 
 
-def export_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
+def save_draft(model: Any, folder: str, dtype: str = "bfloat16") -> None:
     """`folder/config.json` + `folder/model.safetensors` in speculators' format, which vLLM
     loads as an EAGLE-3 draft (`speculative_config={"method": "eagle3", "model": folder}`); an MLA draft's
     config flat, as vLLM's deepseek_eagle3 loads it (`mla_draft_config`).
@@ -332,6 +332,6 @@ def train_here(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_ref
         inputs = resolve_inputs(cfg, store, vocab_ref, extract_refs)
         trainer = build_trainer(cfg, store, inputs, env, on_metrics)
         state = trainer.fit()
-        return trainer.export(state)
+        return trainer.commit(state)
     finally:
         env.close()

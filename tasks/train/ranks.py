@@ -3,7 +3,7 @@ train task, rank 0's metrics followed live, a failed rank named with its error.
 
 Over several nodes (train.nodes > 1, flows/nodes.py `train_nodes`) each node's launcher joins one c10d
 rendezvous that the run's own node hosts (`Rendezvous`); the ranks are renumbered so that the run's
-node holds ranks 0..gpus-1 (`host_first_rank`): rank 0, which checkpoints and exports, is always there.
+node holds ranks 0..gpus-1 (`host_first_rank`): rank 0, which checkpoints and commits the draft, is always there.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Stage `train`: an EAGLE-3 draft head trained on stored hidden states, exported for vLLM.
+"""Stage `train`: an EAGLE-3 draft head trained on stored hidden states, saved for vLLM.
 
-    ref = run_train(cfg, store, vocab_ref, extract_refs, on_metrics=print)
+    ref = run_train(cfg, store, vocab_ref, extracted, on_metrics=print)   # extracted: the extract stage's artifact
     # store: train/DIGEST/draft/{config.json, model.safetensors}, metrics.json
 
 The model is speculators' `Eagle3DraftModel` (the architecture and checkpoint
@@ -27,15 +27,20 @@ from __future__ import annotations
 from tasks.address import digests
 from tasks.core.config import RunConfig
 from tasks.store.artifacts import ArtifactRef, Store
-from tasks.train import STAGE, MetricsCallback
+from tasks.store.stages import Stage
+from tasks.extract.shards import ExtractError, extract_shards
+from tasks.train import STAGE, MetricsCallback, TrainError
 from tasks.train.inputs import resolve_inputs, train_head
 from tasks.train.loop import train_here
 from tasks.train.ranks import launch_ranks, launched_as_rank, train_ranks
 
 
-def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef], *,
+def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: ArtifactRef, *,
               on_metrics: MetricsCallback | None = None) -> ArtifactRef:
     """Train (or resume, or find) the draft for these inputs; returns the train artifact's ref.
+
+    EXTRACTED: the extract stage's artifact (`extract-stage/DIGEST`), which names the shards trained on; the
+    train address is made of those shards themselves (tasks/address/digests.py `train`).
 
     A committed train artifact is returned at once. Otherwise training resumes from
     the newest committed checkpoint of the same digest, or starts fresh. With more
@@ -45,6 +50,7 @@ def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs
     return the same ref.
     """
     train_head(cfg)  # one head per call
+    extract_refs = training_shards(store, extracted)
     digest = digests.train(cfg, vocab_ref, extract_refs)
     return store.found_or_compute(STAGE, digest, lambda: _train(cfg, store, vocab_ref, extract_refs, on_metrics, digest))
 
@@ -57,3 +63,18 @@ def _train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: l
             resolve_inputs(cfg, store, vocab_ref, extract_refs)  # bad inputs fail here, before any rank starts
             return launch_ranks(cfg, store, vocab_ref, extract_refs, ranks, on_metrics)
     return train_here(cfg, store, vocab_ref, extract_refs, on_metrics)
+
+
+def training_shards(store: Store, extracted: ArtifactRef) -> list[ArtifactRef]:
+    """The extraction shards the extract stage's artifact names, a TrainError naming the one missing."""
+    try:
+        return extract_shards(store, extracted)
+    except ExtractError as exc:
+        raise TrainError(str(exc)) from None
+
+
+# the stage as the flow runs it (tasks/store/stages.py), once per head of train.heads (tasks.core.config
+# head_config): its address is made of the shards the extract stage's artifact names
+STAGE_DEF = Stage(name=STAGE, inputs=("vocab", "extract"),
+                  address=lambda cfg, store, vocab, extracted: digests.train(cfg, vocab, training_shards(store, extracted)),
+                  run=run_train)

@@ -276,7 +276,7 @@ def test_export_to_s3_by_train_digest(small_run, s3_server):
     fs = Store.from_config(StoreConfig(uri="s3://draftline-test/exports")).fs
     names = sorted(p.rsplit("/", 1)[1] for p in fs.find("draftline-test/exports/e2e"))
     assert names == [".draftline-export.json", "README.md", "config.json", "d2t.json", "model.safetensors",
-                     "serve.json", "t2d.json"]  # .draftline-export.json: what the export wrote (tasks/benchmark/export.py)
+                     "serve.json", "t2d.json"]  # .draftline-export.json: what the export wrote (tasks/benchmark/serve.py)
     assert "s3://draftline-test/exports/e2e/draft" in fs.cat_file("draftline-test/exports/e2e/README.md").decode()
 
 

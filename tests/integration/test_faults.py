@@ -41,7 +41,7 @@ from tasks.address import digests
 from tasks.train.stage import run_train
 from tasks.train import TrainError
 from tasks.train.checkpoints import checkpoint_digest
-from train_data import make_tiny_target, write_vocab
+from train_data import extract_stage, make_tiny_target, write_vocab
 from warm import WarmEngine, finish, fork_call, start_draftline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -257,7 +257,7 @@ def test_corrupted_part_is_named_never_trained_on_and_reextracted(tmp_path, targ
 
     events: list[dict] = []
     with pytest.raises(TrainError) as exc:
-        run_train(cfg, store, vref, refs, on_metrics=lambda r: (events.append(r), corrupt_an_unread_part(r)))
+        run_train(cfg, store, vref, extract_stage(store, refs), on_metrics=lambda r: (events.append(r), corrupt_an_unread_part(r)))
     assert bad, "every part was read by step 2"
     msg = str(exc.value)
     assert f"{bad['name']} fails its size/sha256 check" in msg and bad["ref"].digest in msg, msg
@@ -275,7 +275,7 @@ def test_corrupted_part_is_named_never_trained_on_and_reextracted(tmp_path, targ
     assert [r.digest for r in redone] == [bad["ref"].digest]  # the healthy shard is reused
     loaded.clear()
     events.clear()
-    ref = run_train(cfg, store, vref, again, on_metrics=events.append)
+    ref = run_train(cfg, store, vref, extract_stage(store, again), on_metrics=events.append)
     start = next(e for e in events if e["kind"] == "start")
     assert start["resumed_from"] == (checkpoints[-1] if checkpoints else None)
     assert store.open("train", ref.digest).stats["steps"] == 14
@@ -312,7 +312,7 @@ def _train_and_die(args: dict) -> None:
 
         os.replace = replace
     run_train(RunConfig.model_validate(args["cfg"]), Store(args["store"]), ArtifactRef.model_validate(args["vocab"]),
-              [ArtifactRef.model_validate(r) for r in args["extract"]])
+              ArtifactRef.model_validate(args["extract"]))
 
 
 def test_training_killed_inside_a_checkpoint_write_resumes_from_the_last_committed_one(tmp_path, target, engine):
@@ -320,7 +320,7 @@ def test_training_killed_inside_a_checkpoint_write_resumes_from_the_last_committ
     digest = digests.train(cfg, vref, refs)
     s3, s6 = checkpoint_digest(digest, 3), checkpoint_digest(digest, 6)
     args = {"cfg": cfg.model_dump(mode="json"), "store": store.uri, "die_at": 6,
-            "vocab": vref.model_dump(mode="json"), "extract": [r.model_dump(mode="json") for r in refs]}
+            "vocab": vref.model_dump(mode="json"), "extract": extract_stage(store, refs).model_dump(mode="json")}
     tmp = tmp_path / "tmp"  # the children's temp folder: a killed trainer leaves its draftline-ckpt-* there
     tmp.mkdir()
     for where in ("mid-file", "before-manifest"):
@@ -345,7 +345,7 @@ def test_training_killed_inside_a_checkpoint_write_resumes_from_the_last_committ
     assert any(".tmp-" in k for k in leftovers)  # the manifest copy that was never renamed
 
     events: list[dict] = []
-    ref = run_train(cfg, store, vref, refs, on_metrics=events.append)
+    ref = run_train(cfg, store, vref, extract_stage(store, refs), on_metrics=events.append)
     start = next(e for e in events if e["kind"] == "start")
     assert start["resumed_from"] == 3
     assert [e["step"] for e in events if e["kind"] == "train"] == [4, 5, 6, 7, 8]

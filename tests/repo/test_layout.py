@@ -160,16 +160,21 @@ def test_each_package_imports_only_the_packages_below_it():
 
 
 # each stage's entries (tasks/__init__.py: the stage interface)
-STAGE_ENTRIES = {"tasks.data.prepare": ["run_prepare"], "tasks.data.regenerate": ["regenerate_shard", "run_regenerate"],
-                 "tasks.data.vocab": ["run_vocab"], "tasks.extract.stage": ["extract_shard"],
+STAGE_ENTRIES = {"tasks.data.prepare": ["run_prepare"], "tasks.data.regenerate": ["regenerate_shard", "assemble_regenerate"],
+                 "tasks.data.vocab": ["run_vocab"], "tasks.extract.stage": ["extract_shard", "assemble_extract"],
                  "tasks.train.stage": ["run_train"], "tasks.benchmark.stage": ["run_benchmark"]}
 
 
 @pytest.mark.parametrize("module", sorted(STAGE_ENTRIES))
 def test_every_stage_has_the_one_interface(module):
-    """(cfg, store, inputs...) -> ArtifactRef through Store.found_or_compute, callbacks keyword-only on_*."""
+    """(cfg, store, inputs...) -> ArtifactRef through Store.found_or_compute, callbacks keyword-only on_*; the
+    module exports the one object the flow iterates (`STAGE_DEF`: a Stage, or a ShardedStage with plan / shard
+    / assemble; tasks/store/stages.py)."""
     assert set(STAGE_ENTRIES) == set(STAGES)
     tree = ast.parse(modules()[module].read_text())
+    defs = [n.value for n in tree.body if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["STAGE_DEF"]]
+    assert len(defs) == 1 and isinstance(defs[0], ast.Call) and ast.unparse(defs[0].func) in ("Stage", "ShardedStage"), \
+        f"{module} exports one STAGE_DEF = Stage(...) or ShardedStage(...)"
     funcs = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
     for name in STAGE_ENTRIES[module]:
         f = funcs[name]

@@ -8,6 +8,7 @@ output BEFORE the final norm. Parts and manifests follow docs/ARTIFACTS.md.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -123,3 +124,12 @@ def write_vocab(store: Store, samples: list[tuple[list[int], list[int]]], vocab:
                                                     "token_counts": torch.from_numpy(counts)}))
         art = w.commit({"draft_vocab_size": k, "target_vocab_size": vocab})
     return art.ref()
+
+
+def extract_stage(store: Store, refs: list[ArtifactRef]) -> ArtifactRef:
+    """The extract stage's artifact naming the shard artifacts REFS (what `run_train` takes), committed as the
+    flow commits it (tasks/extract/stage.py assemble_extract)."""
+    from tasks.core.config import RunConfig
+    from tasks.extract.stage import assemble_extract
+
+    return assemble_extract(RunConfig(), store, refs, time.time(), 0)

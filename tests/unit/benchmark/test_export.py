@@ -22,12 +22,12 @@ from safetensors.torch import load_file
 from tasks.address import digests
 from tasks.core.config import RunConfig, load_config
 from tasks.formats.drafts import DraftError, check_compatible, content_digest, remap_rows
-from tasks.benchmark.export import best_k, export_draft, run_serve, serve_command
+from tasks.benchmark.serve import best_k, export_draft, run_serve, serve_command
 from tasks.store.artifacts import Store
 from tasks.train.stage import run_train
 from tasks.train import TrainError
 from tests.unit.train.test_heads import LAYER_IDS, tiny  # noqa: F401 - the tiny target's fixture, shared
-from train_data import make_tiny_target, write_vocab
+from train_data import extract_stage, make_tiny_target, write_vocab
 
 
 class Ref:
@@ -81,7 +81,7 @@ def test_the_serve_line_is_the_engine_the_benchmark_ran(tmp_path):
     from transformers import DeepseekV3Config
     from transformers.models.kimi_k25 import Kimi_K25Config
 
-    from tasks.benchmark.export import serve_settings
+    from tasks.benchmark.serve import serve_settings
     from tasks.engine.settings import benchmark_kwargs
 
     snapshot = tmp_path / "hub-cache" / "snapshots" / ("c" * 40)  # where the benchmark's engine read it from
@@ -212,7 +212,7 @@ def test_rows_of_tokens_in_both_vocabularies_are_found():
 def exp(tiny):
     """tests/unit/train/test_heads.py's 4-layer target and its stored hidden states, a draft trained on them and exported."""
     cfg = train_cfg(tiny.path)
-    trained = run_train(cfg, tiny.store, tiny.vref, tiny.refs)
+    trained = run_train(cfg, tiny.store, tiny.vref, extract_stage(tiny.store, tiny.refs))
     dest = Path(tiny.store.uri.removeprefix("file://")).parent / "exported"
     out = export_draft(tiny.store, trained.digest, str(dest), run_serve(cfg, tiny.store, trained))
     return SimpleNamespace(**vars(tiny), trained=trained, dest=dest, out=out, cfg=cfg)
@@ -328,7 +328,7 @@ def test_check_coverage_adds_each_benchmark_evals_share_of_the_targets_output(tm
 def test_the_exported_maps_are_trainings_byte_for_byte_and_a_drifted_draft_is_refused(exp, tmp_path):
     """The draft vLLM will serve proposes ids through its d2t/t2d: they must be the vocab artifact's that
     training read, byte for byte. A train artifact whose draft carries other maps is not exported."""
-    from tasks.benchmark.export import ExportError
+    from tasks.benchmark.serve import ExportError
     from tasks.formats.vocab_maps import read_maps
 
     maps = read_maps(exp.store, exp.vref)
@@ -395,7 +395,7 @@ def test_export_refuses_to_replace_a_users_files_unless_forced_and_never_follows
 def test_warm_start_from_an_export_starts_at_its_loss(exp):
     events: list[dict] = []
     warm = run_train(train_cfg(exp.path, max_steps=2, init_from=str(exp.dest / "draft")), exp.store, exp.vref,
-                     exp.refs, on_metrics=events.append)
+                     extract_stage(exp.store, exp.refs), on_metrics=events.append)
     assert warm.digest != exp.trained.digest
     init = warm.stats["init_from"]
     assert init["vocab"] == "same" and init["draft_vocab_rows_copied"] == 128
@@ -410,7 +410,7 @@ def test_warm_start_from_an_export_starts_at_its_loss(exp):
 def test_warm_start_with_another_draft_vocabulary_copies_the_shared_rows(exp):
     other = write_vocab(exp.store, exp.samples, 256, 64, tag="smaller")
     ref = run_train(train_cfg(exp.path, max_steps=1, init_from=str(exp.dest / "draft")), exp.store, other,
-                    exp.refs)
+                    extract_stage(exp.store, exp.refs))
     init = ref.stats["init_from"]
     old = set(json.loads((exp.dest / "vocab/t2d.json").read_text()))
     art = exp.store.open("train", ref.digest)
@@ -426,7 +426,7 @@ def test_warm_start_with_another_draft_vocabulary_copies_the_shared_rows(exp):
 def test_a_warm_start_that_cannot_fit_fails_before_training(exp):
     with pytest.raises(TrainError, match=r"1 decoder layer\(s\), this run trains 2"):
         run_train(train_cfg(exp.path, max_steps=1, num_layers=2, init_from=str(exp.dest / "draft")), exp.store,
-                  exp.vref, exp.refs)
+                  exp.vref, extract_stage(exp.store, exp.refs))
     # another target (hidden 32): refused by the warm start itself, on a draft built for that target
     from tasks.formats.drafts import warm_start
     from tasks.engine.target import load_hf_config

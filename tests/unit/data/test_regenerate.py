@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
 from tasks.core.config import RunConfig
 from tasks.data.prepare import HELDOUT, read_samples, run_prepare, shard_name
 from tasks.address import digests
-from tasks.data.regenerate import SHARD_STAGE, run_regenerate
+from tasks.data.regenerate import SHARD_STAGE, STAGE_DEF as REGENERATE
 from tasks.store.artifacts import Store
 
 
@@ -45,6 +46,21 @@ class StubEngine:
         return out
 
 
+def regenerate_on(cfg, store, prepared, engine):
+    """The flow's regeneration (tasks.data.regenerate.STAGE_DEF, what flows/pipeline.py runs) on one started
+    engine, shard after shard: its plan, each shard, then the stage's artifact; nothing when that is stored."""
+    t0 = time.time()
+    plans = REGENERATE.plan(cfg, prepared)
+    found = store.find(REGENERATE.store_stage, REGENERATE.address(cfg, prepared, plans))
+    if found is not None:
+        return found.ref()
+    refs, reused = [], 0
+    for plan in plans:
+        reused += store.find(REGENERATE.shard_stage, plan.digest) is not None
+        refs.append(REGENERATE.shard(cfg, store, plan, engine))
+    return REGENERATE.assemble(cfg, store, prepared, refs, t0, reused)
+
+
 @pytest.fixture
 def setup(tmp_path):
     src = tmp_path / "chats.jsonl"
@@ -76,25 +92,24 @@ def test_resumes_per_shard_after_a_crash(setup):
     digest = digests.regenerate(cfg, prepared)
     dying = StubEngine(die_on_call=3)  # 17 training prompts in shards of 6/6/5, batches of 4: dies in shard 1
     with pytest.raises(RuntimeError, match="simulated"):
-        run_regenerate(cfg, store, prepared, lambda: dying)
-    assert dying.closed == 1  # the engine is closed even when a shard fails
+        regenerate_on(cfg, store, prepared, dying)
     assert store.find(SHARD_STAGE, digests.regenerate_shard(digest, 0)) is not None
     assert store.find(SHARD_STAGE, digests.regenerate_shard(digest, 1)) is None
     assert store.find("regenerate", digest) is None
 
     fresh = StubEngine()
-    ref = run_regenerate(cfg, store, prepared, lambda: fresh)
+    ref = regenerate_on(cfg, store, prepared, fresh)
     done0 = store.find(SHARD_STAGE, digests.regenerate_shard(digest, 0)).stats["prompts"]
     assert len(fresh.prompts) == prepared.stats["samples"] - done0  # shard 0 was not generated again
     assert ref.stats["shards_reused"] == 1
-    # a finished stage does not even start an engine
+    # a finished stage asks the engine nothing
     idle = StubEngine()
-    assert run_regenerate(cfg, store, prepared, lambda: idle).digest == ref.digest and idle.started == 0
+    assert regenerate_on(cfg, store, prepared, idle).digest == ref.digest and idle.calls == 0
 
 
 def test_same_layout_as_prepare_and_heldout_untouched(setup):
     cfg, store, prepared = setup
-    ref = run_regenerate(cfg, store, prepared, StubEngine)
+    ref = regenerate_on(cfg, store, prepared, StubEngine())
     art, prep = store.open("regenerate", ref.digest), store.open("prepare", prepared.digest)
     assert sorted(art.files()) == sorted(prep.files())
     assert art.read_bytes(HELDOUT) == prep.read_bytes(HELDOUT)
@@ -121,7 +136,7 @@ def test_overlong_prompts_are_filtered_before_generating(setup):
     two = cfg.model_copy(deep=True)
     two.regenerate.max_turns = 2
     engine = StubEngine(text="word " * 250 + "{k}")
-    ref = run_regenerate(two, store, prepared, lambda: engine)
+    ref = regenerate_on(two, store, prepared, engine)
     limit = two.target.max_model_len
     assert all(n < limit for n, _ in engine.budgets)  # never sent: it would fail a whole vLLM batch
     assert all(n + budget <= limit for n, budget in engine.budgets)
@@ -135,7 +150,7 @@ def test_thinking_off_strips_reasoning(setup):
     cfg, store, prepared = setup
     off = cfg.model_copy(deep=True)
     off.regenerate.thinking = False
-    ref = run_regenerate(off, store, prepared, StubEngine)
+    ref = regenerate_on(off, store, prepared, StubEngine())
     art = store.open("regenerate", ref.digest)
     for s in read_samples(art, shard_name(0)):
         assert "<think>" not in s.messages[1]["content"] and s.messages[1]["content"].startswith("Reply")
@@ -146,7 +161,7 @@ def test_multi_turn_answers_each_turn_with_its_own_history(setup):
     two = cfg.model_copy(deep=True)
     two.regenerate.max_turns = 2
     engine = StubEngine(text="Reply {k}.")
-    ref = run_regenerate(two, store, prepared, lambda: engine)
+    ref = regenerate_on(two, store, prepared, engine)
     tok = _tok(cfg)
     art = store.open("regenerate", ref.digest)
     for s in read_samples(art, shard_name(1)):
@@ -180,12 +195,14 @@ def test_smollm2_in_vllm_answers_prompts(tmp_path):
     # Marseillaise, ..." where float32 (and transformers in bf16) say Paris. The answers are checked below.
     kwargs = {"max_model_len": cfg.target.max_model_len, "dtype": "float32", "enforce_eager": True, "seed": 0}
 
-    def factory():
-        return EngineProcess(kind="vllm", model=model, llm_kwargs=kwargs,
-                             env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
-                             name="regenerate-test")
-
-    ref = run_regenerate(cfg, store, prepared, factory)
+    engine = EngineProcess(kind="vllm", model=model, llm_kwargs=kwargs,
+                           env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
+                           name="regenerate-test")
+    engine.start()
+    try:
+        ref = regenerate_on(cfg, store, prepared, engine)
+    finally:
+        engine.close()
     assert ref.stats["samples"] == 5 and 0 < ref.stats["generated_tokens"] <= 5 * 16
     tok = _tok(cfg)
     art = store.open("regenerate", ref.digest)

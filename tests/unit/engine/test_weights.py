@@ -311,7 +311,7 @@ def test_an_unpinned_hub_id_runs_on_the_local_snapshot_and_records_its_commit(hu
     assert [r["path"] for r in hub.requests] == [f"/api/models/{REPO}/revision/main"], hub.requests  # once per run
 
     manifests = [m for m in Store(store).list() if m.stage != "checkpoint"]
-    assert {m.stage for m in manifests} == {"prepare", "vocab", "extract", "train"}
+    assert {m.stage for m in manifests} == {"prepare", "vocab", "extract", "extract-stage", "train"}
     fp = folder_fingerprint(hub.folder)
     for m in manifests:
         assert m.run["target"] == {"model": REPO, "commit": hub.sha, "fingerprint": fp}, (m.stage, m.run)

@@ -753,9 +753,9 @@ def test_kill_9_mid_shard_commits_nothing(store, model_path, tmp_path):
         import sys
         sys.path[:0] = [{str(root)!r}, {str(root / "tests")!r}]
         from tests.unit.extract.test_extract import FakeEngine, writer_cfg
-        from tasks.extract.stage import ShardPlan, extract_shard
+        from tasks.extract.stage import ExtractShard, extract_shard
         from tasks.store.artifacts import Store
-        plan = ShardPlan.model_validate_json({plan.model_dump_json()!r})
+        plan = ExtractShard.model_validate_json({plan.model_dump_json()!r})
 
         def progress(done, total):
             if done >= 600:  # parts 0-2 handed to the writer (the engine sleeps, so the rest waits)

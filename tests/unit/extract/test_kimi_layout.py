@@ -45,6 +45,7 @@ from tasks.engine.target import (
     validate_layer_ids,
 )
 from hub_server import StandInHub
+from train_data import extract_stage
 from tests.unit.extract.test_extract import make_data, per_sample, read_parts, shard_rows
 from tests.unit.engine.test_weights import ROOT, draftline, finish, hub_env
 
@@ -327,7 +328,7 @@ def test_draft_trained_on_its_parts_names_the_verifier_and_layers(kimi):
 
     vref = run_vocab(kimi.cfg, kimi.store, kimi.data)
     assert vref.stats["draft_vocab_size"] == 256 and vref.stats["target_vocab_size"] == VOCAB
-    ref = run_train(kimi.cfg, kimi.store, vref, kimi.refs)
+    ref = run_train(kimi.cfg, kimi.store, vref, extract_stage(kimi.store, kimi.refs))
     art = kimi.store.open("train", ref.digest)
     assert art.stats["steps"] == 3 and art.stats["layer_ids"] == [1, 3, 4, 6]
     conf = json.loads(art.read_bytes("draft/config.json"))
@@ -356,7 +357,7 @@ def mla_draft(kimi):
 
     cfg = kimi.cfg.model_copy(update={"train": kimi.cfg.train.model_copy(
         update={"heads": [HeadConfig(kind="eagle3-mla")]})})
-    ref = run_train(cfg, kimi.store, run_vocab(kimi.cfg, kimi.store, kimi.data), kimi.refs)
+    ref = run_train(cfg, kimi.store, run_vocab(kimi.cfg, kimi.store, kimi.data), extract_stage(kimi.store, kimi.refs))
     folder = kimi.root / "mla-draft"
     folder.mkdir()
     art = kimi.store.open("train", ref.digest)
@@ -406,7 +407,7 @@ def test_an_mla_head_warm_starts_from_an_mla_draft_and_no_other_kind_does(mla_dr
 
     cfg = kimi.cfg.model_copy(update={"train": kimi.cfg.train.model_copy(update={
         "heads": [HeadConfig(kind="eagle3-mla")], "init_from": mla_draft.folder, "max_steps": 1, "lr": 1e-12})})
-    ref = run_train(cfg, kimi.store, run_vocab(kimi.cfg, kimi.store, kimi.data), kimi.refs)
+    ref = run_train(cfg, kimi.store, run_vocab(kimi.cfg, kimi.store, kimi.data), extract_stage(kimi.store, kimi.refs))
     assert ref.digest != mla_draft.ref.digest and ref.stats["init_from"]["vocab"] == "same"
     w = st_load(kimi.store.open("train", ref.digest).read_bytes("draft/model.safetensors"))
     for name in ("layers.0.self_attn.kv_a_proj_with_mqa.weight", "fc.weight", "fc_norm.0.weight"):

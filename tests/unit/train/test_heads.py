@@ -22,7 +22,7 @@ from tasks.train.stage import run_train
 from tasks.train import TrainError
 from tasks.train.inputs import head_layer_ids
 from tasks.train.model import speculators_kind
-from train_data import generate_samples, make_tiny_target, write_extract, write_vocab
+from train_data import extract_stage, generate_samples, make_tiny_target, write_extract, write_vocab
 
 LAYER_IDS = [1, 2, 3, 4]
 
@@ -161,13 +161,13 @@ def vllm026_dflash_fc_input_size(hf: dict) -> int:
 
 
 def test_eagle31_head_trains_with_per_layer_fc_norms(tiny):
-    ref = run_train(head_cfg(tiny, {"kind": "eagle3.1"}), tiny.store, tiny.vref, tiny.refs)
+    ref = run_train(head_cfg(tiny, {"kind": "eagle3.1"}), tiny.store, tiny.vref, extract_stage(tiny.store, tiny.refs))
     conf, weights = exported(tiny, ref)
     assert conf["speculators_model_type"] == "eagle3"
     assert (conf["fc_norm"], conf["norm_before_fc"], conf["norm_output"]) == (True, False, True)
     assert any(k.startswith("fc_norm") for k in weights), sorted(weights)
     assert ref.stats["head_kind"] == "eagle3.1" and ref.stats["head"] == "eagle3.1"
-    default = run_train(head_cfg(tiny, {"kind": "eagle3"}), tiny.store, tiny.vref, tiny.refs)
+    default = run_train(head_cfg(tiny, {"kind": "eagle3"}), tiny.store, tiny.vref, extract_stage(tiny.store, tiny.refs))
     assert default.digest != ref.digest
     conf3, _ = exported(tiny, default)
     assert (conf3["fc_norm"], conf3["norm_before_fc"], conf3["norm_output"]) == (False, True, True)
@@ -176,7 +176,7 @@ def test_eagle31_head_trains_with_per_layer_fc_norms(tiny):
 def test_dflash_head_trains_from_the_same_hidden_states_and_exports_what_vllm_reads(tiny):
     events: list[dict] = []
     ref = run_train(head_cfg(tiny, {"kind": "dflash", "block_size": 4, "max_anchors": 16, "mask_token_id": 0}),
-                    tiny.store, tiny.vref, tiny.refs, on_metrics=events.append)
+                    tiny.store, tiny.vref, extract_stage(tiny.store, tiny.refs), on_metrics=events.append)
     conf, weights = exported(tiny, ref)
     # what vLLM's speculators loader (update_dflash) reads: the layers, the mask token, the block's causality
     assert conf["speculators_model_type"] == "dflash" and conf["architectures"] == ["DFlashDraftModel"]
@@ -197,7 +197,7 @@ def test_dspark_head_trains_its_markov_and_confidence_heads_and_exports_what_vll
     logit-bias head and a confidence head, trained with speculators' DSpark loss, the anchor the bonus token."""
     events: list[dict] = []
     ref = run_train(head_cfg(tiny, {"kind": "dspark", "block_size": 4, "max_anchors": 16, "mask_token_id": 0}),
-                    tiny.store, tiny.vref, tiny.refs, on_metrics=events.append)
+                    tiny.store, tiny.vref, extract_stage(tiny.store, tiny.refs), on_metrics=events.append)
     conf, weights = exported(tiny, ref)
     # what vLLM's speculators loader (update_dspark -> Qwen3DSparkModel) reads
     assert conf["speculators_model_type"] == "dspark" and conf["architectures"] == ["DSparkDraftModel"]
@@ -282,7 +282,7 @@ def test_block_heads_are_scored_over_whole_blocks_so_no_position_beats_certainty
 def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_for_the_rest(tiny, monkeypatch):
     ref = run_train(head_cfg(tiny, {"kind": "dflash", "name": "two", "block_size": 3, "max_anchors": 8,
                                     "mask_token_id": 0, "layer_ids": [1, 3]}, max_steps=1, eval_batches=0),
-                    tiny.store, tiny.vref, tiny.refs)
+                    tiny.store, tiny.vref, extract_stage(tiny.store, tiny.refs))
     conf, weights = exported(tiny, ref)
     assert conf["aux_hidden_state_layer_ids"] == [1, 3] and weights["fc.weight"].shape == (64, 2 * 64)
     # a head reading layers the extraction does not hold is told which extract.layer_ids to set: today the

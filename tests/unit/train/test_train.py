@@ -33,7 +33,7 @@ from tasks.train.schedule import lr_at
 from tasks.train.model import flex_attention_compiles, resolve_attn_impl
 from tasks.train.ranks import train_ranks
 from tasks.train.stream import BatchStream, PartData, PartSpec
-from train_data import generate_samples, make_tiny_target, write_extract, write_vocab
+from train_data import extract_stage, generate_samples, make_tiny_target, write_extract, write_vocab
 
 REPO = Path(__file__).resolve().parents[3]
 LAYER_IDS = [1, 2, 3, 4]
@@ -224,7 +224,7 @@ def test_trains_exports_and_reuses(store, tiny):
     vref, refs = data_on(store, tiny)
     cfg = config(tiny)
     events = []
-    ref = run_train(cfg, store, vref, refs, on_metrics=events.append)
+    ref = run_train(cfg, store, vref, extract_stage(store, refs), on_metrics=events.append)
 
     steps = [e for e in events if e["kind"] == "train"]
     assert [e["step"] for e in steps] == list(range(1, 13))
@@ -261,7 +261,7 @@ def test_trains_exports_and_reuses(store, tiny):
     assert ckpts == [10, 12]
 
     again = []
-    assert run_train(cfg, store, vref, refs, on_metrics=again.append).digest == ref.digest
+    assert run_train(cfg, store, vref, extract_stage(store, refs), on_metrics=again.append).digest == ref.digest
     assert again == []  # found on the store: nothing recomputed
 
 
@@ -270,7 +270,7 @@ def test_export_loads_in_speculators(tmp_path, tiny):
 
     store = Store(f"file://{tmp_path}/store")
     vref, refs = data_on(store, tiny)
-    ref = run_train(config(tiny, max_steps=2, eval_batches=0), store, vref, refs)
+    ref = run_train(config(tiny, max_steps=2, eval_batches=0), store, vref, extract_stage(store, refs))
     art = store.open("train", ref.digest)
     draft = tmp_path / "draft"
     draft.mkdir()
@@ -312,7 +312,7 @@ def test_the_held_out_split_is_the_only_read_before_training(tmp_path, tiny):
 def test_time_budget_stops_early_and_still_exports(tmp_path, tiny):
     store = Store(f"file://{tmp_path}/store")
     vref, refs = data_on(store, tiny)
-    ref = run_train(config(tiny, max_steps=500, max_minutes=0.0005), store, vref, refs)
+    ref = run_train(config(tiny, max_steps=500, max_minutes=0.0005), store, vref, extract_stage(store, refs))
     st = store.open("train", ref.digest).stats
     assert st["stopped_reason"] == "time_budget" and 1 <= st["steps"] < 500
     assert "draft/model.safetensors" in store.open("train", ref.digest).files()
@@ -329,7 +329,7 @@ def test_precision_bf16_autocasts_on_cpu_and_fp32_does_not(tmp_path, tiny, monke
     runs = {}
     for precision in ("fp32", "bf16"):
         events = []
-        ref = run_train(config(tiny, precision=precision, eval_batches=0), store, vref, refs,
+        ref = run_train(config(tiny, precision=precision, eval_batches=0), store, vref, extract_stage(store, refs),
                         on_metrics=events.append)
         losses = [e["loss"] for e in events if e["kind"] == "train"]
         assert sum(losses[-3:]) / 3 < 0.6 * losses[0], (precision, losses)
@@ -365,7 +365,7 @@ def test_fp8_parts_train(tmp_path, tiny):
                 w.write_bytes(name, st_save({**t, "hidden_states": q, "hidden_scales": scale},
                                             metadata={"layer_ids": json.dumps(LAYER_IDS), "storage_dtype": "fp8"}))
             fp8_refs.append(w.commit({**src.stats, "storage_dtype": "fp8"}).ref())
-    ref = run_train(config(tiny, max_steps=3), store, vref, fp8_refs)
+    ref = run_train(config(tiny, max_steps=3), store, vref, extract_stage(store, fp8_refs))
     assert store.open("train", ref.digest).stats["steps"] == 3
 
 
@@ -381,23 +381,23 @@ def test_bad_inputs_are_named(tmp_path, tiny):
             w.write_bytes(name, src.read_bytes(name))
         odd = w.commit({**src.stats, "layer_ids": [2, 3, 3, 4], "shard": 9}).ref()
     with pytest.raises(TrainError, match="disagree on layer ids"):
-        run_train(cfg, store, vref, refs + [odd])
+        run_train(cfg, store, vref, extract_stage(store, refs + [odd]))
 
     other = cfg.model_copy(deep=True)
     other.extract.layer_ids = [1, 2, 4]
     with pytest.raises(TrainError, match=r"layer ids \[1, 2, 3, 4\] but extract.layer_ids .* \[1, 2, 4\]"):
-        run_train(other, store, vref, refs)
+        run_train(other, store, vref, extract_stage(store, refs))
 
     foreign = write_vocab(store, [([5] * 10, [1] * 10)], 300, 16, tag="foreign")
     with pytest.raises(TrainError, match="another target"):
-        run_train(cfg, store, foreign, refs)
+        run_train(cfg, store, foreign, extract_stage(store, refs))
 
     ghost = refs[0].model_copy(update={"digest": "0" * 32})
     with pytest.raises(TrainError, match="not committed"):
-        run_train(cfg, store, vref, [ghost])
+        run_train(cfg, store, vref, extract_stage(store, [ghost]))
 
     with pytest.raises(TrainError, match="flex_attention has no backward pass on CPU"):
-        run_train(config(tiny, max_steps=1, attn_impl="flex_attention", device="cpu"), store, vref, refs)
+        run_train(config(tiny, max_steps=1, attn_impl="flex_attention", device="cpu"), store, vref, extract_stage(store, refs))
     assert store.list("train") == []  # nothing half-written was committed
 
 
@@ -418,7 +418,7 @@ def on_metrics(rec):
         os.kill(os.getpid(), signal.SIGKILL)  # kill -9 in the middle of training
 
 run_train(RunConfig.model_validate(args["cfg"]), Store(args["store"]), ArtifactRef.model_validate(args["vocab"]),
-          [ArtifactRef.model_validate(r) for r in args["extract"]], on_metrics=on_metrics)
+          ArtifactRef.model_validate(args["extract"]), on_metrics=on_metrics)
 """
 
 
@@ -436,14 +436,14 @@ def interrupt_in_process(cfg, store, vref, refs, tmp_path) -> None:
             raise Interrupted  # the run dies between checkpoints, as a crash would
 
     with pytest.raises(Interrupted):
-        run_train(cfg, store, vref, refs, on_metrics=on_metrics)
+        run_train(cfg, store, vref, extract_stage(store, refs), on_metrics=on_metrics)
 
 
 def kill_9_in_child(cfg, store, vref, refs, tmp_path) -> None:
     args = tmp_path / "args.json"
     args.write_text(json.dumps({"cfg": cfg.model_dump(mode="json"), "store": store.uri, "kill_at": 5,
                                 "vocab": vref.model_dump(mode="json"),
-                                "extract": [r.model_dump(mode="json") for r in refs]}))
+                                "extract": extract_stage(store, refs).model_dump(mode="json")}))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", CHILD, str(args)], env=env, capture_output=True, text=True,
                           timeout=600)
@@ -458,7 +458,7 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, tiny, stop)
     cfg = config(tiny, max_steps=8, checkpoint_every=3)
     straight = Store(f"file://{tmp_path}/a")
     vref, refs = data_on(straight, tiny)
-    ref_a = run_train(cfg, straight, vref, refs)
+    ref_a = run_train(cfg, straight, vref, extract_stage(straight, refs))
 
     crashed = Store(f"file://{tmp_path}/b")
     vref_b, refs_b = data_on(crashed, tiny)
@@ -469,7 +469,7 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path, tiny, stop)
     assert sorted(m.stats["step"] for m in crashed.list("checkpoint")) == [3]
 
     events = []
-    ref_b = run_train(cfg, crashed, vref_b, refs_b, on_metrics=events.append)
+    ref_b = run_train(cfg, crashed, vref_b, extract_stage(crashed, refs_b), on_metrics=events.append)
     start = next(e for e in events if e["kind"] == "start")
     assert start["resumed_from"] == 3
     assert [e["step"] for e in events if e["kind"] == "train"] == [4, 5, 6, 7, 8]
@@ -503,7 +503,7 @@ def on_metrics(rec):  # rank 0 only
 
 
 ref = run_train(RunConfig.model_validate(args["cfg"]), Store(args["store"]), ArtifactRef.model_validate(args["vocab"]),
-                [ArtifactRef.model_validate(r) for r in args["extract"]], on_metrics=on_metrics)
+                ArtifactRef.model_validate(args["extract"]), on_metrics=on_metrics)
 # One file per rank: two ranks printing to one pipe may interleave their lines.
 import os, pathlib
 pathlib.Path(sys.argv[1]).with_name(f"ref-{os.environ['RANK']}.txt").write_text(ref.digest)
@@ -515,7 +515,7 @@ def torchrun_two_ranks(tmp_path, cfg, store, vref, refs, **extra) -> subprocess.
     args = tmp_path / "args.json"
     args.write_text(json.dumps({"cfg": cfg.model_dump(mode="json"), "store": store.uri, **extra,
                                 "vocab": vref.model_dump(mode="json"),
-                                "extract": [r.model_dump(mode="json") for r in refs]}))
+                                "extract": extract_stage(store, refs).model_dump(mode="json")}))
     script = tmp_path / "child.py"
     script.write_text(DDP_CHILD)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -554,7 +554,7 @@ def test_ddp_run_killed_resumes_on_fewer_ranks(tmp_path, tiny, caplog):
 
     events = []
     with caplog.at_level("INFO", logger="draftline"):
-        ref = run_train(cfg, store, vref, refs, on_metrics=events.append)
+        ref = run_train(cfg, store, vref, extract_stage(store, refs), on_metrics=events.append)
     start = next(e for e in events if e["kind"] == "start")
     assert start["resumed_from"] == 2 and start["world_size"] == 1
     # the parts are dealt anew (the one rank now reads them all) and the log says so
@@ -579,7 +579,7 @@ def test_an_error_in_a_launched_rank_fails_the_call_with_its_traceback(tmp_path,
     vref, refs = data_on(store, tiny)
     cfg = config(tiny, max_steps=2, gpus=2, attn_impl="flex_attention", device="cpu")  # refused in each rank
     with pytest.raises(TrainError) as exc:
-        run_train(cfg, store, vref, refs)
+        run_train(cfg, store, vref, extract_stage(store, refs))
     msg = str(exc.value)
     assert re.match(r"training rank [01] of 2 failed: TrainError: train.attn_impl flex_attention has no backward "
                     r"pass on CPU", msg), msg
@@ -633,7 +633,7 @@ def test_exported_draft_decodes_in_vllm(tmp_path):
     cfg = RunConfig.model_validate({"extract": {"layer_ids": layer_ids},
                                     "train": {"max_steps": 40, "batch_tokens": 256, "warmup_steps": 4, "lr": 1e-3,
                                               "checkpoint_every": 100, "eval_batches": 1}})
-    ref = run_train(cfg, store, vref, refs)
+    ref = run_train(cfg, store, vref, extract_stage(store, refs))
     art = store.open("train", ref.digest)
     draft = tmp_path / "draft"
     draft.mkdir()

@@ -1,4 +1,4 @@
-"""Planning the extract stage: one ShardPlan (and the digest its artifact lives under) per data shard.
+"""Planning the extract stage: one `ExtractShard` plan (and the digest its artifact lives under) per data shard.
 
 Apart from the stage so that what only needs the addresses (`draftline export`, the flow's fan-out) reads
 them without the engine and part-writing machinery.
@@ -8,16 +8,19 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from tasks.core.errors import DraftlineError
 from tasks.address import digests
 from tasks.core.config import RunConfig
 from tasks.store.stats import StatsError, data_stats
 from tasks.engine.target import resolve_layer_ids, text_config, validate_for_vllm
-from tasks.store.artifacts import ArtifactRef
+from tasks.store.artifacts import ArtifactRef, Store
+from tasks.store.stages import ShardPlan
 
 STAGE = "extract"
+# the stage's own artifact: a manifest naming every shard (tasks/extract/stage.py assemble_extract)
+STAGE_ARTIFACT = digests.EXTRACT_STAGE
 # Keys that decide where and how fast extraction runs, not what it produces.
 SCHEDULING_KEYS = digests.EXTRACT_SCHEDULING_KEYS
 DATA_STAGES = ("prepare", "regenerate")
@@ -29,11 +32,9 @@ class ExtractError(DraftlineError, RuntimeError):
     """Extraction cannot proceed; the message names the problem and the fix."""
 
 
-class ShardPlan(BaseModel):
+class ExtractShard(ShardPlan):
     """Everything one shard's extraction needs, and the digest its artifact lives under."""
 
-    shard: int
-    digest: str
     data_stage: str
     data_digest: str
     data_file: str
@@ -47,7 +48,7 @@ class ShardPlan(BaseModel):
         return {"data": self.data_digest, "shard": str(self.shard)}
 
 
-def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[ShardPlan]:
+def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[ExtractShard]:
     if data_ref.stage not in DATA_STAGES:
         raise ExtractError(f"extract reads a prepare or regenerate artifact, got stage {data_ref.stage!r}")
     try:
@@ -64,8 +65,29 @@ def plan_extract(cfg: RunConfig, data_ref: ArtifactRef, hf_config: Any) -> list[
     plans = []
     for i in range(num_shards):
         digest = digests.extract_shard(cfg, layer_ids, data_ref.digest, i)
-        plans.append(ShardPlan(shard=i, digest=digest, data_stage=data_ref.stage, data_digest=data_ref.digest,
+        plans.append(ExtractShard(shard=i, digest=digest, data_stage=data_ref.stage, data_digest=data_ref.digest,
                                data_file=f"shard-{i:05d}.parquet", layer_ids=layer_ids,
                                hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
                                config=section))
     return plans
+
+
+def extract_shards(store: Store, extracted: ArtifactRef) -> list[ArtifactRef]:
+    """The shard artifacts the extract stage's artifact EXTRACTED names, in shard order (what training reads)."""
+    if extracted.stage != STAGE_ARTIFACT:
+        raise ExtractError(f"{extracted.uri} is a {extracted.stage!r} artifact, not the extract stage's "
+                           f"({STAGE_ARTIFACT}/DIGEST, naming its shards)")
+    manifest = store.manifest(STAGE_ARTIFACT, extracted.digest)
+    if manifest is None:
+        raise ExtractError(f"the extract stage's artifact {extracted.uri} is not committed on {store.uri}; "
+                           "re-run the extract stage (completed shards are reused)")
+    names = sorted((k for k in manifest.inputs if k.startswith("shard-")), key=lambda k: int(k.split("-")[1]))
+    refs = []
+    for name in names:
+        art = store.find(STAGE, manifest.inputs[name])
+        if art is None:
+            raise ExtractError(f"extraction shard {store.uri_of(STAGE, manifest.inputs[name])} (named by "
+                               f"{extracted.uri}) is not committed on {store.uri}; re-run the extract stage for it "
+                               "(completed shards are reused)")
+        refs.append(art.ref())
+    return refs

@@ -1,0 +1,68 @@
+"""What a stage is to the flow: one object per stage module, which flows/pipeline.py iterates.
+
+A `Stage` runs as one task: `run(cfg, store, *inputs)` finds or commits its artifact at
+`address(cfg, store, *inputs)` in the store's `name` folder. A `ShardedStage` (regeneration, extraction)
+runs as one task per shard and one for its own artifact: `plan(cfg, data)` lists its shards (each a
+`ShardPlan` with the address its artifact is committed at in `shard_stage`), `shard(cfg, store, plan,
+engine)` finds or commits one, and `assemble(cfg, store, data, shards, t0, reused)` commits the stage's
+artifact at `address(cfg, data, plans)` in `store_stage` from every shard's. Every stage, sharded ones
+included, commits a stage artifact; the next stage takes that one ref.
+
+`inputs` names what a stage takes, by the stage that made it (`data`: regenerate's artifact when
+regeneration ran, else prepare's), in the order its `run` takes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+from tasks.core.config import RunConfig
+from tasks.store.artifacts import ArtifactRef, Store
+
+
+class ShardPlan(BaseModel):
+    """One shard of a sharded stage: its index and the digest its artifact is committed at. A stage's own plan
+    (tasks/data/regenerate.py `RegenerateShard`, tasks/extract/shards.py `ExtractShard`) adds what its shard
+    needs; plans travel as flow task arguments (JSON), hence pydantic."""
+
+    shard: int
+    digest: str
+
+
+def always(cfg: RunConfig) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage the flow runs as one task."""
+
+    name: str                            # the stage: its store folder and its task's name
+    inputs: tuple[str, ...]              # the artifacts `run` takes after (cfg, store), by the stage that made them
+    address: Callable[..., str]          # (cfg, store, *inputs) -> the digest `run` commits at
+    run: Callable[..., ArtifactRef]      # (cfg, store, *inputs) -> the artifact, found or committed
+    enabled: Callable[[RunConfig], bool] = always
+
+
+@dataclass(frozen=True)
+class ShardedStage:
+    """A stage the flow runs as one task per shard, over engine groups and nodes, then one for its artifact."""
+
+    name: str                            # the stage: its tasks' names (`NAME`, `NAME-shard-I`)
+    inputs: tuple[str, ...]              # the one artifact its shards read (the data)
+    store_stage: str                     # where the stage's artifact is committed
+    shard_stage: str                     # where each shard's artifact is committed
+    plan: Callable[[RunConfig, ArtifactRef], list[Any]]                  # (cfg, data) -> a ShardPlan per shard
+    address: Callable[[RunConfig, ArtifactRef, list[Any]], str]          # (cfg, data, plans) -> the stage's digest
+    shard: Callable[[RunConfig, Store, Any, Any], ArtifactRef]           # (cfg, store, plan, engine started)
+    assemble: Callable[[RunConfig, Store, ArtifactRef, list[ArtifactRef], float, int], ArtifactRef]
+    copies_shards: bool                  # the stage's artifact holds its shards' data (then, once committed,
+                                         # its shards are not needed); else it names shards that must stay
+    label: str                           # in messages: "3 of 8 extraction shards failed"
+    title: str                           # progress: "Extraction: 3/8 shards"
+    tokens: str                          # the shard stat the stage sums and reports a rate of
+    rate: str                            # that rate's unit
+    enabled: Callable[[RunConfig], bool] = always
