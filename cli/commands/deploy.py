@@ -69,38 +69,23 @@ def pool_spec(dep: dict[str, Any]) -> tuple[str, str, Path]:
     return name, kind, template
 
 
-def pool_heartbeat(template: dict[str, Any]) -> int:
-    """The flow-run heartbeat interval a pool's job template gives its runs (its heartbeat_seconds default)."""
-    prop = ((template.get("variables") or {}).get("properties") or {}).get("heartbeat_seconds") or {}
-    return int(prop.get("default") or HEARTBEAT_SECONDS)
-
-
-def ensure_pool(c: Any, name: str, kind: str, template: Path, update: bool,
-                heartbeat: Optional[int] = None) -> tuple[str, int]:
-    """Create or check the work pool; (what was done, the heartbeat interval its runs get). HEARTBEAT sets
-    the template's heartbeat_seconds default (None: the pool's own, or the template file's for a new pool)."""
+def ensure_pool(c: Any, name: str, kind: str, template: Path, update: bool) -> str:
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
 
     base = json.loads(template.read_text())
-    if heartbeat is not None:
-        base["variables"]["properties"]["heartbeat_seconds"]["default"] = heartbeat
     try:
         pool = c.read_work_pool(name)
     except ObjectNotFound:
         c.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=base))
-        return "created", pool_heartbeat(base)
+        return "created"
     if pool.type != kind:
         raise OpsError(f"work pool {name!r} exists with type {pool.type!r}, this deployment needs {kind!r}; "
                        f"delete it (prefect work-pool delete {name}) or rename the pool in {PREFECT_FILE}")
     if update and pool.base_job_template != base:
         c.update_work_pool(name, WorkPoolUpdate(base_job_template=base))
-        return "template updated", pool_heartbeat(base)
-    has = pool_heartbeat(pool.base_job_template)
-    if heartbeat is not None and has != heartbeat:
-        raise OpsError(f"--heartbeat {heartbeat}: work pool {name!r} gives its runs heartbeats every {has} s; "
-                       "add --update-pools to rewrite its job template")
-    return "exists", has
+        return "template updated"
+    return "exists"
 
 
 def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(s) to register (default: all in "
@@ -117,13 +102,8 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
                     "AwsCredentials block (the docker deployment reads `draftline-store`)."),
            crash_after: int = typer.Option(
                CRASH_AFTER, "--crash-after", metavar="SECONDS",
-               help="The server marks a draftline flow run Crashed when its heartbeats stop for this long: a "
-                    "lost node, on any host (a Prefect automation, created or updated here); at least two "
-                    "heartbeats."),
-           heartbeat: Optional[int] = typer.Option(
-               None, "--heartbeat", metavar="SECONDS", min=5,
-               help=f"Flow runs on the pools send a heartbeat every SECONDS (the job templates' "
-                    f"heartbeat_seconds; default: the pool's own, {HEARTBEAT_SECONDS} for a new pool)."),
+               help="The server marks a draftline flow run Crashed when its heartbeats (every 30 s) stop for "
+                    "this long: a lost node, on any host (a Prefect automation, created or updated here)."),
            as_json: bool = JsonOpt):
     """Create the work pools, register the deployments of deployments/prefect.yaml, and the automation
     that marks a flow run Crashed when its node stops sending heartbeats."""
@@ -138,22 +118,15 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
     if save_s3_credentials:
         save_credentials_block(save_s3_credentials)
         (err if as_json else console).print(f"saved AwsCredentials block {save_s3_credentials!r} (keys not shown)")
-    beat = heartbeat or HEARTBEAT_SECONDS
-    if crash_after < 2 * beat:  # before any pool is touched; the pools' own interval is checked below
-        raise OpsError(f"--crash-after {crash_after}: flow runs send a heartbeat every {beat} s; "
-                       f"give at least {2 * beat} (default {CRASH_AFTER})")
+    if crash_after < 2 * HEARTBEAT_SECONDS:
+        raise OpsError(f"--crash-after {crash_after}: flow runs send a heartbeat every {HEARTBEAT_SECONDS} s; "
+                       f"give at least {2 * HEARTBEAT_SECONDS} (default {CRASH_AFTER})")
     rows = []
     with client() as c:
-        beats = []
         for d in chosen:
             pool, kind, template = pool_spec(d)
-            how, every = ensure_pool(c, pool, kind, template, update_pools, heartbeat)
-            rows.append((f"{flow_of(d)}/{d['name']}", pool, kind, how))
-            beats.append((every, pool))
-        every, pool = max(beats, default=(beat, ""))
-        if crash_after < 2 * every:
-            raise OpsError(f"--crash-after {crash_after}: work pool {pool!r} gives its runs a heartbeat every "
-                           f"{every} s; give at least {2 * every}, or a shorter --heartbeat with --update-pools")
+            rows.append((f"{flow_of(d)}/{d['name']}", pool, kind, ensure_pool(c, pool, kind, template,
+                                                                             update_pools)))
         automation = ensure_crash_automation(c, crash_after)
     _prefect_deploy(chosen, image=image, store=store)
     if as_json:
@@ -184,7 +157,7 @@ def crash_automation(within_s: int) -> Any:
     """Prefect's own crash detection for flow runs on any host: after a heartbeat of a draftline flow run,
     the server expects another heartbeat (or a final state) within `within_s`; when none comes the
     automation sets the run Crashed. Flow runs send heartbeats when PREFECT_FLOWS_HEARTBEAT_FREQUENCY is
-    set: the job templates set it (heartbeat_seconds, 30 unless `draftline deploy --heartbeat` says)."""
+    set: the job templates set it (heartbeat_seconds, 30)."""
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
