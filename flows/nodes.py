@@ -9,8 +9,8 @@ are committed and how they are counted.
 Training over several nodes (train.nodes > 1, `train_nodes`) starts its other nodes the same way
 (`start_children`, the slice flow with stage=train, `train_child` there): one c10d rendezvous hosted by
 the run's node, a control store there for the node count and the nodes' heartbeats, which name a node
-lost mid-training. A child no node takes within TAKE_BACK_AFTER is cancelled: the run trains on the
-nodes there are.
+lost mid-training. A child no node takes within TAKE_BACK_AFTER (DRAFTLINE_TAKE_BACK_S) is cancelled: the
+run trains on the nodes there are.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 # that never trains over several nodes never needs them.
 
 import dataclasses
+import os
 import threading
 import time
 from pathlib import Path
@@ -217,6 +218,21 @@ def running_children(parent_id: Any) -> list[tuple[Any, list[int]]]:
 # A child that no node has taken this long after the parent ran out of work of its own (every node
 # busy, or fewer nodes than extract.nodes): the parent cancels it and runs its shards itself.
 TAKE_BACK_AFTER = 30.0
+TAKE_BACK_ENV = "DRAFTLINE_TAKE_BACK_S"  # seconds, instead of TAKE_BACK_AFTER (read by the run's node)
+
+
+def take_back_after() -> float:
+    """How long a child run may wait for a node before its parent takes its work back (DRAFTLINE_TAKE_BACK_S,
+    default TAKE_BACK_AFTER): long enough for a free node's worker to poll the pool a few times."""
+    raw = os.environ.get(TAKE_BACK_ENV, "").strip()
+    try:
+        value = float(raw) if raw else TAKE_BACK_AFTER
+    except ValueError:
+        raise ValueError(f"{TAKE_BACK_ENV}={raw!r}: give seconds, e.g. {TAKE_BACK_ENV}=30") from None
+    if value <= 0:
+        raise ValueError(f"{TAKE_BACK_ENV}={raw!r}: give a positive number of seconds "
+                         f"(default {TAKE_BACK_AFTER:.0f})")
+    return value
 
 
 def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard: dict[int, Any],
@@ -226,6 +242,7 @@ def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard:
     those whose shards are not all on the store. A child still Scheduled TAKE_BACK_AFTER seconds after
     this node went idle is cancelled, and `take_back` runs its shards here (a pool short of nodes never
     hangs)."""
+    take_back_s = take_back_after()
     store_stage = SHARDED[stage].shard_stage if stage in SHARDED else None
     errors: list[str] = []
     pending = {c.id: (c, shards) for c, shards in children}
@@ -235,10 +252,10 @@ def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard:
             for cid in list(pending):
                 child, shards = pending[cid]
                 run = client.read_flow_run(cid)
-                if (take_back is not None and time.time() - idle_since > TAKE_BACK_AFTER
+                if (take_back is not None and time.time() - idle_since > take_back_s
                         and cancel_unclaimed(client, run, "its parent ran its shards")):
                     del pending[cid]
-                    logger.info(f"{stage}: no node took child {run.name} within {TAKE_BACK_AFTER:.0f} s: "
+                    logger.info(f"{stage}: no node took child {run.name} within {take_back_s:.0f} s: "
                                 f"cancelled it, running its shards {shards} here")
                     take_back(shards)
                     idle_since = time.time()
@@ -272,7 +289,7 @@ def cancel_unclaimed(client: Any, run: Any, why: str) -> bool:
     if run.state is None or run.state.type.value != "SCHEDULED":
         return False
     res = client.set_flow_run_state(run.id, Cancelled(
-        message=f"no node took it within {TAKE_BACK_AFTER:.0f} s; {why}"))
+        message=f"no node took it within {take_back_after():.0f} s; {why}"))
     return getattr(res.status, "value", str(res.status)) == "ACCEPT"
 
 
@@ -280,7 +297,7 @@ def wait_claimed(children: list[tuple[Any, list[int]]], logger, stage: str, why:
                  within: float | None = None, poll: float = 1.0) -> list[Any]:
     """The child runs that a node took (Pending or Running) within WITHIN seconds (TAKE_BACK_AFTER); the
     others are cancelled (a pool short of nodes never hangs)."""
-    within = TAKE_BACK_AFTER if within is None else within
+    within = take_back_after() if within is None else within
     claimed: list[Any] = []
     pending = {c.id: c for c, _ in children}
     t0 = time.time()

@@ -217,6 +217,19 @@ def test_deploy_refuses_a_crash_delay_shorter_than_two_heartbeats():
     assert out.returncode == 2 and "--crash-after 30" in out.stderr and "at least 60" in out.stderr, out.stderr
 
 
+def test_the_take_back_delay_is_a_setting_with_a_clear_error(monkeypatch):
+    from flows.nodes import TAKE_BACK_AFTER, TAKE_BACK_ENV, take_back_after
+
+    monkeypatch.delenv(TAKE_BACK_ENV, raising=False)
+    assert take_back_after() == TAKE_BACK_AFTER == 30
+    monkeypatch.setenv(TAKE_BACK_ENV, "7.5")
+    assert take_back_after() == 7.5
+    for bad in ("soon", "0"):
+        monkeypatch.setenv(TAKE_BACK_ENV, bad)
+        with pytest.raises(ValueError, match=rf"DRAFTLINE_TAKE_BACK_S='{bad}': give"):
+            take_back_after()
+
+
 def test_children_get_the_runs_config_even_from_a_file_only_the_parent_has(tmp_path):
     """A config outside the code folder (a laptop's file, `draftline run` sending slices to a pool) reaches
     the children as its content; one inside travels as its path, which every node's code folder has."""
