@@ -377,7 +377,8 @@ def test_a_run_resumes_after_the_model_folder_moves_and_on_another_prefect_home(
     assert (st["extract"]["executed"], st["extract"]["cached"], st["extract"]["failed"]) == (1, 2, 0), st["extract"]
     after = {(m.stage, m.digest): m.attempt for m in Store(store).list()}
     assert {k: after[k] for k in before} == before  # the finished artifacts themselves, not recomputed copies
-    assert len(after) == 5
+    assert len(after) == 6  # + the failed shard, + the extract stage's artifact naming the 3 shards
+    assert sum(stage == "extract-stage" for stage, _ in after) == 1
 
 
 def test_a_base_config_is_layered_under_the_file_and_travels_inlined(tmp_path, monkeypatch):
