@@ -35,9 +35,16 @@ from tasks.train.loop import train_here
 from tasks.train.ranks import launch_ranks, launched_as_rank, train_ranks
 
 
+def train_address(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: ArtifactRef) -> str:
+    """The train artifact's digest, made of the shards the extract stage's artifact names (tasks/address/digests.py
+    `train`): the flow's `STAGE_DEF.address`, and `run_train`'s without one."""
+    return digests.train(cfg, vocab_ref, training_shards(store, extracted))
+
+
 def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: ArtifactRef, *,
-              on_metrics: MetricsCallback | None = None) -> ArtifactRef:
-    """Train (or resume, or find) the draft for these inputs; returns the train artifact's ref.
+              on_metrics: MetricsCallback | None = None, digest: str | None = None) -> ArtifactRef:
+    """Train (or resume, or find) the draft for these inputs at DIGEST (the flow's address for it; default
+    `train_address`); returns the train artifact's ref.
 
     EXTRACTED: the extract stage's artifact (`extract-stage/DIGEST`), which names the shards trained on; the
     train address is made of those shards themselves (tasks/address/digests.py `train`).
@@ -50,9 +57,9 @@ def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: A
     return the same ref.
     """
     train_head(cfg)  # one head per call
-    extract_refs = training_shards(store, extracted)
-    digest = digests.train(cfg, vocab_ref, extract_refs)
-    return store.found_or_compute(STAGE, digest, lambda: _train(cfg, store, vocab_ref, extract_refs, on_metrics, digest))
+    digest = digest or train_address(cfg, store, vocab_ref, extracted)
+    return store.found_or_compute(STAGE, digest, lambda: _train(cfg, store, vocab_ref, training_shards(
+        store, extracted), on_metrics, digest))
 
 
 def _train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef],
@@ -60,9 +67,10 @@ def _train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: l
     if not launched_as_rank():
         ranks = train_ranks(cfg.train)
         if ranks > 1:
-            resolve_inputs(cfg, store, vocab_ref, extract_refs)  # bad inputs fail here, before any rank starts
-            return launch_ranks(cfg, store, vocab_ref, extract_refs, ranks, on_metrics)
-    return train_here(cfg, store, vocab_ref, extract_refs, on_metrics)
+            # bad inputs fail here, before any rank starts
+            resolve_inputs(cfg, store, vocab_ref, extract_refs, digest=digest)
+            return launch_ranks(cfg, store, vocab_ref, extract_refs, ranks, on_metrics, digest=digest)
+    return train_here(cfg, store, vocab_ref, extract_refs, on_metrics, digest=digest)
 
 
 def training_shards(store: Store, extracted: ArtifactRef) -> list[ArtifactRef]:
@@ -75,6 +83,4 @@ def training_shards(store: Store, extracted: ArtifactRef) -> list[ArtifactRef]:
 
 # the stage as the flow runs it (tasks/store/stages.py), once per head of train.heads (tasks.core.config
 # head_config): its address is made of the shards the extract stage's artifact names
-STAGE_DEF = Stage(name=STAGE, inputs=("vocab", "extract"),
-                  address=lambda cfg, store, vocab, extracted: digests.train(cfg, vocab, training_shards(store, extracted)),
-                  run=run_train)
+STAGE_DEF = Stage(name=STAGE, inputs=("vocab", "extract"), address=train_address, run=run_train)
