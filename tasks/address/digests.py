@@ -86,6 +86,12 @@ def extract_stage(shard_digests: list[str]) -> str:
                         version=VERSIONS["extract"])
 
 
+# Where each stage's artifacts are on the store: its own artifact's folder, then its shards' (`draftline ls --stage`)
+STAGE_FOLDERS: dict[str, tuple[str, ...]] = {
+    "prepare": ("prepare",), "regenerate": ("regenerate", REGENERATE_SHARD), "vocab": ("vocab",),
+    "extract": (EXTRACT_STAGE, "extract"), "train": ("train",), "benchmark": ("benchmark",)}
+
+
 # Train keys that change how fast or where the draft is made, not the recipe: the number of ranks
 # (a retry may resume on another count), kernels computing the same function (attention, loss), and the
 # node-local part cache's cap.
