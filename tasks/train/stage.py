@@ -1,18 +1,20 @@
-"""Stage `train`: an EAGLE-3 draft head trained on stored hidden states, saved for vLLM.
+"""Stage `train`: a draft head trained on stored hidden states, saved for vLLM.
 
     ref = run_train(cfg, store, vocab_ref, extracted, on_metrics=print)   # extracted: the extract stage's artifact
     # store: train/DIGEST/draft/{config.json, model.safetensors}, metrics.json
 
-The model is speculators' `Eagle3DraftModel` (the architecture and checkpoint
-format vLLM loads); everything around it is ours, so that it runs on a CPU, one
-GPU, or as DDP ranks across a node's GPUs (applied from outside the model),
-reads its data from the store (file:// or s3://) and survives kill -9.
+One head per call (`train.heads`: eagle3, eagle3.1, eagle3-mla, dflash, dspark). The models are
+speculators' (`Eagle3DraftModel`, `DFlashDraftModel`, `DSparkDraftModel`; eagle3-mla gives the EAGLE-3
+draft DeepSeek's MLA layer, tasks/train/model.py), in the checkpoint formats vLLM loads; everything around
+them is ours, so that training runs on a CPU, one GPU, or as DDP ranks across a node's GPUs (applied from
+outside the model), reads its data from the store (file:// or s3://) and survives kill -9.
 
 Ranks: `train.gpus` (default every visible GPU, 1 on a CPU, where N > 1 means N
 gloo ranks). With more than one, `run_train` starts them with torch's elastic
 launcher (`launch_ranks` in tasks/train/ranks.py, what torchrun runs), follows rank 0's metrics while
-they train and turns a failed rank into a TrainError naming it; each rank calls
-`run_train` again. Started by torchrun yourself, every rank calls it directly.
+they train and turns a failed rank into a TrainError naming it; each launched rank calls
+`train_here` (tasks/train/loop.py) with the stage's address. Started by torchrun yourself, every rank
+calls `run_train`, which sees it runs as a rank and trains in place (`train_here` too).
 
 The parts of a run, in the order they are built, are listed in tasks/train/__init__.py.
 
