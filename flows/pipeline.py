@@ -45,6 +45,12 @@ from tasks.store.stages import ShardedStage, Stage
 from tasks.train import TrainError
 from tasks.train.stage import STAGE_DEF as TRAIN
 
+# The stages are imported at the top, torch with them (tasks.data.vocab's maps, tasks.train.stage): whoever
+# imports this module runs the flow (a Prefect worker's flow run, `draftline run` via cli/local_run.py), and
+# vocab and train need torch there. The one reader that does not, `prefect deploy` (under `draftline deploy`)
+# reading the flows' parameters, pays ~1.2 s once; no other command imports this module
+# (tests/repo/test_layout.py: `--help`, `deploy --help` and `ls` load neither Prefect nor torch).
+
 # the stages in the order the flow runs them (STAGES, the names `--until` takes)
 STAGE_DEFS: tuple[Stage | ShardedStage, ...] = (PREPARE, REGENERATE, VOCAB, EXTRACT, TRAIN, BENCHMARK)
 BY_NAME = {s.name: s for s in STAGE_DEFS}
