@@ -35,7 +35,7 @@ def _sorted_extract_refs(extract_refs: Sequence[ArtifactRef]) -> list[ArtifactRe
 
 @dataclass
 class TrainInputs:
-    """Everything `run_train` needs to know about its inputs, checked."""
+    """Everything training needs to know about its inputs, checked (`resolve_inputs`)."""
 
     digest: str
     inputs: dict[str, str]
