@@ -43,7 +43,7 @@ from tasks.data.regenerate import STAGE_DEF as REGENERATE
 from tasks.extract.stage import STAGE_DEF as EXTRACT
 from tasks.extract.verify import markdown, summarize, summary_line
 from tasks.store.artifacts import ArtifactRef, Store
-from tasks.train import STAGE, TrainError
+from tasks.train import TrainError
 
 
 # the sharded stages by name (tasks/store/stages.py ShardedStage: where shards are committed, how they are counted)
@@ -327,24 +327,21 @@ NODE_LOST_AFTER = 8.0  # a node whose heartbeat has not changed this long (and w
 
 
 def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: ArtifactRef,
-                extracted: ArtifactRef, logger, on_metrics) -> ArtifactRef:
+                extracted: ArtifactRef, digest: str, logger, on_metrics) -> ArtifactRef:
     """train.nodes > 1: torch's elastic launcher on this node and on train.nodes - 1 child flow runs of
     `child_deployment` (the slice flow with stage=train), one c10d rendezvous hosted here. The nodes that
     take their child within TAKE_BACK_AFTER seconds train (the others are cancelled: the run trains on the
     nodes there are); rank 0 is on this node. A node that stops heartbeating while training failed is named
     in the error; `draftline retry` resumes from the last checkpoint on whatever nodes are there then.
-    CONFIG: the run's config for the children (`child_config`)."""
+    CONFIG: the run's config for the children (`child_config`); DIGEST: the train artifact's address (the
+    flow's task found it not committed, flows/caching.py), which every node's ranks take."""
     from tasks.train.inputs import resolve_inputs
     from tasks.train.ranks import Rendezvous, launch_ranks, node_address, secret_run_id, train_ranks
     from tasks.train.stage import training_shards
 
     shards = training_shards(store, extracted)
-    digest = digests.train(cfg, vocab, shards)
-    found = store.find(STAGE, digest)
-    if found is not None:
-        return found.ref()
     ranks = train_ranks(cfg.train)
-    resolve_inputs(cfg, store, vocab, shards)  # bad inputs fail here, before any node is taken
+    resolve_inputs(cfg, store, vocab, shards, digest=digest)  # bad inputs fail here, before any node is taken
     host = node_address()
     # one store on this node, listening on the address the nodes use only: torch's rendezvous and our control
     control = Rendezvous(endpoint="", control=f"{host}:0", run_id="").store(is_master=True)
@@ -354,7 +351,7 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
     children = start_children("train", cfg, store, config, [[] for _ in range(cfg.train.nodes)], logger, {
         "rendezvous": {"endpoint": spec.endpoint, "control": spec.control, "run_id": spec.run_id},
         "train_inputs": {"vocab": vocab.model_dump(mode="json"),
-                         "extract": [r.model_dump(mode="json") for r in shards]}})
+                         "extract": [r.model_dump(mode="json") for r in shards], "digest": digest}})
     claimed = wait_claimed(children, logger, "train", "its parent trains on the nodes there are")
     nodes = 1 + len(claimed)
     control.set(f"{spec.run_id}/nodes", str(nodes))
@@ -363,7 +360,7 @@ def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: Art
                 f"rendezvous {spec.endpoint} (id {spec.label}), this node holds rank 0"
                 + (f"; nodes: this one and {', '.join(c.name for c in claimed)}" if claimed else ""))
     try:
-        ref = launch_ranks(cfg, store, vocab, shards, ranks, on_metrics, rendezvous=spec)
+        ref = launch_ranks(cfg, store, vocab, shards, ranks, on_metrics, rendezvous=spec, digest=digest)
     except TrainError as exc:
         lost = lost_nodes(control, spec, claimed)
         if not lost:
@@ -440,7 +437,9 @@ def train_child(cfg: RunConfig, store: Store, rendezvous: dict[str, Any], inputs
         ranks = train_ranks(cfg.train)
         logger.info(f"train: this node runs {ranks} of the {nodes} nodes' ranks; rendezvous {spec.endpoint} "
                     f"(id {spec.label})")
-        launch_ranks(cfg, store, vocab, shards, ranks, rendezvous=dataclasses.replace(spec, nodes=nodes))
+        # the parent's train address (a parent of an earlier version sent none: the same one, computed here)
+        digest = inputs.get("digest") or digests.train(cfg, vocab, shards)
+        launch_ranks(cfg, store, vocab, shards, ranks, rendezvous=dataclasses.replace(spec, nodes=nodes), digest=digest)
     finally:
         stop.set()
     return {"stage": "train", "nodes": nodes, "ranks": ranks}

@@ -45,6 +45,12 @@ from tasks.store.stages import ShardedStage, Stage
 from tasks.train import TrainError
 from tasks.train.stage import STAGE_DEF as TRAIN
 
+# The stages are imported at the top, torch with them (tasks.data.vocab's maps, tasks.train.stage): whoever
+# imports this module runs the flow (a Prefect worker's flow run, `draftline run` via cli/local_run.py), and
+# vocab and train need torch there. The one reader that does not, `prefect deploy` (under `draftline deploy`)
+# reading the flows' parameters, pays ~1.2 s once; no other command imports this module
+# (tests/repo/test_layout.py: `--help`, `deploy --help` and `ls` load neither Prefect nor torch).
+
 # the stages in the order the flow runs them (STAGES, the names `--until` takes)
 STAGE_DEFS: tuple[Stage | ShardedStage, ...] = (PREPARE, REGENERATE, VOCAB, EXTRACT, TRAIN, BENCHMARK)
 BY_NAME = {s.name: s for s in STAGE_DEFS}
@@ -68,10 +74,10 @@ def stage_task(stage: str, cfg: RunConfig, digest: str, inputs: list[Any], extra
     if isinstance(st, ShardedStage):
         data, shards, started, reused = inputs
         return finished_or_run(st.store_stage, store, digest, lambda: st.assemble(
-            cfg, store, as_ref(data), [as_ref(x) for x in shards], started, reused))
+            cfg, store, as_ref(data), [as_ref(x) for x in shards], started, reused, digest=digest))
     run = {"vocab": _vocab, "train": _train, "benchmark": _benchmark}.get(stage)
-    return finished_or_run(stage, store, digest,
-                           lambda: run(cfg, store, inputs, extra or {}) if run else st.run(cfg, store, *inputs))
+    return finished_or_run(stage, store, digest, lambda: run(cfg, store, inputs, digest, extra or {}) if run
+                           else st.run(cfg, store, *inputs, digest=digest))
 
 
 @task(name="shard", retries=0, **TASK_OPTIONS)
@@ -94,20 +100,20 @@ def shard_task(stage: str, cfg: RunConfig, digest: str, shard: int, plan: Any, p
     return finished_or_run(st.shard_stage, store, digest, compute)
 
 
-def _vocab(cfg: RunConfig, store: Store, inputs: list[Any], extra: dict[str, Any]) -> ArtifactRef:
-    ref = VOCAB.run(cfg, store, *inputs)
+def _vocab(cfg: RunConfig, store: Store, inputs: list[Any], digest: str, extra: dict[str, Any]) -> ArtifactRef:
+    ref = VOCAB.run(cfg, store, *inputs, digest=digest)
     summary = ref.stats.get("summary_md")
     if summary:
         create_markdown_artifact(summary, key="draft-vocabulary", description="Draft vocabulary coverage")
     return ref
 
 
-def _benchmark(cfg: RunConfig, store: Store, inputs: list[Any], extra: dict[str, Any]) -> ArtifactRef:
+def _benchmark(cfg: RunConfig, store: Store, inputs: list[Any], digest: str, extra: dict[str, Any]) -> ArtifactRef:
     # The report names the flow run that measured it (PREFECT__FLOW_RUN_ID is set only in deployed runs).
-    return BENCHMARK.run(cfg, store, *inputs, flow_run_id=flow_run.id)
+    return BENCHMARK.run(cfg, store, *inputs, flow_run_id=flow_run.id, digest=digest)
 
 
-def _train(cfg: RunConfig, store: Store, inputs: list[Any], extra: dict[str, Any]) -> ArtifactRef:
+def _train(cfg: RunConfig, store: Store, inputs: list[Any], digest: str, extra: dict[str, Any]) -> ArtifactRef:
     """EXTRA's `children`: with train.nodes > 1, the run's config for the other nodes' child runs (flows/nodes.py)."""
     vocab, extracted = inputs
     logger = get_run_logger()
@@ -125,9 +131,9 @@ def _train(cfg: RunConfig, store: Store, inputs: list[Any], extra: dict[str, Any
             logger.warning(f"train: {m['attn_fallback']}; training with sdpa")
 
     if cfg.train.nodes > 1:
-        ref = train_nodes(cfg, store, extra.get("children") or {}, vocab, extracted, logger, on_metrics)
+        ref = train_nodes(cfg, store, extra.get("children") or {}, vocab, extracted, digest, logger, on_metrics)
     else:
-        ref = TRAIN.run(cfg, store, vocab, extracted, on_metrics=on_metrics)
+        ref = TRAIN.run(cfg, store, vocab, extracted, on_metrics=on_metrics, digest=digest)
     progress.update(100.0)
     acc = ref.stats.get("val_acc_per_pos")
     if acc:

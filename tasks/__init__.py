@@ -9,7 +9,9 @@ its artifact, or a `ShardedStage` (regeneration, extraction) with `plan` (its sh
 `<stage>_shard(cfg, store, plan, engine) -> ArtifactRef` per shard and `assemble_<stage>` for the stage's
 own artifact from its shards' (every stage, sharded ones included, commits a stage artifact; the next stage
 takes that one ref). Each returns the artifact committed at its address (tasks/address/digests.py) when
-there is one, else computes and commits it, through the one rule `Store.found_or_compute`. What the caller
+there is one, else computes and commits it, through the one rule `Store.found_or_compute`; the address comes
+in as the keyword `digest` (the flow computes it once, by the stage's `address`) or, without it, from that
+same `address` function. What the caller
 wants to hear while it runs (progress, training metrics, log lines) comes through keyword-only
 `on_<event>` callbacks; an engine, or a factory of engines, is an input like the others.
 """

@@ -13,28 +13,32 @@ from rich.table import Table
 
 from cli.console import JsonOpt, SetOpt, StoreOpt, console, err, fail, load_cfg, open_store
 from cli.leftovers import find, human_age
+from tasks.address.digests import STAGE_FOLDERS
 from tasks.core.config import check_stage
 from tasks.store.artifacts import Store
 
 
 def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to list (default store otherwise)."),
        overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt,
-       stage: Optional[str] = typer.Option(None, help="Only this stage."),
+       stage: Optional[str] = typer.Option(None, help="Only this stage's artifacts: its own and, for a sharded "
+                                                       "stage, its shards' (extract: extract-stage, then extract; "
+                                                       "regenerate: regenerate, then regenerate-shard)."),
        as_json: bool = JsonOpt):
     """List committed artifacts in the store (read-only keys are enough)."""
     cfg = load_cfg(config, overrides, store_uri)
     check_stage(stage, "--stage")
     store = open_store(cfg, write=False)
+    manifests = [m for folder in STAGE_FOLDERS[stage] for m in store.list(folder)] if stage else store.list()
     if as_json:
         print(json.dumps([{**m.model_dump(mode="json", exclude={"config"}), "uri": store.uri_of(m.stage, m.digest),
-                           "bytes": sum(f.bytes for f in m.files)} for m in store.list(stage)], indent=2))
+                           "bytes": sum(f.bytes for f in m.files)} for m in manifests], indent=2))
         return
     console.print(f"committed artifacts in {store.uri}")  # not a table title: those fold at the table's width
     table = Table()
     for col in ("stage", "digest", "created", "files", "bytes", "stats"):
         table.add_column(col)
     trained = []
-    for m in store.list(stage):
+    for m in manifests:
         size = sum(f.bytes for f in m.files)
         brief = ", ".join(f"{k}={v}" for k, v in m.stats.items() if isinstance(v, (int, float, str)) and len(str(v)) < 24)
         table.add_row(m.stage, m.digest, m.created, str(len(m.files)), f"{size:,}", brief[:80])

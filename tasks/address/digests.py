@@ -86,6 +86,12 @@ def extract_stage(shard_digests: list[str]) -> str:
                         version=VERSIONS["extract"])
 
 
+# Where each stage's artifacts are on the store: its own artifact's folder, then its shards' (`draftline ls --stage`)
+STAGE_FOLDERS: dict[str, tuple[str, ...]] = {
+    "prepare": ("prepare",), "regenerate": ("regenerate", REGENERATE_SHARD), "vocab": ("vocab",),
+    "extract": (EXTRACT_STAGE, "extract"), "train": ("train",), "benchmark": ("benchmark",)}
+
+
 # Train keys that change how fast or where the draft is made, not the recipe: the number of ranks
 # (a retry may resume on another count), kernels computing the same function (attention, loss), and the
 # node-local part cache's cap.
@@ -112,8 +118,8 @@ def train_inputs(cfg, vocab_ref, shard_refs) -> dict[str, str]:
 
 
 def train(cfg, vocab_ref, shard_refs, head=None) -> str:
-    """The train artifact's address of one head (run_train commits there; the Prefect key uses it too):
-    `head` of cfg.train.heads, or the only one. The head's own keys (kind, layers, DFlash's block) enter
+    """The train artifact's address of one head (run_train commits there; the flow's train task looks there
+    first): `head` of cfg.train.heads, or the only one. The head's own keys (kind, layers, DFlash's block) enter
     only when they differ from the default EAGLE-3 head, and its overrides (max_steps, num_layers) as the
     train keys they replace; `heads` itself never does, so a one-head config keeps its address."""
     t = cfg.train.for_head(head) if head is not None else cfg.train

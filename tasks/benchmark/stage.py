@@ -227,9 +227,15 @@ def engine_error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {head}" + (f" | root cause: {cause}" if cause else "")
 
 
+def benchmark_address(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tuple[str, ArtifactRef]],
+                      data: ArtifactRef) -> str:
+    """The benchmark artifact's digest (the flow's `STAGE_DEF.address`, and `run_benchmark`'s without one)."""
+    return digests.benchmark(cfg, trained, data)
+
+
 def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tuple[str, ArtifactRef]],
                   data: ArtifactRef, *, engine_factory: EngineFactory | None = None, flow_run_id: str | None = None,
-                  on_log: Callable[[str], None] | None = None) -> ArtifactRef:
+                  on_log: Callable[[str], None] | None = None, digest: str | None = None) -> ArtifactRef:
     """Measure the draft(s) against the baseline in vLLM and commit report.json/.md/.png.
 
     `trained`: the train artifact of the one head, or (label, artifact) per head of train.heads. The first
@@ -237,10 +243,11 @@ def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tupl
     `heads` and the heads table, measured in the same session against the same baseline. A head whose
     engine vLLM cannot start or run keeps its offline figures, marked offline-only, with the exact error.
 
-    Returns at once when the benchmark for these inputs is already committed. `flow_run_id`
-    (default: env PREFECT__FLOW_RUN_ID / DRAFTLINE_FLOW_RUN_ID) is recorded as the run that measured.
+    Returns at once when the benchmark for these inputs is already committed at DIGEST (the flow's address for
+    it; default `benchmark_address`). `flow_run_id` (default: env PREFECT__FLOW_RUN_ID / DRAFTLINE_FLOW_RUN_ID)
+    is recorded as the run that measured.
     """
-    digest = digests.benchmark(cfg, trained, data)
+    digest = digest or benchmark_address(cfg, store, trained, data)
     heads = list(trained) if isinstance(trained, (list, tuple)) else [(cfg.train.heads[0].label, trained)]
     return store.found_or_compute(STAGE, digest, lambda: _benchmark(cfg, store, heads, data, digest, engine_factory,
                                                                     flow_run_id, on_log))
@@ -471,6 +478,5 @@ def other_head(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str, dic
 
 # the stage as the flow runs it (tasks/store/stages.py): TRAIN is the one head's artifact or (label, artifact)
 # per head of train.heads
-STAGE_DEF = Stage(name=STAGE, inputs=("train", "data"),
-                  address=lambda cfg, store, trained, data: digests.benchmark(cfg, trained, data),
-                  run=run_benchmark, enabled=lambda cfg: cfg.benchmark.enabled)
+STAGE_DEF = Stage(name=STAGE, inputs=("train", "data"), address=benchmark_address, run=run_benchmark,
+                  enabled=lambda cfg: cfg.benchmark.enabled)

@@ -120,9 +120,15 @@ def build_samples(mixes: list[_Mix], masker: ChatMasker, data: DataConfig) -> No
                 _fill(m, want, masker, data)
 
 
-def run_prepare(cfg: RunConfig, store: Store) -> ArtifactRef:
-    """Build (or find) the prepare artifact: `shard-*.parquet` + `heldout.parquet` (docs/ARTIFACTS.md)."""
-    digest = digests.prepare(cfg)
+def prepare_address(cfg: RunConfig, store: Store) -> str:
+    """The prepare artifact's digest (the flow's `STAGE_DEF.address`, and `run_prepare`'s without one)."""
+    return digests.prepare(cfg)
+
+
+def run_prepare(cfg: RunConfig, store: Store, *, digest: str | None = None) -> ArtifactRef:
+    """Build (or find) the prepare artifact: `shard-*.parquet` + `heldout.parquet` (docs/ARTIFACTS.md), at
+    DIGEST (the flow's address for it; default `prepare_address`)."""
+    digest = digest or prepare_address(cfg, store)
     return store.found_or_compute(STAGE, digest, lambda: _prepare(cfg, store, digest))
 
 
@@ -198,4 +204,4 @@ def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
 
 
 # the stage as the flow runs it (tasks/store/stages.py)
-STAGE_DEF = Stage(name=STAGE, inputs=(), address=lambda cfg, store: digests.prepare(cfg), run=run_prepare)
+STAGE_DEF = Stage(name=STAGE, inputs=(), address=prepare_address, run=run_prepare)

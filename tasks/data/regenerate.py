@@ -171,9 +171,15 @@ class RegenerateShard(ShardPlan):
     prepared: ArtifactRef
 
 
+def regenerate_address(cfg: RunConfig, prepared: ArtifactRef) -> str:
+    """The regenerate artifact's digest (its shards' are made from it): the flow's `STAGE_DEF.address`, and
+    `assemble_regenerate`'s without one."""
+    return digests.regenerate(cfg, prepared)
+
+
 def plan_regenerate(cfg: RunConfig, prepared: ArtifactRef) -> list[RegenerateShard]:
     """The shards of the prepare artifact `prepared`, each with its own address (tasks/address/digests.py)."""
-    stage = digests.regenerate(cfg, prepared)
+    stage = regenerate_address(cfg, prepared)
     return [RegenerateShard(shard=i, digest=digests.regenerate_shard(stage, i), prepared=prepared)
             for i in range(data_stats(prepared).num_shards)]
 
@@ -203,11 +209,12 @@ def _regenerate_shard(cfg: RunConfig, store: Store, plan: RegenerateShard, engin
 
 
 def assemble_regenerate(cfg: RunConfig, store: Store, prepared: ArtifactRef, shards: list[ArtifactRef],
-                        t0: float, reused: int) -> ArtifactRef:
-    """The `regenerate` artifact (prepare's layout) from every shard's artifact, in shard order;
-    `reused`: how many of them were on the store before this run, `t0`: when this run's stage began
-    (its `wall_seconds`: engine starts, every shard on every group and node, and this assembly)."""
-    digest = digests.regenerate(cfg, prepared)
+                        t0: float, reused: int, *, digest: str | None = None) -> ArtifactRef:
+    """The `regenerate` artifact (prepare's layout) from every shard's artifact, in shard order, at DIGEST
+    (the flow's address for it; default `regenerate_address`); `reused`: how many of them were on the store
+    before this run, `t0`: when this run's stage began (its `wall_seconds`: engine starts, every shard on
+    every group and node, and this assembly)."""
+    digest = digest or regenerate_address(cfg, prepared)
     return store.found_or_compute(STAGE, digest, lambda: _assemble(
         cfg, store, prepared, [store.open(SHARD_STAGE, r.digest) for r in shards], t0, reused, digest))
 
@@ -276,6 +283,6 @@ def _assemble(cfg: RunConfig, store: Store, prepared: ArtifactRef, shard_arts: l
 # the stage as the flow runs it (tasks/store/stages.py)
 STAGE_DEF = ShardedStage(
     name=STAGE, inputs=("prepare",), store_stage=STAGE, shard_stage=SHARD_STAGE, plan=plan_regenerate,
-    address=lambda cfg, data, plans: digests.regenerate(cfg, data), shard=regenerate_shard,
+    address=lambda cfg, data, plans: regenerate_address(cfg, data), shard=regenerate_shard,
     assemble=assemble_regenerate, copies_shards=True, label="regeneration", title="Regeneration",
     tokens="generated_tokens", rate="generated tok/s", enabled=lambda cfg: cfg.regenerate.enabled)

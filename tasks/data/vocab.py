@@ -142,9 +142,15 @@ def summary_markdown(stats: dict[str, Any], table: dict[int, float], source: str
     return "\n".join(lines) + "\n"
 
 
-def run_vocab(cfg: RunConfig, store: Store, data_ref: ArtifactRef) -> ArtifactRef:
-    """Build (or find) `vocab.safetensors` (d2t, t2d, token_counts) for the data artifact `data_ref`."""
-    digest = digests.vocab(cfg, data_ref)
+def vocab_address(cfg: RunConfig, store: Store, data_ref: ArtifactRef) -> str:
+    """The vocab artifact's digest (the flow's `STAGE_DEF.address`, and `run_vocab`'s without one)."""
+    return digests.vocab(cfg, data_ref)
+
+
+def run_vocab(cfg: RunConfig, store: Store, data_ref: ArtifactRef, *, digest: str | None = None) -> ArtifactRef:
+    """Build (or find) `vocab.safetensors` (d2t, t2d, token_counts) for the data artifact `data_ref`, at DIGEST
+    (the flow's address for it; default `vocab_address`)."""
+    digest = digest or vocab_address(cfg, store, data_ref)
     return store.found_or_compute(STAGE, digest, lambda: _vocab(cfg, store, data_ref, digest))
 
 
@@ -188,4 +194,4 @@ def _vocab(cfg: RunConfig, store: Store, data_ref: ArtifactRef, digest: str) -> 
 
 
 # the stage as the flow runs it (tasks/store/stages.py)
-STAGE_DEF = Stage(name=STAGE, inputs=("data",), address=lambda cfg, store, data: digests.vocab(cfg, data), run=run_vocab)
+STAGE_DEF = Stage(name=STAGE, inputs=("data",), address=vocab_address, run=run_vocab)

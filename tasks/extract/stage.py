@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, Sequence
 
 from tasks.core.config import RunConfig
 from tasks.core.digest import VERSIONS
@@ -416,15 +416,23 @@ def _extract(cfg: RunConfig, store: Store, plan: ExtractShard, engine: EnginePro
 SHARDS_FILE = "shards.json"  # the stage artifact's one file: each shard's number, address and size, for a reader
 
 
-def assemble_extract(cfg: RunConfig, store: Store, shards: list[ArtifactRef], t0: float, reused: int) -> ArtifactRef:
+def extract_address(shards: Sequence[ExtractShard | ArtifactRef]) -> str:
+    """The extract stage artifact's digest: the set of its shards' addresses (their plans' or artifacts', the
+    same digests). The flow's `STAGE_DEF.address`, and `assemble_extract`'s without one."""
+    return digests.extract_stage([s.digest for s in shards])
+
+
+def assemble_extract(cfg: RunConfig, store: Store, shards: list[ArtifactRef], t0: float, reused: int, *,
+                     digest: str | None = None) -> ArtifactRef:
     """The extract stage's artifact from every shard's: a manifest naming each shard (inputs `shard-I`) with the
-    stage's totals, committed at `extract-stage/DIGEST` (the set of shards' addresses). `reused`: how many shards
-    were on the store before this run; `t0`: when this run's stage began (its `wall_seconds`)."""
+    stage's totals, committed at `extract-stage/DIGEST` (the flow's address for it; default `extract_address`,
+    the set of shards' addresses). `reused`: how many shards were on the store before this run; `t0`: when this
+    run's stage began (its `wall_seconds`)."""
     shards = sorted(shards, key=lambda r: int(r.stats.get("shard", 0)))
     numbers = [int(r.stats.get("shard", -1)) for r in shards]
     if not shards or len(set(numbers)) != len(numbers):
         raise ExtractError(f"the extract stage's artifact needs each shard once, got shards {numbers}")
-    digest = digests.extract_stage([r.digest for r in shards])
+    digest = digest or extract_address(shards)
     return store.found_or_compute(STAGE_ARTIFACT, digest, lambda: _assemble(cfg, store, shards, t0, reused, digest))
 
 
@@ -458,6 +466,7 @@ def plan_shards(cfg: RunConfig, data: ArtifactRef) -> list[ExtractShard]:
 # the stage as the flow runs it (tasks/store/stages.py)
 STAGE_DEF = ShardedStage(
     name=STAGE, inputs=("data",), store_stage=STAGE_ARTIFACT, shard_stage=STAGE, plan=plan_shards,
-    address=lambda cfg, data, plans: digests.extract_stage([p.digest for p in plans]), shard=extract_shard,
-    assemble=lambda cfg, store, data, shards, t0, reused: assemble_extract(cfg, store, shards, t0, reused),
+    address=lambda cfg, data, plans: extract_address(plans), shard=extract_shard,
+    assemble=lambda cfg, store, data, shards, t0, reused, *, digest=None: assemble_extract(
+        cfg, store, shards, t0, reused, digest=digest),
     copies_shards=False, label="extraction", title="Extraction", tokens="tokens", rate="tok/s")

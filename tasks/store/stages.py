@@ -1,12 +1,16 @@
 """What a stage is to the flow: one object per stage module, which flows/pipeline.py iterates.
 
-A `Stage` runs as one task: `run(cfg, store, *inputs)` finds or commits its artifact at
-`address(cfg, store, *inputs)` in the store's `name` folder. A `ShardedStage` (regeneration, extraction)
+A `Stage` runs as one task: `run(cfg, store, *inputs, digest=D)` finds or commits its artifact at
+D = `address(cfg, store, *inputs)` in the store's `name` folder. A `ShardedStage` (regeneration, extraction)
 runs as one task per shard and one for its own artifact: `plan(cfg, data)` lists its shards (each a
 `ShardPlan` with the address its artifact is committed at in `shard_stage`), `shard(cfg, store, plan,
-engine)` finds or commits one, and `assemble(cfg, store, data, shards, t0, reused)` commits the stage's
-artifact at `address(cfg, data, plans)` in `store_stage` from every shard's. Every stage, sharded ones
-included, commits a stage artifact; the next stage takes that one ref.
+engine)` finds or commits one, and `assemble(cfg, store, data, shards, t0, reused, digest=D)` commits the
+stage's artifact at D = `address(cfg, data, plans)` in `store_stage` from every shard's. Every stage, sharded
+ones included, commits a stage artifact; the next stage takes that one ref.
+
+The address is computed once per stage per run: the flow computes D (its task asks the store's manifest
+there, flows/caching.py) and passes it in. Called without `digest` (a command, a test, a script), a stage
+computes it with the very function its `address` is, so the flow and the stage cannot disagree.
 
 `inputs` names what a stage takes, by the stage that made it (`data`: regenerate's artifact when
 regeneration ran, else prepare's), in the order its `run` takes them.
@@ -43,7 +47,8 @@ class Stage:
     name: str                            # the stage: its store folder and its task's name
     inputs: tuple[str, ...]              # the artifacts `run` takes after (cfg, store), by the stage that made them
     address: Callable[..., str]          # (cfg, store, *inputs) -> the digest `run` commits at
-    run: Callable[..., ArtifactRef]      # (cfg, store, *inputs) -> the artifact, found or committed
+    run: Callable[..., ArtifactRef]      # (cfg, store, *inputs, digest=address(...)) -> the artifact, found
+                                         # or committed (without digest: it computes it by `address`)
     enabled: Callable[[RunConfig], bool] = always
 
 
@@ -58,7 +63,7 @@ class ShardedStage:
     plan: Callable[[RunConfig, ArtifactRef], list[Any]]                  # (cfg, data) -> a ShardPlan per shard
     address: Callable[[RunConfig, ArtifactRef, list[Any]], str]          # (cfg, data, plans) -> the stage's digest
     shard: Callable[[RunConfig, Store, Any, Any], ArtifactRef]           # (cfg, store, plan, engine started)
-    assemble: Callable[[RunConfig, Store, ArtifactRef, list[ArtifactRef], float, int], ArtifactRef]
+    assemble: Callable[..., ArtifactRef]  # (cfg, store, data, shard refs, t0, reused, digest=address(...))
     copies_shards: bool                  # the stage's artifact holds its shards' data (then, once committed,
                                          # its shards are not needed); else it names shards that must stay
     label: str                           # in messages: "3 of 8 extraction shards failed"

@@ -35,7 +35,7 @@ def _sorted_extract_refs(extract_refs: Sequence[ArtifactRef]) -> list[ArtifactRe
 
 @dataclass
 class TrainInputs:
-    """Everything `run_train` needs to know about its inputs, checked."""
+    """Everything training needs to know about its inputs, checked (`resolve_inputs`)."""
 
     digest: str
     inputs: dict[str, str]
@@ -53,8 +53,9 @@ class TrainInputs:
 
 
 def resolve_inputs(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef,
-                   extract_refs: Sequence[ArtifactRef]) -> TrainInputs:
-    """Open and cross-check the inputs: layer ids, hidden size, vocab maps, parts, held-out samples."""
+                   extract_refs: Sequence[ArtifactRef], *, digest: str | None = None) -> TrainInputs:
+    """Open and cross-check the inputs: layer ids, hidden size, vocab maps, parts, held-out samples. DIGEST:
+    the train artifact's address when the caller has it (the stage's); computed from the inputs otherwise."""
     if not extract_refs:
         raise TrainError("train needs at least one extraction shard; run the extract stage first")
     target_path = resolve_model(cfg.target)
@@ -111,7 +112,8 @@ def resolve_inputs(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef,
     except VocabFormatError as exc:
         raise TrainError(str(exc)) from None
     return TrainInputs(
-        digest=digests.train(cfg, vocab_ref, extract_refs), inputs=digests.train_inputs(cfg, vocab_ref, extract_refs),
+        digest=digest or digests.train(cfg, vocab_ref, extract_refs),
+        inputs=digests.train_inputs(cfg, vocab_ref, extract_refs),
         target_path=target_path, hf_config=hf, layer_ids=layer_ids, hidden_size=hidden, vocab_size=vocab,
         d2t=d2t, t2d=t2d, parts=parts, artifacts=arts, total_samples=total_samples, stored_layer_ids=stored)
 

@@ -325,11 +325,12 @@ def build_trainer(cfg: RunConfig, store: Store, inputs: TrainInputs, env: DistEn
 
 
 def train_here(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef],
-               on_metrics: MetricsCallback | None = None) -> ArtifactRef:
-    """Train (or resume) this head in this process: one rank of `train.gpus`, or the only one."""
+               on_metrics: MetricsCallback | None = None, *, digest: str | None = None) -> ArtifactRef:
+    """Train (or resume) this head in this process: one rank of `train.gpus`, or the only one; DIGEST: the
+    train artifact's address when the caller has it (`resolve_inputs` computes it otherwise)."""
     env = DistEnv.from_env(cfg.train)
     try:
-        inputs = resolve_inputs(cfg, store, vocab_ref, extract_refs)
+        inputs = resolve_inputs(cfg, store, vocab_ref, extract_refs, digest=digest)
         trainer = build_trainer(cfg, store, inputs, env, on_metrics)
         state = trainer.fit()
         return trainer.commit(state)

@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 import torch
 
-from tasks.address import digests
 from tasks.core import stopping
 from tasks.core.config import RunConfig, TrainConfig
 from tasks.store.artifacts import ArtifactRef, Store
@@ -262,10 +261,11 @@ def _renumber_host_first(rdzv: dict[str, Any]) -> None:
 
 def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef],
                  ranks: int, on_metrics: MetricsCallback | None = None,
-                 rendezvous: Rendezvous | None = None) -> ArtifactRef | None:
+                 rendezvous: Rendezvous | None = None, *, digest: str) -> ArtifactRef | None:
     """Train on `ranks` processes of this node started by torch's elastic launcher (what torchrun
-    runs): each is a fresh Python that calls `run_train` as one DDP rank (NCCL on GPUs, gloo on a
-    CPU). Rank 0 appends its metrics to a JSON-lines file that this process follows while they run.
+    runs): each is a fresh Python that calls `train_here` as one DDP rank (NCCL on GPUs, gloo on a
+    CPU) for the train artifact at DIGEST (the stage's address, which the ranks take). Rank 0 appends
+    its metrics to a JSON-lines file that this process follows while they run.
     A rank that fails stops the others (the launcher's doing) and this call raises TrainError naming
     the rank, with its error and traceback. Rank logs go to a temporary folder, kept on failure.
     With RENDEZVOUS (several nodes) this node's `ranks` join the others' there; only the host node's
@@ -279,14 +279,13 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
     from tasks.core.owners import owned_tempdir
     from tasks.store.artifacts import COMMITTED_HERE
 
-    digest = digests.train(cfg, vocab_ref, extract_refs)
     folder = owned_tempdir("ranks")
     paths = {k: os.path.join(folder, name) for k, name in
              (("args", "args.json"), ("metrics", "metrics.jsonl"), ("result", "result.json"), ("logs", "logs"))}
     with open(paths["args"], "w") as fh:  # no secrets: the store's credentials come from each rank's environment
         json.dump({"cfg": cfg.model_dump(mode="json"), "store": store.uri, "vocab": vocab_ref.model_dump(mode="json"),
-                   "extract": [r.model_dump(mode="json") for r in extract_refs], "metrics": paths["metrics"],
-                   "result": paths["result"],
+                   "extract": [r.model_dump(mode="json") for r in extract_refs], "digest": digest,
+                   "metrics": paths["metrics"], "result": paths["result"],
                    "rendezvous": asdict(rendezvous) if rendezvous is not None and rendezvous.nodes > 1 else None}, fh)
     # Ctrl-C and SIGTERM stay with the run's own handlers (flows/interrupts.py): they raise in this thread, and
     # the launcher stops the ranks on the way out. (It takes a signal nobody sends, restored below; torch < 2.8
@@ -401,7 +400,7 @@ def _rank_main() -> None:
 
     try:
         ref = train_here(cfg, store, ArtifactRef.model_validate(args["vocab"]),
-                         [ArtifactRef.model_validate(r) for r in args["extract"]], on_metrics)
+                         [ArtifactRef.model_validate(r) for r in args["extract"]], on_metrics, digest=args["digest"])
     finally:
         if sink is not None:
             sink.close()

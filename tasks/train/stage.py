@@ -1,18 +1,20 @@
-"""Stage `train`: an EAGLE-3 draft head trained on stored hidden states, saved for vLLM.
+"""Stage `train`: a draft head trained on stored hidden states, saved for vLLM.
 
     ref = run_train(cfg, store, vocab_ref, extracted, on_metrics=print)   # extracted: the extract stage's artifact
     # store: train/DIGEST/draft/{config.json, model.safetensors}, metrics.json
 
-The model is speculators' `Eagle3DraftModel` (the architecture and checkpoint
-format vLLM loads); everything around it is ours, so that it runs on a CPU, one
-GPU, or as DDP ranks across a node's GPUs (applied from outside the model),
-reads its data from the store (file:// or s3://) and survives kill -9.
+One head per call (`train.heads`: eagle3, eagle3.1, eagle3-mla, dflash, dspark). The models are
+speculators' (`Eagle3DraftModel`, `DFlashDraftModel`, `DSparkDraftModel`; eagle3-mla gives the EAGLE-3
+draft DeepSeek's MLA layer, tasks/train/model.py), in the checkpoint formats vLLM loads; everything around
+them is ours, so that training runs on a CPU, one GPU, or as DDP ranks across a node's GPUs (applied from
+outside the model), reads its data from the store (file:// or s3://) and survives kill -9.
 
 Ranks: `train.gpus` (default every visible GPU, 1 on a CPU, where N > 1 means N
 gloo ranks). With more than one, `run_train` starts them with torch's elastic
 launcher (`launch_ranks` in tasks/train/ranks.py, what torchrun runs), follows rank 0's metrics while
-they train and turns a failed rank into a TrainError naming it; each rank calls
-`run_train` again. Started by torchrun yourself, every rank calls it directly.
+they train and turns a failed rank into a TrainError naming it; each launched rank calls
+`train_here` (tasks/train/loop.py) with the stage's address. Started by torchrun yourself, every rank
+calls `run_train`, which sees it runs as a rank and trains in place (`train_here` too).
 
 The parts of a run, in the order they are built, are listed in tasks/train/__init__.py.
 
@@ -35,9 +37,16 @@ from tasks.train.loop import train_here
 from tasks.train.ranks import launch_ranks, launched_as_rank, train_ranks
 
 
+def train_address(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: ArtifactRef) -> str:
+    """The train artifact's digest, made of the shards the extract stage's artifact names (tasks/address/digests.py
+    `train`): the flow's `STAGE_DEF.address`, and `run_train`'s without one."""
+    return digests.train(cfg, vocab_ref, training_shards(store, extracted))
+
+
 def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: ArtifactRef, *,
-              on_metrics: MetricsCallback | None = None) -> ArtifactRef:
-    """Train (or resume, or find) the draft for these inputs; returns the train artifact's ref.
+              on_metrics: MetricsCallback | None = None, digest: str | None = None) -> ArtifactRef:
+    """Train (or resume, or find) the draft for these inputs at DIGEST (the flow's address for it; default
+    `train_address`); returns the train artifact's ref.
 
     EXTRACTED: the extract stage's artifact (`extract-stage/DIGEST`), which names the shards trained on; the
     train address is made of those shards themselves (tasks/address/digests.py `train`).
@@ -50,9 +59,9 @@ def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: A
     return the same ref.
     """
     train_head(cfg)  # one head per call
-    extract_refs = training_shards(store, extracted)
-    digest = digests.train(cfg, vocab_ref, extract_refs)
-    return store.found_or_compute(STAGE, digest, lambda: _train(cfg, store, vocab_ref, extract_refs, on_metrics, digest))
+    digest = digest or train_address(cfg, store, vocab_ref, extracted)
+    return store.found_or_compute(STAGE, digest, lambda: _train(cfg, store, vocab_ref, training_shards(
+        store, extracted), on_metrics, digest))
 
 
 def _train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef],
@@ -60,9 +69,10 @@ def _train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: l
     if not launched_as_rank():
         ranks = train_ranks(cfg.train)
         if ranks > 1:
-            resolve_inputs(cfg, store, vocab_ref, extract_refs)  # bad inputs fail here, before any rank starts
-            return launch_ranks(cfg, store, vocab_ref, extract_refs, ranks, on_metrics)
-    return train_here(cfg, store, vocab_ref, extract_refs, on_metrics)
+            # bad inputs fail here, before any rank starts
+            resolve_inputs(cfg, store, vocab_ref, extract_refs, digest=digest)
+            return launch_ranks(cfg, store, vocab_ref, extract_refs, ranks, on_metrics, digest=digest)
+    return train_here(cfg, store, vocab_ref, extract_refs, on_metrics, digest=digest)
 
 
 def training_shards(store: Store, extracted: ArtifactRef) -> list[ArtifactRef]:
@@ -75,6 +85,4 @@ def training_shards(store: Store, extracted: ArtifactRef) -> list[ArtifactRef]:
 
 # the stage as the flow runs it (tasks/store/stages.py), once per head of train.heads (tasks.core.config
 # head_config): its address is made of the shards the extract stage's artifact names
-STAGE_DEF = Stage(name=STAGE, inputs=("vocab", "extract"),
-                  address=lambda cfg, store, vocab, extracted: digests.train(cfg, vocab, training_shards(store, extracted)),
-                  run=run_train)
+STAGE_DEF = Stage(name=STAGE, inputs=("vocab", "extract"), address=train_address, run=run_train)

@@ -137,8 +137,13 @@ def test_imports_are_at_the_top_unless_an_import_is_heavy():
     assert found == [], "imports inside functions that are not heavy: move them to the top"
 
 
-def test_help_answers_without_importing_the_heavy_libraries():
-    code = ("import sys; sys.argv = ['draftline', '--help']\nfrom cli.app import app\ntry:\n    app()\n"
+@pytest.mark.parametrize("argv", [["--help"], ["deploy", "--help"], ["ls", "--store", "file://{tmp}/store"]],
+                         ids=["help", "deploy-help", "ls"])
+def test_help_answers_without_importing_the_heavy_libraries(argv, tmp_path):
+    """`--help` and the commands that do not run the flow import neither Prefect nor torch (the flow module,
+    flows/pipeline.py, loads both: only `draftline run` and Prefect's own processes import it)."""
+    argv = ["draftline"] + [a.format(tmp=tmp_path) for a in argv]
+    code = (f"import sys; sys.argv = {argv!r}\nfrom cli.app import app\ntry:\n    app()\n"
             "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules if m.split('.')[0] in %r))" % (HEAVY,))
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -124,6 +124,30 @@ def test_ls_json_and_unknown_stages_refused(tmp_path):
     assert draftline("run", CONFIG, "--store", store.uri, "--until", "trian").exit_code == 2
 
 
+def test_ls_stage_lists_the_stages_own_artifact_then_its_shards(tmp_path):
+    """`ls --stage extract` shows what the extract stage committed: its own artifact (extract-stage, the one train
+    takes), then its shards (extract); no other stage's. The folders are the ones the flow's stages commit to."""
+    from flows.pipeline import STAGE_DEFS
+    from tasks.address.digests import STAGE_FOLDERS
+    from tasks.store.stages import ShardedStage
+
+    assert STAGE_FOLDERS == {st.name: (st.store_stage, st.shard_stage) if isinstance(st, ShardedStage) else (st.name,)
+                             for st in STAGE_DEFS}
+    store = Store(f"file://{tmp_path}/store")
+    commit(store, "prepare", {"x": 1}, samples=3)
+    shards = [commit(store, "extract", {"shard": i}, shard=i) for i in (0, 1)]
+    stage = commit(store, "extract-stage", {"shards": shards}, num_shards=2)
+    out = draftline("ls", "--store", store.uri, "--stage", "extract", "--json")
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output)
+    assert [r["stage"] for r in rows] == ["extract-stage", "extract", "extract"]
+    assert rows[0]["digest"] == stage and {r["digest"] for r in rows[1:]} == set(shards)
+    out = draftline("ls", "--store", store.uri, "--stage", "extract")
+    lines = [line for line in out.output.splitlines() if "extract" in line and "committed" not in line]
+    assert [line.split()[1] for line in lines] == ["extract-stage", "extract", "extract"], out.output
+    assert "num_shards=2" in lines[0] and "prepare" not in out.output
+
+
 def test_config_typos_get_did_you_mean_and_broken_set_yaml_is_shown():
     out = draftline("config", "show", CONFIG, "--set", "train.max_step=5")
     text = flat(out.output)

@@ -51,14 +51,15 @@ def regenerate_on(cfg, store, prepared, engine):
     engine, shard after shard: its plan, each shard, then the stage's artifact; nothing when that is stored."""
     t0 = time.time()
     plans = REGENERATE.plan(cfg, prepared)
-    found = store.find(REGENERATE.store_stage, REGENERATE.address(cfg, prepared, plans))
+    digest = REGENERATE.address(cfg, prepared, plans)
+    found = store.find(REGENERATE.store_stage, digest)
     if found is not None:
         return found.ref()
     refs, reused = [], 0
     for plan in plans:
         reused += store.find(REGENERATE.shard_stage, plan.digest) is not None
         refs.append(REGENERATE.shard(cfg, store, plan, engine))
-    return REGENERATE.assemble(cfg, store, prepared, refs, t0, reused)
+    return REGENERATE.assemble(cfg, store, prepared, refs, t0, reused, digest=digest)
 
 
 @pytest.fixture

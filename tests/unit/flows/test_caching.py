@@ -182,3 +182,50 @@ def test_a_planted_prefect_record_is_inert_and_an_older_store_is_reused_whole(pr
     assert not pwned.exists() and bodies(marker) == ["prepare", "vocab"]  # nothing decoded, nothing recomputed
     assert "pickle" not in logs[-1] and "Traceback" not in logs[-1]
     assert {p: p.read_bytes() for p in planted} == planted  # read by nobody, left as they were
+
+
+def test_the_flow_computes_each_address_once_and_the_stage_commits_there(prefect_server, tmp_path, monkeypatch):
+    """The same address, computed once: the flow's task computes a stage's address (its STAGE_DEF's `address`)
+    and hands it to the stage, which finds or commits its artifact there without computing it again; a stage
+    called on its own (a command, a script) computes the same address with that same function."""
+    import inspect
+    from collections import Counter
+
+    from flows import pipeline
+    from flows.caching import as_ref
+    from tasks.data.prepare import run_prepare
+    from tasks.data.vocab import run_vocab
+    from tasks.store.artifacts import Store
+    from tasks.store.stages import ShardedStage
+
+    for st in pipeline.STAGE_DEFS:  # every stage takes the flow's digest, by keyword
+        entry = st.assemble if isinstance(st, ShardedStage) else st.run
+        assert inspect.signature(entry).parameters["digest"].kind is inspect.Parameter.KEYWORD_ONLY, st.name
+
+    src = tmp_path / "chats.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                                      {"role": "assistant", "content": f"It is {2 * i}."}]})
+                             for i in range(12)))
+    store = Store(f"file://{tmp_path}/store")
+    cfg = RunConfig.model_validate({"store": {"uri": store.uri}, "target": {"max_model_len": 256},
+                                    "data": {"sources": [{"path": str(src)}], "heldout": 2, "num_shards": 2,
+                                             "max_length": 256}})
+    calls: Counter = Counter()
+    for name in ("prepare", "vocab"):
+        real = getattr(digests, name)
+        monkeypatch.setattr(digests, name, lambda *a, _real=real, _name=name: calls.update([_name]) or _real(*a))
+
+    made: dict = {}
+    for st in (pipeline.PREPARE, pipeline.VOCAB):  # as the flow's `_run_stage` runs them, without the record
+        inputs = [made[n] for n in st.inputs]
+        digest = st.address(cfg, store, *inputs)
+        made[st.name] = as_ref(pipeline.stage_task.fn(st.name, cfg, digest, inputs))
+        made["data"] = made["prepare"]
+        assert made[st.name].executed_here and made[st.name].digest == digest
+        assert store.find(st.name, digest) is not None
+    assert calls == {"prepare": 1, "vocab": 1}  # once per stage: the stages took the flow's digest
+
+    # On its own, each stage computes the same address by the same function (and finds the artifact there).
+    alone = {"prepare": run_prepare(cfg, store), "vocab": run_vocab(cfg, store, made["prepare"])}
+    assert {k: (r.digest, r.attempt) for k, r in alone.items()} == {k: (made[k].digest, made[k].attempt) for k in alone}
+    assert calls == {"prepare": 2, "vocab": 2}
