@@ -1,11 +1,11 @@
 """Bad input: each case exits non-zero (the real CLI) or raises draftline's own error (a
 stage function), with a message that names the problem and the fix, and commits nothing.
 
-CLI cases (a table: bad_input_cases.yaml beside this file) run `draftline run CONFIG --set ...` in-process
-(typer's CliRunner): config errors stop before anything else, then the store is checked, then the inputs
-the config names (`_check_inputs`: local paths, layer ids and draft vocabulary against the target's
-config). Data problems are found by the prepare stage (called directly; one case goes through a whole CLI
-run). docs/RELIABILITY.md lists every case with the message it gives.
+CLI cases run `draftline run CONFIG --set ...` in-process (typer's CliRunner): config errors stop
+before anything else, then the store is checked, then the inputs the config names (`_check_inputs`:
+local paths, layer ids and draft vocabulary against the target's config). Data problems are found by
+the prepare stage (called directly; one case goes through a whole CLI run). docs/RELIABILITY.md
+lists every case with the message it gives.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from tasks.core.config import RunConfig, load_config
@@ -45,11 +44,72 @@ def draftline(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
-# `run CONFIG ARGS` cases (id, args, the lines its output must hold): a table, kept as data beside this file
-RUN_CASES = yaml.safe_load(Path(__file__).with_name("bad_input_cases.yaml").read_text())
+# (id, extra args after `run CONFIG`, needles that must all appear in the output)
+RUN_CASES = [
+    ("unknown-key", ["--set", "train.bogus=1"],
+     ["train.bogus: Extra inputs are not permitted", "fix: remove it or check the spelling"]),
+    ("unknown-section", ["--set", "trian.max_steps=5"], ["trian: Extra inputs are not permitted (did you mean train?)",
+                                                         "fix: rename it to train"]),
+    ("wrong-type-int", ["--set", "data.num_shards=abc"], ["data.num_shards: Input should be a valid integer",
+                                                          "fix: use a whole number"]),
+    ("wrong-type-bool", ["--set", "regenerate.enabled=maybe"], ["regenerate.enabled", "fix: use true or false"]),
+    ("wrong-type-list", ["--set", "extract.layer_ids=7"], ["extract.layer_ids", "fix: use a YAML list"]),
+    ("below-minimum", ["--set", "train.lr=0"], ["train.lr: Input should be greater than 0", "fix: raise the value"]),
+    ("unknown-choice", ["--set", "extract.backend=tensorrt"],
+     ["extract.backend: Input should be 'vllm' or 'transformers'", "fix: use one of the allowed values"]),
+    ("layer-ids-colliding", ["--set", "extract.layer_ids=[2,15,15,30]"],
+     ["extract.layer_ids: layer ids must be distinct and ascending, got [2, 15, 15, 30]"]),
+    ("layer-id-zero", ["--set", "extract.layer_ids=[0,15,27,30]"], ["layer ids start at 1"]),
+    ("layer-ids-out-of-range", ["--set", "extract.layer_ids=[2,15,27,40]"],
+     ["extract.layer_ids [2, 15, 27, 40]: the last id must be 30", "e.g. [2, 15, 27, 30]"]),
+    ("layer-ids-too-few", ["--set", "extract.layer_ids=[15,30]"], ["exactly 3 auxiliary ids plus 30; e.g. [2, 15, 27, 30]"]),
+    ("draft-vocab-larger-than-target", ["--set", "vocab.draft_vocab_size=60000"],
+     ["vocab.draft_vocab_size (60000) is larger than the target's vocabulary (49152)", "at most 49152"]),
+    ("model-path-missing", ["--set", "target.model=/nonexistent/model"],
+     ["target.model path '/nonexistent/model' does not exist", "fix the path or give a hub id"]),
+    ("model-folder-without-config", ["--set", "target.model={tmp}"], ["is a folder without config.json",
+                                                                      "point it at a HF model folder"]),
+    ("chat-template-file-missing", ["--set", "target.chat_template=/nonexistent/chat.jinja"],
+     ["target.chat_template '/nonexistent/chat.jinja' not found", "give a path to a .jinja file"]),
+    ("data-file-missing", ["--set", "data.sources=[{path: /nonexistent/data.jsonl}]"],
+     ["data.sources[0].path '/nonexistent/data.jsonl' not found", "fix the path"]),
+    ("source-with-two-origins", ["--set", "data.sources=[{preset: chitchat, path: x.jsonl}]"],
+     ["exactly one of preset/path/hub", "e.g. `{preset: chitchat}`"]),
+    ("credentials-in-store-uri", ["--set", "store.uri=s3://AKIA:SECRET@bucket/x"],
+     ["store.uri: holds a credential (s3://***@bucket/x)", "fix: put credentials in the environment"]),
+    ("store-scheme", ["--set", "store.uri=ftp://host/x"], ["store uri must start with file:// or s3://"]),
+    ("store-not-writable", ["--set", "store.uri=file://{tmp}/a-file/store"],
+     ["is not writable", "fix store.uri or the folder's permissions"]),
+    ("sample-as-long-as-the-model", ["--set", "data.max_length=512"],
+     ["data.max_length: 512 leaves no room in target.max_model_len (512)",
+      "fix: lower data.max_length to at most 511, or raise target.max_model_len to at least 513"]),
+    ("sample-longer-than-the-model", ["--set", "data.max_length=1024"],
+     ["data.max_length: 1024 leaves no room in target.max_model_len (512)"]),
+    ("context-longer-than-the-model", ["--set", "target.max_model_len=9000"],
+     ["target.max_model_len (9000) is longer than", "allows (8192 tokens: max_position_embeddings",
+      "fix: set target.max_model_len to at most 8192"]),
+    ("engine-arg-misspelt", ["--set", "engines.engine_args.gpu_memory_utilisation=0.9"],
+     ["engines.engine_args.gpu_memory_utilisation: not an engine argument of the installed vLLM",
+      "fix: did you mean gpu_memory_utilization?"]),
+    ("engine-arg-set-by-draftline", ["--set", "engines.benchmark.engine_args.max_model_len=4096"],
+     ["engines.benchmark.engine_args.max_model_len: set by draftline; fix: use target.max_model_len"]),
+    ("malformed-set", ["--set", "train.max_steps"], ["expected KEY=VALUE, e.g. --set train.max_steps=50"]),
+    ("unknown-until", ["--until", "deploy"], ["--until 'deploy': use one of prepare, regenerate, vocab"]),
+    ("mla-head-on-a-target-without-mla", ["--set", "train.heads=[{kind: eagle3}, {kind: eagle3-mla, name: mla}]"],
+     ["train.heads: head 'mla' is eagle3-mla, which needs an MLA target (kv_lora_rank in its config",
+      "target 'smollm2-135m-instruct' has llama layers without MLA",
+      "Fix: give that head kind eagle3 or eagle3.1 for this target, or drop it"]),
+    # {tmp}/eagle3-draft: an EAGLE-3 draft's config.json (the test writes it); every head it cannot seed is named
+    ("warm-start-of-other-kinds", ["--set", "train.init_from={tmp}/eagle3-draft", "--set",
+                                   "train.heads=[{kind: eagle3}, {kind: eagle3.1}, {kind: dspark}]"],
+     ["eagle3-draft': the draft's kind is eagle3, head 'eagle3.1' (eagle3.1) is another: a warm start needs a draft "
+      "of the head's own kind (set the head's kind: eagle3, or give an eagle3.1 draft)",
+      "eagle3-draft': head 'dspark' (dspark) cannot start from a draft: a warm start seeds eagle3, eagle3.1, "
+      "eagle3-mla heads only; remove train.init_from or train that head in a run without it"]),
+]
 
 
-@pytest.mark.parametrize("args, needles", [pytest.param(c["args"], c["says"], id=c["id"]) for c in RUN_CASES])
+@pytest.mark.parametrize("args, needles", [pytest.param(a, n, id=i) for i, a, n in RUN_CASES])
 def test_run_refuses_bad_config_and_inputs(tmp_path, args, needles):
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "eagle3-draft").mkdir()
