@@ -18,6 +18,15 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))  # the helpers, by th
 # and a child run no node takes is taken back by its parent after 10 s instead of 30 (five of those workers' polls)
 apply_env_defaults(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", PREFECT_WORKER_QUERY_SECONDS="2",
                    DRAFTLINE_TAKE_BACK_S="10")
+# On pytest-xdist's workers (`make test` runs two: -n 2), each worker its own Prefect home, set before Prefect is
+# imported: the in-process flow runs' ephemeral Prefect server keeps its SQLite database there, and two processes
+# migrating and writing one database fail ("database is locked"). A subfolder of the home the Makefile exports
+# (else of Prefect's default, ~/.prefect), kept between runs like that one. Everything else a worker's tests start
+# is its own already: the session's servers (SeaweedFS, Prefect) on ports picked free, tmp_path and the part cache
+# under the worker's own temp folder; draftline's node cache (DRAFTLINE_HOME) is shared as on a node, under its locks.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["PREFECT_HOME"] = os.path.join(os.environ.get("PREFECT_HOME") or os.path.expanduser("~/.prefect"),
+                                              f"pytest-{os.environ['PYTEST_XDIST_WORKER']}")
 
 from prefect_server import PrefectServer  # noqa: E402
 from s3server import S3Server  # noqa: E402
@@ -113,3 +122,42 @@ def prefect_server(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+# =========================================================================== two workers (pytest-xdist, `make test`)
+# `make test` runs the suite on two worker processes (`-n 2 --dist loadgroup`); on a 2-core machine the tests wait
+# (servers, engines starting, Prefect workers polling, crash-detection delays) more than they compute. xdist sends a
+# worker one unit at a time: a test, or all the tests of one `xdist_group`, which run on that worker in file order.
+
+def pytest_configure(config):
+    # xdist's default `--loadscope-reorder` would hand out the groups with the most tests first: the order set in
+    # pytest_collection_modifyitems below (the slow units first) is the one kept.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _shares_a_module_fixture(item) -> bool:
+    """Whether the test uses a module-scoped fixture (a vLLM engine, a trained draft, the e2e demo run, the
+    deployment scenario): its module's tests that do run on one worker, where the fixture is made once."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(d.scope in ("module", "class", "package") for fixturedefs in defs.values() for d in fixturedefs)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Each test that shares a module-scoped fixture joins its module's group (a module can name its own group
+    instead: `pytest.mark.xdist_group`, for state shared without a fixture); on xdist's workers the units that hold
+    a slow test come first, in file order (e2e, integration, repo, unit), the others after them: the longest work
+    starts first and the short tests fill the end, so both workers finish at about the same time."""
+    for item in items:
+        if not any(item.iter_markers("xdist_group")) and _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))  # type: ignore[attr-defined]
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: file order, as ever
+
+    def unit(item) -> str:
+        return next((str(m.args[0] if m.args else m.kwargs.get("name")) for m in item.iter_markers("xdist_group")),
+                    item.nodeid)
+
+    slow_units = {unit(i) for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: unit(i) not in slow_units)  # stable: file order within each half, and within a unit
