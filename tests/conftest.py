@@ -155,9 +155,24 @@ def pytest_collection_modifyitems(config, items):
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # one process: file order, as ever
 
-    def unit(item) -> str:
-        return next((str(m.args[0] if m.args else m.kwargs.get("name")) for m in item.iter_markers("xdist_group")),
-                    item.nodeid)
+    def group(item) -> str | None:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        return "_".join(sorted(names)) if names else None
 
-    slow_units = {unit(i) for i in items if i.get_closest_marker("slow")}
-    items.sort(key=lambda i: unit(i) not in slow_units)  # stable: file order within each half, and within a unit
+    if config.getvalue("loadgroup"):
+        for item in items:
+            _name_the_group(item, group(item))
+    slow_units = {group(i) or i.nodeid for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: (group(i) or i.nodeid) not in slow_units)  # stable: file order within each half
+
+
+def _name_the_group(item, name: str | None) -> None:
+    """`--dist loadgroup` tells the scheduler an item's group by a suffix to its node id (`...::test_x@GROUP`).
+    pytest-xdist 3.8.0 writes it into `item._nodeid`, which pytest 9.2 (structured node ids, `item._id`) no longer
+    reads: every group would be scattered, silently (pytest-dev/pytest-xdist#1386). Written here into the id pytest
+    9.2 reads, as xdist did into the old one; on a pytest that still reads `_nodeid`, xdist's own hook does it."""
+    if name is None or not hasattr(item, "_id") or item.nodeid.endswith(f"@{name}"):
+        return
+    from _pytest.nodeid import NodeId
+
+    item._id = NodeId.parse(f"{item.nodeid}@{name}")
