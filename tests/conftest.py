@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import uuid
@@ -24,6 +25,19 @@ apply_env_defaults(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", PREFECT_WORKE
 # (else of Prefect's default, ~/.prefect), kept between runs like that one. Everything else a worker's tests start
 # is its own already: the session's servers (SeaweedFS, Prefect) on ports picked free, tmp_path and the part cache
 # under the worker's own temp folder; draftline's node cache (DRAFTLINE_HOME) is shared as on a node, under its locks.
+# GNU readline, once a process imports it, exports COLUMNS and LINES (80x24 without a terminal) into the process's
+# C environment, which pytest-xdist's workers inherit: draftline's consoles would then fold their messages at 80
+# columns (cli/console.py: output that is no terminal is not folded unless COLUMNS says so), which a plain pytest never
+# sees. The workers get the terminal size the user's environment gave the main pytest process, or none.
+_TERMINAL = "DRAFTLINE_PYTEST_TERMINAL"
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ[_TERMINAL] = json.dumps({k: os.environ.get(k) for k in ("COLUMNS", "LINES")})
+else:
+    for _k, _v in json.loads(os.environ.get(_TERMINAL, "{}")).items():
+        if _v is None:
+            os.environ.pop(_k, None)
+        else:
+            os.environ[_k] = _v
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["PREFECT_HOME"] = os.path.join(os.environ.get("PREFECT_HOME") or os.path.expanduser("~/.prefect"),
                                               f"pytest-{os.environ['PYTEST_XDIST_WORKER']}")
