@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import uuid
@@ -18,6 +19,28 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))  # the helpers, by th
 # and a child run no node takes is taken back by its parent after 10 s instead of 30 (five of those workers' polls)
 apply_env_defaults(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", PREFECT_WORKER_QUERY_SECONDS="2",
                    DRAFTLINE_TAKE_BACK_S="10")
+# On pytest-xdist's workers (`make test` runs two: -n 2), each worker its own Prefect home, set before Prefect is
+# imported: the in-process flow runs' ephemeral Prefect server keeps its SQLite database there, and two processes
+# migrating and writing one database fail ("database is locked"). A subfolder of the home the Makefile exports
+# (else of Prefect's default, ~/.prefect), kept between runs like that one. Everything else a worker's tests start
+# is its own already: the session's servers (SeaweedFS, Prefect) on ports picked free, tmp_path and the part cache
+# under the worker's own temp folder; draftline's node cache (DRAFTLINE_HOME) is shared as on a node, under its locks.
+# GNU readline, once a process imports it, exports COLUMNS and LINES (80x24 without a terminal) into the process's
+# C environment, which pytest-xdist's workers inherit: draftline's consoles would then fold their messages at 80
+# columns (cli/console.py: output that is no terminal is not folded unless COLUMNS says so), which a plain pytest never
+# sees. The workers get the terminal size the user's environment gave the main pytest process, or none.
+_TERMINAL = "DRAFTLINE_PYTEST_TERMINAL"
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ[_TERMINAL] = json.dumps({k: os.environ.get(k) for k in ("COLUMNS", "LINES")})
+else:
+    for _k, _v in json.loads(os.environ.get(_TERMINAL, "{}")).items():
+        if _v is None:
+            os.environ.pop(_k, None)
+        else:
+            os.environ[_k] = _v
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["PREFECT_HOME"] = os.path.join(os.environ.get("PREFECT_HOME") or os.path.expanduser("~/.prefect"),
+                                              f"pytest-{os.environ['PYTEST_XDIST_WORKER']}")
 
 from prefect_server import PrefectServer  # noqa: E402
 from s3server import S3Server  # noqa: E402
@@ -113,3 +136,57 @@ def prefect_server(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+# =========================================================================== two workers (pytest-xdist, `make test`)
+# `make test` runs the suite on two worker processes (`-n 2 --dist loadgroup`); on a 2-core machine the tests wait
+# (servers, engines starting, Prefect workers polling, crash-detection delays) more than they compute. xdist sends a
+# worker one unit at a time: a test, or all the tests of one `xdist_group`, which run on that worker in file order.
+
+def pytest_configure(config):
+    # xdist's default `--loadscope-reorder` would hand out the groups with the most tests first: the order set in
+    # pytest_collection_modifyitems below (the slow units first) is the one kept.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _shares_a_module_fixture(item) -> bool:
+    """Whether the test uses a module-scoped fixture (a vLLM engine, a trained draft, the e2e demo run, the
+    deployment scenario): its module's tests that do run on one worker, where the fixture is made once."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(d.scope in ("module", "class", "package") for fixturedefs in defs.values() for d in fixturedefs)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Each test that shares a module-scoped fixture joins its module's group (a module can name its own group
+    instead: `pytest.mark.xdist_group`, for state shared without a fixture); on xdist's workers the units that hold
+    a slow test come first, in file order (e2e, integration, repo, unit), the others after them: the longest work
+    starts first and the short tests fill the end, so both workers finish at about the same time."""
+    for item in items:
+        if not any(item.iter_markers("xdist_group")) and _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))  # type: ignore[attr-defined]
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: file order, as ever
+
+    def group(item) -> str | None:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        return "_".join(sorted(names)) if names else None
+
+    if config.getvalue("loadgroup"):
+        for item in items:
+            _name_the_group(item, group(item))
+    slow_units = {group(i) or i.nodeid for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: (group(i) or i.nodeid) not in slow_units)  # stable: file order within each half
+
+
+def _name_the_group(item, name: str | None) -> None:
+    """`--dist loadgroup` tells the scheduler an item's group by a suffix to its node id (`...::test_x@GROUP`).
+    pytest-xdist 3.8.0 writes it into `item._nodeid`, which pytest 9.2 (structured node ids, `item._id`) no longer
+    reads: every group would be scattered, silently (pytest-dev/pytest-xdist#1386). Written here into the id pytest
+    9.2 reads, as xdist did into the old one; on a pytest that still reads `_nodeid`, xdist's own hook does it."""
+    if name is None or not hasattr(item, "_id") or item.nodeid.endswith(f"@{name}"):
+        return
+    from _pytest.nodeid import NodeId
+
+    item._id = NodeId.parse(f"{item.nodeid}@{name}")

@@ -117,6 +117,7 @@ def pairs(text: str) -> set[tuple[str, str]]:
 
 @pytest.mark.slow
 @pytest.mark.s3
+@pytest.mark.xdist_group("deploy-scenario")  # the scenario tests/integration/test_deploy.py's tests read: run once
 def test_flow_run_page_shows_shard_task_runs_and_artifacts(prefect_server, s3_server, tmp_path_factory, tmp_path):
     scenario = harness.run_scenario(prefect_server, s3_server, tmp_path_factory.mktemp("deploy"))
     url = scenario["ui"]

@@ -373,6 +373,11 @@ def test_s3_keys_reach_containers_through_a_credentials_block(prefect_server, s3
 
 # =========================================================================== the whole story (slow)
 
+# The scenario runs once per process (deploy_harness.run_scenario keeps its result); tests/e2e/test_ui.py reads it too:
+# their tests share one xdist group, so that `make test`'s two workers do not each run it.
+SCENARIO = pytest.mark.xdist_group("deploy-scenario")
+
+
 @pytest.fixture(scope="module")
 def scenario(prefect_server, s3_server, tmp_path_factory):
     return harness.run_scenario(prefect_server, s3_server, tmp_path_factory.mktemp("deploy"))
@@ -380,6 +385,7 @@ def scenario(prefect_server, s3_server, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.s3
+@SCENARIO
 def test_deploy_registers_the_deployments_and_a_node_joins_the_pool(scenario, prefect_server):
     print("timings (s):", scenario["t"])
     assert "next: draftline submit" in scenario["deploy"]
@@ -404,6 +410,7 @@ def test_deploy_registers_the_deployments_and_a_node_joins_the_pool(scenario, pr
 
 @pytest.mark.slow
 @pytest.mark.s3
+@SCENARIO
 def test_two_failed_shards_are_reported_by_status(scenario):
     st = scenario["status_failed"]
     assert st["state"] == "FAILED" and st["deployment"] == "draftline/b300"
@@ -415,6 +422,7 @@ def test_two_failed_shards_are_reported_by_status(scenario):
 
 @pytest.mark.slow
 @pytest.mark.s3
+@SCENARIO
 def test_a_run_left_running_by_a_dead_node_is_detected_and_crashed_before_retry(scenario):
     dead = scenario["status_dead"]
     assert dead["state"] == "RUNNING" and dead["stale"], dead
@@ -426,6 +434,7 @@ def test_a_run_left_running_by_a_dead_node_is_detected_and_crashed_before_retry(
 
 @pytest.mark.slow
 @pytest.mark.s3
+@SCENARIO
 def test_retry_reruns_only_the_failed_shards(scenario):
     assert scenario["final_state"] == "COMPLETED"
     tasks = scenario["tasks"]
@@ -446,6 +455,7 @@ def test_retry_reruns_only_the_failed_shards(scenario):
 
 @pytest.mark.slow
 @pytest.mark.s3
+@SCENARIO
 def test_artifacts_are_complete_on_the_shared_store(scenario, s3_server):
     from tasks.core.config import StoreConfig
     from tasks.store.artifacts import Store
@@ -464,5 +474,6 @@ def test_artifacts_are_complete_on_the_shared_store(scenario, s3_server):
 
 @pytest.mark.slow
 @pytest.mark.s3
+@SCENARIO
 def test_ui_command_prints_the_runs_page(scenario, prefect_server):
     assert scenario["ui"] == f"{prefect_server.ui_url}/runs/flow-run/{scenario['run_id']}"

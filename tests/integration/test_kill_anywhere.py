@@ -151,8 +151,11 @@ def kill_and_resume(tmp_path: Path, uri: str) -> None:
 # The file:// store the chain above left: its train artifact (committed by a resumed run) is where the
 # benchmark kill below starts, so that test pays for the benchmark only, not for a second data-and-train run.
 _CHAIN_STORE: dict[str, tuple[Path, str]] = {}
+# the two tests on one of `make test`'s workers, in this order (the chain above is this process's memory)
+CHAIN = pytest.mark.xdist_group("kill-anywhere-chain")
 
 
+@CHAIN
 def test_a_run_killed_anywhere_resumes_exactly_on_a_file_store(prefect_server, tmp_path):
     uri = f"file://{tmp_path}/store"
     kill_and_resume(tmp_path, uri)
@@ -169,6 +172,7 @@ def engine_runs(store: Store) -> dict[str, tuple[str, str]]:
     return {m.stats["engine"]: (m.digest, m.created) for m in store.list("benchmark-engine")}
 
 
+@CHAIN
 @pytest.mark.slow
 def test_a_run_killed_during_the_benchmark_resumes_only_the_benchmark_engines_it_had_not_finished(prefect_server,
                                                                                                   tmp_path):

@@ -22,6 +22,7 @@ class PrefectServer:
     def __init__(self, home: Path, port: int | None = None):
         self.home = Path(home)
         self.port = port or free_port()
+        self._port_picked = port is None
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -35,19 +36,26 @@ class PrefectServer:
     def env(self) -> dict[str, str]:
         return {"PREFECT_API_URL": self.api_url, "PREFECT_HOME": str(self.home)}
 
-    def start(self, timeout: float = 300) -> "PrefectServer":
+    def start(self, timeout: float = 300, retries: int = 2) -> "PrefectServer":
         self.home.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PREFECT_HOME=str(self.home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                    PREFECT_UI_API_URL=self.api_url)
         env.pop("PREFECT_API_URL", None)
         prefect = str(Path(sys.executable).parent / "prefect")
         self.log = open(self.home / "server.log", "ab")
+        logged = self.log.tell()
         self.proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError("prefect server exited:\n" + (self.home / "server.log").read_text()[-3000:])
+                said = (self.home / "server.log").read_bytes()[logged:].decode(errors="replace")
+                if self._port_picked and "already in use" in said and retries:
+                    # the port found free was taken before the server bound it (the suite's other xdist worker
+                    # starting its servers): another free port
+                    self.port = free_port()
+                    return self.start(timeout, retries - 1)
+                raise RuntimeError("prefect server exited:\n" + said[-3000:])
             try:
                 with urllib.request.urlopen(self.api_url + "/health", timeout=2) as r:
                     if r.status == 200:

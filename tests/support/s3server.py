@@ -23,6 +23,10 @@ SCOPED_PREFIX = "draftline-test/team-a"
 SCOPED_KEYS = ("draftline-scoped-access", "draftline-scoped-secret-Vb7n")
 
 
+class PortTaken(RuntimeError):
+    """The server exited because a port it was given was taken meanwhile."""
+
+
 def free_port_block(n: int) -> int:
     """A base port p such that p..p+n-1 and p+10000.. (weed's gRPC ports) are free, every one of them below
     65000 (infra/local-stack.sh takes an S3 port below 55000 for that reason)."""
@@ -83,9 +87,21 @@ class S3Server:
         }
 
     def start(self, timeout: float = 60) -> "S3Server":
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        if not self.base_port:
+        """Start weed on `base_port`'s block, or on a free one: a port found free can be taken by another process
+        before weed binds it (the suite's other xdist worker starting its servers): weed then exits naming the
+        port, and a fresh block is tried, three times at most."""
+        if self.base_port:
+            return self._start(timeout)
+        for attempt in range(3):
             self.base_port = free_port_block(6)
+            try:
+                return self._start(timeout)
+            except PortTaken:
+                if attempt == 2:
+                    raise
+
+    def _start(self, timeout: float) -> "S3Server":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         cfg = self.data_dir / "s3.json"
         cfg.write_text(json.dumps({"identities": [{
             "name": "draftline", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
@@ -103,11 +119,14 @@ class S3Server:
                "-s3.port.iceberg=0", "-s3.port.lance=0"]
         (self.data_dir / "data").mkdir(exist_ok=True)
         self.log = open(self.data_dir / "weed.log", "ab")
+        logged = self.log.tell()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited: {(self.data_dir / 'weed.log').read_text()[-2000:]}")
+                said = (self.data_dir / "weed.log").read_bytes()[logged:].decode(errors="replace")
+                taken = "Port allocation failed" in said or "address already in use" in said
+                raise (PortTaken if taken else RuntimeError)(f"weed exited: {said[-2000:]}")
             if self._ready():
                 return self
             time.sleep(0.3)
