@@ -41,6 +41,18 @@ else:
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["PREFECT_HOME"] = os.path.join(os.environ.get("PREFECT_HOME") or os.path.expanduser("~/.prefect"),
                                               f"pytest-{os.environ['PYTEST_XDIST_WORKER']}")
+    # Each worker's compute on its own share of the cores. vLLM-CPU's default binding (`auto`) puts an engine's
+    # OpenMP threads on the first core and keeps the last for its scheduler (engine log: `core ids=[0]`,
+    # `reserved_cpus=[1]` on 2 cores), so two workers' engines would spin on one core while the other idles; torch
+    # would start one thread per core in each worker. A worker's engines and torch get its slice of the allowed
+    # cores instead (gw0 core 0, gw1 core 1 on 2 cores), unless the environment names a binding; an engine group
+    # pinned by draftline (tasks/engine/settings.py) still sets its own.
+    _cpus = sorted(os.sched_getaffinity(0))
+    _n = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    _i = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
+    _mine = _cpus[_i * len(_cpus) // _n:(_i + 1) * len(_cpus) // _n] if len(_cpus) >= _n else _cpus
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, _mine)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(_mine)))
 
 from prefect_server import PrefectServer  # noqa: E402
 from s3server import S3Server  # noqa: E402
