@@ -408,6 +408,20 @@ def lost_nodes(control: Any, spec: Any, claimed: list[Any]) -> list[Any]:
     return list(lost.values())
 
 
+def child_train_address(cfg: RunConfig, inputs: dict[str, Any], vocab: ArtifactRef, shards: list[ArtifactRef]) -> str:
+    """The train address a child node's ranks commit at: computed here from the inputs the parent named (a flow
+    run's parameters are not trusted to name a store path), and checked against the one the parent sent (absent
+    from parents of earlier versions): a different one means the nodes run different draftline versions."""
+    digest = digests.train(cfg, vocab, shards)
+    sent = inputs.get("digest")
+    if sent is not None and sent != digest:
+        raise TrainError(f"train: the run's node sent train address {str(sent)[:80]!r}, this node computes {digest} "
+                         "from the same inputs: the nodes run different draftline versions (or the run's parameters "
+                         "were altered). Fix: install the run node's draftline version on this node, then "
+                         "`draftline retry` the run")
+    return digest
+
+
 def train_child(cfg: RunConfig, store: Store, rendezvous: dict[str, Any], inputs: dict[str, Any], logger) -> dict:
     """One node of a run's training (the slice flow with stage=train): heartbeats on the run node's control
     store, waits for the node count there, then starts train.gpus ranks in the rendezvous."""
@@ -437,8 +451,7 @@ def train_child(cfg: RunConfig, store: Store, rendezvous: dict[str, Any], inputs
         ranks = train_ranks(cfg.train)
         logger.info(f"train: this node runs {ranks} of the {nodes} nodes' ranks; rendezvous {spec.endpoint} "
                     f"(id {spec.label})")
-        # the parent's train address (a parent of an earlier version sent none: the same one, computed here)
-        digest = inputs.get("digest") or digests.train(cfg, vocab, shards)
+        digest = child_train_address(cfg, inputs, vocab, shards)
         launch_ranks(cfg, store, vocab, shards, ranks, rendezvous=dataclasses.replace(spec, nodes=nodes), digest=digest)
     finally:
         stop.set()

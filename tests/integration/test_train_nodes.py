@@ -77,6 +77,23 @@ def test_train_nodes_is_scheduling_not_part_of_the_address():
     assert digest.train(one, _ref("vocab"), [_ref("extract")]) == digest.train(two, _ref("vocab"), [_ref("extract")])
 
 
+def test_a_child_node_computes_its_train_address_and_refuses_another():
+    """A child node's train address is computed from the inputs it was sent, not taken from the run's parameters:
+    one that differs (another version, or a path planted in the parameters) stops the node before any rank."""
+    from flows.nodes import child_train_address
+    from tasks.address import digests as digest
+    from tasks.core.config import load_config
+    from tasks.train import TrainError
+
+    cfg = load_config(harness.CONFIG)
+    right = digest.train(cfg, _ref("vocab"), [_ref("extract")])
+    assert child_train_address(cfg, {"digest": right}, _ref("vocab"), [_ref("extract")]) == right
+    assert child_train_address(cfg, {}, _ref("vocab"), [_ref("extract")]) == right  # an older parent sends none
+    for sent in ("0" * 32, "../../../home/someone/.ssh"):
+        with pytest.raises(TrainError, match=r"this node computes .* different draftline versions .* Fix: install"):
+            child_train_address(cfg, {"digest": sent}, _ref("vocab"), [_ref("extract")])
+
+
 def _ref(stage: str):
     from tasks.store.artifacts import ArtifactRef
 
