@@ -45,6 +45,7 @@ from tasks.core import owners
 from tasks.core.errors import DraftlineError
 from tasks.core.config import StoreConfig, with_scheme
 from tasks.core.faults import kill_point
+from tasks.store.uploads import open_for_write, upload_options
 
 MANIFEST = "manifest.json"
 STORE_MARKER = "draftline-store.json"  # at the store's root: what says "draftline wrote here"
@@ -218,7 +219,7 @@ def s3_endpoint(cfg: StoreConfig | None = None) -> str | None:
 
 def resolve_credentials(cfg: StoreConfig) -> dict[str, Any]:
     """storage_options for s3fs. Keys only from the environment or a Prefect block."""
-    opts: dict[str, Any] = {}
+    opts: dict[str, Any] = upload_options(cfg.upload_part_mb, cfg.upload_concurrency)
     endpoint = s3_endpoint(cfg)
     client_kwargs: dict[str, Any] = {}
     if endpoint:
@@ -481,7 +482,7 @@ class ArtifactWriter:
         h = hashlib.sha256()
         count = 0
         mid_file = f"store.{self.stage}.mid-file"
-        with _space_errors(self.store.uri, key), self.store.fs.open(key, "wb") as raw:
+        with _space_errors(self.store.uri, key), open_for_write(self.store.fs, key) as raw:
 
             class _Hashing(io.RawIOBase):
                 def writable(self) -> bool:
