@@ -22,7 +22,10 @@ Measured, all in one process (the extraction engine is a child process, as in th
    batch of ours already on the GPU (`--bare-steps`), the ceiling the two loops are compared to.
 
 Results go to OUT/bench_gpu.json (rewritten after every section) and OUT/bench_gpu.md.
-Every section runs under try/except: a failure is recorded and the next section runs.
+Every section runs under try/except: a failure is recorded and the next section runs; the script then exits 1.
+
+4. `--only shard` (benchmarks/gpu_shard.py): extraction through vLLM on a production-sized shard (hundreds of
+   parts) with its store on a disk folder (`--store-dir`), beside the bare prefill and dd of the same bytes.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ LLAMA8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, n
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
                max_position_embeddings=8192)
+TINY = dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,  # CPU smoke runs
+            intermediate_size=256, vocab_size=1024, tie_word_embeddings=False, rope_theta=10000.0,
+            max_position_embeddings=2048)
 
 
 def log(msg: str) -> None:
@@ -137,7 +143,7 @@ def build_target(folder: Path, shape: dict, layers: int | None = None):
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # cpu: the shard section's smoke run
             model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(old)
@@ -209,21 +215,24 @@ def bare_prefill(model, prompts: list[list[int]], layer_ids: list[int], reps: in
         return fn
 
     handles = [layers[k - 1].register_forward_hook(hook(s)) for s, k in enumerate(layer_ids)]
-    ids = torch.tensor(prompts, device="cuda")
+    cuda = next(model.parameters()).is_cuda  # else the shard section's CPU smoke run
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    ids = torch.tensor(prompts, device=next(model.parameters()).device)
     mask = torch.ones_like(ids)
     try:
         with torch.inference_mode():
             for _ in range(2):
                 model.model(input_ids=ids, attention_mask=mask, use_cache=False)
                 captured.clear()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() if cuda else 0
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
                 model.model(input_ids=ids, attention_mask=mask, use_cache=False)
-                torch.cuda.synchronize()
+                sync()
                 times.append(time.perf_counter() - t0)
                 captured.clear()
     finally:
@@ -231,9 +240,9 @@ def bare_prefill(model, prompts: list[list[int]], layer_ids: list[int], reps: in
             h.remove()
     tokens = ids.numel()
     med = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
     return {"tokens_per_call": tokens, "median_s": round(med, 4), "tokens_per_s": round(tokens / med),
-            "peak_gpu_gib": gib(torch.cuda.max_memory_allocated()),
-            "activation_peak_gib": gib(torch.cuda.max_memory_allocated() - base)}
+            "peak_gpu_gib": gib(peak), "activation_peak_gib": gib(peak - base)}
 
 
 def write_ceiling(store, part_bytes: int, parts: int, workers: int) -> dict:
@@ -741,6 +750,14 @@ def main() -> None:
                          "(e.g. transformers,vllm,vllm@16384: vLLM's hidden-states connector beside it on the same "
                          "shard; @N sets vLLM's max_num_batched_tokens)")
     ap.add_argument("--skip-small", action="store_true", help="no SmolLM2-shape extraction section")
+    ap.add_argument("--store-dir", default=None,
+                    help="shard section: the folder its store and dd write to, on a disk (default: the temp folder)")
+    ap.add_argument("--shard-prompts", type=int, default=512, help="shard section: prompts of --seq tokens")
+    ap.add_argument("--part-tokens", type=int, default=4096, help="shard section: extract.part_tokens")
+    ap.add_argument("--shard-writers", type=int, default=2, help="shard section: extract.write_workers")
+    ap.add_argument("--shard-shape", choices=["llama8b", "tiny"], default="llama8b",
+                    help="shard section: the target's shape (tiny: a CPU smoke run)")
+    ap.add_argument("--allow-tmpfs", action="store_true", help="shard section: accept a --store-dir in RAM")
     args = ap.parse_args()
     if args.extract_backends.split(",")[0] != "transformers":
         ap.error("--extract-backends starts with transformers (the detailed stage run); name others after it")
@@ -752,7 +769,7 @@ def main() -> None:
     only = set(args.only.split(","))
     import transformers
 
-    RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+    RESULTS["env"] = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)", "torch": torch.__version__, "cuda": torch.version.cuda,
                       "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "command": " ".join(["python3", "benchmarks/bench_gpu.py", *sys.argv[1:]]),
                       "cpus": os.cpu_count()}
@@ -760,6 +777,14 @@ def main() -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     t_all = time.perf_counter()
+    if "shard" in only:
+        import gpu_shard
+
+        gpu_shard.bg = sys.modules[__name__]  # this module's RESULTS, however it was started
+        shape = TINY if args.shard_shape == "tiny" else LLAMA8B
+        section("shard")(gpu_shard.production_shard)(
+            tmp, Path(args.store_dir or tmp) / "bench-gpu-shard", shape, None, args.prompts, args.seq,
+            args.shard_prompts, args.part_tokens, args.shard_writers, args.allow_tmpfs)
     if "matmul" in only:
         bench_matmul(4096 if args.quick else 8192)
     big = None
@@ -785,9 +810,14 @@ def main() -> None:
     RESULTS["total_s"] = round(time.perf_counter() - t_all, 1)
     save()
     md = markdown()
+    if "shard" in only:
+        md += "\n" + "\n".join(gpu_shard.markdown(RESULTS))
     (OUT / "bench_gpu.md").write_text(md + "\n")
     print("\n" + md, flush=True)
     shutil.rmtree("/dev/shm/bench-gpu", ignore_errors=True)
+    if RESULTS.get("errors"):  # every section ran; the run failed all the same (benchmarks/gpu_vllm.sh stops here)
+        print(f"!! sections failed: {', '.join(RESULTS['errors'])}", flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

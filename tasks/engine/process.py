@@ -437,7 +437,8 @@ class EngineProcess:
             with contextlib.suppress(Exception):
                 self._conn.close()
             self._conn = None
-        if self._failed and self.log_path and os.path.exists(self.log_path):
+        keep = self._failed or os.environ.get("DRAFTLINE_KEEP_ENGINE_LOGS") == "1"  # every engine's, for a scan
+        if keep and self.log_path and os.path.exists(self.log_path):
             with contextlib.suppress(OSError):
                 os.chmod(self.log_path, 0o600)
                 shutil.move(self.log_path, self.kept_log_path())
@@ -446,8 +447,9 @@ class EngineProcess:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def kept_log_path(self) -> str:
-        """Where the full log of an engine that died is kept after cleanup: this user's private (0700)
-        engine-logs folder (tasks/core/home.py), not the shared temp folder."""
+        """Where the full log of an engine that died (of every engine, with DRAFTLINE_KEEP_ENGINE_LOGS=1) is kept
+        after cleanup: this user's private (0700) engine-logs folder (tasks/core/home.py), not the shared temp
+        folder."""
         return os.path.join(private_folder("engine-logs"), f"draftline-{self.name}-{self.pid}.log")
 
     def _exit_text(self) -> str:

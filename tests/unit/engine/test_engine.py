@@ -139,7 +139,7 @@ def test_bad_request_is_an_error_but_the_engine_lives(engine):
     assert engine.extract([PROMPTS[1]], LAYER_IDS)[0].shape == (17, 4, 128)
 
 
-def test_kill_mid_request_raises_and_restart_works(engine):
+def test_kill_mid_request_raises_and_restart_works(engine, monkeypatch):
     """Runs last among the users of the shared engine: it kills it, then starts it again."""
     pid = engine.pid
     killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
@@ -158,8 +158,11 @@ def test_kill_mid_request_raises_and_restart_works(engine):
     os.remove(kept)
     assert engine.extract([PROMPTS[1]], LAYER_IDS)[0].shape == (17, 4, 128)
     workdir = engine.workdir
+    monkeypatch.setenv("DRAFTLINE_KEEP_ENGINE_LOGS", "1")  # a clean engine's log kept too (benchmarks/gpu_vllm.sh)
     engine.close()
     assert not engine.alive and workdir and not os.path.exists(workdir)
+    assert os.path.getsize(engine.kept_log_path()) > 0
+    os.remove(engine.kept_log_path())
 
 
 def test_engine_that_cannot_load_reports_why(tmp_path):
