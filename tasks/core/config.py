@@ -100,14 +100,16 @@ class TargetConfig(Section):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
 
-PROMPT_ONLY_PRESETS = ("mtbench", "instruct")  # user turns only: someone (regenerate, benchmark) answers them
+# user turns only: someone (regenerate, benchmark) answers them. humaneval, gsm8k and math are the anchors' evals
+# (tasks/data/eval_sets.py says which offline set stands for each)
+PROMPT_ONLY_PRESETS = ("mtbench", "instruct", "humaneval", "gsm8k", "math")
 
 
 class SourceConfig(Section):
     """One data source. Exactly one of `preset`, `path`, `hub` names it."""
 
     name: str | None = Field(None, description="Label stored in the `source` column; defaults to the source id.")
-    preset: Literal["chitchat", "mtbench", "instruct"] | None = None
+    preset: Literal["chitchat", "mtbench", "instruct", "humaneval", "gsm8k", "math"] | None = None
     path: str | None = Field(None, description="Local (or fsspec) JSONL, JSON or Parquet file.")
     hub: str | None = Field(None, description="Hugging Face dataset id.")
     split: str = "train"
