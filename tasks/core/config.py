@@ -268,6 +268,8 @@ class HeadConfig(Section):
         "stage stores; default all of them. A head that needs others: add them to extract.layer_ids.")
     num_layers: int | None = Field(None, ge=1, description="Draft decoder layers; default train.num_layers.")
     max_steps: int | None = Field(None, ge=1, description="Training steps; default train.max_steps.")
+    loss: Literal["default", "lk", "lk_alpha"] | None = Field(
+        None, description="The training objective of this head; default train.loss.")
     block_size: int | None = Field(
         None, ge=2, description="dflash, dspark: tokens per drafted block, the anchor plus block_size - 1 mask "
         "tokens (vLLM's num_speculative_tokens at most block_size - 1). Default 8, speculators' default.")
@@ -303,7 +305,7 @@ class HeadConfig(Section):
     def recipe(self) -> dict[str, Any]:
         """What this head adds to the train address beyond the train section: nothing for the default
         EAGLE-3 head (so drafts stored before heads existed keep their addresses)."""
-        out = self.model_dump(mode="json", exclude_defaults=True, exclude={"name", "num_layers", "max_steps"})
+        out = self.model_dump(mode="json", exclude_defaults=True, exclude={"name", "num_layers", "max_steps", "loss"})
         if self.drafts_blocks:  # unset and written-out defaults: one address
             out.update({k: v for k, v in self.dflash_settings().items() if k != "mask_token_id"})
         return out
@@ -357,6 +359,13 @@ class TrainConfig(Section):
         "parts/ under DRAFTLINE_HOME or ~/.cache/draftline). Default: DRAFTLINE_CACHE_GIB, else 90% of that "
         "disk's free space. 0: no cache. Not part of the artifact's address.")
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on the store; older ones are deleted.")
+    loss: Literal["default", "lk", "lk_alpha"] = Field(
+        "default", description="The training objective, speculators' loss functions. default: each head's own (EAGLE-3 "
+        "and DSpark: KL divergence to the target's distribution; DFlash: cross-entropy to its argmax). lk: the "
+        "LK^lambda loss of arXiv 2602.23881, which targets the acceptance rate: per position lambda * KL + (1 - "
+        "lambda) * TV with lambda = exp(-3 * alpha), alpha = sum min(p, q) the acceptance rate, not differentiated. "
+        "lk_alpha: that paper's LK^alpha, -log(alpha). Position weights, TTT decay and DSpark's confidence head "
+        "are unchanged. Enters the train address only when not default.")
     loss_impl: Literal["eager", "fused"] = Field(
         "eager", description="speculators' loss kernels: eager (any device) or fused (Triton, GPU only)."
     )
@@ -384,6 +393,8 @@ class TrainConfig(Section):
             update["num_layers"] = head.num_layers
         if head.max_steps is not None:
             update["max_steps"] = head.max_steps
+        if head.loss is not None:
+            update["loss"] = head.loss
         return self.model_copy(update=update)
 
     @property
