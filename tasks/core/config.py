@@ -243,7 +243,7 @@ class ExtractConfig(Section):
         return check_layer_ids(v, "give at least one auxiliary id plus the last layer, e.g. [2, 15, 27, 30]", 2)
 
 
-DFLASH_ONLY = ("block_size", "max_anchors", "mask_token_id")
+DFLASH_ONLY = ("block_size", "max_anchors", "mask_token_id", "attention_window")
 BLOCK_KINDS = ("dflash", "dspark")  # heads that draft a block of mask tokens in one pass (the DFlash family)
 DFLASH_BLOCK_SIZE = 8  # speculators' DFlashSpeculatorConfig default
 DFLASH_MAX_ANCHORS = 512  # speculators' training default
@@ -276,6 +276,12 @@ class HeadConfig(Section):
     max_anchors: int | None = Field(
         None, ge=1, description="dflash, dspark: blocks trained per packed batch (sampled anchor positions). "
         "Default 512.")
+    attention_window: int | None = Field(
+        None, ge=1, description="dflash, dspark: a sliding window over the context the draft attends to: each "
+        "block sees the target's hidden states of at most this many tokens before its anchor (z-lab's long-context "
+        "DFlash drafts use 4096). Written into the draft's config as every layer's `sliding_attention` with this "
+        "`sliding_window`, which vLLM's DFlash and DSpark models serve as sliding-window attention. Default: the "
+        "whole context.")
     mask_token_id: int | None = Field(
         None, ge=0, description="dflash, dspark: the token fed at masked positions. Default: resolved from the target's "
         "tokenizer as speculators does (its mask token, else a new <|MASK|> in a free embedding row, else pad/eos).")

@@ -522,3 +522,34 @@ def test_an_lk_loss_trains_chained_and_block_heads_at_their_own_address(tiny):
                   extract_stage(tiny.store, tiny.refs), on_metrics=events.append)
         losses = [e["loss"] for e in events if e["kind"] == "train"]
         assert len(losses) == 10 and sum(losses[-3:]) / 3 < 0.8 * losses[0], (head["kind"], losses)
+
+
+# ============================================================================ a draft attention window (block heads)
+
+
+def test_a_block_heads_attention_window_trains_and_is_what_vllm_serves(tiny):
+    """attention_window: speculators' DFlash trains with every layer `sliding_attention` over that many context
+    tokens, and the exported config.json is one vLLM's speculators reader and its DFlash layer resolve to that
+    window (non-causal inside the block, as trained). Its own address; unset keeps the old one."""
+    from types import SimpleNamespace as NS
+
+    from vllm.model_executor.models.qwen3_dflash import _resolve_layer_attention
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    block = {"kind": "dflash", "block_size": 4, "max_anchors": 16, "mask_token_id": 0}
+    assert digests.train(heads("{kind: dflash, attention_window: 8}"), V, SHARDS) != digests.train(
+        heads("{kind: dflash}"), V, SHARDS)
+    with pytest.raises(ConfigError, match="attention_window apply to dflash and dspark heads only"):
+        heads("{kind: eagle3, attention_window: 8}")
+    for window in (8, None):
+        ref = run_train(head_cfg(tiny, {**block, "attention_window": window}), tiny.store, tiny.vref,
+                        extract_stage(tiny.store, tiny.refs))
+        conf, _ = exported(tiny, ref)
+        layer = conf["transformer_layer_config"]
+        served = NS(**SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(conf))))
+        if window:
+            assert layer["layer_types"] == ["sliding_attention"] and layer["sliding_window"] == 8
+            assert _resolve_layer_attention(served, 0) == (8, False)
+        else:
+            assert layer["layer_types"] == ["full_attention"]
+            assert _resolve_layer_attention(served, 0) == (None, False)
