@@ -8,6 +8,23 @@
     python3 benchmarks/bench_equal_budget.py --device cuda --name h200 --work /tmp/eq --steps 400 \\
         --set extract.backend=transformers                                 # a GPU without vLLM/Prefect: same steps
     .venv/bin/python benchmarks/bench_equal_budget.py --name h200 --measure-only  # then here, on the drafts brought back
+    .venv/bin/python benchmarks/bench_equal_budget.py --config benchmarks/lk_equal_budget.yaml --work out/eqb \
+        --set 'train.heads=[{kind: dflash, block_size: 4}]' --set train.precision=fp32 --name dflash-cpu \
+        --steps 8 --ks 3 --mtbench 4 --heldout 4 --batch 4 --max-tokens 32     # a block head, ours vs theirs, on CPU
+
+Block heads (DFlash, DSpark; issue 46, item 1): with a dflash or dspark head in train.heads (or --by-steps), both
+sides train --steps steps on --device from the stored states of `draftline run --until extract` (the data path
+below), ours through our Trainer, theirs through speculators 0.9's own `speculators train` CLI
+(theirs_by_cli: their model construction, data loader, loss and Trainer, timed per step by
+benchmarks/speculators_train.py; on a CPU with their sdpa attention, eager loss and fp32), then both are measured
+in vLLM here with the draft's own method (dflash, dspark) at --ks. On the lent GPU, after `bash
+benchmarks/gpu_vllm.sh chunk ... install pipeline` has filled /tmp/gv/store, one call per head:
+    GV_KIND=dflash bash benchmarks/gpu_vllm.sh reference       # then GV_KIND=dspark
+which runs, on the pipeline's stored states (block 8 is z-lab's; k 7 = block 8 less the anchor, what vLLM serves):
+    python3 benchmarks/bench_equal_budget.py --config benchmarks/gpu_vllm_demo.yaml --device cuda --by-steps \
+        --work /tmp/gv --name dflash-reference --steps 400 --set 'train.heads=[{kind: dflash, block_size: 8}]' \
+        --ks 7 --mtbench 8 --heldout 8 --batch 8
+and writes results.json (per side: steps, tokens, tokens/s median and mean, their exact command) and table.md.
 
 --device cuda (the H200 run of benchmarks/RESULTS.md, "Equal steps on the H200"): no Prefect and no vLLM there, so
 the data artifacts (prepare/regenerate, vocab) are copied onto `--work`/store beforehand and extraction runs in this
@@ -108,7 +125,8 @@ def prepare(config: str, sets: list[str], work: Path) -> tuple[RunConfig, Store,
     cmd = [sys.executable, "-m", "cli.app", "run", config, "--until", "extract", "--json"]
     for s in sets:
         cmd += ["--set", s]
-    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"),  # the GPU's vLLM comes on PYTHONPATH (/tmp/site)
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -221,6 +239,13 @@ def theirs_by_cli(cfg: RunConfig, store: Store, inputs, held: set[str], steps: i
         n_train, n_all = speculators_dataset(data, store, inputs, held)
         np.save(Path(tmp) / "d2t.npy", inputs.d2t.numpy())
         np.save(Path(tmp) / "t2d.npy", inputs.t2d.numpy())
+        # their Trainer runs every --epochs epoch (max_steps only ends the epoch it falls in, and each later epoch
+        # trains a step): as many epochs as `steps` needs, counted low per epoch (packing fills batches less than
+        # fully), so they train `steps` steps, at most one more; the steps they trained are recorded
+        from datasets import load_from_disk
+
+        train_tokens = int(sum(load_from_disk(str(data))["seq_len"][:n_train]))
+        epochs = -(-steps // max(1, train_tokens // t.batch_tokens))
         mask = dflash_mask_token(head, inputs.target_path, int(text_config(inputs.hf_config).vocab_size),
                                  cfg.target.trust_remote_code)
         args = ["--speculator-type", head.kind, "--verifier-name-or-path", inputs.target_path,
@@ -233,7 +258,7 @@ def theirs_by_cli(cfg: RunConfig, store: Store, inputs, held: set[str], steps: i
                 "--total-seq-len", str(t.batch_tokens), "--train-data-ratio", str((n_train + 0.5) / n_all),
                 "--lr", str(t.lr), "--weight-decay", str(t.weight_decay), "--optimizer", "adamw",
                 "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(t.warmup_steps),
-                "--scheduler-total-steps", str(steps), "--max-steps", str(steps), "--epochs", str(10**6),
+                "--scheduler-total-steps", str(steps), "--max-steps", str(steps), "--epochs", str(epochs),
                 "--checkpoint-freq", str(10**6), "--no-resume-from-checkpoint", "--num-workers", "0",
                 "--loss-fn", next(iter(fk["loss_config"])), "--per-position-loss-weight",
                 fk["per_position_loss_weight"], "--dpace-alpha", str(fk["dpace_alpha"]),
