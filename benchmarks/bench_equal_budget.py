@@ -8,6 +8,23 @@
     python3 benchmarks/bench_equal_budget.py --device cuda --name h200 --work /tmp/eq --steps 400 \\
         --set extract.backend=transformers                                 # a GPU without vLLM/Prefect: same steps
     .venv/bin/python benchmarks/bench_equal_budget.py --name h200 --measure-only  # then here, on the drafts brought back
+    .venv/bin/python benchmarks/bench_equal_budget.py --config benchmarks/lk_equal_budget.yaml --work out/eqb \
+        --set 'train.heads=[{kind: dflash, block_size: 4}]' --set train.precision=fp32 --name dflash-cpu \
+        --steps 8 --ks 3 --mtbench 4 --heldout 4 --batch 4 --max-tokens 32     # a block head, ours vs theirs, on CPU
+
+Block heads (DFlash, DSpark; issue 46, item 1): with a dflash or dspark head in train.heads (or --by-steps), both
+sides train --steps steps on --device from the stored states of `draftline run --until extract` (the data path
+below), ours through our Trainer, theirs through speculators 0.9's own `speculators train` CLI
+(theirs_by_cli: their model construction, data loader, loss and Trainer, timed per step by
+benchmarks/speculators_train.py; on a CPU with their sdpa attention, eager loss and fp32), then both are measured
+in vLLM here with the draft's own method (dflash, dspark) at --ks. On the lent GPU, after `bash
+benchmarks/gpu_vllm.sh chunk ... install pipeline` has filled /tmp/gv/store, one call per head:
+    GV_KIND=dflash bash benchmarks/gpu_vllm.sh reference       # then GV_KIND=dspark
+which runs, on the pipeline's stored states (block 8 is z-lab's; k 7 = block 8 less the anchor, what vLLM serves):
+    python3 benchmarks/bench_equal_budget.py --config benchmarks/gpu_vllm_demo.yaml --device cuda --by-steps \
+        --work /tmp/gv --name dflash-reference --steps 400 --set 'train.heads=[{kind: dflash, block_size: 8}]' \
+        --ks 7 --mtbench 8 --heldout 8 --batch 8
+and writes results.json (per side: steps, tokens, tokens/s median and mean, their exact command) and table.md.
 
 --device cuda (the H200 run of benchmarks/RESULTS.md, "Equal steps on the H200"): no Prefect and no vLLM there, so
 the data artifacts (prepare/regenerate, vocab) are copied onto `--work`/store beforehand and extraction runs in this
@@ -53,6 +70,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,7 +84,7 @@ sys.path.insert(0, str(REPO / "tests" / "support"))
 
 import torch  # noqa: E402
 
-from bench_train import clear_checkpoints, free_memory, run_speculators  # noqa: E402
+from bench_train import clear_checkpoints, free_memory, run_speculators, speculators_dataset  # noqa: E402
 from tasks.address import digests  # noqa: E402
 from tasks.core.config import EvalConfig, RunConfig, load_config  # noqa: E402
 from tasks.store.artifacts import Store  # noqa: E402
@@ -107,7 +125,8 @@ def prepare(config: str, sets: list[str], work: Path) -> tuple[RunConfig, Store,
     cmd = [sys.executable, "-m", "cli.app", "run", config, "--until", "extract", "--json"]
     for s in sets:
         cmd += ["--set", s]
-    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"),  # the GPU's vLLM comes on PYTHONPATH (/tmp/site)
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -184,13 +203,92 @@ def train_steps(cfg: RunConfig, store: Store, vocab, shards, steps: int, drafts:
     held, eval_set = heldout(trainer), trainer.held_out.batches
     del trainer
     free_memory()
-    res = run_speculators(cfg, store, inputs, held, eval_set, 0, device, keep_model=True)
     folder = drafts / f"{name}-theirs-{steps}steps"
-    export_theirs(res, folder, cfg)
+    if cfg.train.head.drafts_blocks:
+        res = theirs_by_cli(cfg, store, inputs, held, steps, folder, device)
+    else:
+        res = run_speculators(cfg, store, inputs, held, eval_set, 0, device, keep_model=True)
+        export_theirs(res, folder, cfg)
     theirs = {"draft": folder.name, "side": "theirs", **res}
-    print(f"theirs: {res['steps']} steps in {res['wall_s']}s, {res['tokens_per_s']:.1f} tok/s, "
+    print(f"theirs: {res['steps']} steps in {res['wall_s']}s, {res['tokens_per_s']} tok/s, "
           f"sim AL {res.get('simulated_acceptance_length')}", flush=True)
     return [ours, theirs]
+
+
+def theirs_by_cli(cfg: RunConfig, store: Store, inputs, held: set[str], steps: int, folder: Path,
+                  device: str) -> dict:
+    """A block head (DFlash, DSpark) trained by speculators 0.9's own `speculators train` (their CLI, model
+    construction, data loader, loss and Trainer; benchmarks/speculators_train.py times its steps) on our stored
+    hidden states rewritten in their layout (held-out rows last, their val split), with what ours trains with:
+    the same steps, packed tokens per step, lr, warm-up + cosine schedule, seed, draft depth, block size, anchors,
+    mask token, layers, vocabulary maps and loss (name, position weights, D-PACE alpha: our forward_kwargs). On a
+    CPU their sdpa attention and eager loss (FACTS: no flex backward, no Triton); bf16 on a GPU, fp32 on a CPU."""
+    import tempfile
+
+    import numpy as np
+
+    from tasks.train.loop import forward_kwargs
+    from tasks.train.model import dflash_mask_token
+    from tasks.engine.target import text_config
+
+    t, head = cfg.train, cfg.train.head
+    fk = forward_kwargs(t)
+    s = head.dflash_settings()
+    with tempfile.TemporaryDirectory(prefix="bench-speculators-cli-") as tmp:
+        data = Path(tmp) / "data"
+        n_train, n_all = speculators_dataset(data, store, inputs, held)
+        np.save(Path(tmp) / "d2t.npy", inputs.d2t.numpy())
+        np.save(Path(tmp) / "t2d.npy", inputs.t2d.numpy())
+        # their Trainer runs every --epochs epoch (max_steps only ends the epoch it falls in, and each later epoch
+        # trains a step): as many epochs as `steps` needs, counted low per epoch (packing fills batches less than
+        # fully), so they train `steps` steps, at most one more; the steps they trained are recorded
+        from datasets import load_from_disk
+
+        train_tokens = int(sum(load_from_disk(str(data))["seq_len"][:n_train]))
+        epochs = -(-steps // max(1, train_tokens // t.batch_tokens))
+        mask = dflash_mask_token(head, inputs.target_path, int(text_config(inputs.hf_config).vocab_size),
+                                 cfg.target.trust_remote_code)
+        args = ["--speculator-type", head.kind, "--verifier-name-or-path", inputs.target_path,
+                "--data-path", str(data), "--save-path", str(Path(tmp) / "ckpt"), "--seed", str(t.seed),
+                "--num-layers", str(t.num_layers), "--draft-arch", "qwen3",
+                "--target-layer-ids", *map(str, inputs.layer_ids[:-1]),
+                "--draft-vocab-size", str(int(inputs.d2t.shape[0])), "--d2t-path", str(Path(tmp) / "d2t.npy"),
+                "--t2d-path", str(Path(tmp) / "t2d.npy"), "--mask-token-id", str(mask),
+                "--block-size", str(s["block_size"]), "--max-anchors", str(s["max_anchors"]),
+                "--total-seq-len", str(t.batch_tokens), "--train-data-ratio", str((n_train + 0.5) / n_all),
+                "--lr", str(t.lr), "--weight-decay", str(t.weight_decay), "--optimizer", "adamw",
+                "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(t.warmup_steps),
+                "--scheduler-total-steps", str(steps), "--max-steps", str(steps), "--epochs", str(epochs),
+                "--checkpoint-freq", str(10**6), "--no-resume-from-checkpoint", "--num-workers", "0",
+                "--loss-fn", next(iter(fk["loss_config"])), "--per-position-loss-weight",
+                fk["per_position_loss_weight"], "--dpace-alpha", str(fk["dpace_alpha"]),
+                "--dflash-decay-gamma", str(fk["gamma"]),
+                "--hidden-states-dtype", "bfloat16" if device == "cuda" else "float32",
+                "--draft-attn-impl", "simple_flex_attention" if device == "cuda" else "sdpa",
+                "--loss-implementation", t.loss_impl if device == "cuda" else "eager"]
+        if head.kind == "dspark":
+            args += ["--confidence-head-alpha", str(fk["confidence_head_alpha"])]
+        timing = Path(tmp) / "timing.json"
+        cmd = [sys.executable, str(REPO / "benchmarks" / "speculators_train.py"), "--timing", str(timing),
+               *(["--cpu"] if device == "cpu" else []), "--", *args]
+        print("theirs: " + " ".join(cmd), flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            sys.exit(f"speculators train failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        stamps = json.loads(timing.read_text())["steps"]
+        per_step = [n / (b - a) for (n, a), (_, b) in zip(stamps, stamps[1:])][2:]  # first two: warm-up
+        saved = sorted(Path(tmp, "ckpt").rglob("model.safetensors"), key=lambda p: p.stat().st_mtime)
+        if not saved:
+            sys.exit(f"speculators train saved no model.safetensors under {tmp}/ckpt:\n{proc.stderr[-2000:]}")
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(saved[-1].parent / name, folder / name)
+    return {"steps": len(stamps) - 1, "wall_s": round(wall, 1), "tokens": sum(n for n, _ in stamps),
+            "tokens_per_s": round(statistics.median(per_step), 1) if per_step else None,
+            "mean_tokens_per_s": round(sum(n for n, _ in stamps[2:-1]) / (stamps[-2][1] - stamps[2][1]), 1)
+            if len(stamps) > 4 else None, "command": "speculators train " + " ".join(args)}
 
 
 EMBED = "embed_tokens.weight"
@@ -353,7 +451,8 @@ def train_theirs(cfg: RunConfig, store: Store, vocab, shards, budget_min: float,
 def measure(cfg: RunConfig, store: Store, data, drafts: list[str], folder: Path, ks: list[int], n_mtbench: int,
             n_heldout: int, batch: int, max_tokens: int, baseline: bool) -> dict:
     """Each draft at each k in vLLM (the benchmark stage's code), plus the baseline for tokens/s."""
-    from tasks.benchmark.stage import default_engine_factory, engine_kwargs
+    from tasks.benchmark.stage import VLLM_METHODS, default_engine_factory
+    from tasks.engine.settings import benchmark_kwargs as engine_kwargs
     from tasks.benchmark.measure import acceptance_figures, measure as measure_run
     from tasks.benchmark.prompts import load_eval_prompts
     from tasks.data.chat import make_masker
@@ -396,8 +495,9 @@ def measure(cfg: RunConfig, store: Store, data, drafts: list[str], folder: Path,
         serve("baseline", engine_kwargs(cfg, None, model), None, None)
     for k in ks:
         for d in drafts:
-            spec = {"method": "eagle3", "model": str(folder / d), "num_speculative_tokens": k}
-            serve(f"eagle3-{d}-k{k}", engine_kwargs(cfg, spec, model), k, d)
+            method = VLLM_METHODS[json.loads((folder / d / "config.json").read_text())["speculators_model_type"]]
+            spec = {"method": method, "model": str(folder / d), "num_speculative_tokens": k}
+            serve(f"{method}-{d}-k{k}", engine_kwargs(cfg, spec, model), k, d)
     return results
 
 
@@ -466,7 +566,10 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: no Prefect/vLLM; extract here (prepare_direct), train both sides --steps steps "
                          "(train_steps), export, no measuring (measure the drafts with --measure-only on vLLM)")
-    ap.add_argument("--steps", type=int, default=400, help="--device cuda: training steps, both sides")
+    ap.add_argument("--steps", type=int, default=400, help="--device cuda / --by-steps: training steps, both sides")
+    ap.add_argument("--by-steps", action="store_true",
+                    help="the data through draftline run, both sides --steps steps on --device (train_steps), then "
+                         "measured in vLLM here; always so for a block head (DFlash, DSpark) in train.heads")
     ap.add_argument("--ks", default="1,2,3")
     ap.add_argument("--mtbench", type=int, default=80)
     ap.add_argument("--heldout", type=int, default=32)
@@ -485,7 +588,9 @@ def main() -> None:
         vocab_coverage(results["measured"], drafts)
         print(table(results["trained"], results["measured"]))
         return
-    if args.device == "cuda":
+    # block heads (DFlash, DSpark): equal steps on both sides, theirs by their own CLI, which needs a step count
+    by_steps = args.by_steps or any(h.drafts_blocks for h in load_config(args.config, args.sets).train.heads)
+    if args.device == "cuda" and not by_steps:
         cfg, store, data, vocab, shards = prepare_direct(args.config, args.sets, work)
         results = {"argv": sys.argv, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                    "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -508,6 +613,9 @@ def main() -> None:
     if not args.measure_only:
         exports = [float(x) for x in args.exports.split(",") if x]
         trainer = None
+        if by_steps:
+            results["trained"] += train_steps(cfg, store, vocab, shards, args.steps, drafts, args.name, args.device)
+            sides = []
         if "ours" in sides:
             rows, trainer = train_ours(cfg, store, vocab, shards, args.budget_cpu_min, exports, drafts,
                                        f"{args.name}-ours")

@@ -240,6 +240,15 @@ def speculators_dataset(folder: Path, store: Store, inputs, held_ids: set[str]) 
     return n_train, len(rows)
 
 
+def speculators_on_cpu() -> None:
+    """The two CUDA-only spots of speculators' Trainer, patched for a CPU: model.to(local rank) and
+    torch.accelerator.synchronize."""
+    import speculators.train.trainer as sp_trainer
+
+    sp_trainer.get_local_rank = lambda: "cpu"
+    torch.accelerator.synchronize = lambda *a, **k: None
+
+
 def run_speculators(cfg: RunConfig, store: Store, inputs, held_ids: set[str], eval_batches, workers: int,
                     device: str, attn: str | None = None, *, bf16_cpu: bool = False,
                     after_step: Callable[[Any, Any], bool] | None = None, keep_model: bool = False) -> dict:
@@ -288,9 +297,8 @@ def run_speculators(cfg: RunConfig, store: Store, inputs, held_ids: set[str], ev
             val_call_kwargs=kwargs, optimizer="adamw", weight_decay=t.weight_decay, scheduler_type="cosine",
             scheduler_warmup_steps=t.warmup_steps, scheduler_total_steps=t.max_steps,
             hidden_states_dtype=hs_dtype, max_steps=t.max_steps)
-        if device == "cpu":  # the two CUDA-only spots of their Trainer: model.to(0) and accelerator.synchronize
-            sp_trainer.get_local_rank = lambda: "cpu"
-            torch.accelerator.synchronize = lambda *a, **k: None
+        if device == "cpu":
+            speculators_on_cpu()
         trainer = sp_trainer.Trainer(model, config, train_loader, val_loader)
         if device == "cpu" and bf16_cpu:
             trainer.device_type = "cpu"  # their autocast(device_type, hidden_states_dtype) on a CPU

@@ -29,6 +29,10 @@
 #   dspark       the pipeline's DSpark draft (the store's train artifact of head kind dspark) in vLLM at k=3 through
 #                draftline's benchmark stage (gpu_vllm.py dspark): acceptance per eval into /tmp/gv/dspark.json;
 #                the engines the pipeline's benchmark committed (baseline, the head at k=3) are reused
+#   reference    (issue 46, item 1) one block head (GV_KIND dflash or dspark, block 8) trained by draftline and by
+#                speculators' own `speculators train` on the pipeline's stored states (/tmp/gv/store), the same
+#                GV_REF_STEPS (400) steps of 2,048 tokens each, then both in vLLM at k 7 (block 8 less the anchor):
+#                benchmarks/bench_equal_budget.py --by-steps; results.json and table.md into $OUT
 #   kimi         (e) a tiny random-init Kimi-K2.5-layout target (MLA, experts, the VLM wrapper) served by the
 #                stand-in hub, fetched with `draftline weights`, its states extracted through vLLM
 #   report       benchmarks/gpu_vllm.py report: every figure into $OUT/gpu_vllm.json and .md
@@ -129,6 +133,15 @@ for step in "$@"; do
     timeout "${GV_DSPARK_S:-420}" python3 benchmarks/gpu_vllm.py dspark --config benchmarks/gpu_vllm_demo.yaml \
       --out /tmp/gv/dspark.json --k "${GV_DSPARK_K:-3}" >"$OUT/dspark.log" 2>&1
     rc=$?; say "dspark rc=$rc"; grep -E "DSpark k=|reused|Error" "$OUT/dspark.log" | tail -8; cp /tmp/gv/dspark.json "$OUT/" 2>/dev/null ;;
+  reference)
+    K=${GV_KIND:-dflash}
+    timeout "${GV_REF_S:-580}" python3 benchmarks/bench_equal_budget.py --config benchmarks/gpu_vllm_demo.yaml \
+      --device cuda --by-steps --work /tmp/gv --name "$K-reference" --steps "${GV_REF_STEPS:-400}" \
+      --set "train.heads=[{kind: $K, block_size: 8}]" --ks 7 --mtbench 8 --heldout 8 --batch 8 \
+      >"$OUT/$K-reference.log" 2>&1
+    rc=$?; say "reference $K rc=$rc"; grep -E "^ours|^theirs|AL |Error" "$OUT/$K-reference.log" | tail -10
+    cp /tmp/gv/"$K-reference"/results.json "$OUT/$K-reference.json" 2>/dev/null
+    cp /tmp/gv/"$K-reference"/table.md "$OUT/$K-reference.md" 2>/dev/null ;;
   kimi)
     REPO=(); [ -d /tmp/gv/kimi/repo ] && REPO=(--repo /tmp/gv/kimi/repo)
     timeout 300 python3 benchmarks/gpu_vllm.py kimi --root /tmp/gv/kimi "${REPO[@]}" --out /tmp/gv/kimi.json \

@@ -131,6 +131,8 @@ def train(cfg, vocab_ref, shard_refs, head=None) -> str:
     # attn_impl left the address (every kernel trains the same draft), but drafts stored before that were
     # addressed with the then-default "sdpa" in it: the constant keeps their addresses, so none retrains.
     section["attn_impl"] = "sdpa"
+    if section.get("loss") == "default":  # the objective drafts were always trained with: their addresses stay
+        del section["loss"]
     recipe = t.head.recipe()
     if recipe:
         section["head"] = recipe

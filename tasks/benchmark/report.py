@@ -75,6 +75,15 @@ def _round(x: Any, n: int) -> Any:
     return None if x is None else round(float(x), n)
 
 
+def counting_line(c: dict[str, Any]) -> str:
+    """One sentence of `counting` for report.md and the terminal."""
+    if not c:
+        return "Counting: not recorded (a report from before it was)."
+    block = f", block size {c['block_size']}" if c.get("block_size") else ""
+    return (f"Counting: acceptance length = {c['acceptance_length']}; k = {c['num_speculative_tokens']}{block}, "
+            f"temperature {c['temperature']}, thinking {c['thinking']}, batch sizes {c['batch_sizes']}.")
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     """A self-contained markdown report (tables only; the PNG sits beside it as report.png)."""
     mb = report.get("measured_by", {})
@@ -91,6 +100,7 @@ def report_markdown(report: dict[str, Any]) -> str:
                      f"layer ids {dr.get('layer_ids')}, norms: {', '.join(norms) or 'none'}).")
     lines.append(f"Temperature {s.get('temperature')}, max {s.get('max_tokens')} new tokens, batch sizes "
                  f"{s.get('batch_sizes')}, speculative tokens {s.get('num_speculative_tokens')}.")
+    lines.append(counting_line(s.get("counting") or {}))
     lines += serve_markdown(report)
     lines.append("")
     for name, ev in report.get("evals", {}).items():
@@ -201,10 +211,11 @@ def heads_markdown(report: dict[str, Any]) -> list[str]:
              "Every head trained from the same stored hidden states, and every draft of benchmark.drafts (origin "
              "`benchmark.drafts`: published or exported elsewhere, no offline estimate), measured in this session "
              "against the same baseline. `offline only`: vLLM could not decode with that head; the error is quoted.",
-             "", "| head | origin | kind | vLLM method | trained steps | layer ids | simulated AL (train) | draft |",
-             "|---|---|---|---|---:|---|---:|---|"]
+             "", "| head | origin | kind | vLLM method | block size | trained steps | layer ids | simulated AL (train) | "
+             "draft |", "|---|---|---|---|---:|---:|---|---:|---|"]
     for label, h in heads.items():
         lines.append(f"| {label} | {h.get('origin', 'trained')} | {h['kind']} | {h.get('vllm_method')} | "
+                     f"{h.get('block_size') or '-'} | "
                      f"{_f(h.get('steps'), 'd')} | {h.get('layer_ids')} | {_f(h.get('simulated_acceptance_length'))} | "
                      f"`{h.get('uri')}` |")
     lines += ["", "| head | kind | eval | k | batch | measured in | accept len | per-position acceptance | simulated "
@@ -433,6 +444,8 @@ def render_terminal(benchmark: dict[str, Any], console: Any, report: dict[str, A
                + ("per position = share of drafts accepted up to each position; " if wide else "")
                + "tok/s vs base(line) = speedup; same = greedy outputs identical to the baseline's (noise = "
                "they differ only as much as the baseline differs from itself across batch shapes)")
+    if report:
+        caption += ". " + counting_line((report.get("settings") or {}).get("counting") or {})
     table = Table(title=title, caption=caption)
     for col in cols:
         table.add_column(col, justify="left" if col in ("eval", "per position") else "right",

@@ -26,6 +26,19 @@ from tasks.store.artifacts import ArtifactRef, Store
 SCHEMA = "draftline.benchmark/1"
 
 
+def counting(cfg: RunConfig, draft_info: dict[str, Any]) -> dict[str, Any]:
+    """How the report counts, so that a figure can be set beside a published one number for number: acceptance
+    length includes the bonus token (the target's own token at every verify step), k, the block size of a block
+    head, temperature, thinking on or off in the prompts' chat template, and the batch sizes."""
+    thinking = (("on" if cfg.regenerate.thinking else "off") if cfg.regenerate.enabled
+                else "the chat template's default (no enable_thinking passed)")
+    return {"acceptance_length": "1 + accepted / drafts: vLLM's spec_decode_num_accepted_tokens over "
+                                 "spec_decode_num_drafts, plus 1 for the bonus token (included)",
+            "bonus_token_included": True, "num_speculative_tokens": cfg.benchmark.num_speculative_tokens,
+            "block_size": draft_info.get("block_size"), "temperature": cfg.benchmark.temperature,
+            "thinking": thinking, "batch_sizes": cfg.benchmark.batch_sizes}
+
+
 def assemble_report(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str, dict[int, RunResult]],
                     spec: dict[int, dict[str, dict[int, RunResult]]], train_stats: dict[str, Any],
                     draft_info: dict[str, Any], measured_by: dict[str, Any],
@@ -52,7 +65,7 @@ def assemble_report(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str
         "measured_by": measured_by,
         "settings": {"temperature": b.temperature, "max_tokens": b.max_tokens, "batch_sizes": b.batch_sizes,
                      "num_speculative_tokens": b.num_speculative_tokens,
-                     "mismatch_threshold": b.mismatch_threshold},
+                     "mismatch_threshold": b.mismatch_threshold, "counting": counting(cfg, draft_info)},
         "evals": {ev.name: {**ev.summary(), "in_distribution": in_distribution(cfg, ev.name),
                             **({"draft_vocab_coverage": vocab_coverage[ev.name]}
                                if vocab_coverage and ev.name in vocab_coverage else {})} for ev in evals},

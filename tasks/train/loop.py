@@ -47,20 +47,28 @@ from tasks.train.state import RunState
 from tasks.train.stream import Batch, BatchStream, PartData, PartReader, PartSpec
 
 
+# train.loss -> speculators' loss of that name (speculators.losses: LK^lambda is `lk_hybrid`, eta 3, LK^alpha `nla`)
+LK_LOSSES = {"lk": "lk_hybrid", "lk_alpha": "nla"}
+
+
 def forward_kwargs(t: TrainConfig) -> dict[str, Any]:
     """The loss settings a head's forward pass takes: speculators' defaults for its kind (EAGLE-3: KL
     divergence over `ttt_steps`; DFlash: cross-entropy, D-PACE position weights, `max_anchors` blocks;
     DSpark, as `speculators train` resolves it: KL divergence with exponentially decaying position weights
-    (gamma 4), plus the confidence head's BCE against the total-variation acceptance rate, weight 1)."""
+    (gamma 4), plus the confidence head's BCE against the total-variation acceptance rate, weight 1).
+    `train.loss` lk / lk_alpha swaps the per-position divergence (KL or CE) for an LK loss of arXiv 2602.23881,
+    which targets the acceptance rate; the position weights and DSpark's confidence head stay as they are."""
     from speculators.losses import resolve_loss_config
 
+    def loss(default: str) -> Any:
+        return resolve_loss_config(LK_LOSSES.get(t.loss, default), t.loss_impl)
+
     if not t.head.drafts_blocks:
-        return {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": t.ttt_step_loss_decay,
-                "loss_config": resolve_loss_config("kl_div", t.loss_impl)}
+        return {"ttt_steps": t.ttt_steps, "ttt_step_loss_decay": t.ttt_step_loss_decay, "loss_config": loss("kl_div")}
     block = {"gamma": 4.0, "max_anchors": t.head.dflash_settings()["max_anchors"], "dpace_alpha": 0.5}
     if t.head.kind == "dflash":
-        return {**block, "loss_config": resolve_loss_config("ce", t.loss_impl), "per_position_loss_weight": "dpace"}
-    return {**block, "loss_config": resolve_loss_config("kl_div", t.loss_impl),
+        return {**block, "loss_config": loss("ce"), "per_position_loss_weight": "dpace"}
+    return {**block, "loss_config": loss("kl_div"),
             "tv_loss_fn": resolve_loss_config("tv", t.loss_impl)["tv"][0], "confidence_head_alpha": 1.0,
             "per_position_loss_weight": "fixed-exp-decay"}
 

@@ -84,10 +84,11 @@ def _register_mla_layers() -> None:
 
 
 def draft_layer_config(train: TrainConfig, target: TargetConfig, target_path: str, hf_config: Any,
-                       kind: str = "eagle3") -> Any:
+                       kind: str = "eagle3", window: int | None = None) -> Any:
     """The draft decoder layer's config for a head `kind`: the target's layer type (Qwen3 with silu for
     DFlash and DSpark, the layer vLLM's DFlash model has; DeepSeek-V3's MLA layer for eagle3-mla) and
-    attention shape."""
+    attention shape. `window` (a block head's attention_window): every layer `sliding_attention` over that
+    many tokens, the fields both speculators' DFlash model and vLLM's read."""
     from speculators.train.cli import create_transformer_layer_config
 
     tc = text_config(hf_config)
@@ -97,8 +98,9 @@ def draft_layer_config(train: TrainConfig, target: TargetConfig, target_path: st
     layer_cfg = create_transformer_layer_config(
         verifier_name_or_path=target_path, num_layers=train.num_layers,
         draft_arch="qwen3" if dflash else draft_arch(tc), hidden_act="silu" if dflash else None,
-        sliding_window=int(getattr(tc, "max_position_embeddings", 4096) or 4096),
-        full_attention_indices=list(range(train.num_layers)), trust_remote_code=target.trust_remote_code)
+        sliding_window=window or int(getattr(tc, "max_position_embeddings", 4096) or 4096),
+        full_attention_indices=[] if window else list(range(train.num_layers)),
+        trust_remote_code=target.trust_remote_code)
     if is_mla(tc):
         # MLA targets (DeepSeek-V3, Kimi-K2.5): their `head_dim` is the rotary part only (64), which would give
         # the Llama draft layer a narrow attention (64 heads x 64 for a 7168 hidden). Use the value head width.
@@ -226,7 +228,8 @@ def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str
     head = train.head
     model_cls, config_cls = speculators_kind(head.kind)
     tc = text_config(hf_config)
-    layer_cfg = draft_layer_config(train, target, target_path, hf_config, kind=head.kind)
+    layer_cfg = draft_layer_config(train, target, target_path, hf_config, kind=head.kind,
+                                   window=head.attention_window)
     impl = attn_impl or (train.attn_impl if train.attn_impl != "auto" else "sdpa")
     layer_cfg._attn_implementation = "simple_flex_attention" if impl == "flex_attention" else impl
     k = int(d2t.shape[0])

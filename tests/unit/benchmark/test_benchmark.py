@@ -578,6 +578,55 @@ def test_heldout_prompts_are_first_user_turns_with_the_generation_prompt(tmp_pat
     assert len(mt.prompts) == 8 and mt.available == 80
 
 
+def test_the_anchors_evals_load_offline_as_benchmark_prompts(tmp_path):
+    """HumanEval, GSM8K (GSM-Symbolic) and Math500 (CHAMP): the sets the published drafts are quoted on, from
+    the packages that ship them, rendered like MT-Bench; the same prompts every time."""
+    store = Store(f"file://{tmp_path}/store")
+    cfg = bench_cfg()
+    data = commit(store, "prepare", "p" * 32, {"heldout.parquet": heldout_parquet([])})
+    texts = {}
+    for preset, available, needle in (("humaneval", 164, "def has_close_elements"),
+                                      ("gsm8k", 100, "\\boxed{}"), ("math", 270, "\\boxed{}")):
+        seen: list[str] = []
+        ev = load_eval_prompts(cfg, store, data, EvalConfig(name=preset, source=SourceConfig(preset=preset),
+                                                            num_prompts=4),
+                               lambda m: seen.append(m[-1]["content"]) or [1] * len(m[-1]["content"]))
+        assert ev.available == available and len(ev.prompts) == 4, (preset, ev.available)
+        assert needle in seen[0] and len(set(seen)) == len(seen)
+        texts[preset] = seen
+        again = load_eval_prompts(cfg, store, data, EvalConfig(name=preset, source=SourceConfig(preset=preset),
+                                                               num_prompts=4), lambda m: [1])
+        assert again.sample_ids == ev.sample_ids
+    assert "How long will it take her to peel and saute" in texts["gsm8k"][0]  # GSM8K's wording, GSM-Symbolic's numbers
+    import sys as _sys
+    assert "reasoning_gym" not in _sys.modules  # its package, stood in for while loading, is not left behind
+
+
+def test_the_report_states_its_counting(tmp_path):
+    """A figure set beside a published one needs its counting: AL includes the bonus token (1 + accepted /
+    drafts), k, block size of a block head, temperature, thinking, batch sizes: in report.md and the terminal."""
+    from rich.console import Console
+
+    cfg = bench_cfg()
+    rep = fabricated_report(cfg, draft_info={"draft_vocab_size": 8, "block_size": 8})
+    c = rep["settings"]["counting"]
+    assert c["bonus_token_included"] and c["block_size"] == 8 and c["num_speculative_tokens"] == [1, 3]
+    # the k=1 figure is 1 + 45 accepted / 100 drafts: the bonus token is in it
+    assert rep["benchmark"]["mtbench"]["1"]["mean_acceptance_length"] == pytest.approx(1.45)
+    md = report_markdown(rep)
+    line = next(x for x in md.splitlines() if x.startswith("Counting:"))
+    for part in ("plus 1 for the bonus token (included)", "k = [1, 3]", "block size 8", "temperature 0.0",
+                 "thinking on", "batch sizes [1, 4]"):
+        assert part in line, part
+    cfg.regenerate.thinking = False
+    assert "thinking off," in report_markdown(fabricated_report(cfg))
+    cfg.regenerate.enabled = False  # prompts rendered without enable_thinking
+    assert "thinking the chat template's default" in report_markdown(fabricated_report(cfg))
+    console = Console(record=True, width=400)
+    render_terminal(rep["benchmark"], console, rep)
+    assert "bonus token (included)" in console.export_text()
+
+
 def test_bad_inputs_name_the_fix(tmp_path):
     store = Store(f"file://{tmp_path}/store")
     cfg = bench_cfg()

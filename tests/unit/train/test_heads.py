@@ -480,3 +480,76 @@ def test_the_equal_budget_benchmark_gives_every_head_the_same_budget():
     assert all(h.dflash_settings()["block_size"] - 1 >= max(cfg.benchmark.num_speculative_tokens)
                for h in cfg.train.heads if h.drafts_blocks)
     assert cfg.store.uri.startswith("file://.draftline/") and cfg.store.uri != load_config(root / "configs" / "demo.yaml").store.uri
+
+
+# ============================================================================ train.loss: the LK losses
+
+
+def test_lk_losses_are_the_papers_formulas_checked_by_hand():
+    """train.loss lk is LK^lambda of arXiv 2602.23881, lambda * KL(p||q) + (1 - lambda) * TV(p, q) with
+    lambda = exp(-3 alpha) and alpha = sum_v min(p_v, q_v); lk_alpha is LK^alpha = -log(alpha). p = (1/2, 1/4,
+    1/4), q = (1/4, 1/2, 1/4): alpha = 3/4, TV = 1/4, KL = ln 2 / 4. Each head kind swaps its own divergence
+    (EAGLE-3 and DSpark KL, DFlash CE) for it; default keeps theirs."""
+    import math
+
+    from tasks.train.loop import forward_kwargs
+
+    p, q = torch.tensor([[[0.5, 0.25, 0.25]]]).log(), torch.tensor([[[0.25, 0.5, 0.25]]]).log()
+    lam = math.exp(-3 * 0.75)
+    by_hand = {"lk": lam * math.log(2) / 4 + (1 - lam) * 0.25, "lk_alpha": -math.log(0.75)}
+    assert by_hand["lk"] == pytest.approx(0.241915, abs=1e-6)
+    for kind, default in (("eagle3", "kl_div"), ("dflash", "ce"), ("dspark", "kl_div")):
+        cfg = load_config(None, [f"train.heads=[{{kind: {kind}}}]"])
+        assert list(forward_kwargs(cfg.train)["loss_config"]) == [default]
+        for loss, want in by_hand.items():
+            for t in (cfg.model_copy(update={"train": cfg.train.model_copy(update={"loss": loss})}).train,
+                      cfg.train.for_head(HeadConfig(kind=kind, loss=loss))):  # train.loss, or one head's loss
+                (fn, weight), = forward_kwargs(t)["loss_config"].values()
+                assert weight == 1.0 and fn(q, p).item() == pytest.approx(want, abs=1e-5), (kind, loss)
+
+
+def test_an_lk_loss_trains_chained_and_block_heads_at_their_own_address(tiny):
+    """The loss falls on the tiny target for an EAGLE-3 and a DFlash head trained with train.loss lk; an LK
+    head is another draft (its own address), while loss: default keeps the address drafts were stored at."""
+    assert digests.train(load_config(None, ["train.loss=default"]), V, SHARDS) == digests.train(RunConfig(), V, SHARDS)
+    assert digests.train(load_config(None, ["train.loss=lk"]), V, SHARDS) != digests.train(RunConfig(), V, SHARDS)
+    cfg = heads("{kind: eagle3}", "{kind: eagle3, name: eagle3-lk, loss: lk}")
+    assert digests.train(cfg, V, SHARDS, cfg.train.heads[1]) == digests.train(
+        load_config(None, ["train.loss=lk"]), V, SHARDS)
+    for head in ({"kind": "eagle3"}, {"kind": "dflash", "block_size": 4, "max_anchors": 16, "mask_token_id": 0}):
+        events: list[dict] = []
+        run_train(head_cfg(tiny, head, loss="lk", max_steps=10), tiny.store, tiny.vref,
+                  extract_stage(tiny.store, tiny.refs), on_metrics=events.append)
+        losses = [e["loss"] for e in events if e["kind"] == "train"]
+        assert len(losses) == 10 and sum(losses[-3:]) / 3 < 0.8 * losses[0], (head["kind"], losses)
+
+
+# ============================================================================ a draft attention window (block heads)
+
+
+def test_a_block_heads_attention_window_trains_and_is_what_vllm_serves(tiny):
+    """attention_window: speculators' DFlash trains with every layer `sliding_attention` over that many context
+    tokens, and the exported config.json is one vLLM's speculators reader and its DFlash layer resolve to that
+    window (non-causal inside the block, as trained). Its own address; unset keeps the old one."""
+    from types import SimpleNamespace as NS
+
+    from vllm.model_executor.models.qwen3_dflash import _resolve_layer_attention
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    block = {"kind": "dflash", "block_size": 4, "max_anchors": 16, "mask_token_id": 0}
+    assert digests.train(heads("{kind: dflash, attention_window: 8}"), V, SHARDS) != digests.train(
+        heads("{kind: dflash}"), V, SHARDS)
+    with pytest.raises(ConfigError, match="attention_window apply to dflash and dspark heads only"):
+        heads("{kind: eagle3, attention_window: 8}")
+    for window in (8, None):
+        ref = run_train(head_cfg(tiny, {**block, "attention_window": window}), tiny.store, tiny.vref,
+                        extract_stage(tiny.store, tiny.refs))
+        conf, _ = exported(tiny, ref)
+        layer = conf["transformer_layer_config"]
+        served = NS(**SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(conf))))
+        if window:
+            assert layer["layer_types"] == ["sliding_attention"] and layer["sliding_window"] == 8
+            assert _resolve_layer_attention(served, 0) == (8, False)
+        else:
+            assert layer["layer_types"] == ["full_attention"]
+            assert _resolve_layer_attention(served, 0) == (None, False)
