@@ -52,7 +52,7 @@ mkdir -p "$OUT" /tmp/gv
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 export PREFECT_HOME=/tmp/gv/prefect PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=180 \
-  PREFECT_SERVER_ANALYTICS_ENABLED=false DRAFTLINE_HOME=/tmp/gv/home
+  PREFECT_SERVER_ANALYTICS_ENABLED=false DRAFTLINE_HOME=${GV_HOME:-/tmp/gv/home}
 export DRAFTLINE_KEEP_ENGINE_LOGS=1  # every engine's log is kept in $DRAFTLINE_HOME/engine-logs for `errors`
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -135,7 +135,7 @@ for step in "$@"; do
       >"$OUT/kimi.log" 2>&1
     rc=$?; say "kimi rc=$rc"; tail -5 "$OUT/kimi.log" ;;
   errors)  # every engine's log (they stay on the device machine, which goes back after the call)
-    logs=$(ls /tmp/gv/home/engine-logs/*.log /tmp/gv/kimi/home/engine-logs/*.log \
+    logs=$(ls "$DRAFTLINE_HOME"/engine-logs/*.log /tmp/gv/kimi/home/engine-logs/*.log \
       2>/dev/null); n_err=0
     { echo "engine logs scanned: $(echo "$logs" | grep -c .)"
       for f in $logs; do
