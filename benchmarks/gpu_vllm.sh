@@ -15,7 +15,10 @@
 #                x 2,048 tokens (default 512: 34.4 GB of bf16 states, 256 parts of GV_PART_TOKENS=4096 tokens,
 #                ~40 s of extraction after a ~150 s engine start), GV_SHARD_S (default 570). The step command:
 #                  bash benchmarks/gpu_vllm.sh shard
-#                (after `... chunk .gpucN install` from either list); bench_gpu.json and .md land in $OUT.
+#                (after `... chunk .gpucN install` from either list); shard.json, shard.md and shard.log land in $OUT.
+#                A CPU smoke run of the same step (vLLM's CPU build, a tiny target; .venv's python3 first in PATH):
+#                  PATH=$PWD/.venv/bin:$PATH GV_STORE=/var/tmp/gv-smoke GV_SHARD_PROMPTS=32 GV_PART_TOKENS=128 \
+#                  GV_SHARD_ARGS="--shard-shape tiny --seq 128 --prompts 8" bash benchmarks/gpu_vllm.sh shard
 #   pipeline     (c)+(f) `draftline run benchmarks/gpu_vllm_demo.yaml`: the CPU demo's config on the GPU
 #                (regeneration with CUDA graphs, extraction through vLLM, training on the GPU, the benchmark in
 #                vLLM with CUDA graphs)
@@ -107,7 +110,7 @@ for step in "$@"; do
     cp /tmp/gv/extract/bench_gpu.json "$OUT/" 2>/dev/null ;;
   shard)
     timeout "${GV_SHARD_S:-570}" python3 benchmarks/bench_gpu.py --out /tmp/gv/shard --only shard --store-dir "$GV_STORE" \
-      --shard-prompts "${GV_SHARD_PROMPTS:-512}" --part-tokens "${GV_PART_TOKENS:-4096}" >"$OUT/shard.log" 2>&1
+      --shard-prompts "${GV_SHARD_PROMPTS:-512}" --part-tokens "${GV_PART_TOKENS:-4096}" ${GV_SHARD_ARGS:-} >"$OUT/shard.log" 2>&1
     rc=$?; say "shard rc=$rc"; grep -E "is (disk|tmpfs)|shard:|failed|Error" "$OUT/shard.log" | tail -14
     cp /tmp/gv/shard/bench_gpu.json "$OUT/shard.json" 2>/dev/null; cp /tmp/gv/shard/bench_gpu.md "$OUT/shard.md" 2>/dev/null ;;
   pipeline)
@@ -139,7 +142,9 @@ for step in "$@"; do
       2>/dev/null); n_err=0
     { echo "engine logs scanned: $(echo "$logs" | grep -c .)"
       for f in $logs; do
-        e=$(grep -cE "\b(ERROR|CRITICAL)\b|Traceback|(Error|Exception):" "$f"); w=$(grep -cE "\bWARN(ING)?\b" "$f")
+        # an error line: ERROR/CRITICAL, or a traceback's lines outside a WARNING record (vLLM logs some at WARNING)
+        e=$(grep -E "\b(ERROR|CRITICAL)\b|Traceback|(Error|Exception):" "$f" | grep -cvE "\bWARN(ING)?\b")
+        w=$(grep -cE "\bWARN(ING)?\b" "$f")
         echo "== $f: $e error line(s), $w warning line(s)"; n_err=$((n_err + e))
         grep -E "\b(ERROR|CRITICAL|WARN(ING)?)\b|Traceback|(Error|Exception):" "$f" | grep -v '^\s*File ' | sort | uniq -c \
           | sort -rn | head -15

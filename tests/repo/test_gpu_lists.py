@@ -104,7 +104,8 @@ def test_the_script_parses():
 def test_errors_scans_every_engine_log_and_fails_on_an_error_line(tmp_path, error_lines):
     logs = tmp_path / "home" / "engine-logs"
     logs.mkdir(parents=True)
-    (logs / "draftline-extract-0-11.log").write_text("INFO 12-06 engine ready\nWARNING 12-06 slow tokenizer\n")
+    (logs / "draftline-extract-0-11.log").write_text(  # a traceback vLLM logs as a warning is a warning
+        "INFO 12-06 engine ready\n(pid=1) WARNING 12-06 [base.py:380] Traceback (most recent call last):\n")
     (logs / "draftline-regenerate-0-12.log").write_text(
         "INFO 12-06 start\n" + "ERROR 12-06 [core.py:9] EngineCore failed\n" * error_lines)
     got = _script(["errors"], tmp_path, GV_HOME=str(tmp_path / "home"))
