@@ -82,7 +82,8 @@ for step in "$@"; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${P[@]}" \
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$W" \
       -r "${GV_LIST:-benchmarks/gpu_vllm_wheels.txt}" || exit 1
-    grep -q '^/.gpuc\*/$' .git/info/exclude 2>/dev/null || echo '/.gpuc*/' >> .git/info/exclude
+    EXCL=$(git rev-parse --git-path info/exclude) && mkdir -p "$(dirname "$EXCL")" || exit 1  # a worktree's too
+    grep -q '^/.gpuc\*/$' "$EXCL" 2>/dev/null || echo '/.gpuc*/' >> "$EXCL"
     rm -rf .gpuc* /tmp/gv-chunks /tmp/gv-extra && mkdir -p /tmp/gv-chunks /tmp/gv-extra
     # the tiny Kimi-layout repository, built here (the device image's transformers may lack Kimi-K2.5's classes)
     PYTHONPATH=$PWD .venv/bin/python benchmarks/gpu_vllm.py kimi --root /tmp/gv-extra/kimi --build-only \
@@ -92,7 +93,7 @@ for step in "$@"; do
     n_whl=$(ls "$W"/*.whl 2>/dev/null | wc -l); [ "$n_whl" -gt 0 ] || { echo "carry: no wheels in $W"; exit 1; }
     tar -cf - -C "$W" . -C /tmp/gv-extra . | split -b 60m - /tmp/gv-chunks/part. || exit 1
     i=0; for f in /tmp/gv-chunks/part.*; do i=$((i+1)); mkdir -p .gpuc$i; mv "$f" .gpuc$i/; done
-    echo "$i" > .gpuc-count; grep -q '^/.gpuc-count$' .git/info/exclude 2>/dev/null || echo '/.gpuc-count' >> .git/info/exclude
+    echo "$i" > .gpuc-count; grep -q '^/.gpuc-count$' "$EXCL" || echo '/.gpuc-count' >> "$EXCL"
     du -sh .gpuc*/; say "carry ready: $i chunk calls ($n_whl wheels and the Kimi-layout repository):" \
       "chunk .gpuc1 ... chunk .gpuc$i install" ;;
   install)
