@@ -91,16 +91,16 @@ def _run(res: dict, tmp: Path, store_dir: Path, shape: dict, layers: int | None,
     from tasks.extract.stage import extract_shard, plan_extract
     from tasks.store.artifacts import Store
 
-    bpt = 4 * shape["hidden_size"] * 2 + 5  # 4 stored layers in bf16, int32 id, uint8 mask
-    need = shard_prompts * seq * bpt
-    free = shutil.disk_usage(store_dir).free
-    if need * 1.1 > free:
-        fits = int(free / 1.1 / (seq * bpt))
-        raise RuntimeError(f"the shard's {need / 1e9:.1f} GB do not fit {store_dir} ({free / 1e9:.1f} GB free): "
-                           f"--shard-prompts {fits} fits")
     shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
     folder = (Path("/dev/shm/bench-gpu") if shm_free > 48 << 30 else tmp) / "target-shard"
     model, _ = bg.build_target(folder, shape, layers)
+    bpt = 4 * shape["hidden_size"] * 2 + 5  # 4 stored layers in bf16, int32 id, uint8 mask
+    need = shard_prompts * seq * bpt
+    free = shutil.disk_usage(store_dir).free  # after the target was saved (it may sit on the same disk)
+    if need * 1.1 > free:
+        fits = int(free / 1.1 / (seq * bpt))
+        raise RuntimeError(f"the shard's {need / 1e9:.1f} GB do not fit {store_dir} ({free / 1e9:.1f} GB free after "
+                           f"the target was saved to {folder}): --shard-prompts {fits} fits (GV_SHARD_PROMPTS)")
     params = sum(p.numel() for p in model.parameters())
     embed = model.model.embed_tokens.weight.numel()
     head = 0 if shape["tie_word_embeddings"] else model.lm_head.weight.numel()

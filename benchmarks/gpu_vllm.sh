@@ -15,7 +15,10 @@
 #                x 2,048 tokens (default 512: 34.4 GB of bf16 states, 256 parts of GV_PART_TOKENS=4096 tokens,
 #                ~40 s of extraction after a ~150 s engine start), GV_SHARD_S (default 570). The step command:
 #                  bash benchmarks/gpu_vllm.sh shard
-#                (after `... chunk .gpucN install` from either list); bench_gpu.json and .md land in $OUT.
+#                (after `... chunk .gpucN install` from either list); shard.json, shard.md and shard.log land in $OUT.
+#                A CPU smoke run of the same step (vLLM's CPU build, a tiny target; .venv's python3 first in PATH):
+#                  PATH=$PWD/.venv/bin:$PATH GV_STORE=/var/tmp/gv-smoke GV_SHARD_PROMPTS=32 GV_PART_TOKENS=128 \
+#                  GV_SHARD_ARGS="--shard-shape tiny --seq 128 --prompts 8" bash benchmarks/gpu_vllm.sh shard
 #   pipeline     (c)+(f) `draftline run benchmarks/gpu_vllm_demo.yaml`: the CPU demo's config on the GPU
 #                (regeneration with CUDA graphs, extraction through vLLM, training on the GPU, the benchmark in
 #                vLLM with CUDA graphs)
@@ -56,7 +59,7 @@ mkdir -p "$OUT" /tmp/gv
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 export PREFECT_HOME=/tmp/gv/prefect PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=180 \
-  PREFECT_SERVER_ANALYTICS_ENABLED=false DRAFTLINE_HOME=/tmp/gv/home
+  PREFECT_SERVER_ANALYTICS_ENABLED=false DRAFTLINE_HOME=${GV_HOME:-/tmp/gv/home}
 export DRAFTLINE_KEEP_ENGINE_LOGS=1  # every engine's log is kept in $DRAFTLINE_HOME/engine-logs for `errors`
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -83,7 +86,8 @@ for step in "$@"; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${P[@]}" \
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$W" \
       -r "${GV_LIST:-benchmarks/gpu_vllm_wheels.txt}" || exit 1
-    grep -q '^/.gpuc\*/$' .git/info/exclude 2>/dev/null || echo '/.gpuc*/' >> .git/info/exclude
+    EXCL=$(git rev-parse --git-path info/exclude) && mkdir -p "$(dirname "$EXCL")" || exit 1  # a worktree's too
+    grep -q '^/.gpuc\*/$' "$EXCL" 2>/dev/null || echo '/.gpuc*/' >> "$EXCL"
     rm -rf .gpuc* /tmp/gv-chunks /tmp/gv-extra && mkdir -p /tmp/gv-chunks /tmp/gv-extra
     # the tiny Kimi-layout repository, built here (the device image's transformers may lack Kimi-K2.5's classes)
     PYTHONPATH=$PWD .venv/bin/python benchmarks/gpu_vllm.py kimi --root /tmp/gv-extra/kimi --build-only \
@@ -93,7 +97,7 @@ for step in "$@"; do
     n_whl=$(ls "$W"/*.whl 2>/dev/null | wc -l); [ "$n_whl" -gt 0 ] || { echo "carry: no wheels in $W"; exit 1; }
     tar -cf - -C "$W" . -C /tmp/gv-extra . | split -b 60m - /tmp/gv-chunks/part. || exit 1
     i=0; for f in /tmp/gv-chunks/part.*; do i=$((i+1)); mkdir -p .gpuc$i; mv "$f" .gpuc$i/; done
-    echo "$i" > .gpuc-count; grep -q '^/.gpuc-count$' .git/info/exclude 2>/dev/null || echo '/.gpuc-count' >> .git/info/exclude
+    echo "$i" > .gpuc-count; grep -q '^/.gpuc-count$' "$EXCL" || echo '/.gpuc-count' >> "$EXCL"
     du -sh .gpuc*/; say "carry ready: $i chunk calls ($n_whl wheels and the Kimi-layout repository):" \
       "chunk .gpuc1 ... chunk .gpuc$i install" ;;
   install)
@@ -111,7 +115,7 @@ for step in "$@"; do
     cp /tmp/gv/extract/bench_gpu.json "$OUT/" 2>/dev/null ;;
   shard)
     timeout "${GV_SHARD_S:-570}" python3 benchmarks/bench_gpu.py --out /tmp/gv/shard --only shard --store-dir "$GV_STORE" \
-      --shard-prompts "${GV_SHARD_PROMPTS:-512}" --part-tokens "${GV_PART_TOKENS:-4096}" >"$OUT/shard.log" 2>&1
+      --shard-prompts "${GV_SHARD_PROMPTS:-512}" --part-tokens "${GV_PART_TOKENS:-4096}" ${GV_SHARD_ARGS:-} >"$OUT/shard.log" 2>&1
     rc=$?; say "shard rc=$rc"; grep -E "is (disk|tmpfs)|shard:|failed|Error" "$OUT/shard.log" | tail -14
     cp /tmp/gv/shard/bench_gpu.json "$OUT/shard.json" 2>/dev/null; cp /tmp/gv/shard/bench_gpu.md "$OUT/shard.md" 2>/dev/null ;;
   pipeline)
@@ -148,11 +152,13 @@ for step in "$@"; do
       >"$OUT/kimi.log" 2>&1
     rc=$?; say "kimi rc=$rc"; tail -5 "$OUT/kimi.log" ;;
   errors)  # every engine's log (they stay on the device machine, which goes back after the call)
-    logs=$(ls /tmp/gv/home/engine-logs/*.log /tmp/gv/kimi/home/engine-logs/*.log \
+    logs=$(ls "$DRAFTLINE_HOME"/engine-logs/*.log /tmp/gv/kimi/home/engine-logs/*.log \
       2>/dev/null); n_err=0
     { echo "engine logs scanned: $(echo "$logs" | grep -c .)"
       for f in $logs; do
-        e=$(grep -cE "\b(ERROR|CRITICAL)\b|Traceback|(Error|Exception):" "$f"); w=$(grep -cE "\bWARN(ING)?\b" "$f")
+        # an error line: ERROR/CRITICAL, or a traceback's lines outside a WARNING record (vLLM logs some at WARNING)
+        e=$(grep -E "\b(ERROR|CRITICAL)\b|Traceback|(Error|Exception):" "$f" | grep -cvE "\bWARN(ING)?\b")
+        w=$(grep -cE "\bWARN(ING)?\b" "$f")
         echo "== $f: $e error line(s), $w warning line(s)"; n_err=$((n_err + e))
         grep -E "\b(ERROR|CRITICAL|WARN(ING)?)\b|Traceback|(Error|Exception):" "$f" | grep -v '^\s*File ' | sort | uniq -c \
           | sort -rn | head -15

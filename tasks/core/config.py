@@ -501,8 +501,9 @@ class StoreConfig(Section):
         None, description="Name of a prefect-aws AwsCredentials block holding the keys."
     )
     upload_part_mb: int = Field(16, ge=5, le=5120, description=(
-        "S3: a file is uploaded in parts of this many MiB (S3 allows 5 to 5120). One request per 2 GB extraction part "
-        "ran at 0.3x a 16 MiB multipart upload of the same bytes (benchmarks/RESULTS.md)."))
+        "S3: a file is uploaded in parts of this many MiB (S3 allows 5 to 5120), upload_concurrency of them at once. "
+        "s3fs's own writer (a whole write as one part, parts one at a time) reached 0.50-0.78x a bare multipart "
+        "upload of the same bytes; these parts 1.03x (benchmarks/RESULTS.md, issue 47)."))
     upload_concurrency: int = Field(8, ge=1, le=64, description=(
         "S3: parts of one file uploaded at once (each holds upload_part_mb of memory while in flight)."))
 

@@ -3,8 +3,9 @@
 s3fs's own writer (`fs.open(key, "wb")`, s3fs 2026.7) uploads a file's parts one after the other on the
 writing thread, and a large write becomes one part as large as the write: an extraction part's hidden
 states arrive in one `write` of up to a few GB, so they went up as ONE request of that size. On SeaweedFS
-that ran at 0.3x a bare multipart upload of the same bytes in 16 MiB parts (benchmarks/RESULTS.md, "The
-part writers against the medium's own rate"). `S3MultipartFile` cuts what it is given into
+the part writers reached 0.50-0.78x a bare multipart upload of the same bytes in 16 MiB parts that way, and
+1.03x through this module (benchmarks/RESULTS.md, "The extraction write path against the medium's own rate").
+`S3MultipartFile` cuts what it is given into
 `store.upload_part_mb` parts and keeps up to `store.upload_concurrency` of them in flight on s3fs's event
 loop while the caller goes on writing (and hashing, `ArtifactWriter.open`); a file smaller than one part is
 one PUT. The file appears on the store only when it is closed without error; an error aborts the upload.

@@ -98,3 +98,18 @@ def test_the_prose_names_no_chunk_count_the_script_computes():
 
 def test_the_script_parses():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+
+
+@pytest.mark.parametrize("error_lines", [0, 2])
+def test_errors_scans_every_engine_log_and_fails_on_an_error_line(tmp_path, error_lines):
+    logs = tmp_path / "home" / "engine-logs"
+    logs.mkdir(parents=True)
+    (logs / "draftline-extract-0-11.log").write_text(  # a traceback vLLM logs as a warning is a warning
+        "INFO 12-06 engine ready\n(pid=1) WARNING 12-06 [base.py:380] Traceback (most recent call last):\n")
+    (logs / "draftline-regenerate-0-12.log").write_text(
+        "INFO 12-06 start\n" + "ERROR 12-06 [core.py:9] EngineCore failed\n" * error_lines)
+    got = _script(["errors"], tmp_path, GV_HOME=str(tmp_path / "home"))
+    scan = (tmp_path / "out" / "engine-log-scan.txt").read_text()
+    assert "engine logs scanned: 2" in scan and "1 warning line(s)" in scan
+    assert f"error lines in all: {error_lines}" in scan
+    assert got.returncode == (3 if error_lines else 0), got.stdout

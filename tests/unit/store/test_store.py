@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -103,28 +104,25 @@ def test_large_writes_are_hashed_while_written(store, monkeypatch):
     assert art.read_bytes("big.bin") == payload
 
     hashed = []
-    real_hasher, real_open = store_mod._hasher, store.fs.open
+    real_hasher = store_mod._hasher
 
     def spy():
         hashed.append(1)
         return real_hasher()
 
-    class DiskFull:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
+    class DiskFull:  # a store that takes no more bytes (file:// or S3: the one writer of both, open_for_write)
         def write(self, b):
             raise OSError("disk full")
 
+    real_open_for_write = store_mod.open_for_write
+
+    @contextlib.contextmanager
+    def full(fs, key):
+        with real_open_for_write(fs, key) as f:
+            yield DiskFull() if key.endswith("x.bin") else f
+
     monkeypatch.setattr(store_mod, "_hasher", spy)
-    monkeypatch.setattr(store.fs, "open", lambda key, mode="rb", **kw: DiskFull(real_open(key, mode, **kw))
-                        if mode == "wb" and key.endswith("x.bin") else real_open(key, mode, **kw))
+    monkeypatch.setattr(store_mod, "open_for_write", full)
     with pytest.raises(OSError, match="disk full"):
         with store.write("prepare", "dfail", "v1") as w:
             w.write_bytes("x.bin", payload)
