@@ -27,58 +27,54 @@ import json
 import random
 import sys
 import types
+from pathlib import Path
 from typing import Any, Iterator
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 CODE_INSTRUCTION = "Complete the following Python function. Return the whole function in one code block."
 
 
-def eval_set_rows(preset: str) -> Iterator[dict[str, Any]]:
-    """Prompt-only rows (`{"turns": [question], "id": ...}`) of one of the anchors' eval presets."""
+def eval_set_rows(preset: str, path: Path) -> Iterator[dict[str, Any]]:
+    """Prompt-only rows (`{"turns": [question], "id": ...}`) of one of the anchors' eval presets, read from `path`
+    (tasks/data/sources.py finds it in its package: HumanEval.jsonl.gz, GSM-Symbolic's generator folder, CHAMP's
+    v0.json)."""
     if preset == "humaneval":
-        yield from _humaneval_rows()
+        yield from _humaneval_rows(path)
     elif preset == "gsm8k":
-        yield from _gsm_symbolic_rows()
+        yield from _gsm_symbolic_rows(path)
     elif preset == "math":
-        yield from _champ_rows()
+        yield from _champ_rows(path)
     else:  # SourceConfig's Literal makes this unreachable
         raise ValueError(f"not an eval-set preset: {preset!r}")
 
 
-def _humaneval_rows() -> Iterator[dict[str, Any]]:
-    from tasks.data.sources import humaneval_path
-
-    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as fh:
+def _humaneval_rows(path: Path) -> Iterator[dict[str, Any]]:
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
         for line in fh:
             if line.strip():
                 row = json.loads(line)
                 yield {"turns": [f"{CODE_INSTRUCTION}\n\n```python\n{row['prompt']}```"], "id": row["task_id"]}
 
 
-def _champ_rows() -> Iterator[dict[str, Any]]:
-    from tasks.data.sources import math_path
-
-    problems = json.loads(math_path().read_text(encoding="utf-8"))["problems"]
+def _champ_rows(path: Path) -> Iterator[dict[str, Any]]:
+    problems = json.loads(path.read_text(encoding="utf-8"))["problems"]
     for key in sorted(problems, key=lambda k: (k.rsplit("_", 1)[0], int(k.rsplit("_", 1)[1]))):
         text = problems[key].get("_text")
         yield {"turns": [f"{text}\n{MATH_INSTRUCTION}" if isinstance(text, str) else None], "id": key}
 
 
-def _gsm_symbolic_rows() -> Iterator[dict[str, Any]]:
+def _gsm_symbolic_rows(folder: Path) -> Iterator[dict[str, Any]]:
     """One question per GSM-Symbolic template, template i drawn with random.Random(i): the same 100 every time."""
-    for index, make in sorted(_gsm_generators().items()):
+    for index, make in sorted(_gsm_generators(folder).items()):
         question = make(random.Random(index), 1.0)["question"]
         yield {"turns": [f"{question}\n{MATH_INSTRUCTION}"], "id": f"gsm-symbolic-{index}"}
 
 
-def _gsm_generators() -> dict[int, Any]:
+def _gsm_generators(folder: Path) -> dict[int, Any]:
     """GSM-Symbolic's generator functions, read from reasoning-gym's two generator modules alone. Importing the
     package runs its __init__, which imports every one of its ~100 tasks and eleven dependencies (a Rubik's cube,
     ARC, cellular automata) that these modules never use; the modules themselves import only the standard library
     and `reasoning_gym.utils`. So the package is stood in for by an empty one over the same folder while they load."""
-    from tasks.data.sources import gsm8k_generators_dir
-
-    folder = gsm8k_generators_dir()
     added = "reasoning_gym" not in sys.modules
     if added:
         shell = types.ModuleType("reasoning_gym")

@@ -439,7 +439,8 @@ def raw_rows(src: SourceConfig, counter: Counter) -> Iterator[Any]:
     elif src.preset in ("humaneval", "gsm8k", "math"):
         from tasks.data.eval_sets import eval_set_rows
 
-        yield from eval_set_rows(src.preset)
+        found = {"humaneval": humaneval_path, "gsm8k": gsm8k_generators_dir, "math": math_path}[src.preset]()
+        yield from eval_set_rows(src.preset, found)
     elif src.path:
         yield from _file_rows(src.path, counter)
     elif src.hub:
