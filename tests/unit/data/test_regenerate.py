@@ -147,6 +147,26 @@ def test_overlong_prompts_are_filtered_before_generating(setup):
     assert all(s.tokens <= two.data.max_length for s in read_samples(art, shard_name(0)))
 
 
+def test_long_prompts_are_batched_with_the_room_they_leave(tmp_path):
+    """A long-context source: prompts that fit target.max_model_len but leave less than max_tokens of room get
+    the room left, in batches of similar length (one engine call each was one decoding sequence per call)."""
+    src = tmp_path / "long.jsonl"
+    src.write_text("\n".join(json.dumps({"prompt": f"Q{i}: " + "word " * (150 + 5 * i)}) for i in range(16)))
+    cfg = RunConfig.model_validate({
+        "target": {"max_model_len": 256}, "regenerate": {"max_tokens": 64, "batch_size": 4},
+        "data": {"sources": [{"path": str(src)}], "heldout": 1, "num_shards": 1, "max_length": 255}})
+    store = Store(f"file://{tmp_path}/store")
+    engine = StubEngine(text="Reply {k}.")
+    regenerate_on(cfg, store, run_prepare(cfg, store), engine)
+    tight = sorted(n for n, budget in engine.budgets if budget < 64)
+    assert len(tight) >= 8 and all(n + budget <= 256 for n, budget in engine.budgets)
+    assert engine.calls <= -(-len(tight) // 4) + -(-(len(engine.budgets) - len(tight)) // 4)  # full batches
+    by_budget = {}
+    for n, budget in engine.budgets:
+        by_budget.setdefault(budget, []).append(n)
+    assert all(256 - budget == max(ns) for budget, ns in by_budget.items() if budget < 64)  # the longest's room
+
+
 def test_thinking_off_strips_reasoning(setup):
     cfg, store, prepared = setup
     off = cfg.model_copy(deep=True)
