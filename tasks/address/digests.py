@@ -35,7 +35,10 @@ def target_identity(cfg) -> dict[str, Any]:
 
 
 def prepare(cfg) -> str:
-    return stage_digest("prepare", {"target": target_identity(cfg), "data": cfg.data})
+    section: dict[str, Any] = {"target": target_identity(cfg), "data": cfg.data}
+    if cfg.regenerate.enabled and any(s.keeps_prompts for s in cfg.data.sources):
+        section["prompts"] = "kept"  # a user's prompt-only rows are kept (tasks/data/sources.py keep_prompts)
+    return stage_digest("prepare", section)
 
 
 def regenerate(cfg, prepared) -> str:
@@ -60,7 +63,7 @@ def vocab(cfg, data) -> str:
 EXTRACT_SCHEDULING_KEYS = {"gpus", "cpu_groups", "kv_cache_gib", "batch_tokens", "tensor_parallel_size",
                            "enforce_eager", "write_overlap", "write_queue", "write_workers", "nodes", "deployment",
                            # the extraction check reads what is stored, it changes no byte of it
-                           "verify_positions", "verify_min_agreement"}
+                           "verify_positions", "verify_min_agreement", "verify_confidence"}
 
 
 def extract_section(cfg, layer_ids: list[int]) -> dict[str, Any]:

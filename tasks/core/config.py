@@ -139,6 +139,13 @@ class SourceConfig(Section):
         regenerate stage has the target answer them."""
         return self.preset in PROMPT_ONLY_PRESETS
 
+    @property
+    def keeps_prompts(self) -> bool:
+        """A user's own file or hub dataset: its rows without an answer are kept as prompts when the regenerate
+        stage answers them (most teams bring prompts only). The built-in presets keep their fixed contents
+        (chitchat's one-speaker rows stay dropped)."""
+        return self.preset is None
+
 
 class DataConfig(Section):
     sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(preset="chitchat")])
@@ -234,8 +241,15 @@ class ExtractConfig(Section):
     verify_min_agreement: float = Field(
         0.85, ge=0, le=1,
         description="The extraction check's threshold: a shard whose top-1 agreement over its checked positions is "
-                    "lower is not committed and fails, naming the likely causes (docs/ARTIFACTS.md: the measured "
-                    "agreement of correct extractions it is set below).")
+                    "confidently lower (its upper bound at verify_confidence is below it) is not committed and "
+                    "fails, naming the likely causes; shards too small to decide alone are judged pooled before the "
+                    "stage is assembled (docs/ARTIFACTS.md: the measured agreement of correct extractions it is set "
+                    "below).")
+    verify_confidence: float = Field(
+        0.999, ge=0.5, lt=1,
+        description="The extraction check's one-sided confidence: a shard (or the pooled stage) fails only when the "
+                    "Wilson upper bound of its top-1 agreement at this confidence is below verify_min_agreement, so "
+                    "that a small shard's few positions (4 of 5 agree) cannot fail it by chance.")
 
     @field_validator("layer_ids")
     @classmethod

@@ -654,11 +654,12 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
 
 def length_notes(cfg: RunConfig, lengths: Lengths) -> list[str]:
     """A note when the target will serve contexts (target.max_model_len) longer than any training sample: the
-    run's longest prepared sample with --from-store, else data.max_length."""
+    run's longest prepared sample with --from-store, else data.max_length. A sample reaches the served context
+    at max_model_len - 1 tokens, the most the config check allows (extraction sends max_length + 1)."""
     from tasks.benchmark.results import LENGTH_FIX, length_gap
 
     train = {"longest": lengths.longest, "length_buckets": lengths.buckets, "max_length": cfg.data.max_length}
-    gap = length_gap(train, cfg.target.max_model_len, f"Lengths: contexts served up to target.max_model_len")
+    gap = length_gap(train, cfg.target.max_model_len - 1, "Lengths: contexts served up to target.max_model_len")
     return [f"{gap}: a draft's acceptance falls at lengths it never trained on; {LENGTH_FIX}."] if gap else []
 
 

@@ -142,7 +142,8 @@ def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
         )
     masker = make_masker(cfg)
     loaded = load_sources(data.sources, seed=data.seed, keep_thinking=data.keep_thinking,
-                          system_prompt=data.system_prompt, dedupe=data.dedupe)
+                          system_prompt=data.system_prompt, dedupe=data.dedupe,
+                          keep_prompts=cfg.regenerate.enabled)
     mixes = [_Mix(ld, src.weight) for ld, src in zip(loaded, data.sources)]
     build_samples(mixes, masker, data)
 

@@ -24,7 +24,8 @@ are also stripped from the answers.
 
 Prompts that do not fit `target.max_model_len` are dropped BEFORE generating
 (one overlong prompt fails a whole vLLM batch); a prompt that fits but leaves
-less than `max_tokens` room gets a shorter budget.
+less than `max_tokens` room gets a shorter budget: such prompts are sorted by length and batched, each batch
+with the room its longest prompt leaves.
 
 The held-out split is copied unchanged: its prompts are what benchmark asks.
 Rows keep the `sample_id` of the prepared conversation they answer.
@@ -111,11 +112,14 @@ def regenerate_samples(cfg: RunConfig, masker: ChatMasker, engine: Engine, sampl
                 continue
             d.messages = messages
             todo.append((d, ids))
-        # Prompts with room for max_tokens go in full batches; the rest one by one with what is left.
+        # Prompts with room for max_tokens go in full batches; the rest (long prompts: a long-context source)
+        # in batches of similar length, sorted, each with the room its longest prompt leaves (one at a time, a
+        # source of 8K-token prompts would decode a sequence per engine call).
         roomy = [(d, ids) for d, ids in todo if len(ids) + r.max_tokens <= limit]
-        tight = [(d, ids) for d, ids in todo if len(ids) + r.max_tokens > limit]
+        tight = sorted((x for x in todo if len(x[1]) + r.max_tokens > limit), key=lambda x: len(x[1]))
         calls = [(roomy[i:i + r.batch_size], r.max_tokens) for i in range(0, len(roomy), r.batch_size)]
-        calls += [([item], limit - len(item[1])) for item in tight]
+        calls += [(tight[i:i + r.batch_size], limit - len(tight[min(i + r.batch_size, len(tight)) - 1][1]))
+                  for i in range(0, len(tight), r.batch_size)]
         for batch, budget in calls:
             outs = engine.generate([ids for _, ids in batch], _sampling(cfg, budget))
             if len(outs) != len(batch):

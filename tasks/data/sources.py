@@ -204,8 +204,9 @@ def _raw_turns(row: dict, fmt: str) -> list[tuple[Any, Any, dict]]:
 
 
 def normalize_row(row: Any, fmt: str = "auto", *, keep_thinking: bool = True, require_assistant: bool = True,
-                  system_prompt: str | None = None) -> list[dict[str, str]]:
-    """One raw row -> validated messages, or BadRow(reason)."""
+                  system_prompt: str | None = None, keep_prompts: bool = False) -> list[dict[str, str]]:
+    """One raw row -> validated messages, or BadRow(reason). KEEP_PROMPTS: a row with no assistant turn is kept
+    as its prompts (someone answers them: regenerate); a row with answers is normalized as always."""
     if not isinstance(row, dict):
         raise BadRow("not_a_mapping", f"got {type(row).__name__}")
     if fmt == "auto":
@@ -237,8 +238,10 @@ def normalize_row(row: Any, fmt: str = "auto", *, keep_thinking: bool = True, re
     roles = [m["role"] for m in messages]
     if "user" not in roles:
         raise BadRow("no_user")
-    if require_assistant and "assistant" not in roles:
-        raise BadRow("no_assistant")
+    if "assistant" not in roles:
+        if require_assistant and not keep_prompts:
+            raise BadRow("no_assistant")
+        return messages
     # Trailing user turns after the last answer teach nothing and some templates choke on them.
     if require_assistant:
         while messages and messages[-1]["role"] != "assistant":
@@ -452,9 +455,11 @@ def raw_rows(src: SourceConfig, counter: Counter) -> Iterator[Any]:
 # --------------------------------------------------------------------------- loading and mixing
 
 def load_source(src: SourceConfig, *, keep_thinking: bool = True, require_assistant: bool = True,
-                system_prompt: str | None = None, seen: set[str] | None = None) -> LoadedSource:
+                system_prompt: str | None = None, seen: set[str] | None = None,
+                keep_prompts: bool = False) -> LoadedSource:
     """Read and normalize one source.
 
+    `keep_prompts`: rows with no assistant turn are kept as prompts (the regenerate stage answers them).
     `seen` holds the sample ids already taken (pass one set to several sources so a conversation
     they share counts once); None turns deduplication off.
     """
@@ -471,8 +476,8 @@ def load_source(src: SourceConfig, *, keep_thinking: bool = True, require_assist
         try:
             row_fmt = detect_format(row) if fmt == "auto" else fmt
             formats[row_fmt] += 1
-            messages = normalize_row(row, row_fmt, keep_thinking=keep_thinking,
-                                     require_assistant=require_assistant, system_prompt=system_prompt)
+            messages = normalize_row(row, row_fmt, keep_thinking=keep_thinking, require_assistant=require_assistant,
+                                     system_prompt=system_prompt, keep_prompts=keep_prompts)
         except BadRow as bad:
             dropped[bad.reason] += 1
             continue
@@ -486,6 +491,13 @@ def load_source(src: SourceConfig, *, keep_thinking: bool = True, require_assist
     rows += dropped["invalid_json"] + dropped["not_english"]  # filtered while reading
     if not convs:
         why = ", ".join(f"{k}: {v}" for k, v in dropped.most_common()) or "the source is empty"
+        if dropped["no_assistant"]:
+            raise DataSourceError(
+                f"source {label!r} has no usable rows ({rows} read; dropped {why}): {dropped['no_assistant']} of "
+                "them hold prompts without answers, and without the regenerate stage there is nothing to train on. "
+                "Set regenerate.enabled: "
+                "true (`--set regenerate.enabled=true`: the target writes the answers), or give rows with an "
+                "assistant turn")
         raise DataSourceError(
             f"source {label!r} has no usable rows ({rows} read; dropped {why}). "
             f"Check its format (declared: {src.format}; supported: sharegpt `conversations` with from/value, "
@@ -497,15 +509,17 @@ def load_source(src: SourceConfig, *, keep_thinking: bool = True, require_assist
 
 def load_sources(sources: list[SourceConfig], *, seed: int, keep_thinking: bool = True,
                  require_assistant: bool = True, system_prompt: str | None = None,
-                 dedupe: bool = True) -> list[LoadedSource]:
+                 dedupe: bool = True, keep_prompts: bool = False) -> list[LoadedSource]:
     """Every source loaded, deduplicated across sources, each shuffled with its own seeded RNG
-    and cut to its `max_samples`."""
+    and cut to its `max_samples`. `keep_prompts` (regenerate on): a user's file or hub dataset may hold
+    prompts only (`SourceConfig.keeps_prompts`)."""
     seen: set[str] | None = set() if dedupe else None
     out = []
     for i, src in enumerate(sources):
         loaded = load_source(src, keep_thinking=keep_thinking,
                              require_assistant=require_assistant and not src.prompt_only,
-                             system_prompt=system_prompt, seen=seen)
+                             system_prompt=system_prompt, seen=seen,
+                             keep_prompts=keep_prompts and src.keeps_prompts)
         random.Random(f"{seed}/{i}/{loaded.label}").shuffle(loaded.conversations)
         if src.max_samples is not None:
             loaded.conversations = loaded.conversations[: src.max_samples]

@@ -40,7 +40,7 @@ from tasks.engine.process import EngineProcess
 from tasks.engine.target import load_hf_config, resolve_model
 from tasks.address import digests
 from tasks.extract.shards import STAGE, STAGE_ARTIFACT, ExtractError, ExtractShard, ProgressCallback, plan_extract  # noqa: F401
-from tasks.extract.verify import StateCheck, summarize, verifier_head
+from tasks.extract.verify import StateCheck, pooled_failure, summarize, verifier_head
 from tasks.formats.parts import PartBuffer
 from tasks.store.artifacts import ArtifactRef, ArtifactWriter, Store
 from tasks.store.stages import ShardedStage
@@ -283,7 +283,8 @@ def _state_check(cfg: RunConfig, engine: Any) -> StateCheck | None:
     if cfg.extract.verify_positions <= 0 or not isinstance(model, str) or not hasattr(engine, "last_next_tokens"):
         return None
     head = verifier_head(model, load_hf_config(cfg.target, model))
-    return StateCheck(head, cfg.extract.verify_positions, cfg.extract.verify_min_agreement)
+    return StateCheck(head, cfg.extract.verify_positions, cfg.extract.verify_min_agreement,
+                      cfg.extract.verify_confidence)
 
 
 def extract_shard(cfg: RunConfig, store: Store, plan: ExtractShard, engine: EngineProcess, *,
@@ -446,6 +447,9 @@ def _assemble(cfg: RunConfig, store: Store, shards: list[ArtifactRef], t0: float
         "seconds": round(sum(float(r.stats.get("seconds", 0)) for r in shards), 2),
     }
     verified = summarize([r.stats for r in shards])
+    refused = pooled_failure(verified, stats["layer_ids"], stats["storage_dtype"])
+    if refused:  # shards each too small to be refused alone, confidently below the threshold together
+        raise ExtractError(refused)
     if verified is not None:
         stats["verified"] = verified
     inputs = {f"shard-{i}": r.digest for i, r in enumerate(shards)}

@@ -299,10 +299,10 @@ def chat_jsonl(tmp_path) -> Path:
     return p
 
 
-def _cfg(path: Path, target: dict | None = None, **data) -> RunConfig:
+def _cfg(path: Path, target: dict | None = None, regenerate: bool = True, **data) -> RunConfig:
     d = {"sources": [{"path": str(path)}], "heldout": 4, "num_shards": 3, "max_length": 512}
     d.update(data)
-    return RunConfig.model_validate({"target": target or {}, "data": d})
+    return RunConfig.model_validate({"target": target or {}, "data": d, "regenerate": {"enabled": regenerate}})
 
 
 def test_every_format_normalizes_to_messages():
@@ -355,9 +355,13 @@ def test_bad_rows_accounted_in_the_manifest(tmp_path):
     p = tmp_path / "mixed.jsonl"
     p.write_text("\n".join(json.dumps(r) for r in GOOD + [r for rows in BAD.values() for r in rows]) + "\n")
     store = Store(f"file://{tmp_path}/store")
-    ref = run_prepare(_cfg(p, heldout=1, num_shards=2), store)
+    ref = run_prepare(_cfg(p, regenerate=False, heldout=1, num_shards=2), store)
     assert ref.stats["dropped"] == {k: len(v) for k, v in sorted(BAD.items())}
     assert ref.stats["samples"] + ref.stats["heldout"] == len(GOOD)
+    # with regenerate on, the rows without an answer are prompts the target answers: kept, nothing else changes
+    kept = run_prepare(_cfg(p, heldout=1, num_shards=2), store)
+    assert kept.stats["dropped"] == {k: len(v) for k, v in sorted(BAD.items()) if k != "no_assistant"}
+    assert kept.stats["samples"] + kept.stats["heldout"] == len(GOOD) + len(BAD["no_assistant"])
     assert ref.stats["per_source"]["mixed"]["rows"] == len(GOOD) + sum(len(v) for v in BAD.values())
 
 

@@ -147,6 +147,26 @@ def test_overlong_prompts_are_filtered_before_generating(setup):
     assert all(s.tokens <= two.data.max_length for s in read_samples(art, shard_name(0)))
 
 
+def test_long_prompts_are_batched_with_the_room_they_leave(tmp_path):
+    """A long-context source: prompts that fit target.max_model_len but leave less than max_tokens of room get
+    the room left, in batches of similar length (one engine call each was one decoding sequence per call)."""
+    src = tmp_path / "long.jsonl"
+    src.write_text("\n".join(json.dumps({"prompt": f"Q{i}: " + "word " * (150 + 5 * i)}) for i in range(16)))
+    cfg = RunConfig.model_validate({
+        "target": {"max_model_len": 256}, "regenerate": {"max_tokens": 64, "batch_size": 4},
+        "data": {"sources": [{"path": str(src)}], "heldout": 1, "num_shards": 1, "max_length": 255}})
+    store = Store(f"file://{tmp_path}/store")
+    engine = StubEngine(text="Reply {k}.")
+    regenerate_on(cfg, store, run_prepare(cfg, store), engine)
+    tight = sorted(n for n, budget in engine.budgets if budget < 64)
+    assert len(tight) >= 8 and all(n + budget <= 256 for n, budget in engine.budgets)
+    assert engine.calls <= -(-len(tight) // 4) + -(-(len(engine.budgets) - len(tight)) // 4)  # full batches
+    by_budget = {}
+    for n, budget in engine.budgets:
+        by_budget.setdefault(budget, []).append(n)
+    assert all(256 - budget == max(ns) for budget, ns in by_budget.items() if budget < 64)  # the longest's room
+
+
 def test_thinking_off_strips_reasoning(setup):
     cfg, store, prepared = setup
     off = cfg.model_copy(deep=True)
@@ -216,3 +236,48 @@ def test_smollm2_in_vllm_answers_prompts(tmp_path):
     by_q = {s.messages[-2]["content"]: s.messages[-1]["content"] for s in rows}
     if "What is the capital of France?" in by_q:
         assert "Paris" in by_q["What is the capital of France?"]
+
+
+def test_a_users_file_of_prompts_only_is_answered_by_the_target(tmp_path):
+    """What most teams bring: their own prompts, no answers, in the usual shapes. With regenerate on, prepare keeps
+    every one (masked out: no answer yet) and the target writes the answers; with it off, the run stops at once
+    naming the fix. (Before issue 43 only the built-in prompt presets could lack answers: a user's prompt-only
+    rows were all dropped as `no_assistant` and the run stopped.)"""
+    from tasks.data.sources import DataSourceError
+
+    src = tmp_path / "our-prompts.jsonl"
+    rows = []
+    for i in range(24):
+        rows.append([{"prompt": f"Summarize ticket {i} in one line."},
+                     {"messages": [{"role": "system", "content": "You are our support bot."},
+                                   {"role": "user", "content": f"Customer {i} asks: where is my order?"}]},
+                     {"conversations": [{"from": "human", "value": f"Translate 'order {i}' to French."}]},
+                     {"instruction": f"List {i} prime numbers.", "input": ""}][i % 4])
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    data = {"sources": [{"path": str(src)}], "heldout": 2, "num_shards": 2, "max_length": 256}
+    cfg = RunConfig.model_validate({"target": {"max_model_len": 256}, "data": data,
+                                    "regenerate": {"enabled": True, "max_tokens": 16, "batch_size": 4}})
+    store = Store(f"file://{tmp_path}/store")
+    prepared = run_prepare(cfg, store)
+    assert prepared.stats["samples"] + prepared.stats["heldout"] == 24 and prepared.stats["dropped"] == {}
+    prep = store.open("prepare", prepared.digest)
+    before = [s for i in range(2) for s in read_samples(prep, shard_name(i))]
+    assert all("assistant" not in {m["role"] for m in s.messages} and not s.loss_mask.any() for s in before)
+
+    ref = regenerate_on(cfg, store, prepared, StubEngine(text="Answer {k}."))
+    art = store.open("regenerate", ref.digest)
+    after = [s for i in range(2) for s in read_samples(art, shard_name(i))]
+    assert len(after) == 22 and ref.stats["dropped"] == {}
+    tok = _tok(cfg)
+    for s in after:  # the target's answer is the training target, the user's prompt (and system) the context
+        assert [m["role"] for m in s.messages][-2:] == ["user", "assistant"]
+        masked = tok.decode([int(i) for i, m in zip(s.input_ids, s.loss_mask) if m])
+        assert masked.strip() == s.messages[-1]["content"] + "<|im_end|>"
+    assert any(s.messages[0] == {"role": "system", "content": "You are our support bot."} for s in after)
+
+    off = cfg.model_copy(deep=True)
+    off.regenerate.enabled = False
+    assert digests.prepare(off) != digests.prepare(cfg)  # never the artifact that kept the prompts
+    with pytest.raises(DataSourceError, match=r"'our-prompts' has no usable rows \(24 read; dropped "
+                                              r"no_assistant: 24\).*Set regenerate.enabled: true"):
+        run_prepare(off, store)

@@ -1,0 +1,141 @@
+"""prepare and vocab at the hero run's count: time and peak memory (RSS) as the sample count grows.
+
+    .venv/bin/python benchmarks/bench_data_scale.py --samples 10000 100000 [600000] [--json out.json]
+
+The rows are built from the offline chitchat-dataset (7,168 human conversations): each sample is one user turn
+and one assistant turn made of chitchat messages joined until they reach a drawn length, so that the mix has the
+Kimi preset's assumed lengths (configs/rates.yaml: a mean 600-token prompt and an answer of 0.6 x 4,096 = 2,458
+tokens; drawn uniformly in 300-900 and 1,200-3,700 here), and every sample is distinct (a numbered first line),
+so dedupe keeps them all. One JSONL is written for the largest count; each smaller count reads its first rows
+(`data.sources[].max_samples`). The tokenizer is the demo target's (SmolLM2-135M-Instruct; Kimi's is not on
+this offline machine): token counts are that tokenizer's.
+
+Each stage runs in its own fresh Python process (`run_prepare` into a file:// store with the preset's 512 shards and
+its held-out share (2,000 of 600,000), then `run_vocab` on that artifact); reported per count: the stage's own wall time and CPU time (imports and the
+tokenizer's loading excluded; on a shared machine the CPU time is the figure to compare), samples per second, and the process's peak RSS (getrusage ru_maxrss) with what it was before
+the stage started (imports), so the stage's own growth shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+CHILD = r"""
+import json, resource, sys, time
+stage, rows, store_dir, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+from tasks.core.config import RunConfig
+from tasks.store.artifacts import Store
+from tasks.address import digests
+from tasks.data.prepare import make_masker, run_prepare
+from tasks.data.vocab import run_vocab
+cfg = RunConfig.model_validate({
+    "target": {"max_model_len": 12288},
+    "data": {"sources": [{"path": rows, "max_samples": n}], "heldout": max(1, n // 300), "num_shards": 512,
+             "max_length": 12287, "dedupe": True},
+    "regenerate": {"enabled": False}, "vocab": {"draft_vocab_size": 32000}})
+store = Store("file://" + store_dir)
+make_masker(cfg)  # the tokenizer loaded before the clock starts
+r0 = resource.getrusage(resource.RUSAGE_SELF)
+before = r0.ru_maxrss
+t = time.time()
+if stage == "prepare":
+    ref = run_prepare(cfg, store)
+else:
+    data = store.find("prepare", digests.prepare(cfg)).ref()
+    ref = run_vocab(cfg, store, data)
+secs = time.time() - t
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+st = ref.stats
+print("RESULT " + json.dumps({"seconds": secs,
+      "cpu_seconds": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, "rss_before_mib": before / 1024,
+      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+      "samples": st.get("samples"), "heldout": st.get("heldout"), "tokens": st.get("tokens"),
+      "dropped": st.get("dropped"), "masked_tokens": st.get("masked_tokens")}))
+"""
+
+
+def chitchat_messages() -> list[str]:
+    sys.path.insert(0, str(ROOT))
+    from tasks.core.config import SourceConfig
+    from tasks.data.sources import load_source
+
+    convs = load_source(SourceConfig(preset="chitchat"), keep_thinking=False).conversations
+    return [m["content"] for c in convs for m in c.messages if m["role"] != "system"]
+
+
+def write_rows(path: Path, n: int, seed: int = 0) -> None:
+    """N distinct two-turn samples at the preset's assumed lengths (~4 characters per token)."""
+    texts = chitchat_messages()
+    rng = random.Random(seed)
+
+    def text_of(tokens: int) -> str:
+        out, size = [], 0
+        while size < 4 * tokens:
+            t = texts[rng.randrange(len(texts))]
+            out.append(t)
+            size += len(t) + 1
+        return "\n".join(out)
+
+    part = path.with_suffix(".part")  # renamed when whole: a killed run leaves no short file to reuse
+    with open(part, "w") as fh:
+        for i in range(n):
+            prompt = f"Request {i}:\n" + text_of(rng.randint(300, 900))
+            answer = text_of(rng.randint(1200, 3700))
+            fh.write(json.dumps({"messages": [{"role": "user", "content": prompt},
+                                              {"role": "assistant", "content": answer}]}) + "\n")
+    part.rename(path)
+
+
+def run_stage(stage: str, rows: Path, store: Path, n: int, log: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    with open(log, "a") as fh:
+        proc = subprocess.run([PY, "-c", CHILD, stage, str(rows), str(store), str(n)], stdout=subprocess.PIPE,
+                              stderr=fh, text=True, env=env, cwd=str(ROOT))
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        raise SystemExit(f"{stage} at {n} failed (rc {proc.returncode}); see {log}")
+    out = json.loads(line[len("RESULT "):])
+    out["samples_per_s"] = n / out["seconds"]
+    out["samples_per_cpu_s"] = n / out["cpu_seconds"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, nargs="+", default=[10_000, 100_000])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/bench_data_scale"))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    biggest = max(args.samples)
+    rows = args.work / f"rows-{biggest}.jsonl"
+    if not rows.exists():
+        t = time.time()
+        write_rows(rows, biggest)
+        print(f"wrote {biggest:,} rows ({rows.stat().st_size / 2**20:,.0f} MiB) in {time.time() - t:.0f} s")
+    results = {}
+    for n in sorted(args.samples):
+        store = args.work / f"store-{n}"
+        got = {stage: run_stage(stage, rows, store, n, args.work / "log.txt") for stage in ("prepare", "vocab")}
+        results[n] = got
+        p, v = got["prepare"], got["vocab"]
+        print(f"{n:>8,} samples: prepare {p['seconds']:8.1f} s ({p['samples_per_s']:6.1f} samples/s, "
+              f"{p['samples_per_cpu_s']:6.1f} per CPU-second, {p['tokens'] / max(p['samples'], 1):,.0f} tok/sample), peak RSS {p['peak_rss_mib']:7.0f} MiB "
+              f"(before {p['rss_before_mib']:.0f}); vocab {v['seconds']:7.1f} s, peak RSS "
+              f"{v['peak_rss_mib']:6.0f} MiB (before {v['rss_before_mib']:.0f})", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
