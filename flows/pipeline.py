@@ -38,6 +38,7 @@ from tasks.data.regenerate import STAGE_DEF as REGENERATE
 from tasks.data.vocab import STAGE_DEF as VOCAB
 from tasks.engine.settings import EnginePool
 from tasks.engine.target import resolve_model
+from tasks.address.data import DataIdentityError, pin_data
 from tasks.engine.weights import WeightsError, pin_run
 from tasks.extract.stage import STAGE_DEF as EXTRACT
 from tasks.store.artifacts import ArtifactRef, Store
@@ -446,10 +447,11 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
 
 
 def _pin_target(cfg: RunConfig, overrides: list[str]) -> list[str]:
-    """The run's target pinned once (a hub id's commit) and recorded in every manifest (tasks/engine/weights.py)."""
+    """The run's target pinned once (a hub id's commit) and recorded in every manifest (tasks/engine/weights.py), and
+    its hub datasets pinned the same way (tasks/address/data.py)."""
     try:
-        return pin_run(cfg, overrides)
-    except WeightsError as exc:
+        return pin_data(cfg, pin_run(cfg, overrides))
+    except (WeightsError, DataIdentityError) as exc:
         get_run_logger().error(str(exc))
         raise
 

@@ -35,7 +35,10 @@ def target_identity(cfg) -> dict[str, Any]:
 
 
 def prepare(cfg) -> str:
-    return stage_digest("prepare", {"target": target_identity(cfg), "data": cfg.data})
+    """The data by content (tasks/address/data.py): a file edited in place is new data, a copy elsewhere is not."""
+    from tasks.address.data import data_identity
+
+    return stage_digest("prepare", {"target": target_identity(cfg), "data": data_identity(cfg.data)})
 
 
 def regenerate(cfg, prepared) -> str:
