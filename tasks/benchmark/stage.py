@@ -103,15 +103,23 @@ def draft_folder(art: Artifact) -> Iterator[str]:
     if missing:
         raise BenchmarkError(f"{art.uri} has no {', '.join(missing)}: not a finished train artifact "
                              "(re-run the train stage)")
-    with art.local_folder("draft/") as folder:
+    from tasks.formats.drafts import draft_data_files
+
+    with art.local_folder("draft/", names=draft_data_files(art.files("draft/"))) as folder:  # data only, fresh
         yield folder
 
 
 def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
-    """The draft's identity, and a clear error when it cannot serve this target."""
+    """The draft's identity, and a clear error when it cannot serve this target or is not data only (an
+    `auto_map`, a model type or architecture that is not a draft's: tasks/formats/drafts.py `refuse_code`)."""
     from tasks.engine.target import text_config
+    from tasks.formats.drafts import DraftError, refuse_code
 
     conf = json.loads(Path(draft_dir, "config.json").read_text())
+    try:
+        refuse_code(conf, draft_dir)
+    except DraftError as exc:
+        raise BenchmarkError(str(exc)) from None
     algo = conf.get("speculators_model_type")
     if algo not in VLLM_METHODS:
         raise BenchmarkError(f"{draft_dir}/config.json is not an EAGLE-3, DFlash or DSpark draft "

@@ -298,16 +298,11 @@ class Artifact:
             yield local
 
     @contextlib.contextmanager
-    def local_folder(self, prefix: str, verify: bool = True) -> Iterator[str]:
-        """A local folder holding every file under `prefix` (e.g. "draft/"), verified: the artifact's own
-        folder when the store is local, else a temporary copy streamed from the store."""
-        names = self.files(prefix)
-        if self.store.is_local:
-            if verify:
-                for n in names:
-                    self.verify_file(n)
-            yield self.store.key(self.stage, self.digest, self.manifest.attempt, prefix.rstrip("/"))
-            return
+    def local_folder(self, prefix: str, verify: bool = True, names: list[str] | None = None) -> Iterator[str]:
+        """A fresh local folder holding the listed files under `prefix` (e.g. "draft/"; `names`: only those),
+        verified as they are copied: never the artifact's own folder, whose unlisted files (anything a store
+        writer put beside the listed ones) must not reach whoever reads the folder."""
+        names = self.files(prefix) if names is None else [n for n in names if n.startswith(prefix)]
         with owners.owned_temporary_directory("copy") as tmp:  # gc keeps it while this process lives
             for n in names:
                 local = safe_join(tmp, n)

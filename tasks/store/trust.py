@@ -62,10 +62,15 @@ def safe_join(folder: str | os.PathLike, relpath: str) -> str:
         raise UnsafePath(f"{exc}: refusing to write it under {folder}") from None
     path = os.fspath(folder)
     for part in relpath.split("/"):
-        path = os.path.join(path, part)
-        if os.path.islink(path):
-            raise UnsafePath(f"{path} is a symlink (to {os.readlink(path)}): refusing to write through it; remove "
-                             "the link (draftline never makes one there)")
+        path = refuse_link(os.path.join(path, part))
+    return path
+
+
+def refuse_link(path: str) -> str:
+    """`path`, unless it is a symlink (UnsafePath): draftline never writes through one."""
+    if os.path.islink(path):
+        raise UnsafePath(f"{path} is a symlink (to {os.readlink(path)}): refusing to write through it; remove "
+                         "the link (draftline never makes one there)")
     return path
 
 
