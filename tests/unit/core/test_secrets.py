@@ -35,3 +35,15 @@ def test_an_at_sign_in_a_key_or_a_port_is_not_user_info():
     for uri in ("s3://bucket/with@sign", "http://host:8333/x@y", "file:///data/a@b/store", "hf://datasets/o/n@main/x"):
         assert find_secrets(uri) == [] and mask(uri) == uri
     load_config(None, ["store.uri=s3://bucket/with@sign"])
+
+
+def test_a_config_path_naming_another_mapping_never_echoes_its_values(tmp_path):
+    """A flow run's `config_path` can name any YAML/JSON mapping on the worker; its error is readable by every
+    Prefect API user. Unknown keys are named, their values never printed."""
+    other = tmp_path / "service.json"
+    other.write_text('{"internal_host": "db-7.private.example:5432", "nested": {"x": "private-value-42"}}')
+    with pytest.raises(ConfigError) as exc:
+        load_config(other)
+    text = str(exc.value)
+    assert "internal_host" in text and "nested" in text and "Extra inputs are not permitted" in text, text
+    assert "db-7.private.example" not in text and "private-value-42" not in text, text
