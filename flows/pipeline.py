@@ -190,11 +190,11 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     check_until(until)
     store = Store.from_config(cfg.store)
     store.check()
+    logger = get_run_logger()
+    allow_remote_code(cfg, logger)  # before pinning: pinning fetches the target's small files (with its code)
     overrides = _pin_target(cfg, overrides)
     rec = announce(RunRecord(config_path=config_path, overrides=overrides, flow_run_id=str(flow_run.id or ""),
                              store=store.uri))
-    logger = get_run_logger()
-    allow_remote_code(cfg, logger)
     try:
         _run_stages(cfg, store, rec, until, logger)
     except BaseException as exc:
@@ -418,9 +418,9 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     cfg = load_config(config_path, list(overrides or []))
     store = Store.from_config(cfg.store)
     store.check()
-    _pin_target(cfg, [])  # the parent pinned target.revision in the overrides: this records it
     logger = get_run_logger()
-    allow_remote_code(cfg, logger)
+    allow_remote_code(cfg, logger)  # before pinning: pinning fetches the target's small files (with its code)
+    _pin_target(cfg, [])  # the parent pinned target.revision in the overrides: this records it
     if stage == "train":
         if not rendezvous or not train_inputs:
             raise RuntimeError("stage=train: a training node needs the rendezvous and train_inputs parameters "

@@ -333,17 +333,22 @@ def resolve_commit(repo: str, revision: str | None) -> str:
 
 
 @functools.lru_cache(maxsize=32)
+def _all_files(repo: str, commit: str) -> tuple:
+    """Every file of the hub's listing at `commit`, nested ones included (one request per process)."""
+    return tuple(f for f in _api().list_repo_tree(repo, revision=commit, recursive=True) if hasattr(f, "size"))
+
+
 def _tree(repo: str, commit: str) -> tuple:
-    """The top-level files of the hub's listing at `commit` (one request per process)."""
-    return tuple(f for f in _api().list_repo_tree(repo, revision=commit, recursive=True)
-                 if hasattr(f, "size") and "/" not in f.path)
+    """The top-level files of the hub's listing at `commit` (what the fingerprint hashes)."""
+    return tuple(f for f in _all_files(repo, commit) if "/" not in f.path)
 
 
 @functools.lru_cache(maxsize=32)
 def _listing(repo: str, commit: str, trust_remote_code: bool) -> dict[str, int]:
-    """name -> size of the top-level files a run fetches, from the hub's file listing."""
+    """path -> size of every file a run fetches, from the hub's file listing: nested ones too (snapshot_download's
+    patterns cross '/': `*.safetensors` fetches `sub/x.safetensors`), so the disk check counts what comes."""
     pats = tuple(run_patterns(trust_remote_code))
-    return {f.path: int(f.size or 0) for f in _tree(repo, commit) if _matches(f.path, pats)}
+    return {f.path: int(f.size or 0) for f in _all_files(repo, commit) if _matches(f.path, pats)}
 
 
 def _published_sha256(repo: str, commit: str) -> dict[str, str]:
@@ -374,7 +379,7 @@ def hub_fingerprint(repo: str, commit: str, trust_remote_code: bool = False) -> 
         return snap.fingerprint
     if _offline():
         raise _offline_error(repo, commit)
-    sizes = _listing(repo, commit, trust_remote_code)
+    sizes = {n: b for n, b in _listing(repo, commit, trust_remote_code).items() if "/" not in n}  # the top level
     published = _published_sha256(repo, commit)
     # a weight file the hub keeps in plain git (under its LFS threshold: small) has no published sha256: fetched
     # with the small files and hashed

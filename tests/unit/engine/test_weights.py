@@ -298,6 +298,23 @@ def test_weights_fetched_once_per_node_then_never_from_the_hub_again(hub, tmp_pa
     assert hub.requests == []
 
 
+def test_the_disk_check_counts_the_nested_files_a_fetch_brings(tmp_path):
+    """snapshot_download's patterns cross '/' (`*.safetensors` fetches `sub/x.safetensors`): the disk check and the
+    bytes `draftline weights` reports count those files too, not the top level only."""
+    folder = tiny_model(tmp_path / "repo")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "more.safetensors").write_bytes(b"\0" * 300_000)  # larger than the rest of the repository
+    server = StandInHub(REPO, folder).start()
+    try:
+        cfg = write_config(tmp_path, REPO, f"file://{tmp_path}/store")
+        code, out, err = finish(draftline(["weights", str(cfg), "--json"], hub_env(server, tmp_path / "node"), ROOT))
+    finally:
+        server.stop()
+    assert code == 0, err[-2000:]
+    total = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    assert json.loads(out)["needed_bytes"] == total, (out, total)
+
+
 def test_an_unpinned_hub_id_runs_on_the_local_snapshot_and_records_its_commit(hub, tmp_path, prefect_server):
     """The revision test: a run of an unpinned hub id resolves the commit once, records it (and the fingerprint)
     in every manifest, reads the weights from the node's snapshot in every stage, the train stage's verifier
