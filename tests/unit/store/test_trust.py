@@ -155,3 +155,25 @@ def test_a_symlink_planted_as_a_manifest_is_not_followed(tmp_path):
     link.symlink_to(tmp_path / "s" / "prepare" / "real" / MANIFEST)
     with pytest.raises((ArtifactCorrupt, ArtifactMissing)):
         store.open("prepare", "linked")
+
+
+def test_gc_never_takes_a_live_attempt_of_another_container_with_the_same_host_name(store, monkeypatch):
+    """Two containers with one host name, one kernel (one boot id) and no machine id (the usual container) sharing
+    a store: the other's pids are not this one's, so its writer cannot be checked from here. Its attempt is kept
+    while its lease is fresh, never taken as a dead writer's."""
+    import socket
+    import time
+
+    from tasks.core import owners
+
+    monkeypatch.setattr(owners, "_machine_id", lambda: "")  # a container without /etc/machine-id
+    w = store.writer("extract", "other-container", "v1")
+    w.write_bytes("part-00000.safetensors", b"x" * 1000)
+    now = time.time()
+    other = {"host": socket.gethostname(), "boot": owners._boot_id(), "machine": "", "pidns": "pid:[4026530000]",
+             "pid": 4_000_000, "start": 1, "since": now, "beat": now}  # a pid no process here has
+    key = store.key("extract", "other-container", w.attempt, owners.OWNER_FILE)
+    store.fs.pipe_file(key, json.dumps(other).encode())
+    assert owners.alive(other) is None  # cannot be told from here
+    assert store.garbage(min_age_s=3600) == []
+    assert owners.alive({**owners.me(), "pid": 4_000_000}) is False  # this container's own dead writer: told
