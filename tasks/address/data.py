@@ -56,6 +56,7 @@ def file_identity(path: str) -> dict[str, Any]:
             if not os.path.isfile(real):
                 raise FileNotFoundError(real)
             return {"sha256": file_sha256s([real])[real]}
+        fs.invalidate_cache(inner)  # what the store says now, not a listing this process cached
         info = fs.info(inner)
     except FileNotFoundError:
         raise DataIdentityError(f"source file {path} not found; fix data.sources[].path (a source is addressed by "

@@ -134,3 +134,14 @@ def test_a_hub_dataset_enters_at_its_commit_pinned_once_per_run(node, tmp_path, 
     assert digests.prepare(load_config(None, ["data.sources=[{hub: org/chats, split: train}, {preset: chitchat}]"])
                            ) != one
     data_mod.dataset_commit.cache_clear()
+
+
+def test_an_s3_object_enters_by_what_the_store_says_of_its_content(node, s3_server):
+    """No byte of the object is read for its address: the ETag (and VersionId, in a versioned bucket) SeaweedFS
+    answers to a HEAD is what enters it."""
+    import s3fs
+
+    key = f"draftline-test/data-{uuid.uuid4().hex[:8]}/chats.jsonl"
+    s3fs.S3FileSystem().pipe(key, _rows(3, "limes").encode())
+    ident = file_identity(f"s3://{key}")
+    assert "ETag" in ident and "sha256" not in ident, ident
