@@ -132,27 +132,22 @@ def best_k(report: dict[str, Any]) -> int | None:
     return max(scores, key=lambda k: (round(mean(k, 0), 6), round(mean(k, 1), 6)))
 
 
-def draft_path(store: Any, train_digest: str) -> str | None:
-    """The draft folder of a train artifact as a local path (a file:// store), or None (an s3:// store: export
-    it first)."""
-    if not store.is_local:
-        return None
-    art = store.open("train", train_digest)
-    return os.path.abspath(os.path.dirname(art.key("draft/config.json")))
-
-
 def export_command(train_digest: str, dest: str = "DRAFT_FOLDER") -> str:
     return shlex.join(["draftline", "export", train_digest, dest])
 
 
+def export_folder(train_digest: str) -> str:
+    """Where a run's printed line has the draft exported to first: a fresh folder of its files, never the store's
+    own attempt folder (anything a store writer put beside the listed files would be in that one)."""
+    return f"./draft-{train_digest[:8]}"
+
+
 def serve_lines(serve: dict[str, Any]) -> list[str]:
-    """The lines a report prints: the serve line, preceded by the export command when the draft is on S3."""
-    draft = serve.get("draft")
-    if draft:
-        return [host_note(serve), serve_command(serve, draft)]
-    folder = f"./draft-{serve['train_digest'][:8]}"
-    return [export_command(serve["train_digest"], folder) + "   # the draft is on S3: bring it here first",
-            host_note(serve), serve_command(serve, os.path.abspath(folder))]
+    """The lines a report prints: the export command that writes the draft's files to a fresh folder, then the
+    serve line for that folder."""
+    folder = export_folder(serve["train_digest"])
+    return [export_command(serve["train_digest"], folder) + "   # the draft files, in a folder of their own",
+            host_note(serve), *code_note(serve), serve_command(serve, os.path.abspath(folder))]
 
 
 def run_serve(cfg: Any, store: Any, train_ref: Any, report: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -163,7 +158,7 @@ def run_serve(cfg: Any, store: Any, train_ref: Any, report: dict[str, Any] | Non
         k = int(cfg.train.ttt_steps)
         serve = serve_settings(cfg, k=k, measured=False)
     serve["train_digest"] = train_ref.digest
-    serve["draft"] = draft_path(store, train_ref.digest)
+    serve["draft"] = os.path.abspath(export_folder(train_ref.digest))
     serve["lines"] = serve_lines(serve)
     serve["command"] = serve["lines"][-1]
     return serve

@@ -55,7 +55,7 @@ from tasks.address import digests
 from tasks.formats.acceptance import simulated_acceptance_length
 from tasks.formats.drafts import draft_kind, draft_layer
 from tasks.benchmark import STAGE, BenchmarkError
-from tasks.benchmark.engine_runs import EngineRun, commit_engine_run, engine_address, load_engine_run
+from tasks.benchmark.engine_runs import EngineRun, commit_engine_run, draft_named, engine_address, load_engine_run
 from tasks.benchmark.engine_runs import log as reuse_log
 from tasks.benchmark.identity import control_batch_sizes
 from tasks.benchmark.measure import RunResult, measure, spec_figures
@@ -318,8 +318,9 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
                                              for ev in evals}}
         address = engine_address(cfg, kwargs, measured, evals, draft, measured_by)
         done = load_engine_run(store, address)
+        recorded = draft_named(kwargs, draft) if draft else kwargs  # the report names the draft by its address
         if done is not None:
-            engines[name] = {"why": why, "args": kwargs, "start_s": done.timing.get("start_s"), "reused": done.uri}
+            engines[name] = {"why": why, "args": recorded, "start_s": done.timing.get("start_s"), "reused": done.uri}
             timing["engine_start_s"][name] = done.timing.get("start_s")
             timing["measure_s"][name] = done.timing.get("measure_s")
             if control:
@@ -331,7 +332,7 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
             _log(log, note)
             return done.results
         engine = factory(name, kwargs)
-        engines[name] = {"why": why, "args": kwargs}
+        engines[name] = {"why": why, "args": recorded}
         mine: dict[str, dict[str, RunResult]] = {}
         t0 = time.time()
         try:

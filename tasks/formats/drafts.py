@@ -65,8 +65,8 @@ def refuse_code(conf: dict[str, Any], where: str) -> None:
                              f"(code to import from the draft's folder); refused: {fix}")
         kind = m.get("model_type")
         if path and kind is not None and kind not in CONFIG_MAPPING_NAMES:
-            raise DraftError(f"{where}: the draft's config.json has a {path} of model_type {kind!r}, which transformers "
-                             f"does not know (it would need code from elsewhere); refused: {fix}")
+            raise DraftError(f"{where}: the draft's config.json has a {path} of model_type {kind!r}, which "
+                             f"transformers does not know (it would need code from elsewhere); refused: {fix}")
     kind, archs = conf.get("model_type"), conf.get("architectures") or []
     if kind is not None and kind not in DRAFT_MODEL_TYPES:
         raise DraftError(f"{where}: the draft's config.json has model_type {kind!r}, not a draft type draftline "

@@ -456,6 +456,19 @@ def test_an_unlisted_or_listed_py_never_reaches_vllms_folder_or_the_export(exp, 
     assert any("--trust-remote-code is the target's" in line for line in out["serve"]["lines"])
 
 
+def test_a_runs_serve_line_names_a_fresh_export_never_the_stores_attempt_folder(exp):
+    """On a file:// store too, the line a run prints serves the folder `draftline export` writes (the draft's listed
+    files only), not the attempt's own folder, where a store writer could put anything beside them."""
+    import os
+
+    serve = run_serve(exp.cfg, exp.store, exp.trained)
+    own = os.path.dirname(exp.store.open("train", exp.trained.digest).key("draft/config.json"))
+    assert not any(own in line for line in serve["lines"])
+    folder = f"./draft-{exp.trained.digest[:8]}"
+    assert shlex.split(serve["lines"][0].split("#")[0]) == ["draftline", "export", exp.trained.digest, folder]
+    assert json.loads(shlex.split(serve["command"])[4])["model"] == os.path.abspath(folder) == serve["draft"]
+
+
 def test_the_export_record_is_never_written_through_a_planted_link(exp, tmp_path):
     """`DEST/.draftline-export.json` planted as a link to another file: the export refuses before writing anything,
     and the link's target is untouched."""
