@@ -38,6 +38,7 @@ from tasks.data.regenerate import STAGE_DEF as REGENERATE
 from tasks.data.vocab import STAGE_DEF as VOCAB
 from tasks.engine.settings import EnginePool
 from tasks.engine.target import resolve_model
+from tasks.address.data import DataIdentityError, pin_data
 from tasks.engine.weights import WeightsError, pin_run
 from tasks.extract.stage import STAGE_DEF as EXTRACT
 from tasks.store.artifacts import ArtifactRef, Store
@@ -189,11 +190,11 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     check_until(until)
     store = Store.from_config(cfg.store)
     store.check()
+    logger = get_run_logger()
+    allow_remote_code(cfg, logger)  # before pinning: pinning fetches the target's small files (with its code)
     overrides = _pin_target(cfg, overrides)
     rec = announce(RunRecord(config_path=config_path, overrides=overrides, flow_run_id=str(flow_run.id or ""),
                              store=store.uri))
-    logger = get_run_logger()
-    allow_remote_code(cfg, logger)
     try:
         _run_stages(cfg, store, rec, until, logger)
     except BaseException as exc:
@@ -417,9 +418,9 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     cfg = load_config(config_path, list(overrides or []))
     store = Store.from_config(cfg.store)
     store.check()
-    _pin_target(cfg, [])  # the parent pinned target.revision in the overrides: this records it
     logger = get_run_logger()
-    allow_remote_code(cfg, logger)
+    allow_remote_code(cfg, logger)  # before pinning: pinning fetches the target's small files (with its code)
+    _pin_target(cfg, [])  # the parent pinned target.revision in the overrides: this records it
     if stage == "train":
         if not rendezvous or not train_inputs:
             raise RuntimeError("stage=train: a training node needs the rendezvous and train_inputs parameters "
@@ -446,10 +447,11 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
 
 
 def _pin_target(cfg: RunConfig, overrides: list[str]) -> list[str]:
-    """The run's target pinned once (a hub id's commit) and recorded in every manifest (tasks/engine/weights.py)."""
+    """The run's target pinned once (a hub id's commit) and recorded in every manifest (tasks/engine/weights.py), and
+    its hub datasets pinned the same way (tasks/address/data.py)."""
     try:
-        return pin_run(cfg, overrides)
-    except WeightsError as exc:
+        return pin_data(cfg, pin_run(cfg, overrides))
+    except (WeightsError, DataIdentityError) as exc:
         get_run_logger().error(str(exc))
         raise
 

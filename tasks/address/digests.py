@@ -35,7 +35,10 @@ def target_identity(cfg) -> dict[str, Any]:
 
 
 def prepare(cfg) -> str:
-    section: dict[str, Any] = {"target": target_identity(cfg), "data": cfg.data}
+    """The data by content (tasks/address/data.py): a file edited in place is new data, a copy elsewhere is not."""
+    from tasks.address.data import data_identity
+
+    section: dict[str, Any] = {"target": target_identity(cfg), "data": data_identity(cfg.data)}
     if cfg.regenerate.enabled and any(s.keeps_prompts for s in cfg.data.sources):
         section["prompts"] = "kept"  # a user's prompt-only rows are kept (tasks/data/sources.py keep_prompts)
     return stage_digest("prepare", section)

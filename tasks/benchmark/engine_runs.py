@@ -64,14 +64,20 @@ def prompts_digest(evals: list[Any]) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def draft_named(kwargs: dict[str, Any], draft: str | None) -> dict[str, Any]:
+    """vllm.LLM arguments with speculative_config's local `model` folder (a fresh copy, gone after the run) replaced
+    by `draft`, the draft's address: what addresses and reports record."""
+    if not kwargs.get("speculative_config"):
+        return kwargs
+    return {**kwargs, "speculative_config": {**kwargs["speculative_config"], "model": draft}}
+
+
 def engine_address(cfg: Any, kwargs: dict[str, Any], measured: dict[str, Any], evals: list[Any],
                    draft: str | None, machine: dict[str, Any]) -> str:
     """The address of one engine's measurements: `kwargs` its vllm.LLM arguments (speculative_config's local
     `model` folder replaced by `draft`, the draft's address), `measured` what it decoded besides the prompts
     (sampling, batch sizes, controls, environment), `machine` the stage's machine description."""
-    engine = json.loads(json.dumps(kwargs, default=str))
-    if engine.get("speculative_config"):
-        engine["speculative_config"] = {**engine["speculative_config"], "model": draft}
+    engine = draft_named(json.loads(json.dumps(kwargs, default=str)), draft)
     measured = {**measured, "machine": {k: machine.get(k) for k in MACHINE_KEYS}}
     return digests.benchmark_engine(cfg, engine, measured, prompts_digest(evals), draft)
 

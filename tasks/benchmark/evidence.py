@@ -83,7 +83,9 @@ def maps(store: Store, train_digest: str, vocab_digest: str | None, vocab_size: 
     try:
         if vocab_size:
             read_vocab(store, ArtifactRef(stage="vocab", digest=vocab_digest, uri=""), vocab_size)  # raises if off
-        with art.local_folder("draft/") as folder:
+        from tasks.formats.drafts import draft_data_files
+
+        with art.local_folder("draft/", names=draft_data_files(art.files("draft/"))) as folder:  # data only
             same_maps_as_training(store, art, folder)
     except (VocabFormatError, ExportError) as exc:
         return Finding("maps", "fail", str(exc), "re-run the vocab and train stages")

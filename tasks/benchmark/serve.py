@@ -104,6 +104,16 @@ def host_note(serve: dict[str, Any], host: str | None = None) -> str:
     return f"# binds {h}: the API has no authentication; anyone who reaches {h} can use it"
 
 
+def code_note(serve: dict[str, Any]) -> list[str]:
+    """With the target's --trust-remote-code on the line, what it is for (printed above it): vLLM gives the draft the
+    target's flag, and the draft folder an export writes holds no code for it to run."""
+    if not (serve.get("engine") or {}).get("trust_remote_code"):
+        return []
+    return ["# --trust-remote-code is the target's (target.trust_remote_code), not the draft's: the exported draft "
+            "folder holds config.json and model.safetensors only, no auto_map and a draft model type (draftline "
+            "refuses any other), so no code of the draft's is run"]
+
+
 def best_k(report: dict[str, Any]) -> int | None:
     """The k that served best in this report: highest mean speedup over its evals and batch sizes, then
     highest mean acceptance length; None when nothing was measured."""
@@ -122,27 +132,22 @@ def best_k(report: dict[str, Any]) -> int | None:
     return max(scores, key=lambda k: (round(mean(k, 0), 6), round(mean(k, 1), 6)))
 
 
-def draft_path(store: Any, train_digest: str) -> str | None:
-    """The draft folder of a train artifact as a local path (a file:// store), or None (an s3:// store: export
-    it first)."""
-    if not store.is_local:
-        return None
-    art = store.open("train", train_digest)
-    return os.path.abspath(os.path.dirname(art.key("draft/config.json")))
-
-
 def export_command(train_digest: str, dest: str = "DRAFT_FOLDER") -> str:
     return shlex.join(["draftline", "export", train_digest, dest])
 
 
+def export_folder(train_digest: str) -> str:
+    """Where a run's printed line has the draft exported to first: a fresh folder of its files, never the store's
+    own attempt folder (anything a store writer put beside the listed files would be in that one)."""
+    return f"./draft-{train_digest[:8]}"
+
+
 def serve_lines(serve: dict[str, Any]) -> list[str]:
-    """The lines a report prints: the serve line, preceded by the export command when the draft is on S3."""
-    draft = serve.get("draft")
-    if draft:
-        return [host_note(serve), serve_command(serve, draft)]
-    folder = f"./draft-{serve['train_digest'][:8]}"
-    return [export_command(serve["train_digest"], folder) + "   # the draft is on S3: bring it here first",
-            host_note(serve), serve_command(serve, os.path.abspath(folder))]
+    """The lines a report prints: the export command that writes the draft's files to a fresh folder, then the
+    serve line for that folder."""
+    folder = export_folder(serve["train_digest"])
+    return [export_command(serve["train_digest"], folder) + "   # the draft files, in a folder of their own",
+            host_note(serve), *code_note(serve), serve_command(serve, os.path.abspath(folder))]
 
 
 def run_serve(cfg: Any, store: Any, train_ref: Any, report: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -153,7 +158,7 @@ def run_serve(cfg: Any, store: Any, train_ref: Any, report: dict[str, Any] | Non
         k = int(cfg.train.ttt_steps)
         serve = serve_settings(cfg, k=k, measured=False)
     serve["train_digest"] = train_ref.digest
-    serve["draft"] = draft_path(store, train_ref.digest)
+    serve["draft"] = os.path.abspath(export_folder(train_ref.digest))
     serve["lines"] = serve_lines(serve)
     serve["command"] = serve["lines"][-1]
     return serve
@@ -246,28 +251,33 @@ def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]
     export wrote (DEST/.draftline-export.json lists what one did) is replaced only with `force`."""
     import fsspec
 
-    from tasks.store.artifacts import safe_join
+    from tasks.formats.drafts import DraftError, draft_data_files, refuse_code
+    from tasks.store.trust import refuse_link, safe_join, write_new_file
 
     art = store.open("train", train_digest)
     missing = [f for f in DRAFT_FILES if f not in art.files()]
     if missing:
         raise ExportError(f"{art.uri} has no {', '.join(missing)}: not a finished train artifact (re-run the "
                           "train stage)")
+    try:  # drafts are data: no auto_map, only a draft's model type (before anything is written)
+        refuse_code(json.loads(art.read_bytes("draft/config.json")), f"{art.uri}/draft")
+    except (DraftError, ValueError) as exc:
+        raise ExportError(str(exc)) from None
     remote = "://" in dest and not dest.startswith("file://")
     local_dest = dest.removeprefix("file://")
     draft_at = f"{dest.rstrip('/')}/draft" if remote else os.path.abspath(os.path.join(local_dest, "draft"))
     serve = {**serve, "draft": draft_at, "host": host or serve.get("host") or DEFAULT_HOST}
     if remote:  # vLLM loads a local folder: the line names where the export lands once copied here
         serve["lines"] = [f"# copy {draft_at}/ to a local folder first (aws s3 cp --recursive ...), then:",
-                          host_note(serve), serve_command(serve, "./draft")]
+                          host_note(serve), *code_note(serve), serve_command(serve, "./draft")]
     else:
-        serve["lines"] = [host_note(serve), serve_command(serve, draft_at)]
+        serve["lines"] = [host_note(serve), *code_note(serve), serve_command(serve, draft_at)]
     serve["command"] = serve["lines"][-1]
     with owned_temporary_directory("export") as work:  # gc keeps it while this process lives
         tmp = os.path.join(work, "out")
         os.makedirs(os.path.join(tmp, "draft"))
         os.makedirs(os.path.join(tmp, "vocab"))
-        for name in art.files("draft/"):
+        for name in draft_data_files(art.files("draft/")):  # never code, listed or not
             with art.local_copy(name) as src, open(src, "rb") as fh, open(safe_join(tmp, name), "wb") as out:
                 while chunk := fh.read(8 << 20):
                     out.write(chunk)
@@ -290,6 +300,7 @@ def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]
             for n in names:  # no path through a planted symlink, before anything is written
                 safe_join(root, n)
                 safe_join(root, n + ".part")
+            refuse_link(os.path.join(root, EXPORT_RECORD))
         theirs = _not_ours(fs, root, names)
         if theirs and not force:
             raise ExportError(f"{dest} already holds {', '.join(theirs)}, which no draftline export wrote (or which "
@@ -306,6 +317,9 @@ def export_draft(store: Any, train_digest: str, dest: str, serve: dict[str, Any]
             shutil.copyfile(os.path.join(tmp, n), target + ".part")
             os.replace(target + ".part", target)
         ours = {n: _sha256(fsspec.filesystem("file"), os.path.join(tmp, n)) for n in names}
-        fs.pipe_file(f"{root}/{EXPORT_RECORD}", json.dumps({"train_digest": train_digest, "files": ours},
-                                                           indent=2).encode())
+        record = json.dumps({"train_digest": train_digest, "files": ours}, indent=2).encode()
+        if remote:
+            fs.pipe_file(f"{root}/{EXPORT_RECORD}", record)
+        else:  # a link planted there since the check above is replaced, never written through
+            write_new_file(os.path.join(root, EXPORT_RECORD), record)
     return {"train_digest": train_digest, "dest": dest, "files": names, "serve": serve}

@@ -55,7 +55,7 @@ from tasks.address import digests
 from tasks.formats.acceptance import simulated_acceptance_length
 from tasks.formats.drafts import draft_kind, draft_layer
 from tasks.benchmark import STAGE, BenchmarkError
-from tasks.benchmark.engine_runs import EngineRun, commit_engine_run, engine_address, load_engine_run
+from tasks.benchmark.engine_runs import EngineRun, commit_engine_run, draft_named, engine_address, load_engine_run
 from tasks.benchmark.engine_runs import log as reuse_log
 from tasks.benchmark.identity import control_batch_sizes
 from tasks.benchmark.measure import RunResult, measure, spec_figures
@@ -103,15 +103,23 @@ def draft_folder(art: Artifact) -> Iterator[str]:
     if missing:
         raise BenchmarkError(f"{art.uri} has no {', '.join(missing)}: not a finished train artifact "
                              "(re-run the train stage)")
-    with art.local_folder("draft/") as folder:
+    from tasks.formats.drafts import draft_data_files
+
+    with art.local_folder("draft/", names=draft_data_files(art.files("draft/"))) as folder:  # data only, fresh
         yield folder
 
 
 def check_draft(draft_dir: str, target_hf_config: Any) -> dict[str, Any]:
-    """The draft's identity, and a clear error when it cannot serve this target."""
+    """The draft's identity, and a clear error when it cannot serve this target or is not data only (an
+    `auto_map`, a model type or architecture that is not a draft's: tasks/formats/drafts.py `refuse_code`)."""
     from tasks.engine.target import text_config
+    from tasks.formats.drafts import DraftError, refuse_code
 
     conf = json.loads(Path(draft_dir, "config.json").read_text())
+    try:
+        refuse_code(conf, draft_dir)
+    except DraftError as exc:
+        raise BenchmarkError(str(exc)) from None
     algo = conf.get("speculators_model_type")
     if algo not in VLLM_METHODS:
         raise BenchmarkError(f"{draft_dir}/config.json is not an EAGLE-3, DFlash or DSpark draft "
@@ -310,8 +318,9 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
                                              for ev in evals}}
         address = engine_address(cfg, kwargs, measured, evals, draft, measured_by)
         done = load_engine_run(store, address)
+        recorded = draft_named(kwargs, draft) if draft else kwargs  # the report names the draft by its address
         if done is not None:
-            engines[name] = {"why": why, "args": kwargs, "start_s": done.timing.get("start_s"), "reused": done.uri}
+            engines[name] = {"why": why, "args": recorded, "start_s": done.timing.get("start_s"), "reused": done.uri}
             timing["engine_start_s"][name] = done.timing.get("start_s")
             timing["measure_s"][name] = done.timing.get("measure_s")
             if control:
@@ -323,7 +332,7 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
             _log(log, note)
             return done.results
         engine = factory(name, kwargs)
-        engines[name] = {"why": why, "args": kwargs}
+        engines[name] = {"why": why, "args": recorded}
         mine: dict[str, dict[str, RunResult]] = {}
         t0 = time.time()
         try:

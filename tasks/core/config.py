@@ -639,7 +639,10 @@ def _format_errors(err: ValidationError, origin: str, overrides: list[str] | Non
                 msg += f" (did you mean {near}?)"
         setby = [o for o in overrides or [] if f"{o.split('=', 1)[0].strip()}.".startswith(f"{loc}.")]
         got = e.get("input")
-        got_s = "" if isinstance(got, dict) or e["type"] == "missing" or f"got {got!r}" in msg else f" (got {got!r})"
+        # an unknown key is named, its value never echoed: a flow run's config_path may name any mapping on the
+        # worker (a file of someone else's settings), and the run's error is readable by every Prefect API user
+        quiet = isinstance(got, dict) or e["type"] in ("missing", "extra_forbidden")
+        got_s = "" if quiet or f"got {got!r}" in msg else f" (got {got!r})"
         got_s = mask(got_s)  # never echo a credential
         from_set = mask(f" (from --set {setby[-1]})") if setby else ""
         lines.append(f"  - {loc}: {msg}{got_s}{from_set}" + (f"; fix: {hint}" if hint else ""))

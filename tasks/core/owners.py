@@ -61,6 +61,14 @@ def _machine_id() -> str:
     return hashlib.sha256(f"draftline-owner:{raw}".encode()).hexdigest()[:32] if raw else ""
 
 
+def _pid_namespace() -> str:
+    """This process's pid namespace (`pid:[INODE]`): two containers on one kernel share its boot id and often its
+    host name, and have no machine id, but never a pid namespace unless they share their pids too."""
+    with contextlib.suppress(OSError):
+        return os.readlink("/proc/self/ns/pid")
+    return ""
+
+
 def _stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks) of a live pid on this machine, None if there is none."""
     try:
@@ -84,19 +92,25 @@ def me() -> dict[str, Any]:
     """This process as an owner record (JSON-ready)."""
     st = _stat(os.getpid())
     now = round(time.time(), 3)
-    return {"host": socket.gethostname(), "boot": _boot_id(), "machine": _machine_id(), "pid": os.getpid(),
-            "start": st[1] if st else None, "since": now, "beat": now}
+    return {"host": socket.gethostname(), "boot": _boot_id(), "machine": _machine_id(), "pidns": _pid_namespace(),
+            "pid": os.getpid(), "start": st[1] if st else None, "since": now, "beat": now}
 
 
 def here(owner: dict[str, Any] | None) -> bool:
-    """Whether `owner` names this machine as it runs now: the same full host name, boot id and machine id
-    (pods of one Deployment or EC2's ip-172-31-10-15 / ip-172-31-101-5 differ in at least one)."""
+    """Whether `owner` names this machine as it runs now, where its pids are this process's pids: the same full
+    host name, boot id, machine id and pid namespace (pods of one Deployment or EC2's ip-172-31-10-15 /
+    ip-172-31-101-5 differ in at least one; two containers of one host name on one kernel, without a machine id,
+    differ in their pid namespace). A record of an older draftline (no pid namespace) counts only with a machine
+    id: without one, two containers could not be told apart."""
     if not owner or owner.get("host") != socket.gethostname():
         return False
     boot, machine = _boot_id(), _machine_id()
     if not (boot or machine):
         return False  # nothing to tell this boot from another: cannot check
-    return owner.get("boot", "") == boot and owner.get("machine", machine) == machine
+    if owner.get("boot", "") != boot or owner.get("machine", machine) != machine:
+        return False
+    theirs = owner.get("pidns")
+    return bool(machine) if theirs is None else theirs == _pid_namespace() != ""
 
 
 def alive(owner: dict[str, Any] | None) -> bool | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
 from tasks.core.errors import DraftlineError
 
@@ -28,6 +29,9 @@ WHERE_WORDS = {"block", "name", "file", "path", "dir", "env", "profile", "mode",
 # scheme://USER:PASSWORD@host (any characters but @ and whitespace in the password: / + %2F included)
 # (a port and a path with an @ in it, host:8333/x@y, is not user info)
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^@\s/'\"]*(?::|%3a)(?!\d+/)[^@\s'\"]*)@")
+# Schemes whose authority is a bucket (never a host:port): a ':' there is user info whose password holds a '/'.
+BUCKET_SCHEMES = {"s3", "s3a", "s3n", "gs", "gcs", "az", "abfs", "abfss", "adl", "r2", "oss"}
+_URI_TOKEN = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://[^\s'\"]+")
 # key=value in a URL query (or a fragment, or a semicolon-separated list)
 _PARAM = re.compile(r"([?&;#])([A-Za-z0-9_.-]+)=([^&#\s'\"]+)")
 # credentials recognisable by their shape
@@ -61,12 +65,37 @@ def secret_name(name: str) -> bool:
     return bool(parts) and parts[-1] not in WHERE_WORDS and any(w in SECRET_WORDS for w in parts)
 
 
+def _userinfo_span(value: str) -> tuple[int, int] | None:
+    """Where the user info of the URI `value` is, by its authority as urllib.parse.urlsplit reads it: up to the
+    value's last '@' when the authority holds an '@' (a user, a key id, a password with a quote or a space); for a
+    bucket scheme also when the authority holds a ':' (a bucket name never has one) and an '@' follows: a password
+    holding a '/' (`s3://minio:12/abcSECRET@bucket/x`). None for anything else."""
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return None
+    start = len(parts.scheme) + 3
+    if not parts.scheme or value[len(parts.scheme):start] != "://":
+        return None
+    bucket_password = parts.scheme.lower() in BUCKET_SCHEMES and ":" in parts.netloc and "@" in value[start:]
+    if "@" in parts.netloc or bucket_password:
+        return start, value.rindex("@")  # (an '@' inside the password, or past it in the key: all of it masked)
+    return None
+
+
+def _mask_uri(value: str) -> str:
+    span = _userinfo_span(value)
+    return value if span is None else f"{value[:span[0]]}***{value[span[1]:]}"
+
+
 def find_secrets(value: Any) -> list[str]:
     """The credentials inside one string value (user info of a URI, a secret query parameter, a key of a
     known shape); [] for anything else."""
     if not isinstance(value, str):
         return []
-    out = [m.group(2) for m in _USERINFO.finditer(value)]
+    out = [value[sp[0]:sp[1]]] if (sp := _userinfo_span(value)) else []
+    out += [m.group(0)[sp[0]:sp[1]] for m in _URI_TOKEN.finditer(value) if (sp := _userinfo_span(m.group(0)))]
+    out += [m.group(2) for m in _USERINFO.finditer(value)]
     out += [m.group(3) for m in _PARAM.finditer(value) if secret_name(m.group(2))]
     out += [m.group(0) for m in _SHAPES.finditer(value)]
     return out
@@ -74,6 +103,8 @@ def find_secrets(value: Any) -> list[str]:
 
 def mask(text: str) -> str:
     """TEXT with every credential `find_secrets` sees replaced by ***."""
+    text = _mask_uri(text)  # TEXT one URI (a config value): its user info, whatever characters it holds
+    text = _URI_TOKEN.sub(lambda m: _mask_uri(m.group(0)), text)  # URIs inside a longer text
     text = _USERINFO.sub(lambda m: f"{m.group(1)}***@", text)
     text = _PARAM.sub(lambda m: f"{m.group(1)}{m.group(2)}=***" if secret_name(m.group(2)) else m.group(0), text)
     return _SHAPES.sub("***", text)

@@ -316,9 +316,13 @@ def run_lengths(cfg: RunConfig) -> Lengths:
     from tasks.address import digests
     from tasks.store.artifacts import Store, StoreError
 
+    from tasks.address.data import DataIdentityError
+
     try:
         store = Store.from_config(cfg.store)
         prep = store.find("prepare", digests.prepare(cfg))
+    except DataIdentityError as exc:  # the data's content cannot be named here (offline, no record of a commit)
+        return Lengths(source=f"this config's data has no address here ({str(exc)[:160]})")
     except Exception as exc:  # noqa: BLE001 - any store or credential failure: say it and plan on assumptions
         return Lengths(source=f"the store {cfg.store.uri} could not be read ({str(exc).splitlines()[0][:120]})")
     if prep is None:

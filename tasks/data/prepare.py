@@ -33,6 +33,7 @@ from tasks.data.chat import (  # noqa: F401  (ChatTemplateError, SampleDropped, 
     template_help,
 )
 from tasks.address import digests
+from tasks.address.data import data_identity
 from tasks.core.digest import VERSIONS
 from tasks.formats.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats  # noqa: F401
 from tasks.store.artifacts import ArtifactRef, Store
@@ -141,9 +142,13 @@ def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
             "the target could not read the longest samples; lower data.max_length or raise target.max_model_len"
         )
     masker = make_masker(cfg)
+    before = data_identity(data)
     loaded = load_sources(data.sources, seed=data.seed, keep_thinking=data.keep_thinking,
                           system_prompt=data.system_prompt, dedupe=data.dedupe,
                           keep_prompts=cfg.regenerate.enabled)
+    if data_identity(data) != before:  # the rows read are not the content the address names
+        raise PrepareError("a data source changed while prepare read it (a file still being written, an object "
+                           "overwritten); run again once the data is complete")
     mixes = [_Mix(ld, src.weight) for ld, src in zip(loaded, data.sources)]
     build_samples(mixes, masker, data)
 

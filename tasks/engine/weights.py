@@ -15,8 +15,9 @@ The fingerprint is what addresses hash for any target but the offline preset (ta
 sha256 over the content of the small files that say what the model is (config, generation config, tokenizer
 files, chat templates, the weight index) and the (name, sha256) of every weight file, never a path: one changed
 weight byte is another model. The weights' sha256 cost no reading where someone already computed them: a hub
-id's come from the hub's file listing (the LFS sha256 it publishes per file), a hub cache's snapshot files link
-to `blobs/<sha256>`; a plain folder's files are read once per node (in parallel) and remembered by (device,
+id's come from the hub's file listing (the LFS sha256 it publishes per file) until the files are here; files on
+this node (a plain folder's, a hub cache snapshot's blobs: their names are not trusted, anyone who can write the
+cache can change a blob's bytes and keep its name) are read once per node (in parallel) and remembered by (device,
 inode, size, mtime, ctime) in `DRAFTLINE_HOME/fingerprints/sha256.json`, so a second fingerprint reads no weight byte
 and a touched file is read again. A hub snapshot, a plain copy of it and the same bytes under another commit
 have one fingerprint. For a hub id the fingerprint needs only the small files (fetched first) and the hub's
@@ -110,16 +111,6 @@ hashed = {"files": 0, "bytes": 0}
 _hashed_lock = threading.Lock()
 
 
-def _blob_sha256(path: str) -> str | None:
-    """A hub cache's snapshot file links to `blobs/<etag>`; for a file stored in LFS the etag is the sha256 of its
-    content that the hub publishes (a plain git file's is a 40-hex git hash: not this)."""
-    real = os.path.realpath(path)
-    if real == os.path.abspath(path):
-        return None
-    blob = Path(real)
-    return blob.name if blob.parent.name == "blobs" and _SHA256.fullmatch(blob.name) else None
-
-
 def _sha256_cache() -> Path:
     return cache_home() / "fingerprints" / "sha256.json"
 
@@ -162,33 +153,27 @@ def _hash_file(path: str) -> str:
 
 
 def file_sha256s(paths: list[str]) -> dict[str, str]:
-    """path -> sha256 of its content, read only where nobody has: a hub cache blob's name; else this node's
-    record of the same (device, inode, size, mtime, ctime); else the file is hashed (in parallel threads, under the
-    node's lock so a second process waits and reuses) and recorded as each file finishes (a killed hash of a
-    600 GB folder keeps what it finished)."""
-    out: dict[str, str] = {}
-    keys: dict[str, str] = {}
-    for p in paths:
-        blob = _blob_sha256(p)
-        if blob:
-            out[p] = blob
-        else:
-            keys[p] = _stat_key(os.stat(p))
+    """path -> sha256 of its content (a weight file, a data file), read only where this node has not: its record
+    of the same (device, inode, size, mtime, ctime) of the file (a hub cache's link: of the blob it links to);
+    else the file is hashed (in parallel threads, under the node's lock so a second process waits and reuses) and
+    recorded as each file finishes (a killed hash of a 600 GB folder keeps what it finished). A hub cache blob's
+    NAME is not trusted: anyone who can write the cache can change its bytes and keep its name."""
+    keys = {p: _stat_key(os.stat(p)) for p in paths}
     if not keys:
-        return out
+        return {}
     known = _read_sha256_cache()
     if any(k not in known for k in keys.values()):
         with file_lock(cache_home() / "locks" / "fingerprint-sha256.lock"):
             known = _read_sha256_cache()  # another process may have hashed them while this one waited
             todo = sorted({p for p, k in keys.items() if k not in known}, key=lambda p: -os.path.getsize(p))
-            log.info(f"weights: hashing {len(todo)} weight file(s) once on this node "
+            log.info(f"hashing {len(todo)} file(s) once on this node "
                      f"({sum(os.path.getsize(p) for p in todo) / 1e9:.1f} GB)")
             with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(todo)))) as pool:
                 futures = {pool.submit(_hash_file, p): p for p in todo}
                 for fut in as_completed(futures):
                     known[keys[futures[fut]]] = fut.result()
                     _write_sha256_cache(known)
-    return {**out, **{p: known[k] for p, k in keys.items()}}
+    return {p: known[k] for p, k in keys.items()}
 
 
 @functools.lru_cache(maxsize=64)
@@ -204,8 +189,8 @@ def _folder_fingerprint(folder: str, trust_remote_code: bool, _stamp: tuple) -> 
 
 
 def folder_fingerprint(folder: str | os.PathLike, trust_remote_code: bool = False) -> str:
-    """The fingerprint of a local model folder: its small files are read, its weights' sha256 taken from a hub
-    cache's blob names or this node's record (hashed the first time only); cached per process while no file's
+    """The fingerprint of a local model folder: its small files are read, its weights' sha256 taken from this
+    node's record (hashed the first time only); cached per process while no file's
     name, inode, size or time changes."""
     p = Path(folder).resolve()
     try:
@@ -296,7 +281,7 @@ def complete_snapshot(repo: str, revision: str | None, trust_remote_code: bool =
         return None
     if not (Path(snap.path) / "config.json").is_file():
         return None  # the cache was cleaned: fetch again
-    # from the snapshot's files (free: the blob names), not the marker: a marker written by an older fingerprint
+    # from the snapshot's files (hashed once per node), not the marker: a marker written by an older fingerprint
     # scheme, or by a run with another trust_remote_code, holds another figure
     snap.fingerprint = folder_fingerprint(snap.path, trust_remote_code)
     return snap
@@ -348,17 +333,22 @@ def resolve_commit(repo: str, revision: str | None) -> str:
 
 
 @functools.lru_cache(maxsize=32)
+def _all_files(repo: str, commit: str) -> tuple:
+    """Every file of the hub's listing at `commit`, nested ones included (one request per process)."""
+    return tuple(f for f in _api().list_repo_tree(repo, revision=commit, recursive=True) if hasattr(f, "size"))
+
+
 def _tree(repo: str, commit: str) -> tuple:
-    """The top-level files of the hub's listing at `commit` (one request per process)."""
-    return tuple(f for f in _api().list_repo_tree(repo, revision=commit, recursive=True)
-                 if hasattr(f, "size") and "/" not in f.path)
+    """The top-level files of the hub's listing at `commit` (what the fingerprint hashes)."""
+    return tuple(f for f in _all_files(repo, commit) if "/" not in f.path)
 
 
 @functools.lru_cache(maxsize=32)
 def _listing(repo: str, commit: str, trust_remote_code: bool) -> dict[str, int]:
-    """name -> size of the top-level files a run fetches, from the hub's file listing."""
+    """path -> size of every file a run fetches, from the hub's file listing: nested ones too (snapshot_download's
+    patterns cross '/': `*.safetensors` fetches `sub/x.safetensors`), so the disk check counts what comes."""
     pats = tuple(run_patterns(trust_remote_code))
-    return {f.path: int(f.size or 0) for f in _tree(repo, commit) if _matches(f.path, pats)}
+    return {f.path: int(f.size or 0) for f in _all_files(repo, commit) if _matches(f.path, pats)}
 
 
 def _published_sha256(repo: str, commit: str) -> dict[str, str]:
@@ -389,7 +379,7 @@ def hub_fingerprint(repo: str, commit: str, trust_remote_code: bool = False) -> 
         return snap.fingerprint
     if _offline():
         raise _offline_error(repo, commit)
-    sizes = _listing(repo, commit, trust_remote_code)
+    sizes = {n: b for n, b in _listing(repo, commit, trust_remote_code).items() if "/" not in n}  # the top level
     published = _published_sha256(repo, commit)
     # a weight file the hub keeps in plain git (under its LFS threshold: small) has no published sha256: fetched
     # with the small files and hashed

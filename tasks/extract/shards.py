@@ -81,7 +81,15 @@ def extract_shards(store: Store, extracted: ArtifactRef) -> list[ArtifactRef]:
     if manifest is None:
         raise ExtractError(f"the extract stage's artifact {extracted.uri} is not committed on {store.uri}; "
                            "re-run the extract stage (completed shards are reused)")
-    names = sorted((k for k in manifest.inputs if k.startswith("shard-")), key=lambda k: int(k.split("-")[1]))
+    # the stage artifact's address IS the digest of its shards' addresses (digests.extract_stage): a manifest whose
+    # list is not that list (a store writer's edit) would redirect training to other shards, and is refused
+    listed = {k: v for k, v in manifest.inputs.items() if k.startswith("shard-")}
+    names = [f"shard-{i}" for i in range(len(listed))]
+    if set(listed) != set(names) or digests.extract_stage([listed[n] for n in names]) != extracted.digest:
+        raise ExtractError(f"the extract stage's artifact {extracted.uri} names shards whose addresses are not the "
+                           "ones its address is made of (its manifest was written by something other than "
+                           "draftline); nothing was trained from it: delete its manifest.json and re-run the "
+                           "extract stage (completed shards are reused)")
     refs = []
     for name in names:
         art = store.find(STAGE, manifest.inputs[name])

@@ -414,9 +414,6 @@ def _extract(cfg: RunConfig, store: Store, plan: ExtractShard, engine: EnginePro
     return art.ref()
 
 
-SHARDS_FILE = "shards.json"  # the stage artifact's one file: each shard's number, address and size, for a reader
-
-
 def extract_address(shards: Sequence[ExtractShard | ArtifactRef]) -> str:
     """The extract stage artifact's digest: the set of its shards' addresses (their plans' or artifacts', the
     same digests). The flow's `STAGE_DEF.address`, and `assemble_extract`'s without one."""
@@ -455,9 +452,8 @@ def _assemble(cfg: RunConfig, store: Store, shards: list[ArtifactRef], t0: float
     inputs = {f"shard-{i}": r.digest for i, r in enumerate(shards)}
     with store.write(STAGE_ARTIFACT, digest, VERSIONS[STAGE], inputs, digests.extract_section(
             cfg, list(shards[0].stats.get("layer_ids") or []))) as w:
-        w.write_json(SHARDS_FILE, [{"shard": int(r.stats.get("shard", 0)), "digest": r.digest, "uri": r.uri,
-                                    "samples": int(r.stats.get("samples", 0)), "tokens": int(r.stats.get("tokens", 0))}
-                                   for r in shards])
+        # no file: the manifest's inputs name every shard, checked against this address when read
+        # (tasks/extract/shards.py `extract_shards`); a file of its own would be one more list to check
         stats["wall_seconds"] = round(time.time() - t0, 2)  # the stage: engine starts, every shard, every node
         return w.commit(stats).ref()
 

@@ -31,6 +31,57 @@ class DraftError(DraftlineError, ValueError):
     """A draft that cannot be used here; the message says why and what to do."""
 
 
+# Drafts are data, never code. What draftline writes (tasks/train/loop.py save_draft) and vLLM loads natively:
+# speculators' config (its model_type, or none) of an EAGLE-3, DFlash or DSpark model, or the flat DeepSeek-V2 config
+# of an MLA EAGLE-3 head (MLA_DRAFT_*, below). Anything else could send transformers or vLLM, under the target's
+# trust_remote_code, to a module in the draft's folder or repository.
+DRAFT_MODEL_TYPES = ("speculator_model", "eagle3", "dflash", "dspark", "deepseek_v2")
+DRAFT_ARCHITECTURES = ("Eagle3DraftModel", "DFlashDraftModel", "DSparkDraftModel", "Eagle3DeepseekV2ForCausalLM")
+DRAFT_DATA_SUFFIXES = (".json", ".safetensors")  # the files of a draft folder handed on: never code
+
+
+def _nested(conf: Any, path: str = "") -> Any:
+    """(path, mapping) of every mapping in a config, itself included."""
+    if isinstance(conf, dict):
+        yield path, conf
+        for k, v in conf.items():
+            yield from _nested(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(conf, list):
+        for i, v in enumerate(conf):
+            yield from _nested(v, f"{path}[{i}]")
+
+
+def refuse_code(conf: dict[str, Any], where: str) -> None:
+    """A DraftError unless the draft's config.json names only what loads without code: no `auto_map` anywhere,
+    a draft model type and architecture draftline trains, and nested layer configs of model types transformers
+    knows itself."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    fix = ("draftline loads drafts as data only (EAGLE-3, DFlash or DSpark drafts in speculators' format, as "
+           "`draftline export` writes them); re-export the draft, or remove it from the store")
+    for path, m in _nested(conf):
+        if "auto_map" in m:
+            raise DraftError(f"{where}: the draft's config.json has an auto_map{f' in {path}' if path else ''} "
+                             f"(code to import from the draft's folder); refused: {fix}")
+        kind = m.get("model_type")
+        if path and kind is not None and kind not in CONFIG_MAPPING_NAMES:
+            raise DraftError(f"{where}: the draft's config.json has a {path} of model_type {kind!r}, which "
+                             f"transformers does not know (it would need code from elsewhere); refused: {fix}")
+    kind, archs = conf.get("model_type"), conf.get("architectures") or []
+    if kind is not None and kind not in DRAFT_MODEL_TYPES:
+        raise DraftError(f"{where}: the draft's config.json has model_type {kind!r}, not a draft type draftline "
+                         f"trains ({', '.join(DRAFT_MODEL_TYPES)}); refused: {fix}")
+    odd = [a for a in (archs if isinstance(archs, list) else [archs]) if a not in DRAFT_ARCHITECTURES]
+    if odd:
+        raise DraftError(f"{where}: the draft's config.json names architectures {odd}, not a draft draftline trains "
+                         f"({', '.join(DRAFT_ARCHITECTURES)}); refused: {fix}")
+
+
+def draft_data_files(names: list[str]) -> list[str]:
+    """The files of a draft folder that are handed on (to vLLM, to an export): its data, never code."""
+    return [n for n in names if n.endswith(DRAFT_DATA_SUFFIXES)]
+
+
 def draft_folder_of(spec: str) -> str:
     """A local folder holding config.json + model.safetensors: `spec` itself, or a hub id's snapshot (only
     those two files are fetched, as a target's files would be, through huggingface_hub and its cache)."""

@@ -46,11 +46,12 @@ from tasks.core.errors import DraftlineError
 from tasks.core.config import StoreConfig, with_scheme
 from tasks.core.faults import kill_point
 from tasks.store.uploads import open_for_write, upload_options
+from tasks.store.trust import (MANIFEST_CAP, NAME_RE as _NAME_RE, RECORD_CAP, RefusedStoreFile, UnsafePath,  # noqa: F401
+                               check_manifest_address, check_name, check_relpath, read_capped, safe_join)
 
 MANIFEST = "manifest.json"
 STORE_MARKER = "draftline-store.json"  # at the store's root: what says "draftline wrote here"
 _OWNER_BEAT_S = 60  # a writer refreshes its attempt's owner record (its lease) at most this often
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HASH_CHUNK = 8 << 20
 _COPY_CHUNK = 16 << 20  # ranged GETs of a streamed copy (Artifact.copy_to)
 _COPY_INFLIGHT = 4  # ... in flight at once
@@ -124,46 +125,6 @@ def _space_errors(store_uri: str, key: str) -> Iterator[None]:
             f"committed: free space on {store_uri} or point store.uri at a bigger store, then retry the run "
             "(finished work is reused)"
         ) from None
-
-
-def check_name(kind: str, value: str) -> str:
-    """Names that become store keys (stages, digests, file names from data) must be plain."""
-    if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
-        raise ValueError(
-            f"invalid {kind} {value!r}: use letters, digits, '.', '_' and '-' only "
-            "(no '/', no '..'), at most 128 characters"
-        )
-    return value
-
-
-def check_relpath(value: str) -> str:
-    parts = value.split("/") if isinstance(value, str) else []
-    if not parts or any(p in ("", ".", "..") for p in parts):
-        raise ValueError(f"invalid artifact file path {value!r}: relative, no '..' or empty parts")
-    for p in parts:
-        check_name("file name", p)
-    return value
-
-
-class UnsafePath(DraftlineError, ValueError):
-    """A path from a manifest (or a folder written to) that would lead out of its folder."""
-
-
-def safe_join(folder: str | os.PathLike, relpath: str) -> str:
-    """The one way a path read from a manifest (or an export's file list) becomes a local path to write:
-    `relpath` must be relative, without '..' or empty parts (check_relpath), and no part of it under
-    `folder` may be a symlink (a planted link is never followed out of the folder). Raises UnsafePath."""
-    try:
-        check_relpath(relpath)
-    except ValueError as exc:
-        raise UnsafePath(f"{exc}: refusing to write it under {folder}") from None
-    path = os.fspath(folder)
-    for part in relpath.split("/"):
-        path = os.path.join(path, part)
-        if os.path.islink(path):
-            raise UnsafePath(f"{path} is a symlink (to {os.readlink(path)}): refusing to write through it; remove "
-                             "the link (draftline never makes one there)")
-    return path
 
 
 class FileEntry(BaseModel):
@@ -338,16 +299,11 @@ class Artifact:
             yield local
 
     @contextlib.contextmanager
-    def local_folder(self, prefix: str, verify: bool = True) -> Iterator[str]:
-        """A local folder holding every file under `prefix` (e.g. "draft/"), verified: the artifact's own
-        folder when the store is local, else a temporary copy streamed from the store."""
-        names = self.files(prefix)
-        if self.store.is_local:
-            if verify:
-                for n in names:
-                    self.verify_file(n)
-            yield self.store.key(self.stage, self.digest, self.manifest.attempt, prefix.rstrip("/"))
-            return
+    def local_folder(self, prefix: str, verify: bool = True, names: list[str] | None = None) -> Iterator[str]:
+        """A fresh local folder holding the listed files under `prefix` (e.g. "draft/"; `names`: only those),
+        verified as they are copied: never the artifact's own folder, whose unlisted files (anything a store
+        writer put beside the listed ones) must not reach whoever reads the folder."""
+        names = self.files(prefix) if names is None else [n for n in names if n.startswith(prefix)]
         with owners.owned_temporary_directory("copy") as tmp:  # gc keeps it while this process lives
             for n in names:
                 local = safe_join(tmp, n)
@@ -749,14 +705,20 @@ class Store:
     def manifest(self, stage: str, digest: str) -> Manifest | None:
         key = self.key(check_name("stage", stage), check_name("digest", digest), MANIFEST)
         try:
-            raw = self.fs.cat_file(key)
+            raw = read_capped(self.fs, key, MANIFEST_CAP, self.is_local)
         except FileNotFoundError:
             return None
+        except RefusedStoreFile as exc:
+            raise ArtifactCorrupt(str(exc)) from None
         try:
             m = Manifest.model_validate_json(raw)
         except Exception:
             return None  # an unreadable manifest is not a committed artifact
-        try:  # paths from the store are untrusted: one that leaves the artifact's folder is never used
+        try:  # the store is untrusted: a manifest of another address, or a path leaving the folder, is never used
+            check_manifest_address(m, stage, digest, self.uri_of(stage, digest))
+        except RefusedStoreFile as exc:
+            raise ArtifactCorrupt(str(exc)) from None
+        try:
             check_name("attempt", m.attempt)
             for f in m.files:
                 check_relpath(f.path)
@@ -839,6 +801,7 @@ class Store:
         key = self.key(manifest.stage, manifest.digest, MANIFEST)
         payload = manifest.model_dump_json(indent=2).encode()
         if self.is_local:
+            os.makedirs(os.path.dirname(key), exist_ok=True)  # an artifact of no file (the extract stage's)
             tmp = f"{key}.tmp-{uuid.uuid4().hex}"
             try:
                 with _space_errors(self.uri, key), open(tmp, "wb") as fh:
@@ -862,8 +825,8 @@ class Store:
         if not self.is_local:
             self.fs.invalidate_cache(self.key(stage, digest))
         try:
-            raw = self.fs.cat_file(key)
-        except FileNotFoundError:
+            raw = read_capped(self.fs, key, MANIFEST_CAP, self.is_local)
+        except (FileNotFoundError, RefusedStoreFile):
             return False
         if seen is not None:
             try:
@@ -937,7 +900,7 @@ class Store:
     def _attempt_owner(self, key: str) -> dict[str, Any]:
         """The attempt's owner record ({} for none) with `alive`: True/False on this machine, None elsewhere."""
         try:
-            record = json.loads(self.fs.cat_file(f"{key}/{owners.OWNER_FILE}"))
+            record = json.loads(read_capped(self.fs, f"{key}/{owners.OWNER_FILE}", RECORD_CAP, self.is_local))
         except (FileNotFoundError, ValueError):
             return {}
         if not isinstance(record, dict):

@@ -37,6 +37,7 @@ from typing import Any, Iterator
 from tasks.core import owners, stopping
 from tasks.core.errors import DraftlineError
 from tasks.store.artifacts import Store
+from tasks.store.trust import RECORD_CAP, RefusedStoreFile, read_capped
 
 FORMAT = "draftline-lease-1"
 DEFAULT_WAIT_S = 3600.0
@@ -60,12 +61,13 @@ def _clock(t: float) -> str:
 
 
 def read_lock(path: Path) -> dict[str, Any] | None:
-    """The lock file's record; {} for one that is unreadable (being written, or damaged); None if absent."""
+    """The lock file's record; {} for one that is unreadable (being written, damaged, or not a small regular file:
+    a FIFO or a huge file planted as a lock is never waited on or read whole); None if absent."""
     try:
-        raw = path.read_bytes()
+        raw = read_capped(None, str(path), RECORD_CAP, local=True)
     except FileNotFoundError:
         return None
-    except OSError:
+    except (OSError, RefusedStoreFile):
         return {}
     try:
         info = json.loads(raw)

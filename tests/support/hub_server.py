@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlparse
 class StandInHub:
     def __init__(self, repo: str, folder: Path, delay_s: float = 0.0):
         self.repo, self.folder, self.delay_s = repo, Path(folder), delay_s
-        self.files = sorted(p.name for p in self.folder.iterdir() if p.is_file())
+        self.files = sorted(p.relative_to(self.folder).as_posix() for p in self.folder.rglob("*") if p.is_file())
         listing = "".join(f"{n}:{hashlib.sha256((self.folder / n).read_bytes()).hexdigest()}" for n in self.files)
         self.sha = hashlib.sha1(listing.encode()).hexdigest()  # a 40-hex commit of this content
         self.requests: list[dict] = []

@@ -687,6 +687,12 @@ def make_random_draft(model: str, out: Path, two_words: bool = False, **norms: b
             m.lm_head.weight[260 - skip] = 10 * r
             m.lm_head.weight[253 - skip] = -10 * r
     m.to(torch.bfloat16).save_pretrained(out)
+    # as draftline's own writer leaves it (tasks/train/loop.py save_draft): data only, no auto_map and no copied
+    # module (speculators' save_pretrained writes both; the benchmark refuses a draft that names code)
+    conf_file = out / "config.json"
+    conf_file.write_text(json.dumps({k: v for k, v in json.loads(conf_file.read_text()).items() if k != "auto_map"}))
+    for py in out.glob("*.py"):
+        py.unlink()
 
 
 @pytest.mark.slow

@@ -392,6 +392,96 @@ def test_export_refuses_to_replace_a_users_files_unless_forced_and_never_follows
     assert victim.read_text() == "precious" and not (fresh / "README.md").exists()
 
 
+def _with_draft_files(exp, tag: str, files: dict[str, bytes]) -> str:
+    """A train artifact like exp's with draft files replaced or added (as a writer to the store could commit)."""
+    from tasks.core.digest import VERSIONS, stage_digest
+
+    digest = stage_digest("train", {"planted": tag})
+    art = exp.store.open("train", exp.trained.digest)
+    with exp.store.write("train", digest, VERSIONS["train"], inputs=dict(art.manifest.inputs)) as wr:
+        for name in art.files():
+            if name not in files:
+                wr.write_bytes(name, art.read_bytes(name))
+        for name, data in files.items():
+            wr.write_bytes(name, data)
+        wr.commit(dict(art.stats))
+    return digest
+
+
+@pytest.mark.parametrize("plant,why", [
+    ({"auto_map": {"AutoConfig": "evil.EvilConfig"}}, "has an auto_map"),
+    ({"model_type": "evil_arch"}, "model_type 'evil_arch', not a draft type"),
+    ({"architectures": ["EvilForCausalLM"]}, "names architectures ['EvilForCausalLM']"),
+    ({"transformer_layer_config": {"model_type": "evil_layer"}}, "transformer_layer_config of model_type 'evil_layer'"),
+])
+def test_a_draft_config_that_names_code_is_refused_by_check_and_export(exp, tmp_path, plant, why):
+    """Drafts are data, never code: a draft config.json with an auto_map, or a model type or architecture that is not
+    a draft's, would have vLLM (with the target's trust_remote_code) import a module from the draft's folder. The
+    benchmark's check and `draftline export` refuse it, naming why."""
+    from transformers import AutoConfig
+
+    from tasks.benchmark.serve import ExportError
+    from tasks.benchmark.stage import BenchmarkError, check_draft, draft_folder
+
+    conf = json.loads(exp.store.open("train", exp.trained.digest).read_bytes("draft/config.json"))
+    conf.update(plant)
+    digest = _with_draft_files(exp, why, {"draft/config.json": json.dumps(conf).encode(),
+                                          "draft/evil.py": b"open('/tmp/pwned', 'w')\n"})
+    import re
+
+    with pytest.raises(ExportError, match=f"{re.escape(why)}.*refused"):
+        export_draft(exp.store, digest, str(tmp_path / "out"), run_serve(exp.cfg, exp.store, exp.trained))
+    assert not (tmp_path / "out").exists()
+    with draft_folder(exp.store.open("train", digest)) as folder, pytest.raises(BenchmarkError, match=re.escape(why)):
+        check_draft(folder, AutoConfig.from_pretrained(exp.path))
+
+
+def test_an_unlisted_or_listed_py_never_reaches_vllms_folder_or_the_export(exp, tmp_path):
+    """vLLM and the export get a fresh folder of the draft's data files: a module a store writer put in the
+    attempt's draft folder (unlisted), or listed in the manifest, is in neither; the serve line's
+    --trust-remote-code (the target's) says it is not the draft's."""
+    from tasks.benchmark.stage import draft_folder
+
+    digest = _with_draft_files(exp, "py", {"draft/listed.py": b"raise SystemExit('pwned')\n"})
+    art = exp.store.open("train", digest)
+    own = Path(art.key("draft/config.json")).parent
+    (own / "unlisted.py").write_text("raise SystemExit('pwned')\n")
+    with draft_folder(art) as folder:
+        assert Path(folder) != own and sorted(p.name for p in Path(folder).iterdir()) == \
+            ["config.json", "model.safetensors"]
+    serve = run_serve(exp.cfg, exp.store, exp.trained)
+    serve = {**serve, "engine": {**serve["engine"], "trust_remote_code": True}}
+    out = export_draft(exp.store, digest, str(tmp_path / "out"), serve)
+    assert not list((tmp_path / "out").rglob("*.py")) and "draft/listed.py" not in out["files"]
+    assert any("--trust-remote-code is the target's" in line for line in out["serve"]["lines"])
+
+
+def test_a_runs_serve_line_names_a_fresh_export_never_the_stores_attempt_folder(exp):
+    """On a file:// store too, the line a run prints serves the folder `draftline export` writes (the draft's listed
+    files only), not the attempt's own folder, where a store writer could put anything beside them."""
+    import os
+
+    serve = run_serve(exp.cfg, exp.store, exp.trained)
+    own = os.path.dirname(exp.store.open("train", exp.trained.digest).key("draft/config.json"))
+    assert not any(own in line for line in serve["lines"])
+    folder = f"./draft-{exp.trained.digest[:8]}"
+    assert shlex.split(serve["lines"][0].split("#")[0]) == ["draftline", "export", exp.trained.digest, folder]
+    assert json.loads(shlex.split(serve["command"])[4])["model"] == os.path.abspath(folder) == serve["draft"]
+
+
+def test_the_export_record_is_never_written_through_a_planted_link(exp, tmp_path):
+    """`DEST/.draftline-export.json` planted as a link to another file: the export refuses before writing anything,
+    and the link's target is untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / ".draftline-export.json").symlink_to(victim)
+    with pytest.raises(ValueError, match="is a symlink"):
+        export_draft(exp.store, exp.trained.digest, str(dest), run_serve(exp.cfg, exp.store, exp.trained))
+    assert victim.read_text() == "precious" and not (dest / "README.md").exists()
+
+
 def test_warm_start_from_an_export_starts_at_its_loss(exp):
     events: list[dict] = []
     warm = run_train(train_cfg(exp.path, max_steps=2, init_from=str(exp.dest / "draft")), exp.store, exp.vref,

@@ -303,6 +303,9 @@ def test_the_runs_own_stats_on_the_store_replace_the_assumed_lengths(tmp_path, m
     monkeypatch.delenv("DRAFTLINE_STORE_URI", raising=False)  # it would sit above --set store.uri
     from tasks.address import digests
     from tasks.store.artifacts import Store
+    from tests.support.hub_cache import record_dataset_commits
+
+    record_dataset_commits(monkeypatch, tmp_path / "hf")  # the hub datasets' commits, as a node that fetched them has
 
     uri = f"file://{tmp_path}/store"
     # the addresses hash what the target is (tasks/engine/weights.py): a local folder holding Kimi's config stands in

@@ -174,14 +174,17 @@ def hub_cache_snapshot(root: Path, repo: str, commit: str, source: Path) -> Path
 
 
 def test_a_hub_snapshot_and_a_copy_of_the_same_bytes_share_the_fingerprint(node, tmp_path):
-    """The hub snapshot's weight files link to blobs named by their sha256: its fingerprint reads no weight
-    byte, and equals a plain copy's (hashed) and the same bytes' under another commit."""
+    """The hub snapshot's weight files link to blobs named by their sha256: its fingerprint hashes each blob once
+    on this node, and equals a plain copy's (hashed) and the same bytes' under another commit."""
     a = tiny_model(tmp_path / "a")
-    before = dict(weights.hashed)
     one = hub_cache_snapshot(tmp_path / "hub", REPO, "1" * 40, a)
     two = hub_cache_snapshot(tmp_path / "hub", REPO, "2" * 40, a)
     assert folder_fingerprint(one) == folder_fingerprint(two)
-    assert weights.hashed == before  # the blob names are the hashes
+    before = dict(weights.hashed)
+    weights._folder_fingerprint.cache_clear()
+    assert folder_fingerprint(one) == folder_fingerprint(two)
+    assert weights.hashed == before  # hashed once per node: the second fingerprint reads no weight byte
+    before = dict(weights.hashed)
     copy = tmp_path / "workstation" / "model"
     shutil.copytree(one, copy)  # follows the links: plain files
     assert not (copy / "model.safetensors").is_symlink()
@@ -189,9 +192,29 @@ def test_a_hub_snapshot_and_a_copy_of_the_same_bytes_share_the_fingerprint(node,
     assert weights.hashed["files"] > before["files"]  # the plain copies were hashed
 
 
-def test_the_workstation_and_b300_presets_address_the_same_artifacts(tmp_path):
+def test_a_hub_cache_blob_with_changed_bytes_is_another_model(node, tmp_path):
+    """A blob's name is the sha256 the hub published, but anyone who can write the node's cache can change its
+    bytes and keep its name: the fingerprint hashes the bytes (once per node), so changed bytes are another model."""
+    import hashlib
+
+    a = tiny_model(tmp_path / "a")
+    snap = hub_cache_snapshot(tmp_path / "hub", REPO, "1" * 40, a)
+    first = folder_fingerprint(snap)
+    blob = (snap / "model.safetensors").resolve()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    assert blob.name != hashlib.sha256(bytes(data)).hexdigest()  # the name still claims the old bytes
+    assert folder_fingerprint(snap) != first
+
+
+def test_the_workstation_and_b300_presets_address_the_same_artifacts(tmp_path, monkeypatch):
     """The workstation preset layers on the B300 one (`base:`): every hashed section is shared. The model is a
-    tiny folder at two paths standing in for the hub snapshot (pool) and the box's local copy."""
+    tiny folder at two paths standing in for the hub snapshot (pool) and the box's local copy; the hub datasets
+    enter at the commits a node's Hugging Face cache records for their main branch (offline here)."""
+    from tests.support.hub_cache import record_dataset_commits
+
+    record_dataset_commits(monkeypatch, tmp_path / "hf")
     pool, box = tiny_model(tmp_path / "pool-snapshot"), tmp_path / "models" / "kimi-k2.5"
     shutil.copytree(pool, box)
     b300 = load_config(ROOT / "configs/kimi-k2.5-b300.yaml", [f"target.model={pool}"])
@@ -273,6 +296,23 @@ def test_weights_fetched_once_per_node_then_never_from_the_hub_again(hub, tmp_pa
     assert code != 0 and "no complete snapshot on this node, and HF_HUB_OFFLINE=1" in said, said
     assert "draftline weights CONFIG" in said and time.monotonic() - t0 < 120
     assert hub.requests == []
+
+
+def test_the_disk_check_counts_the_nested_files_a_fetch_brings(tmp_path):
+    """snapshot_download's patterns cross '/' (`*.safetensors` fetches `sub/x.safetensors`): the disk check and the
+    bytes `draftline weights` reports count those files too, not the top level only."""
+    folder = tiny_model(tmp_path / "repo")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "more.safetensors").write_bytes(b"\0" * 300_000)  # larger than the rest of the repository
+    server = StandInHub(REPO, folder).start()
+    try:
+        cfg = write_config(tmp_path, REPO, f"file://{tmp_path}/store")
+        code, out, err = finish(draftline(["weights", str(cfg), "--json"], hub_env(server, tmp_path / "node"), ROOT))
+    finally:
+        server.stop()
+    assert code == 0, err[-2000:]
+    total = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    assert json.loads(out)["needed_bytes"] == total, (out, total)
 
 
 def test_an_unpinned_hub_id_runs_on_the_local_snapshot_and_records_its_commit(hub, tmp_path, prefect_server):
