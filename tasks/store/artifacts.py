@@ -746,25 +746,13 @@ class Store:
 
     # ---------------------------------------------------------------- read
     def manifest(self, stage: str, digest: str) -> Manifest | None:
-        key = self.key(check_name("stage", stage), check_name("digest", digest), MANIFEST)
-        try:
-            raw = self.fs.cat_file(key)
-        except FileNotFoundError:
-            return None
-        try:
-            m = Manifest.model_validate_json(raw)
-        except Exception:
-            return None  # an unreadable manifest is not a committed artifact
-        try:  # paths from the store are untrusted: one that leaves the artifact's folder is never used
-            check_name("attempt", m.attempt)
-            for f in m.files:
-                check_relpath(f.path)
-        except ValueError as exc:
-            raise ArtifactCorrupt(
-                f"{self.uri_of(stage, digest)}: its manifest names a path that leaves the artifact's folder "
-                f"({exc}); draftline never writes one, so nothing was read or written from it: delete {key} "
-                "(the stage is then recomputed)") from None
-        return m
+        return self.manifests(stage, [digest])[digest]
+
+    def manifests(self, stage: str, digests: list[str], skip_unsafe: bool = False) -> dict[str, Manifest | None]:
+        """Many manifests of STAGE at once (concurrent reads on S3): tasks/store/manifests.py."""
+        from tasks.store.manifests import read_manifests
+
+        return read_manifests(self, stage, digests, skip_unsafe)
 
     def open(self, stage: str, digest: str, checksums: bool = False) -> Artifact:
         """The committed artifact, with sizes (and optionally checksums) verified."""
@@ -795,11 +783,8 @@ class Store:
     def list(self, stage: str | None = None) -> list[Manifest]:
         out: list[Manifest] = []
         stages = [stage] if stage else self._dirs(self.root)
-        for s in stages:
-            for d in self._dirs(self.key(s)):
-                with contextlib.suppress(ArtifactCorrupt):  # an unsafe manifest is listed as nothing
-                    if (m := self.manifest(s, d)) is not None:
-                        out.append(m)
+        for s in stages:  # an unsafe manifest is listed as nothing
+            out += [m for m in self.manifests(s, self._dirs(self.key(s)), skip_unsafe=True).values() if m]
         return sorted(out, key=lambda m: (m.stage, m.created))
 
     def _dirs(self, key: str) -> list[str]:

@@ -232,3 +232,29 @@ def test_s3_unreachable_named(s3_server, monkeypatch):
     with pytest.raises(StoreError, match="unreachable"):
         st.check()
     assert time.time() - t0 < 60
+
+
+@pytest.mark.parametrize("n", [3, 150])
+def test_listing_reads_every_manifest_at_once_and_skips_missing_unsafe_and_unreadable_ones(store, n):
+    """Store.list and Store.manifests (the concurrent reads behind `draftline ls`, `check`, `plan --from-store`)
+    at two counts: every committed manifest, none twice; a folder without a manifest, an unreadable manifest and
+    one naming a path outside its folder list as nothing; asked for one by digest, the unsafe one is refused."""
+    for i in range(n):
+        with store.write("extract", f"s{i:04d}", "v1") as w:
+            w.write_bytes("p.bin", b"x")
+            w.commit({"shard": i})
+    good = store.manifest("extract", "s0000")
+    unsafe = good.model_copy(update={"digest": "unsafe"})
+    unsafe.files[0].path = "../../escaped"
+    store.fs.pipe_file(store.key("extract", "unsafe", "manifest.json"), unsafe.model_dump_json().encode())
+    store.fs.pipe_file(store.key("extract", "garbled", "manifest.json"), b"{not json")
+    store.fs.pipe_file(store.key("extract", "uncommitted", "a1", "p.bin"), b"x")  # an attempt, no manifest
+    listed = store.list("extract")
+    assert sorted(m.stats["shard"] for m in listed) == list(range(n))
+    assert len(store.list()) == n
+    got = store.manifests("extract", [f"s{i:04d}" for i in range(n)] + ["uncommitted", "garbled", "nowhere"])
+    assert [got[f"s{i:04d}"].stats["shard"] for i in range(n)] == list(range(n))
+    assert got["uncommitted"] is None and got["garbled"] is None and got["nowhere"] is None
+    assert store.manifests("extract", ["unsafe"], skip_unsafe=True) == {"unsafe": None}
+    with pytest.raises(ArtifactCorrupt, match="leaves the artifact's folder"):
+        store.manifest("extract", "unsafe")

@@ -1,0 +1,257 @@
+"""The Kimi preset's shape rehearsed on the CPUs (issue 43): what one shard costs in orchestration.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/rehearse.py --shards 8 64 [--db sqlite|postgres] [--out FILE]
+
+For each shard count: a fresh real `prefect server` (SQLite, or PostgreSQL started by
+`infra/local-stack.sh postgres`), a fresh SeaweedFS with its Prometheus metrics on, `draftline deploy`,
+four process-worker nodes (`prefect worker start --limit 1`, each its own Prefect home), then
+`draftline submit benchmarks/rehearsal.yaml --deployment local --until extract` with extract.nodes=4
+and 2 samples per shard. Measured, for the run from submit to Completed:
+
+- wall: seconds from submit to Completed; compute: the extraction shards' own seconds (manifests'
+  `seconds`: the engine's forward passes and the shard's writes), divided by the 4 nodes;
+  overhead = wall - compute/4; per shard, and the marginal cost between two counts;
+- Prefect: rows the run added to the server's database by table (task runs, their states, logs, events,
+  flow runs) and the database's growth in bytes; API requests from the server's access log;
+- peak RSS of the parent flow-run process and of the largest child (sampled every 0.5 s);
+- the store: SeaweedFS's own request counters by kind (LIST, GET -- it counts HEAD as GET --, PUT,
+  DELETE...) and bytes in and out.
+
+Results go to benchmarks/rehearsal-*.json (one object per count) for benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+
+import deploy_harness as harness  # noqa: E402
+from prefect_server import PrefectServer, free_port  # noqa: E402
+from s3server import S3Server  # noqa: E402
+
+NODES = 4
+CONFIG = ROOT / "benchmarks" / "rehearsal.yaml"
+TABLES = ("flow_run", "flow_run_state", "task_run", "task_run_state", "log", "events", "event_resources",
+          "artifact")
+
+
+def conversations(path: Path, n: int) -> None:
+    """N short, distinct conversations (a user question, an assistant answer) as JSONL."""
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"What is {i} plus {i + 7}?"},
+                {"role": "assistant", "content": f"{i} plus {i + 7} is {2 * i + 7}."}]}) + "\n")
+
+
+def store_counters(port: int) -> dict[str, float]:
+    """SeaweedFS's S3 counters: requests by kind (code 2xx/3xx/4xx together) and bytes in/out."""
+    txt = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in txt.splitlines():
+        m = re.match(r'SeaweedFS_s3_request_total\{bucket="([^"]*)",code="(\d+)",type="(\w+)"\} (\S+)', line)
+        if m and m.group(1) == "draftline-test":
+            out[m.group(3)] = out.get(m.group(3), 0) + float(m.group(4))
+        m = re.match(r'SeaweedFS_s3_bucket_traffic_(received|sent)_bytes_total\{bucket="draftline-test"\} (\S+)', line)
+        if m:
+            out[f"bytes_{m.group(1)}"] = float(m.group(2))
+    return out
+
+
+class Database:
+    """Row counts and size of the Prefect server's database, SQLite or PostgreSQL."""
+
+    def __init__(self, sqlite_path: Path | None = None, pg_url: str | None = None):
+        self.sqlite_path, self.pg_url = sqlite_path, pg_url
+
+    def snapshot(self) -> dict[str, int]:
+        if self.sqlite_path:
+            con = sqlite3.connect(f"file:{self.sqlite_path}?mode=ro", uri=True, timeout=60)
+            try:
+                out = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES}
+            finally:
+                con.close()
+            out["bytes"] = sum(p.stat().st_size for p in self.sqlite_path.parent.glob(self.sqlite_path.name + "*"))
+            return out
+        import asyncio
+
+        import asyncpg
+
+        async def q():
+            con = await asyncpg.connect(self.pg_url.replace("postgresql+asyncpg", "postgresql"))
+            try:
+                out = {t: await con.fetchval(f"SELECT count(*) FROM {t}") for t in TABLES}
+                out["bytes"] = await con.fetchval("SELECT pg_database_size(current_database())")
+                return out
+            finally:
+                await con.close()
+
+        return asyncio.run(q())
+
+
+class PeakRSS(threading.Thread):
+    """Peak resident memory of every process under the workers (the flow-run processes), by pid."""
+
+    def __init__(self, roots: list[int]):
+        super().__init__(daemon=True)
+        self.roots, self.peak, self.stop_ = roots, {}, threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        while not self.stop_.is_set():
+            for r in self.roots:
+                try:
+                    for p in psutil.Process(r).children(recursive=True):
+                        try:
+                            self.peak[p.pid] = max(self.peak.get(p.pid, 0), p.memory_info().rss)
+                        except psutil.Error:
+                            pass
+                except psutil.Error:
+                    pass
+            self.stop_.wait(0.5)
+
+
+def access_requests(log: Path) -> int:
+    """Requests the server's access log shows (uvicorn's `"POST /api/... HTTP/1.1" 200`)."""
+    if not log.exists():
+        return 0
+    return len(re.findall(rb'"(?:GET|POST|PATCH|PUT|DELETE) /api/', log.read_bytes()))
+
+
+def start_postgres(tmp: Path) -> str:
+    """A PostgreSQL server from infra/local-stack.sh's `postgres` command: the Prefect database URL."""
+    env = dict(os.environ, DRAFTLINE_STACK_DIR=str(tmp / "stack"), PG_PORT=str(free_port()))
+    out = subprocess.run(["bash", str(ROOT / "infra" / "local-stack.sh"), "postgres"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    if out.returncode:
+        raise RuntimeError(f"local-stack.sh postgres: {out.stdout}\n{out.stderr}")
+    return (tmp / "stack" / "postgres.url").read_text().strip()
+
+
+def stop_postgres(tmp: Path) -> None:
+    subprocess.run(["bash", str(ROOT / "infra" / "local-stack.sh"), "down"], timeout=120, capture_output=True,
+                   env=dict(os.environ, DRAFTLINE_STACK_DIR=str(tmp / "stack")))
+
+
+def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2) -> dict:
+    pg_url = start_postgres(tmp) if db == "postgres" else None
+    saved = os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL")
+    if pg_url:
+        os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] = pg_url
+    # uvicorn's access log (one line per API request) is at INFO; Prefect's server logs at WARNING by default
+    os.environ["PREFECT_SERVER_LOGGING_LEVEL"] = "INFO"
+    server = PrefectServer(tmp / "server")
+    metrics_port = free_port()
+    s3 = S3Server(tmp / "s3", metrics_port=metrics_port)
+    nodes: list[harness.Worker] = []
+    res: dict = {"shards": shards, "db": db, "nodes": NODES, "samples_per_shard": per_shard}
+    try:
+        server.start()
+        s3.start()
+        s3.make_bucket("draftline-test")
+        data = tmp / "conversations.jsonl"
+        conversations(data, shards * per_shard + 8)
+        store_uri = f"s3://draftline-test/rehearsal-{uuid.uuid4().hex[:8]}"
+        env = dict(os.environ, **server.env(), **s3.env(), DRAFTLINE_STORE_URI=store_uri,
+                   PREFECT_SERVER_ANALYTICS_ENABLED="false")
+        env.pop("PREFECT_UI_URL", None)
+        env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
+        env.pop("PREFECT_SERVER_LOGGING_LEVEL", None)
+        cli = dict(env, PREFECT_HOME=str(tmp / "laptop-home"), COLUMNS="200")
+        cli.pop("DRAFTLINE_STORE_URI")
+        harness.draftline("deploy", "--name", "local", "--crash-after", "120", env=cli, timeout=900)
+        for i in range(NODES):
+            nodes.append(harness.Worker(["prefect", "worker", "start", "--pool", "draftline-local", "--limit", "1",
+                                         "--name", f"draftline@node-{i}"], tmp, env).start())
+        for n in nodes:
+            n.wait_started(300)
+        database = Database(sqlite_path=None if pg_url else server.home / "prefect.db", pg_url=pg_url)
+        db0, s30, req0 = database.snapshot(), store_counters(metrics_port), access_requests(server.home / "server.log")
+        rss = PeakRSS([n.proc.pid for n in nodes])
+        rss.start()
+        t0 = time.time()
+        sub = harness.draftline(
+            "submit", str(CONFIG), "--deployment", "local", "--until", "extract", "--json",
+            "--set", f"data.sources=[{{path: {data}, name: rehearsal}}]", "--set", f"data.num_shards={shards}",
+            "--set", f"data.max_samples={shards * per_shard + 4}", env=cli)
+        run_id = json.loads(sub.stdout.strip().splitlines()[-1])["id"]
+        run = harness.wait_state(server, run_id, ("COMPLETED", "FAILED", "CRASHED"), timeout=6 * 3600)
+        res["wall_s"] = round(time.time() - t0, 1)
+        res["state"] = run.state.type.value
+        time.sleep(2)  # the last events and logs land
+        rss.stop_.set()
+        db1, s31, req1 = database.snapshot(), store_counters(metrics_port), access_requests(server.home / "server.log")
+        res["db_rows"] = {k: db1[k] - db0[k] for k in TABLES}
+        res["db_bytes"] = db1["bytes"] - db0["bytes"]
+        res["api_requests"] = req1 - req0
+        res["store"] = {k: s31.get(k, 0) - s30.get(k, 0) for k in sorted(set(s30) | set(s31))}
+        parent_pid = int(str(run.infrastructure_pid).rsplit(":", 1)[-1]) if run.infrastructure_pid else None
+        res["parent_peak_rss_mb"] = round(rss.peak.get(parent_pid, 0) / 2**20, 1)
+        res["max_peak_rss_mb"] = round(max(rss.peak.values(), default=0) / 2**20, 1)
+        from tasks.core.config import StoreConfig
+        from tasks.store.artifacts import Store
+
+        for k, v in s3.env().items():
+            os.environ.setdefault(k, v)
+        refs = Store.from_config(StoreConfig(uri=store_uri)).list("extract")
+        res["extract_shards_on_store"] = len(refs)
+        res["compute_s"] = round(sum(float(r.stats.get("seconds", 0)) for r in refs), 1)
+        res["overhead_s"] = round(res["wall_s"] - res["compute_s"] / NODES, 1)
+        res["overhead_per_shard_s"] = round(res["overhead_s"] / shards, 3)
+        res["status"] = json.loads(harness.draftline("status", run_id, "--json", env=cli).stdout).get("state")
+    finally:
+        for n in nodes:
+            n.stop()
+        server.stop()
+        s3.stop()
+        if pg_url:
+            stop_postgres(tmp)
+        os.environ.pop("PREFECT_SERVER_LOGGING_LEVEL", None)
+        if saved is None:
+            os.environ.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
+        else:
+            os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] = saved
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shards", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--db", choices=["sqlite", "postgres"], nargs="+", default=["sqlite"])
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "rehearsal-results.json")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folders (logs, databases)")
+    a = ap.parse_args()
+    results = json.loads(a.out.read_text()) if a.out.exists() else []
+    for n in a.shards:
+        for db in a.db:
+            tmp = Path(tempfile.mkdtemp(prefix=f"rehearse-{db}-{n}-"))
+            tmp.chmod(0o755)  # PostgreSQL runs as the postgres user when we are root: it must reach its folder
+            try:
+                r = rehearse(n, db, tmp)
+                r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+                print(json.dumps(r), flush=True)
+                results.append(r)
+                a.out.write_text(json.dumps(results, indent=1))
+            finally:
+                if not a.keep:
+                    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
