@@ -17,7 +17,11 @@ and 2 samples per shard. Measured, for the run from submit to Completed:
 - the store: SeaweedFS's own request counters by kind (LIST, GET -- it counts HEAD as GET --, PUT,
   DELETE...) and bytes in and out.
 
-Results go to benchmarks/rehearsal-*.json (one object per count) for benchmarks/RESULTS.md.
+With --kill-after K a node is lost mid-stage (the first node running a child slice is SIGKILLed once it
+finished K shards): the run must fail naming exactly the shards not on the store, `draftline status` must
+list them, and `draftline retry --watch` must complete the run committing only those.
+
+Results go to --out (a JSON list, one object per run) for benchmarks/RESULTS.md; --plot FILE draws them.
 """
 
 from __future__ import annotations
@@ -149,7 +153,50 @@ def stop_postgres(tmp: Path) -> None:
                    env=dict(os.environ, DRAFTLINE_STACK_DIR=str(tmp / "stack")))
 
 
-def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2) -> dict:
+def shards_done(log: str) -> list[int]:
+    """The extraction shards a node's worker log says it finished."""
+    return [int(x) for x in re.findall(r"Task run 'extract-shard-(\d+)' - extract: shard", log)]
+
+
+def kill_a_child_node(nodes: list, after: int, timeout: float) -> dict:
+    """SIGKILL the first node running a child slice once it has finished AFTER shards (its worker's process
+    group, with the flow-run process: the node is lost)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for n in nodes:
+            log = n.read_log()
+            done = shards_done(log)
+            if re.search(r"Flow run '[^']*-extract-\d+of\d+-try1' - Beginning", log) and len(done) >= after:
+                os.killpg(n.proc.pid, 9)
+                n.proc.wait(30)
+                return {"node": n.name, "done_before_kill": sorted(done)}
+        time.sleep(0.5)
+    raise RuntimeError(f"no child node finished {after} shards in {timeout}s")
+
+
+def retry_after_loss(server, run_id: str, cli: dict, store_uri: str, shards: int, killed: dict) -> dict:
+    """After a node was lost: the run failed naming its unfinished shards; `draftline status` lists them,
+    `draftline retry` runs exactly those; nothing committed before is committed again."""
+    from tasks.core.config import StoreConfig
+    from tasks.store.artifacts import Store
+
+    store = Store.from_config(StoreConfig(uri=store_uri))
+    before = {m.stats["shard"]: m.created for m in store.list("extract")}
+    missing = sorted(set(range(shards)) - set(before))
+    status = json.loads(harness.draftline("status", run_id, "--json", env=cli).stdout)
+    named = re.search(r"shards not finished \(\[([\d, ]*)\]\)", status["message"] or "")
+    listed = sorted(int(x) for x in named.group(1).split(",")) if named else None
+    t0 = time.time()
+    out = harness.draftline("retry", run_id, "--watch", "--timeout", "3600", env=cli, timeout=3700, check=False)
+    after = {m.stats["shard"]: m.created for m in Store.from_config(StoreConfig(uri=store_uri)).list("extract")}
+    return {"killed": killed, "missing_after_kill": missing, "status_lists": listed,
+            "status_lists_exactly_missing": listed == missing, "retry_rc": out.returncode,
+            "retry_s": round(time.time() - t0, 1), "all_shards_after_retry": sorted(after) == list(range(shards)),
+            "recommitted": sorted(s for s in before if after.get(s) != before[s]),
+            "committed_by_retry": sorted(s for s in after if s not in before)}
+
+
+def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: int | None = None) -> dict:
     pg_url = start_postgres(tmp) if db == "postgres" else None
     saved = os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL")
     if pg_url:
@@ -175,7 +222,7 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2) -> dict:
         env.pop("PREFECT_SERVER_LOGGING_LEVEL", None)
         cli = dict(env, PREFECT_HOME=str(tmp / "laptop-home"), COLUMNS="200")
         cli.pop("DRAFTLINE_STORE_URI")
-        harness.draftline("deploy", "--name", "local", "--crash-after", "120", env=cli, timeout=900)
+        harness.draftline("deploy", "--name", "local", "--crash-after", "60", env=cli, timeout=900)
         for i in range(NODES):
             nodes.append(harness.Worker(["prefect", "worker", "start", "--pool", "draftline-local", "--limit", "1",
                                          "--name", f"draftline@node-{i}"], tmp, env).start())
@@ -191,6 +238,8 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2) -> dict:
             "--set", f"data.sources=[{{path: {data}, name: rehearsal}}]", "--set", f"data.num_shards={shards}",
             "--set", f"data.max_samples={shards * per_shard + 4}", env=cli)
         run_id = json.loads(sub.stdout.strip().splitlines()[-1])["id"]
+        if kill_after is not None:
+            res["killed"] = kill_a_child_node(nodes, kill_after, timeout=3600)
         run = harness.wait_state(server, run_id, ("COMPLETED", "FAILED", "CRASHED"), timeout=6 * 3600)
         res["wall_s"] = round(time.time() - t0, 1)
         res["state"] = run.state.type.value
@@ -215,6 +264,8 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2) -> dict:
         res["overhead_s"] = round(res["wall_s"] - res["compute_s"] / NODES, 1)
         res["overhead_per_shard_s"] = round(res["overhead_s"] / shards, 3)
         res["status"] = json.loads(harness.draftline("status", run_id, "--json", env=cli).stdout).get("state")
+        if kill_after is not None:
+            res["fault"] = retry_after_loss(server, run_id, cli, store_uri, shards, res["killed"])
     finally:
         for n in nodes:
             n.stop()
@@ -230,20 +281,54 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2) -> dict:
     return res
 
 
+def plot(results: list[dict], path: Path) -> None:
+    """Per shard, against the shard count: overhead seconds, Prefect API requests, store requests."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = (("overhead per shard (s)", lambda r: r["overhead_per_shard_s"]),
+              ("Prefect API requests per shard", lambda r: r["api_requests"] / r["shards"]),
+              ("store requests per shard", lambda r: sum(v for k, v in r["store"].items()
+                                                         if not k.startswith("bytes")) / r["shards"]))
+    for ax, (title, y) in zip(axes, panels):
+        for db in sorted({r["db"] for r in results}):
+            rows = sorted((r for r in results if r["db"] == db and "fault" not in r), key=lambda r: r["shards"])
+            ax.plot([r["shards"] for r in rows], [y(r) for r in rows], marker="o", label=db)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("shards (4 nodes)")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shards", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--db", choices=["sqlite", "postgres"], nargs="+", default=["sqlite"])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "rehearsal-results.json")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folders (logs, databases)")
+    ap.add_argument("--kill-after", type=int, default=None,
+                    help="lose a node: SIGKILL the first node running a child slice once it finished this many "
+                         "shards, then check `draftline status` and `draftline retry` (the run's figures then "
+                         "cover the failed attempt)")
+    ap.add_argument("--plot", type=Path, default=None, help="draw --out's results to this PNG (and run nothing "
+                                                                "when --shards is not given)")
     a = ap.parse_args()
     results = json.loads(a.out.read_text()) if a.out.exists() else []
+    if a.plot and "--shards" not in sys.argv:
+        plot(results, a.plot)
+        return
     for n in a.shards:
         for db in a.db:
             tmp = Path(tempfile.mkdtemp(prefix=f"rehearse-{db}-{n}-"))
             tmp.chmod(0o755)  # PostgreSQL runs as the postgres user when we are root: it must reach its folder
             try:
-                r = rehearse(n, db, tmp)
+                r = rehearse(n, db, tmp, kill_after=a.kill_after)
                 r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
                 print(json.dumps(r), flush=True)
                 results.append(r)
@@ -251,6 +336,8 @@ def main() -> None:
             finally:
                 if not a.keep:
                     shutil.rmtree(tmp, ignore_errors=True)
+    if a.plot:
+        plot(results, a.plot)
 
 
 if __name__ == "__main__":

@@ -274,6 +274,10 @@ case "$cmd" in
     for s in prefect weed; do
       if alive "$STACK/$s.pid"; then say "$s running (pid $(cat "$STACK/$s.pid"))"; else say "$s not running"; rc=1; fi
     done
+    if [[ -f "$STACK/postgres/data/PG_VERSION" ]]; then
+      if as_pg "$(pg_bin)/pg_ctl" -D "$STACK/postgres/data" status >/dev/null 2>&1; then say "postgres running"
+      else say "postgres not running"; rc=1; fi
+    fi
     [[ -f "$STACK/env.sh" ]] && grep -E '^export (PREFECT_API_URL|AWS_ENDPOINT_URL|DRAFTLINE_STORE_URI)=' "$STACK/env.sh" | sed 's/^export /  /'
     exit $rc
     ;;
@@ -293,6 +297,6 @@ case "$cmd" in
     ;;
   *)
     usage >&2
-    die "unknown command '${cmd}': use up, env, status, down or postgres"
+    die "unknown command '${cmd}': use up, env, status or down (or postgres: PostgreSQL alone)"
     ;;
 esac
