@@ -12,7 +12,9 @@ and 2 samples per shard. Measured, for the run from submit to Completed:
   `seconds`: the engine's forward passes and the shard's writes), divided by the 4 nodes;
   overhead = wall - compute/4; per shard, and the marginal cost between two counts;
 - Prefect: rows the run added to the server's database by table (task runs, their states, logs, events,
-  flow runs) and the database's growth in bytes; API requests from the server's access log;
+  flow runs) and the database's growth in bytes; HTTP API requests from the server's access log (uvicorn's,
+  at PREFECT_SERVER_LOGGING_LEVEL=INFO), less this script's own polling; task-run states and events
+  travel over Prefect's events websocket, one connection per process, so they show as rows, not requests;
 - peak RSS of the parent flow-run process and of the largest child (sampled every 0.5 s);
 - the store: SeaweedFS's own request counters by kind (LIST, GET -- it counts HEAD as GET --, PUT,
   DELETE...) and bytes in and out.
@@ -196,6 +198,19 @@ def retry_after_loss(server, run_id: str, cli: dict, store_uri: str, shards: int
             "committed_by_retry": sorted(s for s in after if s not in before)}
 
 
+def wait_final(server, run_id: str, every: float = 5.0, timeout: float = 6 * 3600):
+    """The run once it ended, and how many API requests this wait made (subtracted from the run's)."""
+    polls, deadline = 0, time.time() + timeout
+    with harness.client(server) as c:
+        while time.time() < deadline:
+            run = c.read_flow_run(uuid.UUID(run_id))
+            polls += 1
+            if run.state is not None and run.state.type.value in ("COMPLETED", "FAILED", "CRASHED"):
+                return run, polls
+            time.sleep(every)
+    raise RuntimeError(f"run {run_id} not finished after {timeout}s")
+
+
 def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: int | None = None) -> dict:
     pg_url = start_postgres(tmp) if db == "postgres" else None
     saved = os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL")
@@ -212,6 +227,7 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: in
         server.start()
         s3.start()
         s3.make_bucket("draftline-test")
+        os.environ.update(s3.env())  # this process reads the store too (this run's server, not an earlier one's)
         data = tmp / "conversations.jsonl"
         conversations(data, shards * per_shard + 8)
         store_uri = f"s3://draftline-test/rehearsal-{uuid.uuid4().hex[:8]}"
@@ -240,7 +256,8 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: in
         run_id = json.loads(sub.stdout.strip().splitlines()[-1])["id"]
         if kill_after is not None:
             res["killed"] = kill_a_child_node(nodes, kill_after, timeout=3600)
-        run = harness.wait_state(server, run_id, ("COMPLETED", "FAILED", "CRASHED"), timeout=6 * 3600)
+        run, polls = wait_final(server, run_id)
+        res["own_api_requests"] = polls
         res["wall_s"] = round(time.time() - t0, 1)
         res["state"] = run.state.type.value
         time.sleep(2)  # the last events and logs land
@@ -248,7 +265,7 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: in
         db1, s31, req1 = database.snapshot(), store_counters(metrics_port), access_requests(server.home / "server.log")
         res["db_rows"] = {k: db1[k] - db0[k] for k in TABLES}
         res["db_bytes"] = db1["bytes"] - db0["bytes"]
-        res["api_requests"] = req1 - req0
+        res["api_requests"] = req1 - req0 - polls  # the run's, not this script's own polling
         res["store"] = {k: s31.get(k, 0) - s30.get(k, 0) for k in sorted(set(s30) | set(s31))}
         parent_pid = int(str(run.infrastructure_pid).rsplit(":", 1)[-1]) if run.infrastructure_pid else None
         res["parent_peak_rss_mb"] = round(rss.peak.get(parent_pid, 0) / 2**20, 1)
@@ -256,8 +273,6 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: in
         from tasks.core.config import StoreConfig
         from tasks.store.artifacts import Store
 
-        for k, v in s3.env().items():
-            os.environ.setdefault(k, v)
         refs = Store.from_config(StoreConfig(uri=store_uri)).list("extract")
         res["extract_shards_on_store"] = len(refs)
         res["compute_s"] = round(sum(float(r.stats.get("seconds", 0)) for r in refs), 1)

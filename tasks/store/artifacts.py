@@ -773,6 +773,12 @@ class Store:
             return hit.ref()
         return compute()
 
+    def find_many(self, stage: str, digests: list[str]) -> dict[str, Artifact | None]:
+        """`find` for many digests, their manifests read at once (a stage's 512 shards): tasks/store/manifests.py."""
+        from tasks.store.manifests import find_many
+
+        return find_many(self, stage, digests)
+
     def find(self, stage: str, digest: str, checksums: bool = False) -> Artifact | None:
         """The committed, verified artifact or None (corrupt counts as missing)."""
         try:

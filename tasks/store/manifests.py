@@ -1,4 +1,4 @@
-"""Reading manifests, one or many at once (Store.manifest, Store.manifests, Store.list).
+"""Reading manifests, one or many at once (Store.manifest, Store.manifests, Store.list, Store.find_many).
 
 A store the Kimi preset fills holds 1,024 shard manifests: read one request after another, `draftline ls`,
 `check` and `plan --from-store` wait on a round trip each (benchmarks/RESULTS.md, "The store at the preset's
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tasks.store.artifacts import Manifest, Store
+    from tasks.store.artifacts import Artifact, Manifest, Store
 
 
 def read_manifests(store: "Store", stage: str, digests: list[str], skip_unsafe: bool = False,
@@ -61,3 +61,20 @@ def parse(store: "Store", stage: str, digest: str, key: str, raw: bytes, skip_un
             f"({exc}); draftline never writes one, so nothing was read or written from it: delete {key} "
             "(the stage is then recomputed)") from None
     return m
+
+
+def find_many(store: "Store", stage: str, digests: list[str]) -> dict[str, "Artifact | None"]:
+    """Store.find for many digests: the manifests read at once, then each found artifact's files checked by
+    size (Artifact.verify); missing, unreadable, unsafe or corrupt reads as None, as Store.find says."""
+    from tasks.store.artifacts import Artifact, ArtifactCorrupt
+
+    out: dict[str, Artifact | None] = {}
+    for digest, m in read_manifests(store, stage, digests, skip_unsafe=True).items():
+        art = Artifact(store, m) if m is not None else None
+        if art is not None:
+            try:
+                art.verify(checksums=False)
+            except ArtifactCorrupt:
+                art = None
+        out[digest] = art
+    return out

@@ -258,3 +258,10 @@ def test_listing_reads_every_manifest_at_once_and_skips_missing_unsafe_and_unrea
     assert store.manifests("extract", ["unsafe"], skip_unsafe=True) == {"unsafe": None}
     with pytest.raises(ArtifactCorrupt, match="leaves the artifact's folder"):
         store.manifest("extract", "unsafe")
+    # find_many: what find says of each, the manifests read at once; a file of the wrong size is not found
+    art = store.open("extract", "s0001")
+    store.fs.pipe_file(art.key("p.bin"), b"xx")
+    found = store.find_many("extract", [f"s{i:04d}" for i in range(n)] + ["unsafe", "garbled", "nowhere"])
+    assert {d for d, a in found.items() if a is not None} == {f"s{i:04d}" for i in range(n) if i != 1}
+    assert all(found[d].manifest.digest == d for d in found if found[d] is not None)
+    assert store.find("extract", "s0001") is None
