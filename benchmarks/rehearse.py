@@ -23,7 +23,8 @@ With --kill-after K a node is lost mid-stage (the first node running a child sli
 finished K shards): the run must fail naming exactly the shards not on the store, `draftline status` must
 list them, and `draftline retry --watch` must complete the run committing only those.
 
-Results go to --out (a JSON list, one object per run) for benchmarks/RESULTS.md; --plot FILE draws them.
+Results go to --out (a JSON list, one object per run); without --shards the script runs nothing and prints
+--out's results as benchmarks/RESULTS.md's table (--plot FILE also draws them).
 """
 
 from __future__ import annotations
@@ -321,6 +322,24 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def table(results: list[dict]) -> str:
+    """The results as benchmarks/RESULTS.md's markdown table, per shard where it says so."""
+    rows = ["| db | shards | wall s | compute s / 4 nodes | overhead s | **overhead per shard s** | API requests "
+            "per shard | DB rows per shard (task-run states, events, logs) | DB growth KB per shard | parent peak "
+            "RSS MB | store requests per shard (LIST, GET+HEAD, PUT, DELETE) | store KB in / out per shard |",
+            "|" + "---|" * 12]
+    for r in sorted(results, key=lambda r: (r["shards"], r["db"])):
+        n, st, d = r["shards"], r["store"], r["db_rows"]
+        rows.append(
+            f"| {r['db']} | {n} | {r['wall_s']:.0f} | {r['compute_s'] / NODES:.0f} | {r['overhead_s']:.0f} | "
+            f"**{r['overhead_per_shard_s']:.2f}** | {r['api_requests'] / n:.1f} | "
+            f"{d['task_run_state'] / n:.1f}, {d['events'] / n:.1f}, {d['log'] / n:.1f} | {r['db_bytes'] / n / 1024:.0f} | "
+            f"{r['parent_peak_rss_mb']:.0f} | "
+            + ", ".join(f"{st.get(k, 0) / n:.1f}" for k in ("LIST", "GET", "PUT", "DELETE"))
+            + f" | {st.get('bytes_received', 0) / n / 1024:.0f} / {st.get('bytes_sent', 0) / n / 1024:.0f} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shards", type=int, nargs="+", default=[8, 64])
@@ -331,12 +350,13 @@ def main() -> None:
                     help="lose a node: SIGKILL the first node running a child slice once it finished this many "
                          "shards, then check `draftline status` and `draftline retry` (the run's figures then "
                          "cover the failed attempt)")
-    ap.add_argument("--plot", type=Path, default=None, help="draw --out's results to this PNG (and run nothing "
-                                                                "when --shards is not given)")
+    ap.add_argument("--plot", type=Path, default=None, help="draw --out's results to this PNG")
     a = ap.parse_args()
     results = json.loads(a.out.read_text()) if a.out.exists() else []
-    if a.plot and "--shards" not in sys.argv:
-        plot(results, a.plot)
+    if "--shards" not in sys.argv:  # only draw and print what --out holds
+        if a.plot:
+            plot(results, a.plot)
+        print(table(results))
         return
     for n in a.shards:
         for db in a.db:
