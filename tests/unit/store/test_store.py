@@ -265,3 +265,24 @@ def test_listing_reads_every_manifest_at_once_and_skips_missing_unsafe_and_unrea
     assert {d for d, a in found.items() if a is not None} == {f"s{i:04d}" for i in range(n) if i != 1}
     assert all(found[d].manifest.digest == d for d in found if found[d] is not None)
     assert store.find("extract", "s0001") is None
+
+
+@pytest.mark.parametrize("n", [4, 64])
+def test_a_reader_of_one_file_checks_that_file_not_all_n(store, n, monkeypatch):
+    """A stage's shard opens its input (the prepare artifact: one file per shard) checking only the file it
+    reads: N shards each checking all N files were N² store requests (benchmarks/RESULTS.md, the rehearsal)."""
+    with store.write("prepare", "data", "v1") as w:
+        for i in range(n):
+            w.write_bytes(f"shard-{i:05d}.parquet", b"x" * (i + 1))
+        w.commit({})
+    sized = []
+    real_size = store.fs.size
+    monkeypatch.setattr(store.fs, "size", lambda key: sized.append(key) or real_size(key))
+    art = store.open("prepare", "data", only="shard-00001.parquet")
+    assert len(sized) == 1 and sized[0].endswith("shard-00001.parquet")
+    assert art.read_bytes("shard-00001.parquet") == b"xx"
+    store.open("prepare", "data")
+    assert len(sized) == 1 + n  # without `only`, every file
+    store.fs.pipe_file(art.key("shard-00001.parquet"), b"x")  # its own file damaged: refused
+    with pytest.raises(ArtifactCorrupt, match="shard-00001.parquet has 1 bytes"):
+        store.open("prepare", "data", only="shard-00001.parquet")
