@@ -324,14 +324,14 @@ def plot(results: list[dict], path: Path) -> None:
 
 def table(results: list[dict]) -> str:
     """The results as benchmarks/RESULTS.md's markdown table, per shard where it says so."""
-    rows = ["| db | shards | wall s | compute s / 4 nodes | overhead s | **overhead per shard s** | API requests "
+    rows = ["| code | db | shards | wall s | compute s / 4 nodes | overhead s | **overhead per shard s** | API requests "
             "per shard | DB rows per shard (task-run states, events, logs) | DB growth KB per shard | parent peak "
             "RSS MB | store requests per shard (LIST, GET+HEAD, PUT, DELETE) | store KB in / out per shard |",
-            "|" + "---|" * 12]
-    for r in sorted(results, key=lambda r: (r["shards"], r["db"])):
+            "|" + "---|" * 13]
+    for r in sorted(results, key=lambda r: (r.get("code", ""), r["shards"], r["db"])):
         n, st, d = r["shards"], r["store"], r["db_rows"]
         rows.append(
-            f"| {r['db']} | {n} | {r['wall_s']:.0f} | {r['compute_s'] / NODES:.0f} | {r['overhead_s']:.0f} | "
+            f"| {r.get('code', '')} | {r['db']} | {n} | {r['wall_s']:.0f} | {r['compute_s'] / NODES:.0f} | {r['overhead_s']:.0f} | "
             f"**{r['overhead_per_shard_s']:.2f}** | {r['api_requests'] / n:.1f} | "
             f"{d['task_run_state'] / n:.1f}, {d['events'] / n:.1f}, {d['log'] / n:.1f} | {r['db_bytes'] / n / 1024:.0f} | "
             f"{r['parent_peak_rss_mb']:.0f} | "
@@ -365,6 +365,8 @@ def main() -> None:
             try:
                 r = rehearse(n, db, tmp, kill_after=a.kill_after)
                 r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+                r["code"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip()
                 print(json.dumps(r), flush=True)
                 results.append(r)
                 a.out.write_text(json.dumps(results, indent=1))
