@@ -130,8 +130,8 @@ def paged(read: Callable[..., list[Any]], **kwargs: Any) -> list[Any]:
 
 
 def task_runs(c: Any, run_id: Any) -> list[Any]:
-    """Every task run of RUN_ID, oldest first. Paged by id (unique: the expected start times of a stage's
-    shards, submitted together, can tie, and offset pages over ties skip and repeat rows), sorted here."""
+    """Every task run of RUN_ID, oldest first. Paged by id, a unique key (expected start times need not be
+    unique, and offset pages over an order with ties can skip or repeat rows), sorted here."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.client.schemas.sorting import TaskRunSort
 
