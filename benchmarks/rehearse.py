@@ -204,8 +204,13 @@ def wait_final(server, run_id: str, every: float = 5.0, timeout: float = 6 * 360
     polls, deadline = 0, time.time() + timeout
     with harness.client(server) as c:
         while time.time() < deadline:
-            run = c.read_flow_run(uuid.UUID(run_id))
             polls += 1
+            try:
+                run = c.read_flow_run(uuid.UUID(run_id))
+            except Exception as exc:  # noqa: BLE001 - a server error of the moment (a 500 under load): ask again
+                print(f"poll failed ({str(exc)[:120]}); asking again", file=sys.stderr)
+                time.sleep(every)
+                continue
             if run.state is not None and run.state.type.value in ("COMPLETED", "FAILED", "CRASHED"):
                 return run, polls
             time.sleep(every)
@@ -310,9 +315,10 @@ def plot(results: list[dict], path: Path) -> None:
               ("store requests per shard", lambda r: sum(v for k, v in r["store"].items()
                                                          if not k.startswith("bytes")) / r["shards"]))
     for ax, (title, y) in zip(axes, panels):
-        for db in sorted({r["db"] for r in results}):
-            rows = sorted((r for r in results if r["db"] == db and "fault" not in r), key=lambda r: r["shards"])
-            ax.plot([r["shards"] for r in rows], [y(r) for r in rows], marker="o", label=db)
+        for db, code in sorted({(r["db"], r.get("code", "")) for r in results}):
+            rows = sorted((r for r in results if (r["db"], r.get("code", "")) == (db, code) and "fault" not in r),
+                          key=lambda r: r["shards"])
+            ax.plot([r["shards"] for r in rows], [y(r) for r in rows], marker="o", label=f"{db} {code}".strip())
         ax.set_xscale("log", base=2)
         ax.set_xlabel("shards (4 nodes)")
         ax.set_title(title, fontsize=10)
