@@ -17,7 +17,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -114,17 +114,30 @@ def find_run(c: Any, ref: str | None) -> Any:
     return runs[0]
 
 
+PAGE = 200  # Prefect's server refuses a page larger than its PREFECT_API_DEFAULT_LIMIT (200)
+
+
+def paged(read: Callable[..., list[Any]], **kwargs: Any) -> list[Any]:
+    """Every row READ (a client's read_task_runs, read_flow_runs, read_logs) returns for KWARGS, page by page:
+    one call answers at most PAGE rows. KWARGS' sort must be a total order (unique key) for the pages to
+    neither skip nor repeat a row."""
+    out: list[Any] = []
+    while True:
+        page = read(**kwargs, offset=len(out), limit=PAGE)
+        out.extend(page)
+        if len(page) < PAGE:
+            return out
+
+
 def task_runs(c: Any, run_id: Any) -> list[Any]:
+    """Every task run of RUN_ID, oldest first. Paged by id, a unique key (expected start times need not be
+    unique, and offset pages over an order with ties can skip or repeat rows), sorted here."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.client.schemas.sorting import TaskRunSort
 
-    out: list[Any] = []
-    while True:
-        page = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])),
-                                sort=TaskRunSort.EXPECTED_START_TIME_ASC, offset=len(out), limit=200)
-        out.extend(page)
-        if len(page) < 200:
-            return out
+    out = paged(c.read_task_runs, flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])),
+                sort=TaskRunSort.ID_DESC)
+    return sorted(out, key=lambda t: (t.expected_start_time or t.created, str(t.id)))
 
 
 def stage_of(task_name: str) -> str:
@@ -162,9 +175,9 @@ def child_runs(c: Any, run_id: Any) -> list[Any]:
     )
     from prefect.client.schemas.sorting import FlowRunSort
 
-    return list(c.read_flow_runs(flow_run_filter=FlowRunFilter(
-        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id])),
-        sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=200))
+    out = paged(c.read_flow_runs, flow_run_filter=FlowRunFilter(
+        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id])), sort=FlowRunSort.ID_DESC)
+    return sorted(out, key=lambda r: (r.expected_start_time or r.created, str(r.id)))
 
 
 def worker_copy(rel: str, pull_steps: list[dict[str, Any]] | None) -> tuple[bytes | None, str]:

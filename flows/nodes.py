@@ -124,7 +124,8 @@ def run_nodes(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: Ar
     kind = SHARDED[stage]
     r = rec.stages[stage]
     by_shard = {p.shard: p for p in plans}
-    cached = [p.shard for p in plans if store.find(kind.shard_stage, p.digest) is not None]
+    on_store = store.find_many(kind.shard_stage, [p.digest for p in plans])  # at once: a hero stage has 512
+    cached = [p.shard for p in plans if on_store[p.digest] is not None]
     missing = [p.shard for p in plans if p.shard not in set(cached)]
     # A retry whose earlier attempt's children still run (its own node died, theirs did not): wait for
     # them instead of running their shards a second time.
@@ -151,7 +152,8 @@ def run_nodes(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: Ar
         errors.extend(errs)
 
     errors += wait_children(children, store, by_shard, logger, take_back, stage=stage)
-    found = {s: store.find(kind.shard_stage, by_shard[s].digest) for s in missing}
+    after = store.find_many(kind.shard_stage, [by_shard[s].digest for s in missing])
+    found = {s: after[by_shard[s].digest] for s in missing}
     have = {int(x.stats.get("shard", 0)) for x in refs}
     refs += [a.ref() for s, a in found.items() if a is not None and s not in have]
     return finish_sharded(stage, r, store, plans, refs, errors, t0, logger,
@@ -263,7 +265,8 @@ def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard:
                 if run.state is None or not run.state.is_final():
                     continue
                 del pending[cid]
-                lost = [s for s in shards if store.find(store_stage, by_shard[s].digest) is None] if shards else []
+                there = store.find_many(store_stage, [by_shard[s].digest for s in shards]) if shards else {}
+                lost = [s for s in shards if there[by_shard[s].digest] is None]
                 state = run.state.name
                 if lost and run.state.is_completed():
                     errors.append(f"child {run.name} completed but shards {lost} are not on {store.uri}: its node "

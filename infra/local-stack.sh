@@ -7,6 +7,8 @@
 #   infra/local-stack.sh env      print the environment to use them (also in $DRAFTLINE_STACK_DIR/env.sh)
 #   infra/local-stack.sh status   are they up?
 #   infra/local-stack.sh down     stop both (data is kept; `rm -rf $DRAFTLINE_STACK_DIR` forgets it)
+#   infra/local-stack.sh postgres start only the PostgreSQL server (PREFECT_DB=postgres): its Prefect
+#                                 database URL goes to $DRAFTLINE_STACK_DIR/postgres.url (mode 600)
 #
 # Then: source .draftline/stack/env.sh && draftline doctor && draftline deploy
 #
@@ -17,6 +19,9 @@
 #   S3_PORT               S3 port; SeaweedFS also uses S3_PORT-3..S3_PORT+1 and those +10000 (default: 8333)
 #   S3_BUCKET             bucket to create            (default: draftline)
 #   STARTUP_TIMEOUT       seconds to wait for each server (default: 240; a first start migrates the database)
+#   PREFECT_DB            sqlite (default: Prefect's own file) or postgres: a PostgreSQL server of this machine's
+#                         install (Debian: apt-get install postgresql) holds the Prefect database, in
+#                         $DRAFTLINE_STACK_DIR/postgres, on 127.0.0.1:PG_PORT (default: 5432), password generated
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,12 +31,14 @@ PREFECT_PORT="${PREFECT_PORT:-4200}"
 S3_PORT="${S3_PORT:-8333}"
 S3_BUCKET="${S3_BUCKET:-draftline}"
 STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-240}"
+PREFECT_DB="${PREFECT_DB:-sqlite}"
+PG_PORT="${PG_PORT:-5432}"
 HOST=127.0.0.1
 
 die() { echo "local-stack: error: $*" >&2; exit 2; }
 say() { echo "local-stack: $*"; }
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
 
 check_inputs() {
   local missing=()
@@ -43,6 +50,7 @@ check_inputs() {
   [[ "$PREFECT_PORT" =~ ^[0-9]+$ ]] || missing+=("PREFECT_PORT must be a number, got '$PREFECT_PORT'")
   [[ "$S3_PORT" =~ ^[0-9]+$ && "$S3_PORT" -gt 1027 && "$S3_PORT" -lt 55000 ]] \
     || missing+=("S3_PORT must be a number between 1028 and 54999, got '$S3_PORT'")
+  [[ "$PREFECT_DB" == sqlite || "$PREFECT_DB" == postgres ]] || missing+=("PREFECT_DB must be sqlite or postgres, got '$PREFECT_DB'")
   [[ "$S3_BUCKET" =~ ^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$ ]] || missing+=("S3_BUCKET '$S3_BUCKET' is not a valid bucket name")
   if (( ${#missing[@]} )); then
     echo "local-stack: cannot start, missing:" >&2
@@ -113,11 +121,68 @@ EOF
   )
 }
 
+pg_bin() {  # the PostgreSQL server's programs: on PATH, else Debian's /usr/lib/postgresql/VERSION/bin
+  local d
+  if command -v pg_ctl >/dev/null && command -v initdb >/dev/null; then dirname "$(readlink -f "$(command -v pg_ctl)")"; return; fi
+  for d in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V -r); do [[ -x "$d/pg_ctl" ]] && { echo "$d"; return; }; done
+  die "PREFECT_DB=postgres needs a PostgreSQL server installed (Debian/Ubuntu: apt-get install postgresql)"
+}
+
+as_pg() {  # PostgreSQL refuses to run as root: as root, its programs run as the postgres user
+  if [[ "$(id -u)" == 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+start_postgres() {
+  local bin dir="$STACK/postgres" pw
+  bin="$(pg_bin)"
+  [[ "$PG_PORT" =~ ^[0-9]+$ ]] || die "PG_PORT must be a number, got '$PG_PORT'"
+  if [[ ! -f "$dir/data/PG_VERSION" ]]; then
+    mkdir -p "$dir"
+    [[ -f "$STACK/postgres.password" ]] || (umask 077; "$VENV/bin/python" -c 'import secrets; print(secrets.token_urlsafe(24))' > "$STACK/postgres.password")
+    (umask 077; cp "$STACK/postgres.password" "$dir/pwfile")
+    if [[ "$(id -u)" == 0 ]]; then
+      chown -R postgres "$dir"
+      as_pg test -w "$dir" || die "the postgres user cannot write $dir (a parent folder closed to it?): set DRAFTLINE_STACK_DIR to a folder it can reach"
+    fi
+    say "creating the PostgreSQL cluster in $dir/data"
+    as_pg "$bin/initdb" -D "$dir/data" -U prefect --pwfile="$dir/pwfile" --auth=scram-sha-256 -E UTF8 >>"$dir/initdb.log" 2>&1 \
+      || { tail -n 20 "$dir/initdb.log" >&2; die "initdb failed (log: $dir/initdb.log)"; }
+    rm -f "$dir/pwfile"
+  fi
+  if as_pg "$bin/pg_ctl" -D "$dir/data" status >/dev/null 2>&1; then
+    say "PostgreSQL already running"
+  else
+    port_free "$PG_PORT" || die "port $PG_PORT is taken; stop what uses it or set PG_PORT"
+    say "starting PostgreSQL on $HOST:$PG_PORT (log: $dir/postgres.log)"
+    as_pg "$bin/pg_ctl" -D "$dir/data" -l "$dir/postgres.log" -w -t "$STARTUP_TIMEOUT" \
+      -o "-p $PG_PORT -k $dir -c listen_addresses=$HOST" start >/dev/null \
+      || { tail -n 20 "$dir/postgres.log" >&2; die "PostgreSQL did not start (log: $dir/postgres.log)"; }
+  fi
+  pw="$(cat "$STACK/postgres.password")"
+  PGPASSWORD="$pw" "$bin/psql" -h "$HOST" -p "$PG_PORT" -U prefect -d postgres -tAc \
+    "SELECT 1 FROM pg_database WHERE datname = 'prefect'" | grep -q 1 \
+    || PGPASSWORD="$pw" "$bin/createdb" -h "$HOST" -p "$PG_PORT" -U prefect prefect \
+    || die "cannot create the database prefect on $HOST:$PG_PORT"
+  (umask 077; echo "postgresql+asyncpg://prefect:$pw@$HOST:$PG_PORT/prefect" > "$STACK/postgres.url")
+}
+
+stop_postgres() {
+  local dir="$STACK/postgres"
+  [[ -f "$dir/data/PG_VERSION" ]] || return 0
+  if as_pg "$(pg_bin)/pg_ctl" -D "$dir/data" status >/dev/null 2>&1; then
+    as_pg "$(pg_bin)/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null && say "stopped PostgreSQL"
+  else
+    say "PostgreSQL was not running"
+  fi
+}
+
 start_prefect() {
   if alive "$STACK/prefect.pid"; then say "Prefect server already running (pid $(cat "$STACK/prefect.pid"))"; return; fi
   port_free "$PREFECT_PORT" || die "port $PREFECT_PORT is taken; stop what uses it or set PREFECT_PORT"
   mkdir -p "$STACK/prefect"
-  say "starting the Prefect server on $HOST:$PREFECT_PORT (log: $STACK/prefect.log)"
+  say "starting the Prefect server on $HOST:$PREFECT_PORT (database: $PREFECT_DB; log: $STACK/prefect.log)"
+  # the database URL (it holds the password) travels in the environment, never on a command line
+  [[ "$PREFECT_DB" == postgres ]] && export PREFECT_API_DATABASE_CONNECTION_URL="$(cat "$STACK/postgres.url")"
   PREFECT_HOME="$STACK/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL="http://$HOST:$PREFECT_PORT/api" \
     env -u PREFECT_API_URL setsid nohup "$VENV/bin/prefect" server start --host "$HOST" --port "$PREFECT_PORT" \
     >>"$STACK/prefect.log" 2>&1 < /dev/null &
@@ -190,6 +255,7 @@ case "$cmd" in
     check_inputs
     mkdir -p "$STACK"
     write_credentials
+    [[ "$PREFECT_DB" == postgres ]] && start_postgres
     start_prefect
     start_s3
     wait_http "http://$HOST:$S3_PORT" "SeaweedFS" "$STACK/weed.pid" "$STACK/weed.log"
@@ -208,18 +274,29 @@ case "$cmd" in
     for s in prefect weed; do
       if alive "$STACK/$s.pid"; then say "$s running (pid $(cat "$STACK/$s.pid"))"; else say "$s not running"; rc=1; fi
     done
+    if [[ -f "$STACK/postgres/data/PG_VERSION" ]]; then
+      if as_pg "$(pg_bin)/pg_ctl" -D "$STACK/postgres/data" status >/dev/null 2>&1; then say "postgres running"
+      else say "postgres not running"; rc=1; fi
+    fi
     [[ -f "$STACK/env.sh" ]] && grep -E '^export (PREFECT_API_URL|AWS_ENDPOINT_URL|DRAFTLINE_STORE_URI)=' "$STACK/env.sh" | sed 's/^export /  /'
     exit $rc
     ;;
   down)
     stop_one "$STACK/prefect.pid" "the Prefect server"
     stop_one "$STACK/weed.pid" "SeaweedFS"
+    stop_postgres
+    ;;
+  postgres)
+    check_inputs
+    mkdir -p "$STACK"
+    start_postgres
+    say "PostgreSQL up; the Prefect database URL is in $STACK/postgres.url"
     ;;
   -h|--help|help)
     usage
     ;;
   *)
     usage >&2
-    die "unknown command '${cmd}': use up, env, status or down"
+    die "unknown command '${cmd}': use up, env, status or down (or postgres: PostgreSQL alone)"
     ;;
 esac

@@ -38,6 +38,7 @@ from cli.prefect_api import (
     client,
     find_run,
     latest_by_name,
+    paged,
     require_server,
     run_url,
     shard_of,
@@ -402,15 +403,9 @@ def logs(run: str = RunArg,
         while True:
             ids = [fr.id, *(ch.id for ch in child_runs(c, fr.id))]
             names = {t.id: t.name for i in ids for t in task_runs(c, i)}
-            got: list[Any] = []
-            while True:  # pages of 200, oldest first
-                page = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids),
-                                             level=LogFilterLevel(ge_=least),
-                                             timestamp=LogFilterTimestamp(after_=after) if after else None),
-                                   limit=200, offset=len(got), sort=LogSort.TIMESTAMP_ASC)
-                got += page
-                if len(page) < 200:
-                    break
+            got = paged(c.read_logs, log_filter=LogFilter(  # oldest first
+                flow_run_id=LogFilterFlowRunId(any_=ids), level=LogFilterLevel(ge_=least),
+                timestamp=LogFilterTimestamp(after_=after) if after else None), sort=LogSort.TIMESTAMP_ASC)
             if after is not None:
                 got = [g for g in got if g.timestamp > after]
             if first and tail:

@@ -341,9 +341,10 @@ def run_lengths(cfg: RunConfig) -> Lengths:
     reg_digest = digests.regenerate(cfg, prep.ref())
     try:
         reg = store.find("regenerate", reg_digest)
-        arts = [reg] if reg is not None else [
-            a for a in (store.find(digests.REGENERATE_SHARD, digests.regenerate_shard(reg_digest, i))
-                        for i in range(int(s.get("num_shards") or cfg.data.num_shards))) if a is not None]
+        # else the shards committed so far: their manifests' stats, read at once (a hero run has 512)
+        arts = [reg] if reg is not None else [m for m in store.manifests(digests.REGENERATE_SHARD, [
+            digests.regenerate_shard(reg_digest, i) for i in range(int(s.get("num_shards") or cfg.data.num_shards))
+        ], skip_unsafe=True).values() if m is not None]
     except StoreError as exc:
         out.source += f"; regenerate shards unreadable ({str(exc).splitlines()[0][:120]})"
         return out

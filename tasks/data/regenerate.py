@@ -197,7 +197,7 @@ def regenerate_shard(cfg: RunConfig, store: Store, plan: RegenerateShard, engine
 def _regenerate_shard(cfg: RunConfig, store: Store, plan: RegenerateShard, engine: Engine) -> ArtifactRef:
     t0 = time.time()
     prepared = plan.prepared
-    prep_art = store.open(prepared.stage, prepared.digest)
+    prep_art = store.open(prepared.stage, prepared.digest, only=shard_name(plan.shard))  # its file, not all N
     masker = make_masker(cfg, template_kwargs={"enable_thinking": bool(cfg.regenerate.thinking)})
     samples = read_samples(prep_art, shard_name(plan.shard))
     new, info = regenerate_samples(cfg, masker, engine, samples)

@@ -51,7 +51,7 @@ from tasks.store.stages import ShardedStage
 def _read_shard(store: Store, plan: ExtractShard) -> list[tuple[str, list[int], list[int]]]:
     import pyarrow.parquet as pq
 
-    data = store.open(plan.data_stage, plan.data_digest)
+    data = store.open(plan.data_stage, plan.data_digest, only=plan.data_file)  # this shard's file, not all N
     if plan.data_file not in data.files():
         raise ExtractError(f"{data.uri} has no {plan.data_file} (files: {data.files()[:5]}...); "
                            "its num_shards does not match its files: re-run the data stage")

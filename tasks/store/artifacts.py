@@ -364,8 +364,10 @@ class Artifact:
         if n != entry.bytes or h.hexdigest() != entry.sha256:
             self._corrupt(f"{name} fails its size/sha256 check (corrupted on the store)")
 
-    def verify(self, checksums: bool = True) -> None:
+    def verify(self, checksums: bool = True, only: str | None = None) -> None:
         for f in self.manifest.files:
+            if only is not None and f.path != only:
+                continue
             if checksums:
                 self.verify_file(f.path)
             else:
@@ -703,39 +705,22 @@ class Store:
 
     # ---------------------------------------------------------------- read
     def manifest(self, stage: str, digest: str) -> Manifest | None:
-        key = self.key(check_name("stage", stage), check_name("digest", digest), MANIFEST)
-        try:
-            raw = read_capped(self.fs, key, MANIFEST_CAP, self.is_local)
-        except FileNotFoundError:
-            return None
-        except RefusedStoreFile as exc:
-            raise ArtifactCorrupt(str(exc)) from None
-        try:
-            m = Manifest.model_validate_json(raw)
-        except Exception:
-            return None  # an unreadable manifest is not a committed artifact
-        try:  # the store is untrusted: a manifest of another address, or a path leaving the folder, is never used
-            check_manifest_address(m, stage, digest, self.uri_of(stage, digest))
-        except RefusedStoreFile as exc:
-            raise ArtifactCorrupt(str(exc)) from None
-        try:
-            check_name("attempt", m.attempt)
-            for f in m.files:
-                check_relpath(f.path)
-        except ValueError as exc:
-            raise ArtifactCorrupt(
-                f"{self.uri_of(stage, digest)}: its manifest names a path that leaves the artifact's folder "
-                f"({exc}); draftline never writes one, so nothing was read or written from it: delete {key} "
-                "(the stage is then recomputed)") from None
-        return m
+        return self.manifests(stage, [digest])[digest]
 
-    def open(self, stage: str, digest: str, checksums: bool = False) -> Artifact:
-        """The committed artifact, with sizes (and optionally checksums) verified."""
+    def manifests(self, stage: str, digests: list[str], skip_unsafe: bool = False) -> dict[str, Manifest | None]:
+        """Many manifests of STAGE at once (concurrent reads on S3): tasks/store/manifests.py."""
+        from tasks.store.manifests import read_manifests
+
+        return read_manifests(self, stage, digests, skip_unsafe)
+
+    def open(self, stage: str, digest: str, checksums: bool = False, only: str | None = None) -> Artifact:
+        """The committed artifact, with sizes (and optionally checksums) verified: of every file, or of ONLY the
+        one the caller reads (a stage's N shards each checking its input's N files would be N² requests)."""
         m = self.manifest(stage, digest)
         if m is None:
             raise ArtifactMissing(f"no committed artifact {self.uri_of(stage, digest)}")
         art = Artifact(self, m)
-        art.verify(checksums=checksums)
+        art.verify(checksums=checksums, only=only)
         return art
 
     def found_or_compute(self, stage: str, digest: str, compute: Callable[[], ArtifactRef]) -> ArtifactRef:
@@ -748,6 +733,12 @@ class Store:
             return hit.ref()
         return compute()
 
+    def find_many(self, stage: str, digests: list[str]) -> dict[str, Artifact | None]:
+        """`find` for many digests, their manifests read at once (a stage's 512 shards): tasks/store/manifests.py."""
+        from tasks.store.manifests import find_many
+
+        return find_many(self, stage, digests)
+
     def find(self, stage: str, digest: str, checksums: bool = False) -> Artifact | None:
         """The committed, verified artifact or None (corrupt counts as missing)."""
         try:
@@ -758,11 +749,8 @@ class Store:
     def list(self, stage: str | None = None) -> list[Manifest]:
         out: list[Manifest] = []
         stages = [stage] if stage else self._dirs(self.root)
-        for s in stages:
-            for d in self._dirs(self.key(s)):
-                with contextlib.suppress(ArtifactCorrupt):  # an unsafe manifest is listed as nothing
-                    if (m := self.manifest(s, d)) is not None:
-                        out.append(m)
+        for s in stages:  # an unsafe manifest is listed as nothing
+            out += [m for m in self.manifests(s, self._dirs(self.key(s)), skip_unsafe=True).values() if m]
         return sorted(out, key=lambda m: (m.stage, m.created))
 
     def _dirs(self, key: str) -> list[str]:

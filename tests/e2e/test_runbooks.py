@@ -278,3 +278,46 @@ def test_local_stack_sections_run_as_written(tmp_path):
         down = subprocess.run(["bash", "infra/local-stack.sh", "down"], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=120)
     assert "stopped the Prefect server" in down.stdout and "stopped SeaweedFS" in down.stdout, down.stdout
+
+
+@pytest.mark.slow
+def test_the_team_server_on_postgresql_runs_as_written():
+    """docs/DEPLOY.md section 4: `export PREFECT_DB=postgres`, `infra/local-stack.sh up` and `status` start the
+    Prefect server on a real PostgreSQL server (this machine's install), whose database then holds Prefect's
+    tables and a flow run made through the API; `down` stops all three."""
+    import tempfile
+
+    from prefect_server import free_port
+    from s3server import free_port_block
+
+    block = [c for c in COMMANDS if c.doc == "docs/DEPLOY.md" and c.env.get("PREFECT_DB") == "postgres"]
+    assert [c.argv for c in block] == [["infra/local-stack.sh", "up"], ["infra/local-stack.sh", "status"]], block
+    state = Path(tempfile.mkdtemp(prefix="stack-pg-"))
+    state.chmod(0o755)  # PostgreSQL runs as the postgres user when the tests run as root: it must reach it
+    env = {"PATH": f"{BIN}:{os.environ['PATH']}", "HOME": os.environ.get("HOME", "/root"),
+           "DRAFTLINE_STACK_DIR": str(state / "stack"), "DRAFTLINE_VENV": str(BIN.parent),
+           "PREFECT_PORT": str(free_port()), "S3_PORT": str(free_port_block(5) + 3), "PG_PORT": str(free_port()),
+           "PREFECT_HOME": str(state / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **block[0].env}
+    made = (f"{BIN / 'python'} -c 'from prefect import flow; from prefect.client.orchestration import get_client\n"
+            "with get_client(sync_client=True) as c: print(\"made\", c.create_flow_run(flow(lambda: 0, "
+            "name=\"pg-probe\")).id)'")
+    script = "set -e; " + "; ".join(shlex.join(c.argv) for c in block) + \
+        f"; source {state}/stack/env.sh; {made}"
+    try:
+        out = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+        assert "database: postgres" in out.stdout and "postgres running" in out.stdout, out.stdout
+        run_id = re.search(r"made (\S+)", out.stdout).group(1)
+        url = (state / "stack" / "postgres.url").read_text().strip()
+        assert oct((state / "stack" / "postgres.url").stat().st_mode)[-3:] == "600"
+        password = (state / "stack" / "postgres.password").read_text().strip()
+        assert password not in out.stdout + out.stderr and password not in (state / "stack" / "env.sh").read_text()
+        psql = subprocess.run(["psql", url.replace("postgresql+asyncpg", "postgresql"), "-tAc",
+                               f"SELECT count(*) FROM flow_run WHERE id = '{run_id}'"],
+                              capture_output=True, text=True, timeout=60)
+        assert psql.stdout.strip() == "1", psql.stdout + psql.stderr  # the server's database is PostgreSQL
+    finally:
+        down = subprocess.run(["bash", "infra/local-stack.sh", "down"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+        shutil.rmtree(state, ignore_errors=True)
+    assert "stopped PostgreSQL" in down.stdout, down.stdout

@@ -64,6 +64,9 @@ class S3Server:
     data_dir: Path
     base_port: int = 0
     proc: subprocess.Popen | None = None
+    # Prometheus metrics of the S3 gateway (requests by kind, bytes) on this loopback port when set
+    # (benchmarks/rehearse.py counts the store's requests from them).
+    metrics_port: int = 0
     # A second identity whose secret no test but the one using it ever sees (tests/integration/test_security.py
     # greps everything a run wrote for it; SECRET_KEY may legitimately sit in a credentials block).
     canary_secret: str = field(default_factory=lambda: "draftline-canary-" + secrets.token_hex(12))
@@ -117,6 +120,8 @@ class S3Server:
                f"-master.port={b}", f"-volume.port={b + 1}", f"-filer.port={b + 2}", f"-s3.port={b + 3}",
                f"-admin.port={b + 4}", f"-s3.config={cfg}", "-webdav=false", "-admin.ui=false",
                "-s3.port.iceberg=0", "-s3.port.lance=0"]
+        if self.metrics_port:
+            cmd += ["-metricsIp=127.0.0.1", f"-metricsPort={self.metrics_port}"]
         (self.data_dir / "data").mkdir(exist_ok=True)
         self.log = open(self.data_dir / "weed.log", "ab")
         logged = self.log.tell()

@@ -230,3 +230,57 @@ def test_s3_unreachable_named(s3_server, monkeypatch):
     with pytest.raises(StoreError, match="unreachable"):
         st.check()
     assert time.time() - t0 < 60
+
+
+@pytest.mark.parametrize("n", [3, 150])
+def test_listing_reads_every_manifest_at_once_and_skips_missing_unsafe_and_unreadable_ones(store, n):
+    """Store.list and Store.manifests (the concurrent reads behind `draftline ls`, `check`, `plan --from-store`)
+    at two counts: every committed manifest, none twice; a folder without a manifest, an unreadable manifest and
+    one naming a path outside its folder list as nothing; asked for one by digest, the unsafe one is refused."""
+    for i in range(n):
+        with store.write("extract", f"s{i:04d}", "v1") as w:
+            w.write_bytes("p.bin", b"x")
+            w.commit({"shard": i})
+    good = store.manifest("extract", "s0000")
+    unsafe = good.model_copy(update={"digest": "unsafe"})
+    unsafe.files[0].path = "../../escaped"
+    store.fs.pipe_file(store.key("extract", "unsafe", "manifest.json"), unsafe.model_dump_json().encode())
+    store.fs.pipe_file(store.key("extract", "garbled", "manifest.json"), b"{not json")
+    store.fs.pipe_file(store.key("extract", "uncommitted", "a1", "p.bin"), b"x")  # an attempt, no manifest
+    listed = store.list("extract")
+    assert sorted(m.stats["shard"] for m in listed) == list(range(n))
+    assert len(store.list()) == n
+    got = store.manifests("extract", [f"s{i:04d}" for i in range(n)] + ["uncommitted", "garbled", "nowhere"])
+    assert [got[f"s{i:04d}"].stats["shard"] for i in range(n)] == list(range(n))
+    assert got["uncommitted"] is None and got["garbled"] is None and got["nowhere"] is None
+    assert store.manifests("extract", ["unsafe"], skip_unsafe=True) == {"unsafe": None}
+    with pytest.raises(ArtifactCorrupt, match="leaves the artifact's folder"):
+        store.manifest("extract", "unsafe")
+    # find_many: what find says of each, the manifests read at once; a file of the wrong size is not found
+    art = store.open("extract", "s0001")
+    store.fs.pipe_file(art.key("p.bin"), b"xx")
+    found = store.find_many("extract", [f"s{i:04d}" for i in range(n)] + ["unsafe", "garbled", "nowhere"])
+    assert {d for d, a in found.items() if a is not None} == {f"s{i:04d}" for i in range(n) if i != 1}
+    assert all(found[d].manifest.digest == d for d in found if found[d] is not None)
+    assert store.find("extract", "s0001") is None
+
+
+@pytest.mark.parametrize("n", [4, 64])
+def test_a_reader_of_one_file_checks_that_file_not_all_n(store, n, monkeypatch):
+    """A stage's shard opens its input (the prepare artifact: one file per shard) checking only the file it
+    reads: N shards each checking all N files were N² store requests (benchmarks/RESULTS.md, the rehearsal)."""
+    with store.write("prepare", "data", "v1") as w:
+        for i in range(n):
+            w.write_bytes(f"shard-{i:05d}.parquet", b"x" * (i + 1))
+        w.commit({})
+    sized = []
+    real_size = store.fs.size
+    monkeypatch.setattr(store.fs, "size", lambda key: sized.append(key) or real_size(key))
+    art = store.open("prepare", "data", only="shard-00001.parquet")
+    assert len(sized) == 1 and sized[0].endswith("shard-00001.parquet")
+    assert art.read_bytes("shard-00001.parquet") == b"xx"
+    store.open("prepare", "data")
+    assert len(sized) == 1 + n  # without `only`, every file
+    store.fs.pipe_file(art.key("shard-00001.parquet"), b"x")  # its own file damaged: refused
+    with pytest.raises(ArtifactCorrupt, match="shard-00001.parquet has 1 bytes"):
+        store.open("prepare", "data", only="shard-00001.parquet")

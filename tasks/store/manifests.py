@@ -1,0 +1,104 @@
+"""Reading manifests, one or many at once (Store.manifest, Store.manifests, Store.list, Store.find_many).
+
+A store the Kimi preset fills holds 1,024 shard manifests: read one request after another, `draftline ls`,
+`check` and `plan --from-store` wait on a round trip each (benchmarks/RESULTS.md, "The store at the preset's
+size"). fsspec's `cat` of a list fetches them concurrently (s3fs: its batch of concurrent GETs); on a
+file:// store it reads them in turn, which is as fast as a local disk goes. What a manifest names is
+untrusted (docs/ARTIFACTS.md): a path that leaves its artifact's folder is never used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tasks.store.artifacts import Artifact, Manifest, Store
+
+
+def read_manifests(store: "Store", stage: str, digests: list[str], skip_unsafe: bool = False,
+                   ) -> dict[str, "Manifest | None"]:
+    """The committed manifest of each of DIGESTS under STAGE, None where there is none or it is unreadable.
+    A manifest naming a path outside its folder raises ArtifactCorrupt, or, with SKIP_UNSAFE (a listing),
+    reads as None."""
+    from tasks.store.artifacts import MANIFEST, check_name
+    from tasks.store.trust import MANIFEST_CAP, RefusedStoreFile, read_capped
+
+    keys = {store.key(check_name("stage", stage), check_name("digest", d), MANIFEST): d for d in digests}
+    if not keys:
+        return {}
+    if store.is_local:  # one at a time, each only as a capped regular file (a planted FIFO or link is refused)
+        raws: dict[str, object] = {}
+        for key in keys:
+            try:
+                raws[key] = read_capped(store.fs, key, MANIFEST_CAP, True)
+            except (FileNotFoundError, RefusedStoreFile) as exc:
+                raws[key] = exc
+        strip = str
+    else:
+        got = store.fs.cat(list(keys), on_error="return")
+        if not isinstance(got, dict):  # fsspec answers one path with its bytes
+            got = {next(iter(keys)): got}
+        strip = store.fs._strip_protocol
+        raws = {strip(k): v for k, v in got.items()}
+    out: dict[str, Manifest | None] = {}
+    for key, digest in keys.items():
+        raw = raws.get(strip(key))
+        if isinstance(raw, FileNotFoundError) or raw is None:
+            out[digest] = None
+        elif isinstance(raw, RefusedStoreFile) or (isinstance(raw, bytes) and len(raw) > MANIFEST_CAP):
+            if not skip_unsafe:
+                from tasks.store.artifacts import ArtifactCorrupt
+
+                raise ArtifactCorrupt(str(raw) if isinstance(raw, RefusedStoreFile) else
+                                      f"{key}: over {MANIFEST_CAP} bytes, not a manifest draftline wrote; delete it")
+            out[digest] = None
+        elif isinstance(raw, BaseException):
+            raise raw
+        else:
+            out[digest] = parse(store, stage, digest, key, raw, skip_unsafe)
+    return out
+
+
+def parse(store: "Store", stage: str, digest: str, key: str, raw: bytes, skip_unsafe: bool) -> "Manifest | None":
+    from tasks.store.artifacts import ArtifactCorrupt, Manifest, check_name, check_relpath
+    from tasks.store.trust import RefusedStoreFile, check_manifest_address
+
+    try:
+        m = Manifest.model_validate_json(raw)
+    except Exception:
+        return None  # an unreadable manifest is not a committed artifact
+    try:  # a manifest of another address (`../../outside`, another digest) is never used
+        check_manifest_address(m, stage, digest, store.uri_of(stage, digest))
+    except RefusedStoreFile as exc:
+        if skip_unsafe:
+            return None
+        raise ArtifactCorrupt(str(exc)) from None
+    try:  # paths from the store are untrusted: one that leaves the artifact's folder is never used
+        check_name("attempt", m.attempt)
+        for f in m.files:
+            check_relpath(f.path)
+    except ValueError as exc:
+        if skip_unsafe:
+            return None
+        raise ArtifactCorrupt(
+            f"{store.uri_of(stage, digest)}: its manifest names a path that leaves the artifact's folder "
+            f"({exc}); draftline never writes one, so nothing was read or written from it: delete {key} "
+            "(the stage is then recomputed)") from None
+    return m
+
+
+def find_many(store: "Store", stage: str, digests: list[str]) -> dict[str, "Artifact | None"]:
+    """Store.find for many digests: the manifests read at once, then each found artifact's files checked by
+    size (Artifact.verify); missing, unreadable, unsafe or corrupt reads as None, as Store.find says."""
+    from tasks.store.artifacts import Artifact, ArtifactCorrupt
+
+    out: dict[str, Artifact | None] = {}
+    for digest, m in read_manifests(store, stage, digests, skip_unsafe=True).items():
+        art = Artifact(store, m) if m is not None else None
+        if art is not None:
+            try:
+                art.verify(checksums=False)
+            except ArtifactCorrupt:
+                art = None
+        out[digest] = art
+    return out

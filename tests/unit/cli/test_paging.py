@@ -1,0 +1,62 @@
+"""`draftline status` over runs with more task runs than one page of Prefect's API (200 rows): every task run
+is read, and the unfinished shards are exactly the ones listed (issue 43, item 4). Task runs are created
+through the client on the session's real Prefect server (fast: no flow runs them)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.app import app
+
+
+def a_run_with_shards(n: int, unfinished: set[int]) -> str:
+    """A flow run with N extraction-shard task runs, the shards in UNFINISHED Failed, the others Completed."""
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Failed
+
+    @flow(name="draftline")
+    def f():
+        pass
+
+    @task
+    def extract_shard():
+        pass
+
+    with get_client(sync_client=True) as c:
+        run = c.create_flow_run(f, state=Failed(message="shards not finished"))
+        for s in range(n):
+            state = Failed(message="lost") if s in unfinished else Completed()
+            c.create_task_run(extract_shard, run.id, dynamic_key=str(s), name=f"extract-shard-{s}", state=state)
+    return str(run.id)
+
+
+@pytest.mark.parametrize("n", [150, 450])
+def test_status_reads_every_task_run_past_one_page(prefect_server, n):
+    unfinished = {3, n // 2, n - 1}
+    run_id = a_run_with_shards(n, unfinished)
+    out = CliRunner().invoke(app, ["status", run_id, "--json"])
+    assert out.exit_code == 0, out.output
+    rep = json.loads(out.stdout)
+    extract = rep["stages"]["extract"]
+    assert extract["tasks"] == n and extract["states"] == {"Completed": n - 3, "Failed": 3}, extract
+    assert extract["failed_shards"] == sorted(unfinished)
+    assert sorted(t["name"] for t in rep["tasks"]) == sorted(f"extract-shard-{s}" for s in range(n))
+
+
+def test_paging_stops_at_a_short_page_and_never_asks_for_more_than_a_page():
+    from cli.prefect_api import PAGE, paged
+
+    rows = list(range(2 * PAGE + 5))
+    asked = []
+
+    def read(offset, limit, **kw):
+        asked.append((offset, limit, kw))
+        return rows[offset:offset + limit]
+
+    assert paged(read, sort="ID_DESC") == rows
+    assert asked == [(0, PAGE, {"sort": "ID_DESC"}), (PAGE, PAGE, {"sort": "ID_DESC"}),
+                     (2 * PAGE, PAGE, {"sort": "ID_DESC"})]
