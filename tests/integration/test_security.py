@@ -312,10 +312,19 @@ def test_no_secret_travels_on_a_command_line():
 
 
 def test_the_node_worker_runs_as_an_unprivileged_user():
-    """infra/node-bootstrap.sh's systemd unit: User= an unprivileged user (never root), no new privileges."""
+    """infra/node-bootstrap.sh runs the worker as an unprivileged user (never root), with no new privileges: the
+    systemd unit's User=, or setpriv outside systemd; only a docker worker joins the docker group."""
     text = (ROOT / "infra" / "node-bootstrap.sh").read_text()
     unit = text[text.index('cat > "/etc/systemd/system/$unit" <<EOF'):]
     unit = unit[: unit.index("\nEOF\n")]
     assert "\nUser=$RUN_AS\n" in unit and "\nNoNewPrivileges=yes\n" in unit
     assert 'RUN_AS="${DRAFTLINE_USER:-draftline}"' in text
     assert '[[ "$RUN_AS" != root ]] || die' in text
+    # outside systemd (--foreground, --background) root hands the worker to the same user
+    assert 'exec "${drop_root[@]}" "${worker_cmd[@]}"' in text and 'setsid nohup "${drop_root[@]}"' in text
+    assert 'drop_root=(setpriv --reuid="$RUN_AS" --regid="$RUN_AS" --no-new-privs)' in text
+    # the docker group is root by another door: only a docker worker joins it
+    groups = text[text.index("worker_groups() {"):text.index("ensure_worker_user() {")]
+    assert "for g in video render; do" in groups and "if (( DOCKER )) && getent group docker" in groups
+    # a process pool's worker is draftline's, which checks each run's job variables (tests/integration/test_job_variables.py)
+    assert 'worker_cmd=("$VENV/bin/python" -m flows.node_worker --pool' in text
