@@ -102,6 +102,14 @@ def test_a_flow_run_cannot_choose_a_nodes_command_or_environment(prefect_server,
                 c.create_flow_run_from_deployment(dep, job_variables=jv)
             assert exc.value.response.status_code == 422 and named in exc.value.response.text, jv
         allowed = c.create_flow_run_from_deployment(dep, job_variables={"env": {"VLLM_LOGGING_LEVEL": "INFO"}})
+        # `draftline submit --env` says so before sending, with the names the pool allows and where the rest go
+        from cli.commands.deploy import refuse_unnamed_env
+        from flows.flow_runs import OpsError
+
+        with pytest.raises(OpsError, match=r"--env LD_PRELOAD: work pool .* lets a run set only .*VLLM_LOGGING_LEVEL"
+                                           r".*the worker's environment on the node"):
+            refuse_unnamed_env(c.read_work_pool(pool), {"LD_PRELOAD": "/tmp/x.so", "VLLM_LOGGING_LEVEL": "INFO"})
+        refuse_unnamed_env(c.read_work_pool(pool), {"VLLM_LOGGING_LEVEL": "INFO", "DRAFTLINE_FAULT_DIR": "/tmp"})
         # ... but not through the deprecated route, which creates the run as given
         r = httpx.post(f"{prefect_server.api_url}/flow_runs/", json={
             "flow_id": str(flow_id), "deployment_id": str(dep), "work_pool_name": pool,

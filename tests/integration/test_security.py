@@ -231,7 +231,7 @@ def test_deploy_and_submit_refuse_credentials_in_job_variables(monkeypatch):
     from tasks.core.secrets import SecretInValue
 
     with pytest.raises(SecretInValue) as exc:
-        deploy_spec(load_deployments()[:1], None, f"s3://{KEY_ID}:{SECRET}@bucket/x")
+        deploy_spec(load_deployments()[:1], f"s3://{KEY_ID}:{SECRET}@bucket/x")
     assert "work_pool.job_variables.store_uri" in str(exc.value)
     _no_secret(str(exc.value))
     for pair in (f"AWS_SECRET_ACCESS_KEY={SECRET}", f"HF_TOKEN={HF}", f"MY_VAR={HF}", f"AWS_SESSION_TOKEN={SECRET}"):
@@ -257,7 +257,7 @@ def test_deploy_and_submit_refuse_credentials_in_job_variables(monkeypatch):
     deps = load_deployments()[:1]
     deps[0].setdefault("work_pool", {}).setdefault("job_variables", {})["env"] = {"HF_TOKEN": HF}
     with pytest.raises(SecretInValue, match=r"job_variables\.env\.HF_TOKEN"):
-        deploy_spec(deps, None, None)
+        deploy_spec(deps, None)
 
 
 def test_a_config_base_stays_in_the_checkout_or_the_configs_folder(tmp_path):
