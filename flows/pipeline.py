@@ -219,7 +219,7 @@ def allow_remote_code(cfg: RunConfig, logger) -> None:
         with get_client(sync_client=True) as client:
             tags = list(client.read_deployment(deployment.id).tags or [])
 
-    problem = remote_code_problem(True, deployment.name if deployment.id else None, tags)
+    problem = remote_code_problem(True, deployment.name if deployment.id else None, tags, cfg.target.model)
     if problem:
         raise ConfigError(problem)
     logger.warning("target.trust_remote_code is ON: the target repository's own Python code will run")

@@ -37,7 +37,7 @@ from cli.prefect_api import (
     wait_for,
 )
 from flows.flow_runs import EXTRACT_FLOW, FLOW_NAME, OpsError, slice_deployment
-from flows.preflight import remote_code_problem
+from flows.preflight import remote_code_problem, remote_code_tag
 from flows.release import code_commit
 from tasks.core.config import STAGES, STORE_URI_ENV, check_until, load_config
 from tasks.core.secrets import WORKER_FIX, refuse_secrets
@@ -118,6 +118,11 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
                CRASH_AFTER, "--crash-after", metavar="SECONDS",
                help="The server marks a draftline flow run Crashed when its heartbeats (every 30 s) stop for "
                     "this long: a lost node, on any host (a Prefect automation, created or updated here)."),
+           remote_code: list[str] = typer.Option(
+               [], "--allow-trust-remote-code", metavar="REPO",
+               help="Let runs of these deployments set target.trust_remote_code for the hub repository REPO (e.g. "
+                    "moonshotai/Kimi-K2.5, which configs/kimi-k2.5-b300.yaml needs): its own Python code runs on "
+                    "the nodes. Repeat for several; without it such a run is refused."),
            as_json: bool = JsonOpt):
     """Create the work pools, register the deployments of deployments/prefect.yaml, and the automation
     that marks a flow run Crashed when its node stops sending heartbeats."""
@@ -142,7 +147,7 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
             rows.append((f"{flow_of(d)}/{d['name']}", pool, kind, ensure_pool(c, pool, kind, template,
                                                                              update_pools, image)))
         automation = ensure_crash_automation(c, crash_after)
-    _prefect_deploy(chosen, store=store)
+    _prefect_deploy(chosen, store=store, remote_code=remote_code)
     if as_json:
         print(json.dumps({"api_url": url, "automation": {"name": CRASH_AUTOMATION, "status": automation,
                                                          "crash_after_s": crash_after},
@@ -213,12 +218,15 @@ def ensure_crash_automation(c: Any, within_s: int) -> str:
     return "exists"
 
 
-def deploy_spec(deps: list[dict[str, Any]], store: str | None) -> dict[str, Any]:
-    """prefect.yaml with only DEPS, carrying --store and this checkout's commit in each release pull
-    step (nodes then must run this commit, not only this version: flows/release.py)."""
+def deploy_spec(deps: list[dict[str, Any]], store: str | None, remote_code: list[str] = ()) -> dict[str, Any]:
+    """prefect.yaml with only DEPS, carrying --store, the tags of --allow-trust-remote-code (the operator's
+    decision, flows/preflight.py) and this checkout's commit in each release pull step (nodes then must run this
+    commit, not only this version: flows/release.py)."""
     spec = yaml.safe_load(PREFECT_FILE.read_text())
     commit = code_commit(ROOT)
     for dep in deps:
+        dep["tags"] = list(dep.get("tags") or []) + [remote_code_tag(r) for r in remote_code
+                                                     if remote_code_tag(r) not in (dep.get("tags") or [])]
         jv = dep.setdefault("work_pool", {}).setdefault("job_variables", {})
         if store:
             jv["store_uri"] = store
@@ -231,12 +239,12 @@ def deploy_spec(deps: list[dict[str, Any]], store: str | None) -> dict[str, Any]
     return spec
 
 
-def _prefect_deploy(deps: list[dict[str, Any]], store: str | None) -> None:
+def _prefect_deploy(deps: list[dict[str, Any]], store: str | None, remote_code: list[str] = ()) -> None:
     """`prefect deploy` of the chosen deployments, from the repository root (so that `local`
     records this checkout as its code folder). A temporary copy of prefect.yaml carries
     --store (prefect's own --job-variable flag drops the file's other job variables), and this checkout's
     commit in each release pull step."""
-    spec = deploy_spec(deps, store)
+    spec = deploy_spec(deps, store, remote_code)
     prefect = Path(sys.executable).parent / "prefect"
     cmd = [str(prefect) if prefect.exists() else "prefect", "--no-prompt", "deploy", "--all"]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="draftline-deploy-", delete=False) as fh:
@@ -348,7 +356,7 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
         except ObjectNotFound:
             raise OpsError(f"no deployment {full} on {api_url()}; `draftline deploy --name "
                            f"{full.split('/', 1)[1]}` registers it") from None
-        problem = remote_code_problem(cfg.target.trust_remote_code, full, list(dep.tags or []))
+        problem = remote_code_problem(cfg.target.trust_remote_code, full, list(dep.tags or []), cfg.target.model)
         if problem:  # the run would be refused on the node: say so now
             raise OpsError(problem)
         # the config that runs is the one validated here: inlined unless the workers hold the same file

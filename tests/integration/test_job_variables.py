@@ -138,3 +138,52 @@ def test_a_flow_run_cannot_choose_a_nodes_command_or_environment(prefect_server,
     # exactly one process ran: the allowed run, with its named variable
     assert [json.loads(line) for line in out.read_text().splitlines()] == [
         {"VLLM_LOGGING_LEVEL": "INFO", "LD_PRELOAD": None, "EVIL": None}]
+
+
+def test_the_b300_default_config_submits_only_where_the_operator_allowed_its_repository(prefect_server, monkeypatch):
+    """configs/kimi-k2.5-b300.yaml needs its repository's code (target.trust_remote_code: true). A deployment
+    runs it only after its operator's `draftline deploy --name b300 --allow-trust-remote-code moonshotai/Kimi-K2.5`
+    (the tag it writes is the one registered here): the same deployment still refuses another repository's code,
+    and without the opt-in the refusal names the command."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from typer.testing import CliRunner
+
+    from cli.app import app
+    from cli.commands import deploy
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PREFECT_API_URL", prefect_server.api_url)
+    tag = uuid.uuid4().hex[:6]
+    b300 = next(d for d in deploy.load_deployments() if d["name"] == "b300" and deploy.flow_of(d) == "draftline")
+    names = {}
+    with harness.client(prefect_server) as c:
+        pool = f"draftline-rc-{tag}"
+        c.create_work_pool(WorkPoolCreate(name=pool, type="process",
+                                          base_job_template=json.loads((TEMPLATES / "process.json").read_text())))
+        flow_id = c.create_flow_from_name("draftline")
+        for opted in (False, True):
+            spec = deploy.deploy_spec([json.loads(json.dumps(b300))], None,
+                                      ["moonshotai/Kimi-K2.5"] if opted else [])["deployments"][0]
+            names[opted] = f"b300-{tag}-{opted}"
+            c.create_deployment(flow_id=flow_id, name=names[opted], entrypoint=b300["entrypoint"], tags=spec["tags"],
+                                work_pool_name=pool, pull_steps=spec["pull"], parameters=spec["parameters"])
+    try:
+        refused = CliRunner().invoke(app, ["submit", "configs/kimi-k2.5-b300.yaml", "-d", names[False]])
+        assert refused.exit_code == 2, refused.output
+        text = " ".join(refused.output.split())
+        assert f"which does not allow it" in text and "moonshotai/Kimi-K2.5" in text
+        assert f"draftline deploy --name {names[False]} --allow-trust-remote-code moonshotai/Kimi-K2.5" in text
+        done = CliRunner().invoke(app, ["submit", "configs/kimi-k2.5-b300.yaml", "-d", names[True], "--json"])
+        assert done.exit_code == 0, done.output
+        run_id = json.loads(done.output.strip().splitlines()[-1])["id"]
+        other = CliRunner().invoke(app, ["submit", "configs/kimi-k2.5-b300.yaml", "-d", names[True],
+                                         "--set", "target.model=someone/else"])
+        assert other.exit_code == 2 and "(it allows moonshotai/Kimi-K2.5)" in " ".join(other.output.split())
+    finally:
+        with harness.client(prefect_server) as c:  # no Scheduled run of ours left to shadow another test's `last`
+            for n in names.values():
+                d = c.read_deployment_by_name(f"draftline/{n}")
+                for r in c.read_flow_runs(limit=50):
+                    if r.deployment_id == d.id:
+                        c.delete_flow_run(r.id)
+                c.delete_deployment(d.id)

@@ -287,9 +287,12 @@ def test_a_config_base_stays_in_the_checkout_or_the_configs_folder(tmp_path):
 def test_trust_remote_code_from_a_flow_run_needs_the_deployment_to_allow_it():
     from flows.preflight import REMOTE_CODE_TAG, remote_code_problem
 
-    problem = remote_code_problem(True, "b300", ["draftline", "b300"])
-    assert "does not allow it" in problem and f"add the tag '{REMOTE_CODE_TAG}'" in problem
-    assert remote_code_problem(True, "b300", ["draftline", REMOTE_CODE_TAG]) is None  # the owner allowed it
+    problem = remote_code_problem(True, "draftline/b300", ["draftline", "b300"], "org/model")
+    assert "does not allow it" in problem and "`draftline deploy --name b300 --allow-trust-remote-code org/model`" in problem
+    assert remote_code_problem(True, "b300", ["draftline", REMOTE_CODE_TAG]) is None  # the owner allowed every repo
+    # the operator's opt-in names one repository (`draftline deploy --allow-trust-remote-code REPO`): no other
+    assert remote_code_problem(True, "b300", [f"{REMOTE_CODE_TAG}:org/model"], "org/model") is None
+    assert "(it allows org/model)" in remote_code_problem(True, "b300", [f"{REMOTE_CODE_TAG}:org/model"], "evil/x")
     assert remote_code_problem(True, None, []) is None  # `draftline run`: the user's own config
     assert remote_code_problem(False, "b300", []) is None
 
