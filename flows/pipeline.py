@@ -27,6 +27,7 @@ from flows.flow_runs import EXTRACT_FLOW
 from flows.interrupts import chain_into_flow
 from flows.nodes import SHARDED, child_config, finish_sharded, run_nodes, train_child, train_nodes
 from flows.preflight import check_head_layers, remote_code_problem
+from flows.started_runs import record_started
 from flows.report_artifacts import Progress, publish_summary
 from flows.run_record import RunRecord, announce, finish_stage
 from tasks.benchmark.serve import run_serve
@@ -185,6 +186,8 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     """Train an EAGLE-3 draft: parameters are a config file path plus `a.b=c` overrides."""
     chain_into_flow()  # SIGTERM (a worker cancelling, a node shutting down) stops engines and waits first
     overrides = list(overrides or [])
+    if not deployment.id and flow_run.id:  # a run this machine starts itself: `draftline retry` may re-run it here
+        record_started(flow_run.id, {"config_path": config_path, "overrides": overrides, "until": until})
     cfg = load_config(config_path, overrides)
     check_until(until)
     store = Store.from_config(cfg.store)

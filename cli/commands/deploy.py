@@ -39,6 +39,7 @@ from cli.prefect_api import (
 from flows.flow_runs import EXTRACT_FLOW, FLOW_NAME, OpsError, slice_deployment
 from flows.preflight import remote_code_problem, remote_code_tag
 from flows.release import code_commit
+from flows.started_runs import record_started
 from tasks.core.config import STAGES, STORE_URI_ENV, check_until, load_config
 from tasks.core.secrets import WORKER_FIX, refuse_secrets
 from tasks.store.artifacts import s3_endpoint
@@ -390,6 +391,7 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
             slices = check_slice_deployment(c, cfg, dep)
         run = run_deployment(full, parameters=params, job_variables=job_vars or None, timeout=0,
                              flow_run_name=name, tags=[f"config:{config.name}"])
+        record_started(run.id, params)  # `last` of retry/check/export: the newest run this machine started
         store_note = job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri") or \
             f"the worker's {STORE_URI_ENV} (if set; else {cfg.store.uri})"
         info = {"id": str(run.id), "name": run.name, "deployment": full, "ui_url": run_url(run.id),
