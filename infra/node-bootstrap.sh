@@ -59,6 +59,8 @@
 #   DRAFTLINE_USER         the unprivileged user the worker runs as when this script runs as root, under systemd or
 #                          not (default draftline, created as a system user; it owns DRAFTLINE_CACHE and joins the GPU
 #                          groups, and the docker group for a docker worker only)
+#   DRAFTLINE_WORKER_AS_ROOT=1  outside systemd, keep the worker as root (only where root is itself unprivileged:
+#                          a rootless container, a CI sandbox); never on a node that holds real keys
 #   DRAFTLINE_IMAGE        --docker: the worker image (default draftline-worker:VERSION)
 #   DRAFTLINE_CREDENTIALS_BLOCK  --docker: AwsCredentials block saved from AWS_* (default draftline-store)
 #   DRAFTLINE_SOURCE_DIR   use this checkout instead of cloning (development, tests)
@@ -398,7 +400,8 @@ ensure_worker_user() {
 
 # Outside systemd (--foreground, --background, no systemd), root drops to DRAFTLINE_USER the same way.
 drop_root=()
-if (( EUID == 0 )) && { (( FOREGROUND || BACKGROUND )) || ! command -v systemctl >/dev/null || [[ ! -d /run/systemd/system ]]; }; then
+if (( EUID == 0 )) && [[ "${DRAFTLINE_WORKER_AS_ROOT:-0}" != 1 ]] \
+   && { (( FOREGROUND || BACKGROUND )) || ! command -v systemctl >/dev/null || [[ ! -d /run/systemd/system ]]; }; then
   ensure_worker_user
   groups="$(worker_groups)"
   command -v setpriv >/dev/null || die "setpriv (util-linux) is missing: it runs the worker as $RUN_AS, not root"
