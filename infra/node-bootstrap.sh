@@ -405,7 +405,7 @@ if (( EUID == 0 )) && [[ "${DRAFTLINE_WORKER_AS_ROOT:-0}" != 1 ]] \
   ensure_worker_user
   groups="$(worker_groups)"
   command -v setpriv >/dev/null || die "setpriv (util-linux) is missing: it runs the worker as $RUN_AS, not root"
-  drop_root=(setpriv --reuid="$RUN_AS" --regid="$RUN_AS" --no-new-privs)
+  drop_root=(setpriv --reuid="$RUN_AS" --regid="$(id -g "$RUN_AS")" --no-new-privs)
   if [[ -n "$groups" ]]; then drop_root+=(--groups="${groups// /,}"); else drop_root+=(--clear-groups); fi
   say "the worker runs as $RUN_AS${groups:+ (groups ${groups// /,})}, not root"
 fi

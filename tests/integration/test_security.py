@@ -325,7 +325,7 @@ def test_the_node_worker_runs_as_an_unprivileged_user():
     assert '[[ "$RUN_AS" != root ]] || die' in text
     # outside systemd (--foreground, --background) root hands the worker to the same user
     assert 'exec "${drop_root[@]}" "${worker_cmd[@]}"' in text and 'setsid nohup "${drop_root[@]}"' in text
-    assert 'drop_root=(setpriv --reuid="$RUN_AS" --regid="$RUN_AS" --no-new-privs)' in text
+    assert 'drop_root=(setpriv --reuid="$RUN_AS" --regid="$(id -g "$RUN_AS")" --no-new-privs)' in text
     # the docker group is root by another door: only a docker worker joins it
     groups = text[text.index("worker_groups() {"):text.index("ensure_worker_user() {")]
     assert "for g in video render; do" in groups and "if (( DOCKER )) && getent group docker" in groups
