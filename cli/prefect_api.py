@@ -23,6 +23,7 @@ import yaml
 
 from cli.console import ROOT, console
 from flows.flow_runs import FLOW_NAME, OpsError, config_parameters
+from flows.started_runs import newest_started
 from tasks.core.config import STAGES
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
@@ -95,8 +96,6 @@ def find_run(c: Any, ref: str | None, mine: bool = False) -> Any:
 
     flows = FlowFilter(name=FlowFilterName(any_=[FLOW_NAME]))
     if ref in (None, "", "last", "latest") and mine:
-        from flows.started_runs import newest_started
-
         for run_id in newest_started():
             try:
                 return c.read_flow_run(uuid.UUID(run_id))

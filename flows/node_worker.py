@@ -19,14 +19,14 @@ import sys
 import warnings
 from typing import Any
 
+from prefect.cli import app
+from prefect.utilities.schema_tools import validate
 from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
 
 
 def job_variable_problems(base_job_template: dict[str, Any], values: dict[str, Any]) -> list[str]:
     """What in a run's job variables VALUES its pool's template does not allow, as the server would say it; []
     when the template declares no variables schema (the pool's operator chose so)."""
-    from prefect.utilities.schema_tools import validate
-
     schema = (base_job_template or {}).get("variables")
     if not schema:
         return []
@@ -59,8 +59,6 @@ with warnings.catch_warnings():  # it replaces Prefect's process worker in this 
 
 
 def main(argv: list[str]) -> int:
-    from prefect.cli import app
-
     sys.argv = ["prefect", "worker", "start", "--type", "process", *argv]
     return app() or 0
 

@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any
 
+from tasks.core.config import load_config
 from tasks.core.home import cache_home
 
 RECORD = "started-runs.jsonl"
@@ -33,6 +34,7 @@ def params_digest(params: dict[str, Any]) -> str:
 
 
 def api_url() -> str:
+    # here, not at the top: Prefect takes seconds to import (heavy), and the CLI imports this module for every command
     from prefect.settings import PREFECT_API_URL
 
     return (PREFECT_API_URL.value() or "").rstrip("/")
@@ -93,8 +95,6 @@ def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 def risky_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """Changes of the effective config that would run code or send data elsewhere: target.trust_remote_code (and
     target.model while it is on), store.uri, store.endpoint_url. The configs are loaded as the flow loads them."""
-    from tasks.core.config import load_config
-
     b, a = (load_config(p["config_path"], p["overrides"]) for p in (normalized(before), normalized(after)))
     out = []
     if a.target.trust_remote_code and (not b.target.trust_remote_code or a.target.model != b.target.model):

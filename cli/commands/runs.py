@@ -47,6 +47,7 @@ from cli.prefect_api import (
     wait_for,
 )
 from flows.flow_runs import FLOW_NAME, OpsError, child_stage, flow_run_events, submitting_worker, utcnow
+from flows.started_runs import changes, risky_changes, started_here
 from tasks.core.config import STAGES
 from tasks.core.owners import pid_running
 
@@ -362,8 +363,6 @@ def local_rerun_problem(fr: Any, params: dict[str, Any], accept: bool) -> tuple[
     """(what differs from this machine's record of the run, why it may not run here or None). A run's parameters
     come from the Prefect API, which every API user writes: only a run this machine started runs here, and a
     change that would run a repository's code or send data elsewhere needs the user's explicit --accept."""
-    from flows.started_runs import changes, risky_changes, started_here
-
     mine = started_here(fr.id)
     if mine is None:
         return [], (f"run {fr.name} ({fr.id}) was not started from this machine: its parameters come from the "
