@@ -187,7 +187,11 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     chain_into_flow()  # SIGTERM (a worker cancelling, a node shutting down) stops engines and waits first
     overrides = list(overrides or [])
     if not deployment.id and flow_run.id:  # a run this machine starts itself: `draftline retry` may re-run it here
-        record_started(flow_run.id, {"config_path": config_path, "overrides": overrides, "until": until})
+        try:
+            record_started(flow_run.id, {"config_path": config_path, "overrides": overrides, "until": until})
+        except OSError as exc:  # the run goes on; only a local retry of it will be refused
+            get_run_logger().warning(f"could not record this run in draftline's folder ({exc}): `draftline retry` "
+                                     "will not re-run it here")
     cfg = load_config(config_path, overrides)
     check_until(until)
     store = Store.from_config(cfg.store)

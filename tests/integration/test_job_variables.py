@@ -9,7 +9,8 @@ each line, so an upgrade that changes one fails it):
   schema (`prefect.server.api.deployments.create_flow_run_from_deployment` calls
   `validate_job_variables_for_deployment_flow_run`): with `additionalProperties: false` a `command`,
   `working_dir` or `env.X` key is refused with 422, and `env` of fixed properties refuses any other name.
-  `PATCH /flow_runs/{id}` validates the same way.
+  `PATCH /flow_runs/{id}` of a Scheduled run validates the same way (read in `prefect.server.api.flow_runs.
+  update_flow_run`, not exercised here).
 - `POST /flow_runs/` with the (deprecated) `deployment_id`, a `work_pool_name` and `job_variables` validates
   nothing: the run is created Scheduled in the pool's queue with whatever job variables it carries.
 - Prefect's worker builds the job from the template's `job_configuration` only, so a variable the template
