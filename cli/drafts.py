@@ -9,6 +9,7 @@ from typing import Any
 
 from cli.prefect_api import client, find_run
 from flows.flow_runs import OpsError
+from flows.started_runs import params_digest, started_here
 from tasks.address import digests
 from tasks.benchmark.serve import ExportError, run_serve
 from tasks.benchmark.results import find_report, load_report
@@ -97,7 +98,7 @@ def run_train_digest(store: Any, run: str, head: str | None = None) -> tuple[str
     ran with."""
     try:
         with client() as c:
-            fr = find_run(c, run)
+            fr = find_run(c, run, mine=True)
     except OpsError as exc:
         raise ExportError(f"{run!r} is no train digest on {store.uri} and no flow run: {exc}") from None
     params = fr.parameters or {}
@@ -106,6 +107,12 @@ def run_train_digest(store: Any, run: str, head: str | None = None) -> tuple[str
     except ConfigError as exc:
         raise ExportError(f"flow run {fr.name} ({fr.id}) ran with a config that no longer loads here: {exc}; give "
                           "its train digest (`draftline ls --stage train`)") from None
+    mine = started_here(fr.id)
+    if cfg.target.trust_remote_code and (mine is None or mine.get("digest") != params_digest(params)):
+        raise ExportError(f"flow run {fr.name} ({fr.id}) names target.trust_remote_code=true for {cfg.target.model} "
+                          "in parameters this machine did not record (another API user's run, or edited since): "
+                          "loading its target would run that repository's code here. Give its train digest "
+                          "(`draftline ls --stage train`) or the config you trust")
     if canonical_uri(cfg.store.uri) != store.uri:  # one store however it is written (relative, absolute, slash)
         raise ExportError(f"flow run {fr.name} wrote to {canonical_uri(cfg.store.uri)}, not {store.uri}: pass "
                           f"--store {canonical_uri(cfg.store.uri)}")

@@ -23,6 +23,7 @@ import yaml
 
 from cli.console import ROOT, console
 from flows.flow_runs import FLOW_NAME, OpsError, config_parameters
+from flows.started_runs import newest_started
 from tasks.core.config import STAGES
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
@@ -80,8 +81,10 @@ def state_of(run: Any) -> str:
     return run.state.type.value if run.state is not None else "UNKNOWN"
 
 
-def find_run(c: Any, ref: str | None) -> Any:
-    """A draftline flow run by id, id prefix (8+ characters), name, or `last`/None."""
+def find_run(c: Any, ref: str | None, mine: bool = False) -> Any:
+    """A draftline flow run by id, id prefix (8+ characters), name, or `last`/None: the newest on the server, or
+    with MINE the newest that this machine started (flows/started_runs.py: `retry`, `check`, `export`), never one
+    someone else created or scheduled in the future."""
     from prefect.client.schemas.filters import (
         FlowFilter,
         FlowFilterName,
@@ -92,6 +95,15 @@ def find_run(c: Any, ref: str | None) -> Any:
     from prefect.exceptions import ObjectNotFound
 
     flows = FlowFilter(name=FlowFilterName(any_=[FLOW_NAME]))
+    if ref in (None, "", "last", "latest") and mine:
+        for run_id in newest_started():
+            try:
+                return c.read_flow_run(uuid.UUID(run_id))
+            except ObjectNotFound:
+                continue  # deleted on the server: the one before
+        raise OpsError(f"no run on {api_url() or 'the ephemeral server'} was started from this machine "
+                       "(`draftline run` or `submit` here); give the run's id (`draftline status last` shows the "
+                       "newest on the server)")
     if ref in (None, "", "last", "latest"):
         runs = c.read_flow_runs(flow_filter=flows, sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=1)
         if not runs:

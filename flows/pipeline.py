@@ -27,6 +27,7 @@ from flows.flow_runs import EXTRACT_FLOW
 from flows.interrupts import chain_into_flow
 from flows.nodes import SHARDED, child_config, finish_sharded, run_nodes, train_child, train_nodes
 from flows.preflight import check_head_layers, remote_code_problem
+from flows.started_runs import record_started
 from flows.report_artifacts import Progress, publish_summary
 from flows.run_record import RunRecord, announce, finish_stage
 from tasks.benchmark.serve import run_serve
@@ -186,6 +187,12 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     """Train an EAGLE-3 draft: parameters are a config file path plus `a.b=c` overrides."""
     chain_into_flow()  # SIGTERM (a worker cancelling, a node shutting down) stops engines and waits first
     overrides = list(overrides or [])
+    if not deployment.id and flow_run.id:  # a run this machine starts itself: `draftline retry` may re-run it here
+        try:
+            record_started(flow_run.id, {"config_path": config_path, "overrides": overrides, "until": until})
+        except OSError as exc:  # the run goes on; only a local retry of it will be refused
+            get_run_logger().warning(f"could not record this run in draftline's folder ({exc}): `draftline retry` "
+                                     "will not re-run it here")
     cfg = load_config(config_path, overrides)
     check_until(until)
     store = Store.from_config(cfg.store)
@@ -220,7 +227,7 @@ def allow_remote_code(cfg: RunConfig, logger) -> None:
         with get_client(sync_client=True) as client:
             tags = list(client.read_deployment(deployment.id).tags or [])
 
-    problem = remote_code_problem(True, deployment.name if deployment.id else None, tags)
+    problem = remote_code_problem(True, deployment.name if deployment.id else None, tags, cfg.target.model)
     if problem:
         raise ConfigError(problem)
     logger.warning("target.trust_remote_code is ON: the target repository's own Python code will run")

@@ -87,18 +87,28 @@ def check_head_layers(cfg: Any) -> None:
         head_layer_ids(head_config(cfg, head), stored)
 
 
-# The deployment tag that lets a deployment's flow runs set target.trust_remote_code (deployments/prefect.yaml).
+# The deployment tag that lets a deployment's flow runs set target.trust_remote_code (deployments/prefect.yaml):
+# `allow-trust-remote-code:REPO` for the code of one repository (what `draftline deploy --allow-trust-remote-code
+# REPO` writes), the bare tag for every repository's.
 REMOTE_CODE_TAG = "allow-trust-remote-code"
 
 
-def remote_code_problem(trust: bool, deployment: str | None, tags: list[str]) -> str | None:
+def remote_code_tag(model: str) -> str:
+    """The deployment tag that lets its runs execute the code of the repository MODEL (target.model)."""
+    return f"{REMOTE_CODE_TAG}:{model}"
+
+
+def remote_code_problem(trust: bool, deployment: str | None, tags: list[str], model: str | None = None) -> str | None:
     """Why a flow run may not run the target repository's code: a deployment's run takes its config from
-    its parameters, which anyone who can create a flow run sets; only a deployment tagged REMOTE_CODE_TAG
-    (its owner's decision, not the run's) lets them switch trust_remote_code on. A run outside any
-    deployment (`draftline run`) is its user's own."""
-    if not trust or deployment is None or REMOTE_CODE_TAG in tags:
+    its parameters, which anyone who can create a flow run sets; only a deployment whose operator allowed this
+    repository (the tag `allow-trust-remote-code:REPO`, or the bare tag for every repository) lets them switch
+    trust_remote_code on for it. A run outside any deployment (`draftline run`) is its user's own."""
+    if not trust or deployment is None or REMOTE_CODE_TAG in tags or (model and remote_code_tag(model) in tags):
         return None
-    return (f"target.trust_remote_code=true in a run of deployment {deployment}, which does not allow it: the "
-            "target repository's own Python code would run on this node, set by a flow-run parameter. Fix: use "
-            f"a model that needs no remote code, or have the deployment's owner add the tag {REMOTE_CODE_TAG!r} "
-            "to it in deployments/prefect.yaml and `draftline deploy` again")
+    name = deployment.split("/", 1)[-1]
+    allowed = sorted(t.split(":", 1)[1] for t in tags if t.startswith(REMOTE_CODE_TAG + ":"))
+    return (f"target.trust_remote_code=true for {model or 'the target'} in a run of deployment {deployment}, which "
+            f"does not allow it{' (it allows ' + ', '.join(allowed) + ')' if allowed else ''}: the target "
+            "repository's own Python code would run on the node, chosen by a flow-run parameter. Fix: use a model "
+            "that needs no remote code, or have the deployment's operator allow this repository's code with "
+            f"`draftline deploy --name {name} --allow-trust-remote-code {model or 'REPO'}`")

@@ -56,8 +56,11 @@
 #   DRAFTLINE_PREFIX       install folder (default /opt/draftline)
 #   DRAFTLINE_CACHE        model / Hugging Face / vLLM caches, on the node's NVMe (default /var/cache/draftline)
 #   DRAFTLINE_EXPECT_GPUS  GPUs the node must show (default 8; 0 skips the GPU check)
-#   DRAFTLINE_USER         the unprivileged user the systemd service runs the worker as (default draftline,
-#                          created as a system user; it owns DRAFTLINE_CACHE and joins the GPU and docker groups)
+#   DRAFTLINE_USER         the unprivileged user the worker runs as when this script runs as root, under systemd or
+#                          not (default draftline, created as a system user; it owns DRAFTLINE_CACHE and joins the GPU
+#                          groups, and the docker group for a docker worker only)
+#   DRAFTLINE_WORKER_AS_ROOT=1  outside systemd, keep the worker as root (only where root is itself unprivileged:
+#                          a rootless container, a CI sandbox); never on a node that holds real keys
 #   DRAFTLINE_IMAGE        --docker: the worker image (default draftline-worker:VERSION)
 #   DRAFTLINE_CREDENTIALS_BLOCK  --docker: AwsCredentials block saved from AWS_* (default draftline-store)
 #   DRAFTLINE_SOURCE_DIR   use this checkout instead of cloning (development, tests)
@@ -367,29 +370,58 @@ if ! "$VENV/bin/prefect" work-pool inspect "$POOL" >/dev/null 2>&1; then
   fi
 fi
 
-worker_cmd=("$VENV/bin/prefect" worker start --pool "$POOL" --name "$WORKER_NAME" --limit "$LIMIT")
-(( DOCKER )) && worker_cmd+=(--type docker)
-
-if (( FOREGROUND )); then
-  say "starting worker $WORKER_NAME on pool $POOL (limit $LIMIT) in the foreground"
-  set -a; source "$ENV_FILE"; set +a
-  cd "$CODE"
-  exec "${worker_cmd[@]}"
+# A process pool's runs go through draftline's node worker (flows/node_worker.py): Prefect's process worker,
+# refusing a run whose job variables its pool's template does not allow (docs/SECURITY.md).
+if (( DOCKER )); then
+  worker_cmd=("$VENV/bin/prefect" worker start --pool "$POOL" --name "$WORKER_NAME" --limit "$LIMIT" --type docker)
+else
+  worker_cmd=("$VENV/bin/python" -m flows.node_worker --pool "$POOL" --name "$WORKER_NAME" --limit "$LIMIT")
 fi
 
-if (( ! BACKGROUND )) && command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
-  unit="draftline-worker-${POOL}.service"
-  # The worker runs flow runs that anyone with the Prefect API can start: never as root.
+# The worker runs flow runs that anyone with the Prefect API can start: never as root. As root, this script
+# hands it to the unprivileged DRAFTLINE_USER (created), in the GPU groups; in the docker group only for a
+# docker worker, which starts containers (the docker group is root by another door: a process worker never
+# joins it).
+worker_groups() {
+  local g out=()
+  for g in video render; do getent group "$g" >/dev/null && out+=("$g"); done
+  if (( DOCKER )) && getent group docker >/dev/null; then out+=(docker); fi
+  echo "${out[*]}"
+}
+ensure_worker_user() {
   [[ "$RUN_AS" != root ]] || die "DRAFTLINE_USER=root: the worker runs what the Prefect API's users submit; give an unprivileged user"
   if ! id -u "$RUN_AS" >/dev/null 2>&1; then
     say "creating the unprivileged user $RUN_AS for the worker"
     useradd --system --home-dir "$CACHE" --shell /usr/sbin/nologin "$RUN_AS" \
       || die "could not create user $RUN_AS: create it (useradd --system $RUN_AS) or set DRAFTLINE_USER to one that exists"
   fi
-  groups=()
-  for g in video render docker; do getent group "$g" >/dev/null && groups+=("$g"); done
   chown -R "$RUN_AS": "$CACHE"
-  say "installing systemd unit $unit (runs as $RUN_AS${groups:+, groups ${groups[*]}})"
+}
+
+# Outside systemd (--foreground, --background, no systemd), root drops to DRAFTLINE_USER the same way.
+drop_root=()
+if (( EUID == 0 )) && [[ "${DRAFTLINE_WORKER_AS_ROOT:-0}" != 1 ]] \
+   && { (( FOREGROUND || BACKGROUND )) || ! command -v systemctl >/dev/null || [[ ! -d /run/systemd/system ]]; }; then
+  ensure_worker_user
+  groups="$(worker_groups)"
+  command -v setpriv >/dev/null || die "setpriv (util-linux) is missing: it runs the worker as $RUN_AS, not root"
+  drop_root=(setpriv --reuid="$RUN_AS" --regid="$(id -g "$RUN_AS")" --no-new-privs)
+  if [[ -n "$groups" ]]; then drop_root+=(--groups="${groups// /,}"); else drop_root+=(--clear-groups); fi
+  say "the worker runs as $RUN_AS${groups:+ (groups ${groups// /,})}, not root"
+fi
+
+if (( FOREGROUND )); then
+  say "starting worker $WORKER_NAME on pool $POOL (limit $LIMIT) in the foreground"
+  set -a; source "$ENV_FILE"; set +a
+  cd "$CODE"
+  exec "${drop_root[@]}" "${worker_cmd[@]}"
+fi
+
+if (( ! BACKGROUND )) && command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
+  unit="draftline-worker-${POOL}.service"
+  ensure_worker_user
+  groups="$(worker_groups)"
+  say "installing systemd unit $unit (runs as $RUN_AS${groups:+, groups $groups})"
   cat > "/etc/systemd/system/$unit" <<EOF
 [Unit]
 Description=draftline Prefect worker ($POOL, $RELEASE)
@@ -399,7 +431,7 @@ Wants=network-online.target
 [Service]
 User=$RUN_AS
 Group=$RUN_AS
-SupplementaryGroups=${groups[*]}
+SupplementaryGroups=$groups
 NoNewPrivileges=yes
 EnvironmentFile=$ENV_FILE
 WorkingDirectory=$CODE
@@ -423,7 +455,7 @@ else
     say "a worker is already running (pid $(cat "$pidfile")); stop it first: kill $(cat "$pidfile")"
     exit 0
   fi
-  (set -a; source "$ENV_FILE"; set +a; cd "$CODE"; setsid nohup "${worker_cmd[@]}" >>"$log" 2>&1 < /dev/null & echo $! > "$pidfile")
+  (set -a; source "$ENV_FILE"; set +a; cd "$CODE"; setsid nohup "${drop_root[@]}" "${worker_cmd[@]}" >>"$log" 2>&1 < /dev/null & echo $! > "$pidfile")
   say "worker $WORKER_NAME started in the background (pid $(cat "$pidfile"), log $log); no systemd here, so it does not survive a reboot"
 fi
 say "this node now takes runs from pool $POOL: draftline submit CONFIG --deployment ${POOL#draftline-}"

@@ -37,8 +37,9 @@ from cli.prefect_api import (
     wait_for,
 )
 from flows.flow_runs import EXTRACT_FLOW, FLOW_NAME, OpsError, slice_deployment
-from flows.preflight import remote_code_problem
+from flows.preflight import remote_code_problem, remote_code_tag
 from flows.release import code_commit
+from flows.started_runs import record_started
 from tasks.core.config import STAGES, STORE_URI_ENV, check_until, load_config
 from tasks.core.secrets import WORKER_FIX, refuse_secrets
 from tasks.store.artifacts import s3_endpoint
@@ -64,16 +65,25 @@ def pool_spec(dep: dict[str, Any]) -> tuple[str, str, Path]:
     name = wp.get("name")
     if not name:
         raise OpsError(f"deployment {dep.get('name')!r} in {PREFECT_FILE} names no work pool")
-    kind = "docker" if "image" in (wp.get("job_variables") or {}) else "process"
+    kind = "docker" if "gpus" in (wp.get("job_variables") or {}) else "process"  # gpus: the docker pool's only
     template = TEMPLATES / ("docker-gpu.json" if kind == "docker" else "process.json")
     return name, kind, template
 
 
-def ensure_pool(c: Any, name: str, kind: str, template: Path, update: bool) -> str:
+def pool_template(template: Path, image: str | None = None) -> dict[str, Any]:
+    """A pool's base job template: the file's, with the operator's worker image (`deploy --image`) in a docker
+    template's job configuration (a run cannot choose the image: it is no job variable)."""
+    base = json.loads(template.read_text())
+    if image and "image" in base["job_configuration"]:
+        base["job_configuration"]["image"] = image
+    return base
+
+
+def ensure_pool(c: Any, name: str, kind: str, template: Path, update: bool, image: str | None = None) -> str:
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
 
-    base = json.loads(template.read_text())
+    base = pool_template(template, image if kind == "docker" else None)
     try:
         pool = c.read_work_pool(name)
     except ObjectNotFound:
@@ -85,13 +95,18 @@ def ensure_pool(c: Any, name: str, kind: str, template: Path, update: bool) -> s
     if update and pool.base_job_template != base:
         c.update_work_pool(name, WorkPoolUpdate(base_job_template=base))
         return "template updated"
+    held = (pool.base_job_template or {}).get("job_configuration", {}).get("image")
+    if image and kind == "docker" and held != image:
+        raise OpsError(f"work pool {name!r} runs the image {held!r}, not {image!r}: the image is the pool's, set by "
+                       "its operator; pass --update-pools to change it")
     return "exists"
 
 
 def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(s) to register (default: all in "
                                                                    "deployments/prefect.yaml)."),
-           image: Optional[str] = typer.Option(None, help="Worker image for docker deployments, e.g. "
-                                                          "ghcr.io/ORG/draftline-worker:0.1.0."),
+           image: Optional[str] = typer.Option(None, help="Worker image of the docker pool, set in its job "
+                                                          "template when the pool is created (with --update-pools: "
+                                                          "changed), e.g. ghcr.io/ORG/draftline-worker:0.1.0."),
            store: Optional[str] = typer.Option(None, "--store", help="Default store_uri job variable of the "
                                                                      "deployments (s3://BUCKET/PREFIX)."),
            update_pools: bool = typer.Option(False, "--update-pools", help="Overwrite existing pools' job "
@@ -104,6 +119,11 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
                CRASH_AFTER, "--crash-after", metavar="SECONDS",
                help="The server marks a draftline flow run Crashed when its heartbeats (every 30 s) stop for "
                     "this long: a lost node, on any host (a Prefect automation, created or updated here)."),
+           remote_code: list[str] = typer.Option(
+               [], "--allow-trust-remote-code", metavar="REPO",
+               help="Let runs of these deployments set target.trust_remote_code for the hub repository REPO (e.g. "
+                    "moonshotai/Kimi-K2.5, which configs/kimi-k2.5-b300.yaml needs): its own Python code runs on "
+                    "the nodes. Repeat for several; without it such a run is refused."),
            as_json: bool = JsonOpt):
     """Create the work pools, register the deployments of deployments/prefect.yaml, and the automation
     that marks a flow run Crashed when its node stops sending heartbeats."""
@@ -126,9 +146,9 @@ def deploy(names: list[str] = typer.Option([], "--name", "-n", help="Deployment(
         for d in chosen:
             pool, kind, template = pool_spec(d)
             rows.append((f"{flow_of(d)}/{d['name']}", pool, kind, ensure_pool(c, pool, kind, template,
-                                                                             update_pools)))
+                                                                             update_pools, image)))
         automation = ensure_crash_automation(c, crash_after)
-    _prefect_deploy(chosen, image=image, store=store)
+    _prefect_deploy(chosen, store=store, remote_code=remote_code)
     if as_json:
         print(json.dumps({"api_url": url, "automation": {"name": CRASH_AUTOMATION, "status": automation,
                                                          "crash_after_s": crash_after},
@@ -199,15 +219,16 @@ def ensure_crash_automation(c: Any, within_s: int) -> str:
     return "exists"
 
 
-def deploy_spec(deps: list[dict[str, Any]], image: str | None, store: str | None) -> dict[str, Any]:
-    """prefect.yaml with only DEPS, carrying --image, --store and this checkout's commit in each release pull
-    step (nodes then must run this commit, not only this version: flows/release.py)."""
+def deploy_spec(deps: list[dict[str, Any]], store: str | None, remote_code: list[str] = ()) -> dict[str, Any]:
+    """prefect.yaml with only DEPS, carrying --store, the tags of --allow-trust-remote-code (the operator's
+    decision, flows/preflight.py) and this checkout's commit in each release pull step (nodes then must run this
+    commit, not only this version: flows/release.py)."""
     spec = yaml.safe_load(PREFECT_FILE.read_text())
     commit = code_commit(ROOT)
     for dep in deps:
+        dep["tags"] = list(dep.get("tags") or []) + [remote_code_tag(r) for r in remote_code
+                                                     if remote_code_tag(r) not in (dep.get("tags") or [])]
         jv = dep.setdefault("work_pool", {}).setdefault("job_variables", {})
-        if image and "image" in jv:
-            jv["image"] = image
         if store:
             jv["store_uri"] = store
         refuse_secrets(jv, f"{PREFECT_FILE.name} deployment {dep.get('name')}" + (" with --store" if store else ""),
@@ -219,12 +240,12 @@ def deploy_spec(deps: list[dict[str, Any]], image: str | None, store: str | None
     return spec
 
 
-def _prefect_deploy(deps: list[dict[str, Any]], image: str | None, store: str | None) -> None:
+def _prefect_deploy(deps: list[dict[str, Any]], store: str | None, remote_code: list[str] = ()) -> None:
     """`prefect deploy` of the chosen deployments, from the repository root (so that `local`
-    records this checkout as its code folder). A temporary copy of prefect.yaml carries --image and
+    records this checkout as its code folder). A temporary copy of prefect.yaml carries
     --store (prefect's own --job-variable flag drops the file's other job variables), and this checkout's
     commit in each release pull step."""
-    spec = deploy_spec(deps, image, store)
+    spec = deploy_spec(deps, store, remote_code)
     prefect = Path(sys.executable).parent / "prefect"
     cmd = [str(prefect) if prefect.exists() else "prefect", "--no-prompt", "deploy", "--all"]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="draftline-deploy-", delete=False) as fh:
@@ -285,6 +306,21 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
     return env
 
 
+def refuse_unnamed_env(pool: Any, env: dict[str, str]) -> None:
+    """A run's environment may hold only the names its pool's template declares (deployments/job-templates/: a
+    run never sets what the node executes, its loader or its Prefect API); the server would refuse the rest."""
+    spec = ((getattr(pool, "base_job_template", None) or {}).get("variables") or {}).get("properties", {}).get("env")
+    if not isinstance(spec, dict) or spec.get("additionalProperties") is not False:
+        return  # a pool whose operator allows any name
+    named = sorted(spec.get("properties") or {})
+    bad = sorted(set(env) - set(named))
+    if bad:
+        raise OpsError(f"--env {', '.join(bad)}: work pool {pool.name}'s template lets a run set only "
+                       f"{', '.join(named)}; set anything else in the worker's environment on the node (its "
+                       "operator's, infra/node-bootstrap.sh), or have the pool's operator add the name to "
+                       "deployments/job-templates/ and run `draftline deploy --update-pools`")
+
+
 def submit(config: Path = typer.Argument(..., help="YAML config (validated here before it is sent)."),
            deployment: str = typer.Option(..., "--deployment", "-d", help="local, b300, b300-docker (or FLOW/NAME)."),
            overrides: list[str] = SetOpt,
@@ -321,7 +357,7 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
         except ObjectNotFound:
             raise OpsError(f"no deployment {full} on {api_url()}; `draftline deploy --name "
                            f"{full.split('/', 1)[1]}` registers it") from None
-        problem = remote_code_problem(cfg.target.trust_remote_code, full, list(dep.tags or []))
+        problem = remote_code_problem(cfg.target.trust_remote_code, full, list(dep.tags or []), cfg.target.model)
         if problem:  # the run would be refused on the node: say so now
             raise OpsError(problem)
         # the config that runs is the one validated here: inlined unless the workers hold the same file
@@ -339,6 +375,7 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
                 job_vars["gpu_ids"] = ",".join(str(i) for i in range(gpus))
         if env:
             job_vars["env"] = _env_pairs(env)
+            refuse_unnamed_env(pool, job_vars["env"])
         if pool is not None and pool.type == "docker":
             # A container's file:// store vanishes with the container.
             chosen = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("store.uri=")), None)
@@ -354,6 +391,7 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
             slices = check_slice_deployment(c, cfg, dep)
         run = run_deployment(full, parameters=params, job_variables=job_vars or None, timeout=0,
                              flow_run_name=name, tags=[f"config:{config.name}"])
+        record_started(run.id, params)  # `last` of retry/check/export: the newest run this machine started
         store_note = job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri") or \
             f"the worker's {STORE_URI_ENV} (if set; else {cfg.store.uri})"
         info = {"id": str(run.id), "name": run.name, "deployment": full, "ui_url": run_url(run.id),

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from cli.console import JsonOpt, RunArg, TimeoutOpt, console, err, fail
+from cli.console import JsonOpt, RunArg, TimeoutOpt, console, err, fail, mask
 from cli.local_run import run_here
 from cli.prefect_api import (
     ALIVE,
@@ -48,6 +48,7 @@ from cli.prefect_api import (
     wait_for,
 )
 from flows.flow_runs import FLOW_NAME, OpsError, child_stage, flow_run_events, submitting_worker, utcnow
+from flows.started_runs import changes, risky_changes, started_here
 from tasks.core.config import STAGES
 from tasks.core.owners import pid_running
 
@@ -259,17 +260,24 @@ def retry(run: str = RunArg,
           stale_after: float = StaleOpt,
           watch: bool = typer.Option(False, "--watch", help="Wait for the retried run; exit 1 unless it completes."),
           timeout: Optional[float] = TimeoutOpt,
+          accept: bool = typer.Option(False, "--accept-changed-parameters",
+                                      help="A local run whose parameters on the Prefect API differ from what this "
+                                           "machine recorded in a way that runs a repository's code or sends data "
+                                           "elsewhere (trust_remote_code, store, endpoint): run them anyway."),
           as_json: bool = typer.Option(False, "--json", help="A local run: print its summary as one JSON object.")):
     """Re-run only what did not finish: finished stages and shards are reused from the store.
 
     A run of a deployment is retried in place (set to Scheduled; a worker of its pool picks it up,
     on the same node or another one sharing the store). A local run (no deployment) is run again
-    here with the same parameters. A run stuck in Running after its node died is marked Crashed first.
+    here, only if this machine started it: its parameters on the Prefect API are compared with this machine's
+    record, what differs is shown, and a change of trust_remote_code, the store or its endpoint needs
+    --accept-changed-parameters. RUN `last` is the newest run this machine started. A run stuck in Running
+    after its node died is marked Crashed first.
     """
     from prefect.states import Crashed
 
     with client() as c:
-        fr = find_run(c, run)
+        fr = find_run(c, run, mine=True)
         st = state_of(fr)
         # its process may still be exiting (see reschedule); a run retry marks Crashed has none left
         just_ended = st in ("FAILED", "CRASHED") and fr.state is not None and \
@@ -314,7 +322,7 @@ def retry(run: str = RunArg,
                     raise typer.Exit(1)
             return
         params = dict(fr.parameters or {})
-    _retry_locally(fr, params, as_json)
+    _retry_locally(fr, params, as_json, accept)
 
 
 # A run that ended moments ago may still have its process exiting; when it exits with an error, Prefect's
@@ -352,7 +360,37 @@ def reschedule(c: Any, fr: Any, *, watch: bool, watch_s: float = OVERRIDE_WATCH_
     raise OpsError(f"{fr.name} kept being marked crashed after each reschedule; check its worker's log")
 
 
-def _retry_locally(fr: Any, params: dict[str, Any], as_json: bool = False) -> None:
+def local_rerun_problem(fr: Any, params: dict[str, Any], accept: bool) -> tuple[list[str], str | None]:
+    """(what differs from this machine's record of the run, why it may not run here or None). A run's parameters
+    come from the Prefect API, which every API user writes: only a run this machine started runs here, and a
+    change that would run a repository's code or send data elsewhere needs the user's explicit --accept."""
+    mine = started_here(fr.id)
+    if mine is None:
+        return [], (f"run {fr.name} ({fr.id}) was not started from this machine: its parameters come from the "
+                    "Prefect API, which any API user can write, so `draftline retry` does not run them here. Read "
+                    f"them (`draftline status {fr.id} --json`) and start it yourself with `draftline run CONFIG "
+                    "--set ...` if you trust them")
+    diff = changes(mine["parameters"], params)
+    if not diff:
+        return [], None
+    try:
+        risky = risky_changes(mine["parameters"], params)
+    except Exception as exc:  # noqa: BLE001 - a config that no longer loads: nothing to run
+        return diff, f"run {fr.name}'s parameters changed since this machine started it and no longer load: {exc}"
+    if risky and not accept:
+        return diff, (f"run {fr.name}'s parameters on the Prefect API changed since this machine started it: "
+                      f"{'; '.join(risky)}. Check who changed them; pass --accept-changed-parameters to run them "
+                      "anyway")
+    return diff, None
+
+
+def _retry_locally(fr: Any, params: dict[str, Any], as_json: bool = False, accept: bool = False) -> None:
+    diff, problem = local_rerun_problem(fr, params, accept)
+    if diff:
+        err.print(mask(f"{fr.name}'s parameters differ from what this machine recorded when it started it:\n  "
+                       + "\n  ".join(diff)), markup=False, highlight=False)
+    if problem:
+        fail(problem)
     cfg_path = params.get("config_path")
     if cfg_path and not Path(cfg_path).is_file():
         fail(f"run {fr.name} read its config from {cfg_path}, which is not here; run the retry from the "

@@ -75,7 +75,8 @@ def test_bootstrap_installs_the_lock_from_a_fresh_virtualenv_and_leaves_a_worker
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
            # pip installs the same files but leaves their bytecode to the first import (byte-compiling the lock's
            # ~28K .py files is ~30-60 s of the install on 2 cores; doctor and the worker compile what they import)
-           "PIP_COMPILE": "0"}
+           "PIP_COMPILE": "0",
+           "DRAFTLINE_WORKER_AS_ROOT": "1"}  # this sandbox's root: its temp folders are root's (a node's worker drops it)
     t0 = time.time()
     out = subprocess.run(["bash", str(BOOTSTRAP), "--pool", pool, "--lock", "requirements/cpu.lock", "--background"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)

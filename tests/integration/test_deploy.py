@@ -81,7 +81,8 @@ def test_b300_deployments_pin_the_release_of_this_checkout():
         pins = [s["flows.release.use_release"]["release"] for s in steps if "flows.release.use_release" in s]
         assert pins == [version], f"{name}: bump its release pin together with pyproject.toml's version"
         assert deployments()[name]["version"] == version
-    assert deployments()["b300-docker"]["work_pool"]["job_variables"]["image"].endswith(f":{version}")
+    image = json.loads((TEMPLATES / "docker-gpu.json").read_text())["job_configuration"]["image"]
+    assert image == f"draftline-worker:{version}"  # the pool's (its operator's), never a run's
 
 
 def test_every_job_variable_in_prefect_yaml_exists_in_its_pool_template():
@@ -94,15 +95,16 @@ def test_every_job_variable_in_prefect_yaml_exists_in_its_pool_template():
 
 
 def test_docker_template_passes_gpus_through_device_requests():
-    job = render("docker-gpu.json", {"gpus": 4, "store_uri": "s3://bucket/runs", "cache_dir": "/nvme/cache",
-                                     "image": "reg.example/draftline-worker:0.1.0"})
+    job = render("docker-gpu.json", {"gpus": 4, "store_uri": "s3://bucket/runs", "cache_dir": "/nvme/cache"})
     assert job["container_create_kwargs"]["device_requests"] == [
         {"driver": "nvidia", "count": 4, "capabilities": [["gpu"]]}]
     assert job["container_create_kwargs"]["ipc_mode"] == "host"
     assert job["volumes"] == ["/nvme/cache:/cache"]
     assert job["env"]["DRAFTLINE_STORE_URI"] == "s3://bucket/runs"
     assert job["env"]["HF_HOME"] == "/cache/huggingface"
-    assert job["image"] == "reg.example/draftline-worker:0.1.0"
+    # the image is the pool's: `draftline deploy --image` writes it into the template the pool is created with
+    assert deploy.pool_template(TEMPLATES / "docker-gpu.json", "reg.example/draftline-worker:0.1.0")[
+        "job_configuration"]["image"] == "reg.example/draftline-worker:0.1.0"
     # default: every GPU of the node
     assert render("docker-gpu.json", {})["container_create_kwargs"]["device_requests"][0]["count"] == -1
 
@@ -398,7 +400,8 @@ def test_deploy_registers_the_deployments_and_a_node_joins_the_pool(scenario, pr
     assert pool.type == "docker"
     assert pool.base_job_template["job_configuration"]["container_create_kwargs"]["device_requests"][0]["count"] \
         == "{{ gpus }}"
-    assert docker.job_variables["image"] == f"draftline-worker:{harness.version()}" and docker.job_variables["gpus"] == -1
+    assert pool.base_job_template["job_configuration"]["image"] == f"draftline-worker:{harness.version()}"
+    assert "image" not in docker.job_variables and docker.job_variables["gpus"] == -1
     # `local` runs from the checkout that deployed it; b300 from the node's pinned release
     assert local.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
     # ... at the commit deploy ran from: a node with other code of the same version is refused

@@ -231,7 +231,7 @@ def test_deploy_and_submit_refuse_credentials_in_job_variables(monkeypatch):
     from tasks.core.secrets import SecretInValue
 
     with pytest.raises(SecretInValue) as exc:
-        deploy_spec(load_deployments()[:1], None, f"s3://{KEY_ID}:{SECRET}@bucket/x")
+        deploy_spec(load_deployments()[:1], f"s3://{KEY_ID}:{SECRET}@bucket/x")
     assert "work_pool.job_variables.store_uri" in str(exc.value)
     _no_secret(str(exc.value))
     for pair in (f"AWS_SECRET_ACCESS_KEY={SECRET}", f"HF_TOKEN={HF}", f"MY_VAR={HF}", f"AWS_SESSION_TOKEN={SECRET}"):
@@ -257,7 +257,7 @@ def test_deploy_and_submit_refuse_credentials_in_job_variables(monkeypatch):
     deps = load_deployments()[:1]
     deps[0].setdefault("work_pool", {}).setdefault("job_variables", {})["env"] = {"HF_TOKEN": HF}
     with pytest.raises(SecretInValue, match=r"job_variables\.env\.HF_TOKEN"):
-        deploy_spec(deps, None, None)
+        deploy_spec(deps, None)
 
 
 def test_a_config_base_stays_in_the_checkout_or_the_configs_folder(tmp_path):
@@ -287,9 +287,12 @@ def test_a_config_base_stays_in_the_checkout_or_the_configs_folder(tmp_path):
 def test_trust_remote_code_from_a_flow_run_needs_the_deployment_to_allow_it():
     from flows.preflight import REMOTE_CODE_TAG, remote_code_problem
 
-    problem = remote_code_problem(True, "b300", ["draftline", "b300"])
-    assert "does not allow it" in problem and f"add the tag '{REMOTE_CODE_TAG}'" in problem
-    assert remote_code_problem(True, "b300", ["draftline", REMOTE_CODE_TAG]) is None  # the owner allowed it
+    problem = remote_code_problem(True, "draftline/b300", ["draftline", "b300"], "org/model")
+    assert "does not allow it" in problem and "`draftline deploy --name b300 --allow-trust-remote-code org/model`" in problem
+    assert remote_code_problem(True, "b300", ["draftline", REMOTE_CODE_TAG]) is None  # the owner allowed every repo
+    # the operator's opt-in names one repository (`draftline deploy --allow-trust-remote-code REPO`): no other
+    assert remote_code_problem(True, "b300", [f"{REMOTE_CODE_TAG}:org/model"], "org/model") is None
+    assert "(it allows org/model)" in remote_code_problem(True, "b300", [f"{REMOTE_CODE_TAG}:org/model"], "evil/x")
     assert remote_code_problem(True, None, []) is None  # `draftline run`: the user's own config
     assert remote_code_problem(False, "b300", []) is None
 
@@ -312,10 +315,19 @@ def test_no_secret_travels_on_a_command_line():
 
 
 def test_the_node_worker_runs_as_an_unprivileged_user():
-    """infra/node-bootstrap.sh's systemd unit: User= an unprivileged user (never root), no new privileges."""
+    """infra/node-bootstrap.sh runs the worker as an unprivileged user (never root), with no new privileges: the
+    systemd unit's User=, or setpriv outside systemd; only a docker worker joins the docker group."""
     text = (ROOT / "infra" / "node-bootstrap.sh").read_text()
     unit = text[text.index('cat > "/etc/systemd/system/$unit" <<EOF'):]
     unit = unit[: unit.index("\nEOF\n")]
     assert "\nUser=$RUN_AS\n" in unit and "\nNoNewPrivileges=yes\n" in unit
     assert 'RUN_AS="${DRAFTLINE_USER:-draftline}"' in text
     assert '[[ "$RUN_AS" != root ]] || die' in text
+    # outside systemd (--foreground, --background) root hands the worker to the same user
+    assert 'exec "${drop_root[@]}" "${worker_cmd[@]}"' in text and 'setsid nohup "${drop_root[@]}"' in text
+    assert 'drop_root=(setpriv --reuid="$RUN_AS" --regid="$(id -g "$RUN_AS")" --no-new-privs)' in text
+    # the docker group is root by another door: only a docker worker joins it
+    groups = text[text.index("worker_groups() {"):text.index("ensure_worker_user() {")]
+    assert "for g in video render; do" in groups and "if (( DOCKER )) && getent group docker" in groups
+    # a process pool's worker is draftline's, which checks each run's job variables (tests/integration/test_job_variables.py)
+    assert 'worker_cmd=("$VENV/bin/python" -m flows.node_worker --pool' in text

@@ -72,7 +72,7 @@ def test_the_pull_step_refuses_another_commit_of_the_same_version(tmp_path, monk
 
 def test_deploy_records_this_checkouts_commit_in_the_release_pull_steps():
     deps = deploy.load_deployments()
-    spec = deploy.deploy_spec(deps, image=None, store=None)
+    spec = deploy.deploy_spec(deps, store=None)
     head = release.code_commit(ROOT)
     pinned = [s[RELEASE_STEP] for d in spec["deployments"] for s in d.get("pull") or [] if RELEASE_STEP in s]
     assert len(pinned) >= 4  # b300 and b300-docker, pipeline and extraction slices

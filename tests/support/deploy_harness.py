@@ -81,7 +81,8 @@ class Node:
         self.env = dict(env, PREFECT_HOME=str(self.tmp / "prefect-home"), DRAFTLINE_RELEASE=f"v{version()}",
                         DRAFTLINE_SOURCE_DIR=str(ROOT), DRAFTLINE_VENV=sys.prefix, DRAFTLINE_EXPECT_GPUS="0",
                         DRAFTLINE_PREFIX=str(self.tmp / "opt"), DRAFTLINE_CACHE=str(cache_home()),
-                        DRAFTLINE_POOL="draftline-b300", DRAFTLINE_WORKER_LIMIT="1")
+                        DRAFTLINE_POOL="draftline-b300", DRAFTLINE_WORKER_LIMIT="1",
+                        DRAFTLINE_WORKER_AS_ROOT="1")  # a test sandbox's root (the script drops a real node's)
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 300) -> "Node":

@@ -541,6 +541,9 @@ def a_run(prefect_server):
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}):
         state = pipeline(return_state=True)
+        from flows.started_runs import record_started
+
+        record_started(state.state_details.flow_run_id, {})  # as the pipeline records a run it starts here
         from prefect.logging.handlers import APILogHandler
 
         APILogHandler().flush()  # logs reach the API in batches: send this run's now
