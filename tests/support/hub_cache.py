@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-KIMI_DATASETS = ("mlabonne/open-perfectblend", "open-thoughts/OpenThoughts-114k")  # configs/kimi-k2.5-b300.yaml
+KIMI_DATASETS = ("mlabonne/open-perfectblend", "open-thoughts/OpenThoughts-114k", "THUDM/LongAlign-10k")  # configs/kimi-k2.5-b300.yaml
 
 
 def record_dataset_commits(monkeypatch, folder: Path, repos=KIMI_DATASETS) -> dict[str, str]:

@@ -34,8 +34,8 @@ def test_the_runbook_shows_the_plan_commands_output_unchanged():
                                       f"`draftline plan {m.group(1)}` between the plan markers")
     # the prose around the table quotes figures of this output: they must be in it
     prose = doc[:m.start()] + doc[m.end():]
-    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693", "$8,059", "$4,292",
-                   "451 TB", "$2,421 per month", "34.3", "12.29"):
+    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693", "$8,484", "$4,398",
+                   "451 TB", "$2,421 per month", "36.5", "12.29"):
         assert figure in out.output, figure
         assert figure.split()[0] in prose, f"docs/kimi-k2.5.md's text no longer quotes {figure}"
     # what the issue asks of it: every stage, both dtypes, totals, and a source for every rate
@@ -325,9 +325,13 @@ def test_the_runs_own_stats_on_the_store_replace_the_assumed_lengths(tmp_path, m
 
     assumed = plan("--from-store")
     assert "no prepare artifact of this config" in assumed["notes"][0]
-    # the preset trains on samples of up to data.max_length 8,192 tokens and serves up to max_model_len 12,288
-    assert ("Lengths: contexts served up to target.max_model_len reach 12,288 tokens, past the longest training "
-            "sample (data.max_length 8,192)") in assumed["notes"][1]
+    # the preset trains on samples of up to data.max_length 12,287 tokens, the most max_model_len 12,288 takes
+    # (issue 43: it trained at 8,192 and the plan warned about its own preset)
+    assert not [n for n in assumed["notes"] if n.startswith("Lengths:")], assumed["notes"]
+    assert cfg.data.max_length == cfg.target.max_model_len - 1 == 12_287
+    shorter = draftline(*args, "--set", "data.max_length=8192")
+    assert ("Lengths: contexts served up to target.max_model_len reach 12,287 tokens, past the longest training "
+            "sample (data.max_length 8,192)") in shorter.output
     assert {s["stage"]: s for s in assumed["stages"]}["extract"]["tokens"] == pytest.approx(600_000 * 3057.6)
     # what prepare records: 1,000 samples of 900 tokens, 400 of them the data's answers
     store = Store(uri)
@@ -337,7 +341,8 @@ def test_the_runs_own_stats_on_the_store_replace_the_assumed_lengths(tmp_path, m
         prep = w.commit({"samples": 1000, "tokens": 900_000, "masked_tokens": 400_000, "num_shards": 512,
                          "longest": 1500, "length_buckets": {"<512": 10, "512-2K": 990}})
     p = plan("--from-store")
-    assert "past the longest training sample (1,500 tokens; no training sample in 2K-8K, 8K-32K)" in p["notes"][1]
+    assert "past the longest training sample (1,500 tokens; no training sample in 2K-8K, 8K-32K)" in [
+        n for n in p["notes"] if n.startswith("Lengths:")][0]
     by = {s["stage"]: s for s in p["stages"]}
     assert by["prepare"]["tokens"] == 1000 * 500  # prompts only: 900 - 400
     assert by["extract"]["tokens"] == pytest.approx(1000 * (500 + 0.6 * 4096))
@@ -431,8 +436,12 @@ def test_every_preset_passes_config_show_and_plan(preset):
 
 def test_the_kimi_preset_leaves_room_and_its_parts_are_the_size_its_comment_says():
     cfg = load_config(ROOT / "configs" / "kimi-k2.5-b300.yaml")
-    assert cfg.data.max_length + 1 <= cfg.target.max_model_len
-    assert cfg.data.max_length + cfg.regenerate.max_tokens <= cfg.target.max_model_len
+    # trained at the length it serves (issue 43): samples as long as the served context, the most extraction takes
+    assert cfg.data.max_length + 1 == cfg.target.max_model_len == 12_288
+    # the mix's usual prompt gets the whole answer budget; a long one (LongAlign-10k) the room it leaves, batched
+    # (tests/unit/data/test_regenerate.py::test_overlong_prompts_are_filtered_before_generating)
+    assert planner.load_rates()["rates"]["regenerate.prompt_tokens"].value + cfg.regenerate.max_tokens <= 12_288
+    assert any(s.hub == "THUDM/LongAlign-10k" for s in cfg.data.sources)
     e = cfg.extract
     assert e.batch_tokens > e.part_tokens  # so engine batches are dealt into parts of at most part_tokens
     part_bytes = e.part_tokens * len(e.layer_ids) * 7168 * 2  # Kimi-K2.5's hidden size, bf16
