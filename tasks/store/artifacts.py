@@ -45,11 +45,13 @@ from tasks.core import owners
 from tasks.core.errors import DraftlineError
 from tasks.core.config import StoreConfig, with_scheme
 from tasks.core.faults import kill_point
+from tasks.store.model import (COMMITTED_HERE, MANIFEST, ArtifactCorrupt, ArtifactMissing, ArtifactRef,  # noqa: F401
+                               BucketMissing, FileEntry, Manifest, NotAStore, StoreError)
+from tasks.store.manifests import read_manifests
 from tasks.store.uploads import open_for_write, upload_options
 from tasks.store.trust import (MANIFEST_CAP, NAME_RE as _NAME_RE, RECORD_CAP, RefusedStoreFile, UnsafePath,  # noqa: F401
                                check_manifest_address, check_name, check_relpath, read_capped, safe_join)
 
-MANIFEST = "manifest.json"
 STORE_MARKER = "draftline-store.json"  # at the store's root: what says "draftline wrote here"
 _OWNER_BEAT_S = 60  # a writer refreshes its attempt's owner record (its lease) at most this often
 _HASH_CHUNK = 8 << 20
@@ -92,26 +94,6 @@ def canonical_uri(uri: str) -> str:
     return f"{scheme}://{rest.rstrip('/')}"
 
 
-class StoreError(DraftlineError, RuntimeError):
-    """The store cannot be used (unreachable, credentials, bucket); the message says what to fix."""
-
-
-class BucketMissing(StoreError):
-    """The store's S3 bucket does not exist (`draftline store init` creates it)."""
-
-
-class NotAStore(StoreError):
-    """A root without draftline's store marker: gc deletes nothing there."""
-
-
-class ArtifactMissing(DraftlineError, LookupError):
-    pass
-
-
-class ArtifactCorrupt(DraftlineError, RuntimeError):
-    """A committed artifact whose files do not match its manifest."""
-
-
 @contextlib.contextmanager
 def _space_errors(store_uri: str, key: str) -> Iterator[None]:
     """A full disk (or a file-size limit) while writing to the store becomes a StoreError that says so."""
@@ -125,51 +107,6 @@ def _space_errors(store_uri: str, key: str) -> Iterator[None]:
             f"committed: free space on {store_uri} or point store.uri at a bigger store, then retry the run "
             "(finished work is reused)"
         ) from None
-
-
-class FileEntry(BaseModel):
-    path: str
-    bytes: int
-    sha256: str
-
-
-class Manifest(BaseModel):
-    stage: str
-    digest: str
-    version: str
-    attempt: str
-    created: str
-    inputs: dict[str, str] = Field(default_factory=dict)
-    files: list[FileEntry] = Field(default_factory=list)
-    stats: dict[str, Any] = Field(default_factory=dict)
-    config: dict[str, Any] = Field(default_factory=dict)
-    run: dict[str, Any] = Field(default_factory=dict)
-
-    def file(self, name: str) -> FileEntry:
-        for f in self.files:
-            if f.path == name:
-                return f
-        raise KeyError(f"{self.stage}/{self.digest} has no file {name!r}")
-
-
-class ArtifactRef(BaseModel):
-    """What a stage returns: enough to find and check its artifact anywhere."""
-
-    stage: str
-    digest: str
-    uri: str
-    attempt: str = ""
-    created: str = ""
-    stats: dict[str, Any] = Field(default_factory=dict)
-
-    @property
-    def executed_here(self) -> bool:
-        """True when this process computed the artifact (False: reused from the store or cache)."""
-        return self.attempt in COMMITTED_HERE
-
-
-# Attempts committed by this process: how a run tells work it did from work it reused.
-COMMITTED_HERE: set[str] = set()
 
 
 def s3_endpoint(cfg: StoreConfig | None = None) -> str | None:
@@ -709,8 +646,6 @@ class Store:
 
     def manifests(self, stage: str, digests: list[str], skip_unsafe: bool = False) -> dict[str, Manifest | None]:
         """Many manifests of STAGE at once (concurrent reads on S3): tasks/store/manifests.py."""
-        from tasks.store.manifests import read_manifests
-
         return read_manifests(self, stage, digests, skip_unsafe)
 
     def open(self, stage: str, digest: str, checksums: bool = False, only: str | None = None) -> Artifact:
@@ -734,10 +669,18 @@ class Store:
         return compute()
 
     def find_many(self, stage: str, digests: list[str]) -> dict[str, Artifact | None]:
-        """`find` for many digests, their manifests read at once (a stage's 512 shards): tasks/store/manifests.py."""
-        from tasks.store.manifests import find_many
-
-        return find_many(self, stage, digests)
+        """`find` for many digests, their manifests read at once (a stage's 512 shards; tasks/store/manifests.py),
+        then each found artifact's files checked by size: missing, unreadable, unsafe or corrupt reads as None."""
+        out: dict[str, Artifact | None] = {}
+        for digest, m in self.manifests(stage, digests, skip_unsafe=True).items():
+            art = Artifact(self, m) if m is not None else None
+            if art is not None:
+                try:
+                    art.verify(checksums=False)
+                except ArtifactCorrupt:
+                    art = None
+            out[digest] = art
+        return out
 
     def find(self, stage: str, digest: str, checksums: bool = False) -> Artifact | None:
         """The committed, verified artifact or None (corrupt counts as missing)."""

@@ -9,20 +9,18 @@ untrusted (docs/ARTIFACTS.md): a path that leaves its artifact's folder is never
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from tasks.store.artifacts import Artifact, Manifest, Store
+from tasks.store.model import MANIFEST, ArtifactCorrupt, Manifest
+from tasks.store.trust import (MANIFEST_CAP, RefusedStoreFile, check_manifest_address, check_name, check_relpath,
+                               read_capped)
 
 
-def read_manifests(store: "Store", stage: str, digests: list[str], skip_unsafe: bool = False,
-                   ) -> dict[str, "Manifest | None"]:
+def read_manifests(store: Any, stage: str, digests: list[str], skip_unsafe: bool = False,
+                   ) -> dict[str, Manifest | None]:
     """The committed manifest of each of DIGESTS under STAGE, None where there is none or it is unreadable.
     A manifest naming a path outside its folder raises ArtifactCorrupt, or, with SKIP_UNSAFE (a listing),
     reads as None."""
-    from tasks.store.artifacts import MANIFEST, check_name
-    from tasks.store.trust import MANIFEST_CAP, RefusedStoreFile, read_capped
-
     keys = {store.key(check_name("stage", stage), check_name("digest", d), MANIFEST): d for d in digests}
     if not keys:
         return {}
@@ -47,8 +45,6 @@ def read_manifests(store: "Store", stage: str, digests: list[str], skip_unsafe: 
             out[digest] = None
         elif isinstance(raw, RefusedStoreFile) or (isinstance(raw, bytes) and len(raw) > MANIFEST_CAP):
             if not skip_unsafe:
-                from tasks.store.artifacts import ArtifactCorrupt
-
                 raise ArtifactCorrupt(str(raw) if isinstance(raw, RefusedStoreFile) else
                                       f"{key}: over {MANIFEST_CAP} bytes, not a manifest draftline wrote; delete it")
             out[digest] = None
@@ -59,10 +55,7 @@ def read_manifests(store: "Store", stage: str, digests: list[str], skip_unsafe: 
     return out
 
 
-def parse(store: "Store", stage: str, digest: str, key: str, raw: bytes, skip_unsafe: bool) -> "Manifest | None":
-    from tasks.store.artifacts import ArtifactCorrupt, Manifest, check_name, check_relpath
-    from tasks.store.trust import RefusedStoreFile, check_manifest_address
-
+def parse(store: Any, stage: str, digest: str, key: str, raw: bytes, skip_unsafe: bool) -> Manifest | None:
     try:
         m = Manifest.model_validate_json(raw)
     except Exception:
@@ -85,20 +78,3 @@ def parse(store: "Store", stage: str, digest: str, key: str, raw: bytes, skip_un
             f"({exc}); draftline never writes one, so nothing was read or written from it: delete {key} "
             "(the stage is then recomputed)") from None
     return m
-
-
-def find_many(store: "Store", stage: str, digests: list[str]) -> dict[str, "Artifact | None"]:
-    """Store.find for many digests: the manifests read at once, then each found artifact's files checked by
-    size (Artifact.verify); missing, unreadable, unsafe or corrupt reads as None, as Store.find says."""
-    from tasks.store.artifacts import Artifact, ArtifactCorrupt
-
-    out: dict[str, Artifact | None] = {}
-    for digest, m in read_manifests(store, stage, digests, skip_unsafe=True).items():
-        art = Artifact(store, m) if m is not None else None
-        if art is not None:
-            try:
-                art.verify(checksums=False)
-            except ArtifactCorrupt:
-                art = None
-        out[digest] = art
-    return out

@@ -185,15 +185,17 @@ def test_output_to_a_pipe_is_not_folded(tmp_path):
 
 
 def test_an_unreachable_prefect_api_is_one_line_for_every_command_that_asks_it():
-    """The one error handler: every command that talks to the Prefect API (status, retry, ui, logs, submit,
-    deploy) ends the same way when the server is not there: one line naming the API address and the check,
+    """The one error handler: every command that talks to the Prefect API (status, retry of a run id, ui, logs,
+    submit, deploy) ends the same way when the server is not there: one line naming the API address and the check,
     exit status 2, no traceback."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     closed = "http://127.0.0.1:9/api"  # the discard port: nothing listens there
     with temporary_settings(updates={PREFECT_API_URL: closed}):
-        for args in (["status"], ["retry"], ["ui"], ["logs"], ["submit", CONFIG, "-d", "local"],
-                     ["deploy", "--name", "local"]):
+        # `retry last` reads this machine's own record of the runs it started first (tests/integration/
+        # test_retry_parameters.py); a run id goes to the API
+        for args in (["status"], ["retry", "0b7c9c4e-2f55-4d7e-9a53-1f0e7a3c1d2e"], ["ui"], ["logs"],
+                     ["submit", CONFIG, "-d", "local"], ["deploy", "--name", "local"]):
             out = draftline(*args)
             assert out.exit_code == 2, (args, out.output)
             assert f"the Prefect API at {closed} failed" in flat(out.output), (args, out.output)
