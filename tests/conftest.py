@@ -130,6 +130,20 @@ def store(request, tmp_path) -> Store:
     return Store.from_config(StoreConfig(uri=f"s3://draftline-test/{uuid.uuid4().hex[:12]}"))
 
 
+@pytest.fixture(scope="module")
+def own_prefect_server(tmp_path_factory):
+    """A real Prefect server for one module whose tests create runs that must not become the newest runs on the
+    session's server (`draftline ui`/`logs` default to the newest run there: tests/unit/cli/test_cli.py)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-own")).start()
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """One real Prefect server for the session; flows in this process and children report to it."""

@@ -29,7 +29,7 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_retry_reruns_here_only_what_this_machine_started_as_it_started_it(prefect_server, monkeypatch, tmp_path):
+def test_retry_reruns_here_only_what_this_machine_started_as_it_started_it(own_prefect_server, monkeypatch, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -40,6 +40,7 @@ def test_retry_reruns_here_only_what_this_machine_started_as_it_started_it(prefe
     from tasks.store.artifacts import Store
 
     monkeypatch.setenv("DRAFTLINE_HOME", str(tmp_path / "home"))  # this machine's record starts empty
+    prefect_server = own_prefect_server  # its runs (one scheduled in the future) stay off the session's server
     api = prefect_server.api_url
     failed = {"type": "FAILED", "name": "Failed"}
     with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as c:

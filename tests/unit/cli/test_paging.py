@@ -1,6 +1,7 @@
 """`draftline status` over runs with more task runs than one page of Prefect's API (200 rows): every task run
 is read, and the unfinished shards are exactly the ones listed (issue 43, item 4). Task runs are created
-through the client on the session's real Prefect server (fast: no flow runs them)."""
+through the client on a real Prefect server of this module's own (`own_prefect_server`) (fast: no flow runs them; on the session's
+server these failed runs would be the newest there, the `last` that other modules' tests read)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def a_run_with_shards(n: int, unfinished: set[int]) -> str:
 
 
 @pytest.mark.parametrize("n", [150, 450])
-def test_status_reads_every_task_run_past_one_page(prefect_server, n):
+def test_status_reads_every_task_run_past_one_page(own_prefect_server, n):
     unfinished = {3, n // 2, n - 1}
     run_id = a_run_with_shards(n, unfinished)
     out = CliRunner().invoke(app, ["status", run_id, "--json"])
