@@ -6,7 +6,8 @@ Feeds the stage's own part-writing code (`_PartWriter` with its `StateCheck`, `P
 with per-request safetensors files in /dev/shm of the vLLM connector's layout (hidden_states [2048, 4, 4096] bf16,
 token_ids int64), read with the engine's reader (`read_safetensors`), parts of 4,096 tokens into a file:// store in
 the temp folder; the lm_head of the 8B shape (vocab 128,256 x 4,096, bf16) for the extraction check. Timed per
-step for one part (read, add, check, write+sha256+close), then the whole writer with the check, without it, and
+step for one part (read, add, check, write+sha256+close), then the whole writer without the check, with it scored per part (`batch_rows=1`: before)
+and batched (the default: after), and
 the store path alone (bench_gpu.write_ceiling's loop: the same bytes through ArtifactWriter.open).
 """
 
@@ -88,6 +89,8 @@ def run_writer(store: Store, paths: list[str], workers: int, check) -> dict:
                 buf = writer.take() or PartBuffer(LAYERS, H, "bf16", PART)
             t1 = time.perf_counter()
             writer.finish()
+            if check is not None:
+                check.flush()  # the stage's `failure` scores what is pending, inside its wall
             times["wait"] += time.perf_counter() - t1
         secs = time.perf_counter() - t0
         nbytes = sum(f.bytes for f in w.files)
@@ -137,7 +140,7 @@ def main() -> None:
         times = {"read": 0.0, "add": 0.0}
         buf = PartBuffer(LAYERS, H, "bf16", PART)
         fill(buf, paths[:PART // SEQ], 0, times)
-        check = StateCheck(head, a.positions, 0.0)
+        check = StateCheck(head, a.positions, 0.0, batch_rows=1)  # scored at once, as every part was before
         t0 = time.perf_counter()
         check.add_part(buf)
         t_check = time.perf_counter() - t0
@@ -153,7 +156,10 @@ def main() -> None:
         for rep in range(2):
             res = {"store alone": store_alone(store, part_bytes, parts, a.workers),
                    "stage writers, no check": run_writer(store, paths, a.workers, None),
-                   "stage writers + check": run_writer(store, paths, a.workers, StateCheck(head, a.positions, 0.0))}
+                   "stage writers + check per part (before)": run_writer(
+                       store, paths, a.workers, StateCheck(head, a.positions, 0.0, batch_rows=1)),
+                   "stage writers + check batched (after)": run_writer(
+                       store, paths, a.workers, StateCheck(head, a.positions, 0.0))}
             for k, v in res.items():
                 extra = {x: v[x] for x in ("read_s", "add_s", "wait_s", "write_s") if x in v}
                 ver = v.get("verify") or {}
@@ -161,8 +167,13 @@ def main() -> None:
                       + (f"check {ver.get('seconds')} s, agreement {ver.get('top1_agreement')}, gap "
                          f"{ver.get('mean_logit_gap')}" if ver else ""), flush=True)
             alone = res["store alone"]["gb_per_s"]
-            print(f"rep {rep} ratios over store alone: no check {res['stage writers, no check']['gb_per_s'] / alone:.3f}, "
-                  f"with check {res['stage writers + check']['gb_per_s'] / alone:.3f}", flush=True)
+            before, after = res["stage writers + check per part (before)"], res["stage writers + check batched (after)"]
+            same = (before["shas"] == after["shas"] and {k: before["verify"][k] for k in ("positions", "top1_agreement",
+                    "mean_logit_gap")} == {k: after["verify"][k] for k in ("positions", "top1_agreement", "mean_logit_gap")})
+            print(f"rep {rep} over store alone: no check {res['stage writers, no check']['gb_per_s'] / alone:.3f}, "
+                  f"check per part (before) {before['gb_per_s'] / alone:.3f}, check batched (after) "
+                  f"{after['gb_per_s'] / alone:.3f}; after/before {after['gb_per_s'] / before['gb_per_s']:.2f}x; "
+                  f"same parts and check figures: {same}", flush=True)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
