@@ -8,7 +8,7 @@ token_ids int64), read with the engine's reader (`read_safetensors`), parts of 4
 the temp folder; the lm_head of the 8B shape (vocab 128,256 x 4,096, bf16) for the extraction check. Timed per
 step for one part (read, add, check, write+sha256+close), then the whole writer without the check, with it scored per part (`batch_rows=1`: before)
 and batched (the default: after), and
-the store path alone (bench_gpu.write_ceiling's loop: the same bytes through ArtifactWriter.open).
+the store path alone (bench_gpu.write_ceiling: the same bytes through ArtifactWriter.open).
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from safetensors.torch import save_file  # noqa: E402
+
+from bench_gpu import write_ceiling  # noqa: E402
 
 from tasks.engine.process import read_safetensors  # noqa: E402
 from tasks.extract.stage import _PartWriter  # noqa: E402
 from tasks.extract.verify import StateCheck  # noqa: E402
-from tasks.formats.parts import PartBuffer, _tensor_bytes  # noqa: E402
+from tasks.formats.parts import PartBuffer  # noqa: E402
 from tasks.store.artifacts import Store  # noqa: E402
 
 H, LAYERS, SEQ, PART = 4096, [1, 2, 3, 4], 2048, 4096
@@ -103,24 +105,6 @@ def run_writer(store: Store, paths: list[str], workers: int, check) -> dict:
             "verify": verify, "shas": shas}
 
 
-def store_alone(store: Store, part_bytes: int, parts: int, workers: int) -> dict:
-    from concurrent.futures import ThreadPoolExecutor
-
-    view = _tensor_bytes(torch.randint(-100, 100, (part_bytes,), dtype=torch.int8))
-    with store.write("ceiling", f"w-{time.monotonic_ns()}", "1") as w:
-        t0 = time.perf_counter()
-
-        def one(i: int) -> None:
-            with w.open(f"part-{i:05d}.bin") as fh:
-                fh.write(view)
-
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(one, range(parts)))
-        secs = time.perf_counter() - t0
-        w.commit({})
-    return {"seconds": round(secs, 3), "gb_per_s": round(part_bytes * parts / secs / 1e9, 3)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=16)
@@ -154,7 +138,7 @@ def main() -> None:
               f"check {t_check:.3f} s, write+sha256+close {t_write:.3f} s", flush=True)
         parts = a.requests * SEQ // PART
         for rep in range(2):
-            res = {"store alone": store_alone(store, part_bytes, parts, a.workers),
+            res = {"store alone": write_ceiling(store, part_bytes, parts, a.workers),
                    "stage writers, no check": run_writer(store, paths, a.workers, None),
                    "stage writers + check per part (before)": run_writer(
                        store, paths, a.workers, StateCheck(head, a.positions, 0.0, batch_rows=1)),
