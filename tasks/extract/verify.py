@@ -79,7 +79,8 @@ def refuses(agree: int, positions: int, threshold: float, confidence: float) -> 
 
 @dataclass
 class StateCheck:
-    """The check of one shard: fed every part (`add_part`) before it is handed to the writer."""
+    """The check of one shard: fed every part (`add_part`) before it is written; `failure`/`stats` score what
+    is still pending."""
 
     head: Any
     positions_per_part: int
@@ -91,9 +92,16 @@ class StateCheck:
     seconds: float = 0.0  # summed over the part writers' threads it runs on
     parts: list[dict[str, Any]] = field(default_factory=list)
     lock: Any = field(default_factory=threading.Lock, repr=False)
+    batch_rows: int = 512  # rows scored per lm_head pass (their float32 logits: 512 x V x 4 bytes)
+    _pending: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # (stored rows, engine tokens) per part
+    _pending_rows: int = 0
 
     def add_part(self, buf: Any) -> None:
-        """Check one part (on a part writer's thread, before the part is written; thread-safe)."""
+        """Take one part's sampled rows for the check (on a part writer's thread, before the part is written;
+        thread-safe). The rows are copied out (the buffer is reused once written) and scored `batch_rows` at a
+        time: each pass of the lm_head converts all of it to float32 (2.1 GB for an 8B target's, ~1.4 s on 2
+        cores), which once per part held the part writers up more than the writes did (benchmarks/RESULTS.md,
+        bench_stagewrite)."""
         import time
 
         import torch
@@ -106,21 +114,48 @@ class StateCheck:
         ends = torch.tensor(buf.lengths, dtype=torch.long).cumsum(0) - 1  # each sample's last token row
         rows = [int(ends[i]) for i in pick]
         want = torch.tensor([int(buf.next_tokens[i]) for i in pick], dtype=torch.long)
-        logits = self.head.logits(buf.stored_rows(rows, slot=-1))
-        if int(want.max()) >= logits.shape[1]:
-            raise ExtractError(f"the engine's next token {int(want.max())} is outside the target's lm_head of "
-                               f"{logits.shape[1]} rows: the engine runs another model than target.model")
-        top = logits.argmax(-1)
-        agree = int((top == want).sum())
-        gap = float((logits.gather(1, top[:, None]) - logits.gather(1, want[:, None])).sum())
+        stored = buf.stored_rows(rows, slot=-1).clone()  # a copy: the buffer is refilled after its write
         with self.lock:
-            self.positions += len(pick)
-            self.agree += agree
-            self.gap_sum += gap
+            self._pending.append((stored, want))
+            self._pending_rows += len(pick)
             self.seconds += time.monotonic() - t0
-            self.parts.append({"positions": len(pick), "agreement": round(agree / len(pick), 4)})
+            full = self._pending_rows >= self.batch_rows
+        if full:
+            self.flush()
+
+    def flush(self) -> None:
+        """Score the rows taken so far: one lm_head pass over all of them, each part's figures kept apart."""
+        import time
+
+        import torch
+
+        with self.lock:
+            batch, self._pending, self._pending_rows = self._pending, [], 0
+        if not batch:
+            return
+        t0 = time.monotonic()
+        logits = self.head.logits(torch.cat([h for h, _ in batch]))
+        want_all = torch.cat([w for _, w in batch])
+        if int(want_all.max()) >= logits.shape[1]:
+            raise ExtractError(f"the engine's next token {int(want_all.max())} is outside the target's lm_head of "
+                               f"{logits.shape[1]} rows: the engine runs another model than target.model")
+        results, a = [], 0
+        for _, want in batch:
+            part = logits[a:a + len(want)]
+            a += len(want)
+            top = part.argmax(-1)
+            gap = float((part.gather(1, top[:, None]) - part.gather(1, want[:, None])).sum())
+            results.append((len(want), int((top == want).sum()), gap))
+        with self.lock:
+            for n, agree, gap in results:
+                self.positions += n
+                self.agree += agree
+                self.gap_sum += gap
+                self.parts.append({"positions": n, "agreement": round(agree / n, 4)})
+            self.seconds += time.monotonic() - t0
 
     def stats(self) -> dict[str, Any]:
+        self.flush()
         return {"positions": self.positions, "agree": self.agree,
                 "top1_agreement": round(self.agree / self.positions, 4) if self.positions else None,
                 "upper_bound": round(upper_bound(self.agree, self.positions, self.confidence), 4),
@@ -132,6 +167,7 @@ class StateCheck:
 
     def failure(self, shard: int, layer_ids: list[int], storage_dtype: str, layers: str | None) -> str | None:
         """The error of a shard confidently below the threshold, naming the likely causes; None when it passes."""
+        self.flush()
         if self.positions < MIN_ALONE or not refuses(self.agree, self.positions, self.threshold, self.confidence):
             return None
         st = self.stats()
