@@ -195,6 +195,12 @@ def test_a_stage_is_one_registry_line(tmp_path):
     code = f"""import sys; sys.path.insert(0, {str(tmp_path)!r})
 from tasks.core import stages
 stages.register(stages.StageEntry("distill", "throwaway_distill", folder="distill-stage", shard_folder="distill-shard"))
+for taken in (stages.StageEntry("distill", "m"), stages.StageEntry("other", "m", shard_folder="extract")):
+    try:
+        stages.register(taken)
+        raise SystemExit(f"{taken} registered twice")
+    except ValueError as e:
+        assert "is registered already" in str(e), e
 from tasks.core.config import STAGES, check_until
 from tasks.address.digests import STAGE_FOLDERS
 from cli.prefect_api import shard_of, stage_of
