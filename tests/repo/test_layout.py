@@ -198,7 +198,7 @@ stages.register(stages.StageEntry("distill", "throwaway_distill", folder="distil
 for taken in (stages.StageEntry("distill", "m"), stages.StageEntry("other", "m", shard_folder="extract")):
     try:
         stages.register(taken)
-        raise SystemExit(f"{taken} registered twice")
+        raise SystemExit(f"{{taken}} registered twice")
     except ValueError as e:
         assert "is registered already" in str(e), e
 from tasks.core.config import STAGES, check_until
