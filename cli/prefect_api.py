@@ -25,6 +25,7 @@ from cli.console import ROOT, console
 from flows.flow_runs import FLOW_NAME, OpsError, config_parameters
 from flows.started_runs import newest_started
 from tasks.core.config import STAGES
+from tasks.core.stages import parse_task_name
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 
@@ -153,17 +154,16 @@ def task_runs(c: Any, run_id: Any) -> list[Any]:
 
 
 def stage_of(task_name: str) -> str:
-    """`extract-shard-3` -> `extract`; stage tasks are named after their stage."""
-    for s in STAGES:
-        if task_name == s or task_name.startswith(s + "-"):
-            return s
-    return task_name
+    """`extract-shard-3` -> `extract`; stage tasks are named after their stage (tasks/core/stages.py); a name
+    no stage's task has is its own."""
+    parsed = parse_task_name(task_name)
+    return parsed[0] if parsed else task_name
 
 
 def shard_of(task_name: str) -> int | None:
     """`extract-shard-3` or `regenerate-shard-3` -> 3 (stage_of says which stage)."""
-    m = re.fullmatch(r"(?:extract|regenerate)-shard-(\d+)", task_name)
-    return int(m.group(1)) if m else None
+    parsed = parse_task_name(task_name)
+    return parsed[1] if parsed else None
 
 
 def latest_by_name(runs: list[Any]) -> dict[str, Any]:

@@ -39,15 +39,14 @@ from flows.run_record import RunRecord, StageRecord, finish_stage
 from tasks.address import digests
 from tasks.core import stopping
 from tasks.core.config import RunConfig
-from tasks.data.regenerate import STAGE_DEF as REGENERATE
-from tasks.extract.stage import STAGE_DEF as EXTRACT
 from tasks.extract.verify import markdown, summarize, summary_line
 from tasks.store.artifacts import ArtifactRef, Store
+from tasks.store.stages import ShardedStage, stage_defs
 from tasks.train import TrainError
 
 
 # the sharded stages by name (tasks/store/stages.py ShardedStage: where shards are committed, how they are counted)
-SHARDED = {st.name: st for st in (REGENERATE, EXTRACT)}
+SHARDED = {st.name: st for st in stage_defs() if isinstance(st, ShardedStage)}
 
 
 def finish_sharded(stage: str, record: StageRecord, store: Store, plans: list, refs: list[ArtifactRef],

@@ -33,9 +33,8 @@ from flows.run_record import RunRecord, announce, finish_stage
 from tasks.benchmark.serve import run_serve
 from tasks.benchmark.stage import STAGE_DEF as BENCHMARK, load_report
 from tasks.core.config import ConfigError, HeadConfig, RunConfig, STAGES, check_until, head_config, load_config
+from tasks.core.stages import task_name
 from tasks.core.faults import fail_point
-from tasks.data.prepare import STAGE_DEF as PREPARE
-from tasks.data.regenerate import STAGE_DEF as REGENERATE
 from tasks.data.vocab import STAGE_DEF as VOCAB
 from tasks.engine.settings import EnginePool
 from tasks.engine.target import resolve_model
@@ -43,7 +42,7 @@ from tasks.address.data import DataIdentityError, pin_data
 from tasks.engine.weights import WeightsError, pin_run
 from tasks.extract.stage import STAGE_DEF as EXTRACT
 from tasks.store.artifacts import ArtifactRef, Store
-from tasks.store.stages import ShardedStage, Stage
+from tasks.store.stages import ShardedStage, Stage, stage_defs
 from tasks.train import TrainError
 from tasks.train.stage import STAGE_DEF as TRAIN
 
@@ -53,10 +52,9 @@ from tasks.train.stage import STAGE_DEF as TRAIN
 # reading the flows' parameters, pays ~1.2 s once; no other command imports this module
 # (tests/repo/test_layout.py: `--help`, `deploy --help` and `ls` load neither Prefect nor torch).
 
-# the stages in the order the flow runs them (STAGES, the names `--until` takes)
-STAGE_DEFS: tuple[Stage | ShardedStage, ...] = (PREPARE, REGENERATE, VOCAB, EXTRACT, TRAIN, BENCHMARK)
+# the stages in the order the flow runs them: the registry's (tasks/core/stages.py; STAGES, the names `--until` takes)
+STAGE_DEFS: tuple[Stage | ShardedStage, ...] = stage_defs()
 BY_NAME = {s.name: s for s in STAGE_DEFS}
-assert tuple(BY_NAME) == STAGES
 
 
 # --------------------------------------------------------------------------- tasks
@@ -295,7 +293,7 @@ def _run_heads(cfg: RunConfig, store: Store, rec: RunRecord, inputs: list[Any], 
     t0 = time.time()
     extra = {"children": child_config(rec)} if cfg.train.nodes > 1 else None
     for head in cfg.train.heads:
-        name = "train" if len(cfg.train.heads) == 1 else f"train-{head.label}"
+        name = task_name(TRAIN.name, variant=head.label if len(cfg.train.heads) > 1 else None)
         heads.append((head.label, _run_stage(TRAIN, head_config(cfg, head), store, rec, inputs, logger, extra, name)))
     if len(heads) > 1:
         r = rec.stages["train"]
@@ -387,7 +385,7 @@ def _shards_here(st: ShardedStage, cfg: RunConfig, store: Store, model: str, pla
     refs: list[ArtifactRef] = []
     errors: list[str] = []
     try:
-        futures = [named(shard_task, f"{st.name}-shard-{p.shard}").submit(
+        futures = [named(shard_task, task_name(st.name, shard=p.shard)).submit(
             st.name, cfg, p.digest, p.shard, p, pool) for p in plans]
         pending = set(futures)
         while pending:

@@ -1,7 +1,8 @@
 """draftline's stages and what they share, as plain Python (no Prefect: flows/ wraps them in tasks).
 
 Packages from the bottom up, each importing only those before it (tests/repo/test_layout.py): core, store,
-formats, engine, address, data, extract, train, benchmark; each `__init__.py` says what lives there.
+formats, engine, address, data, extract, train, benchmark, cost; each `__init__.py` says what lives there. The
+stages, in the order the flow runs them, are one line each of the stage registry (tasks/core/stages.py).
 
 The stage interface. Every stage module exports one object the flow iterates, `STAGE_DEF`
 (tasks/store/stages.py): a `Stage`, whose entry `run_<stage>(cfg, store, *inputs) -> ArtifactRef` commits

@@ -21,8 +21,9 @@ from tasks.store.artifacts import Store
 def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to list (default store otherwise)."),
        overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt,
        stage: Optional[str] = typer.Option(None, help="Only this stage's artifacts: its own and, for a sharded "
-                                                       "stage, its shards' (extract: extract-stage, then extract; "
-                                                       "regenerate: regenerate, then regenerate-shard)."),
+                                                       "stage, its shards' (" + "; ".join(
+                                                           f"{s}: {', then '.join(f)}" for s, f in STAGE_FOLDERS.items()
+                                                           if len(f) > 1) + ")."),
        as_json: bool = JsonOpt):
     """List committed artifacts in the store (read-only keys are enough)."""
     cfg = load_cfg(config, overrides, store_uri)

@@ -10,6 +10,7 @@ import hashlib
 from typing import Any
 
 from tasks.core.digest import VERSIONS, stage_digest
+from tasks.core.stages import stage, stage_folders
 
 
 def target_identity(cfg) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def regenerate(cfg, prepared) -> str:
                         {"data": prepared.digest})
 
 
-REGENERATE_SHARD = "regenerate-shard"
+REGENERATE_SHARD = stage("regenerate").shard_folder  # "regenerate-shard"
 
 
 def regenerate_shard(regenerate_digest: str, shard: int) -> str:
@@ -81,7 +82,7 @@ def extract_shard(cfg, layer_ids: list[int], data_digest: str, shard: int) -> st
     return stage_digest("extract", extract_section(cfg, layer_ids), {"data": data_digest, "shard": str(shard)})
 
 
-EXTRACT_STAGE = "extract-stage"
+EXTRACT_STAGE = stage("extract").store_folder  # "extract-stage"
 
 
 def extract_stage(shard_digests: list[str]) -> str:
@@ -93,9 +94,7 @@ def extract_stage(shard_digests: list[str]) -> str:
 
 
 # Where each stage's artifacts are on the store: its own artifact's folder, then its shards' (`draftline ls --stage`)
-STAGE_FOLDERS: dict[str, tuple[str, ...]] = {
-    "prepare": ("prepare",), "regenerate": ("regenerate", REGENERATE_SHARD), "vocab": ("vocab",),
-    "extract": (EXTRACT_STAGE, "extract"), "train": ("train",), "benchmark": ("benchmark",)}
+STAGE_FOLDERS: dict[str, tuple[str, ...]] = stage_folders()
 
 
 # Train keys that change how fast or where the draft is made, not the recipe: the number of ranks

@@ -21,8 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tasks.core.errors import DraftlineError
 from tasks.core.secrets import SecretInValue, mask, refuse_secrets
+from tasks.core.stages import stage_names
 
-STAGES = ("prepare", "regenerate", "vocab", "extract", "train", "benchmark")
+STAGES = stage_names()  # the stages in the order the flow runs them (tasks/core/stages.py, the registry)
 
 
 def check_unique(names: list[str], what: str, fix: str = "") -> None:

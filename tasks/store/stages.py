@@ -18,12 +18,15 @@ regeneration ran, else prepare's), in the order its `run` takes them.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Callable
 
 from pydantic import BaseModel
 
 from tasks.core.config import RunConfig
+from tasks.core.stages import REGISTRY
 from tasks.store.artifacts import ArtifactRef, Store
 
 
@@ -71,3 +74,19 @@ class ShardedStage:
     tokens: str                          # the shard stat the stage sums and reports a rate of
     rate: str                            # that rate's unit
     enabled: Callable[[RunConfig], bool] = always
+
+
+@cache
+def stage_defs() -> tuple[Stage | ShardedStage, ...]:
+    """Every registered stage's STAGE_DEF (tasks/core/stages.py's REGISTRY), in the order the flow runs them,
+    each checked against its registry line (name, sharded or not, store folders). Imports the stage modules,
+    torch with some of them: the flow's modules call it, the command line reads the registry instead."""
+    out = []
+    for e in REGISTRY:
+        st = importlib.import_module(e.module).STAGE_DEF
+        folders = (st.store_stage, st.shard_stage) if isinstance(st, ShardedStage) else (st.name,)
+        if (st.name, folders) != (e.name, e.folders):
+            raise RuntimeError(f"{e.module}.STAGE_DEF is stage {st.name!r} in {folders}, its registry line says "
+                               f"{e.name!r} in {e.folders}: make tasks/core/stages.py's line and the module agree")
+        out.append(st)
+    return tuple(out)

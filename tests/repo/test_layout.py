@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tasks.core.stages import REGISTRY
+
 ROOT = Path(__file__).resolve().parents[2]
-# the six stages of the DAG, each a module of its package
-STAGES = ("tasks.data.prepare", "tasks.data.regenerate", "tasks.data.vocab", "tasks.extract.stage",
-          "tasks.train.stage", "tasks.benchmark.stage")
+# the stages of the DAG, each a module of its package (the registry names them: tasks/core/stages.py)
+STAGES = tuple(e.module for e in REGISTRY)
 # the packages from the bottom up: each imports only those before it (the README's layout table lists them so)
 TASK_PACKAGES = ("core", "store", "formats", "engine", "address", "data", "extract", "train", "benchmark", "cost")
 # the floors of the house from the bottom up: each imports only the floors below it
@@ -162,6 +163,78 @@ def test_each_package_imports_only_the_packages_below_it():
     readme = (ROOT / "README.md").read_text()
     listed = [m.group(1) for m in re.finditer(r"^\| `tasks/(\w+)/` \|", readme, re.M)]
     assert listed == list(TASK_PACKAGES), "the README's layout table lists the packages from the bottom up"
+
+
+def imported_by(code: str) -> list[str]:
+    """The HEAVY libraries a fresh interpreter has loaded after running CODE in this checkout."""
+    code += "\nimport sys; print(sorted(m for m in sys.modules if m.split('.')[0] in %r))" % (HEAVY,)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return eval(out.stdout.strip().splitlines()[-1])  # a list of module names this test printed
+
+
+def test_the_stage_registry_imports_neither_torch_nor_prefect():
+    """The registry (tasks/core/stages.py) and what derives from it outside the flow (the config's STAGES, the
+    store folders, the task-name parser) load no HEAVY library, as vLLM's CLI and model registry do not."""
+    assert imported_by("import tasks.core.stages") == []
+    assert imported_by("import tasks.core.config, tasks.address.digests, cli.prefect_api") == []
+    assert "tasks.core.stages" not in heavy_modules()
+
+
+THROWAWAY = '''
+from tasks.store.stages import Stage
+STAGE_DEF = Stage(name="distill", inputs=("train",), address=lambda cfg, store, train: "d", run=lambda *a, **k: None)
+'''
+
+
+def test_a_stage_is_one_registry_line(tmp_path):
+    """A reader adds a seventh stage by writing its module and one registry line: every list of stages outside
+    the stage modules derives from it (`--until`'s names, `ls --stage`'s folders, the flow's stage objects and
+    the task names it gives, their parser in cli/), with nothing in flows/ or cli/ changed."""
+    (tmp_path / "throwaway_distill.py").write_text(THROWAWAY)
+    code = f"""import sys; sys.path.insert(0, {str(tmp_path)!r})
+from tasks.core import stages
+stages.register(stages.StageEntry("distill", "throwaway_distill", folder="distill-stage", shard_folder="distill-shard"))
+for taken in (stages.StageEntry("distill", "m"), stages.StageEntry("other", "m", shard_folder="extract")):
+    try:
+        stages.register(taken)
+        raise SystemExit(f"{{taken}} registered twice")
+    except ValueError as e:
+        assert "is registered already" in str(e), e
+from tasks.core.config import STAGES, check_until
+from tasks.address.digests import STAGE_FOLDERS
+from cli.prefect_api import shard_of, stage_of
+assert STAGES[-1] == "distill" and check_until("distill") == "distill", STAGES
+assert STAGE_FOLDERS["distill"] == ("distill-stage", "distill-shard"), STAGE_FOLDERS
+name = stages.task_name("distill", shard=7)
+assert (name, stage_of(name), shard_of(name)) == ("distill-shard-7", "distill", 7)
+assert (stage_of("distill"), shard_of("distill"), stage_of("distill-progress")) == ("distill", None, "distill")
+assert (stage_of("train-eagle3"), shard_of("train-shard-2")) == ("train", None)  # train is not sharded
+from tasks.store.stages import stage_defs
+stages.REGISTRY[:] = [stages.StageEntry("distill", "throwaway_distill")]
+assert [st.name for st in stage_defs()] == ["distill"]
+stages.REGISTRY[:] = [stages.StageEntry("distill", "throwaway_distill", folder="distill-stage")]
+stage_defs.cache_clear()
+try:
+    stage_defs()
+except RuntimeError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "registry line says 'distill' in ('distill-stage',)" in out.stdout, out.stdout
+
+
+def test_the_registry_names_the_stage_modules_and_their_folders():
+    """Each registry line's module defines the STAGE_DEF of that stage, sharded exactly when the line gives
+    a shard folder (read from the source: importing the stages would load torch); the folders are distinct."""
+    folders = [f for e in REGISTRY for f in e.folders]
+    assert len(folders) == len(set(folders))
+    mods = modules()
+    for e in REGISTRY:
+        tree = ast.parse(mods[e.module].read_text())
+        defs = [n.value for n in tree.body if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["STAGE_DEF"]]
+        assert [ast.unparse(d.func) for d in defs] == ["ShardedStage" if e.sharded else "Stage"], e
 
 
 # each stage's entries (tasks/__init__.py: the stage interface)

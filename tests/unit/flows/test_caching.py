@@ -216,7 +216,7 @@ def test_the_flow_computes_each_address_once_and_the_stage_commits_there(prefect
         monkeypatch.setattr(digests, name, lambda *a, _real=real, _name=name: calls.update([_name]) or _real(*a))
 
     made: dict = {}
-    for st in (pipeline.PREPARE, pipeline.VOCAB):  # as the flow's `_run_stage` runs them, without the record
+    for st in (pipeline.BY_NAME["prepare"], pipeline.BY_NAME["vocab"]):  # as the flow's `_run_stage` runs them, without the record
         inputs = [made[n] for n in st.inputs]
         digest = st.address(cfg, store, *inputs)
         made[st.name] = as_ref(pipeline.stage_task.fn(st.name, cfg, digest, inputs))
