@@ -1,7 +1,7 @@
 """`draftline status` over runs with more task runs than one page of Prefect's API (200 rows): every task run
 is read, and the unfinished shards are exactly the ones listed (issue 43, item 4). Task runs are created
-through the client on a real Prefect server of this module's own (`own_prefect_server`) (fast: no flow runs them; on the session's
-server these failed runs would be the newest there, the `last` that other modules' tests read)."""
+through the client (fast: no flow runs them) on a Prefect server of this module's own (`own_prefect_server`):
+on the session's server these failed runs would be the newest, the `last` that other modules' tests read."""
 
 from __future__ import annotations
 
