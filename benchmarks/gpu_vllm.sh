@@ -21,7 +21,9 @@
 #                  GV_SHARD_ARGS="--shard-shape tiny --seq 128 --prompts 8" bash benchmarks/gpu_vllm.sh shard
 #   pipeline     (c)+(f) `draftline run benchmarks/gpu_vllm_demo.yaml`: the CPU demo's config on the GPU
 #                (regeneration with CUDA graphs, extraction through vLLM, training on the GPU, the benchmark in
-#                vLLM with CUDA graphs)
+#                vLLM with CUDA graphs). With the anchors' evals (five in all) it outgrew one call on an H200 (2026-12-06:
+#                killed at its 540 s limit in the benchmark stage): run `bash benchmarks/gpu_vllm.sh pipeline` again in
+#                the next call; it resumes from the store (the committed stages and engines are not run again)
 #   eager        (b) regeneration alone with engines.regenerate.enforce_eager (its own store), beside the
 #                pipeline's CUDA-graph regeneration of the same prompts
 #   serve        (d) `draftline export` of the pipeline's draft, `vllm serve` started with the printed line, one
