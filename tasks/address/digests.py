@@ -101,7 +101,8 @@ STAGE_FOLDERS: dict[str, tuple[str, ...]] = stage_folders()
 # (a retry may resume on another count), kernels computing the same function (attention, loss), and the
 # node-local part cache's cap.
 TRAIN_SCHEDULING_KEYS = {"device", "gpus", "prefetch", "checkpoint_every", "keep_checkpoints", "loss_impl",
-                         "attn_impl", "cache_gib", "nodes"}
+                         "attn_impl", "cache_gib", "nodes", "early_check_step",
+                         "early_check_min_acceptance"}
 
 
 def train_inputs(cfg, vocab_ref, shard_refs) -> dict[str, str]:
