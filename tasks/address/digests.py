@@ -166,6 +166,8 @@ def benchmark(cfg, trained, data) -> str:
     if len(heads) > 1:
         inputs["heads"] = ",".join(f"{label}={ref.digest}" for label, ref in heads)
     section = cfg.benchmark.model_dump(mode="json", exclude={"drafts"})
+    if section.get("length_buckets") is None:  # the default buckets: the address benchmarks had before the option
+        section.pop("length_buckets", None)
     for ev in section["evals"]:  # a first-turn eval keeps the address it had before long-context evals existed
         if not ev.get("context_tokens"):
             ev.pop("context_tokens", None)

@@ -473,6 +473,11 @@ class BenchmarkConfig(Section):
     max_tokens: int = Field(128, ge=1)
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 16])
     mismatch_threshold: float = Field(0.15, ge=0)
+    length_buckets: list[int] | None = Field(
+        None, description="Upper bounds (tokens, ascending) of the context-length buckets of report.md's "
+        "'Acceptance by context length' table, e.g. [1024, 4096, 8192, 12288] for <1K, 1K-4K, 4K-8K, 8K-12K and "
+        ">12K; only the buckets that hold drafts are shown, each with its requests. Default: the buckets the "
+        "training data's stats use (512, 2K, 8K, 32K), which also show the training samples of each bucket.")
     offline_replay: bool = Field(
         True,
         description="At temperature 0, also replay the draft offline (transformers) on the baseline's own "
@@ -502,6 +507,13 @@ class BenchmarkConfig(Section):
     @classmethod
     def _distinct_drafts(cls, v: list[DraftConfig]) -> list[DraftConfig]:
         check_unique([d.name for d in v], "benchmark.drafts names")
+        return v
+
+    @field_validator("length_buckets")
+    @classmethod
+    def _bounds(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or min(v) < 1 or any(a >= b for a, b in zip(v, v[1:]))):
+            raise ValueError(f"need ascending positive token counts, e.g. [1024, 4096, 8192], got {v}")
         return v
 
     @field_validator("num_speculative_tokens", "batch_sizes")
