@@ -126,7 +126,7 @@ def _train(cfg: RunConfig, store: Store, inputs: list[Any], digest: str, extra: 
                             f"step {m['step']}/{m['max_steps']}" + (f", loss {m['loss']:.4f}" if "loss" in m else ""))
         line = _train_log_line(m)
         if line:
-            logger.info(line)
+            (logger.warning if m.get("below") else logger.info)(line)
         if m.get("attn_fallback"):
             logger.warning(f"train: {m['attn_fallback']}; training with sdpa")
 
@@ -169,6 +169,14 @@ def _train_log_line(m: dict[str, Any]) -> str | None:
     if kind == "eval":
         return (f"train: held-out accuracy per position {m.get('val_acc_per_pos')}, simulated acceptance length "
                 f"{m.get('simulated_acceptance_length')}")
+    if kind == "early_check":
+        sal, threshold = m.get("simulated_acceptance_length"), m.get("threshold")
+        if m.get("below"):
+            return (f"train: early check at step {m['step']}: held-out simulated acceptance length {sal} is under "
+                    f"{threshold} (train.early_check_min_acceptance): this head is not on course for its target; "
+                    "stop it and fix the data or the recipe before spending the rest of the steps")
+        return (f"train: early check at step {m['step']}: held-out simulated acceptance length {sal}"
+                + (f" (threshold {threshold})" if threshold is not None else ""))
     if kind == "done" and m.get("head"):
         return f"train: the {m['head']} head ({m.get('head_kind')}) saved after {m.get('steps')} steps"
     return None

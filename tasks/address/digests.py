@@ -101,7 +101,8 @@ STAGE_FOLDERS: dict[str, tuple[str, ...]] = stage_folders()
 # (a retry may resume on another count), kernels computing the same function (attention, loss), and the
 # node-local part cache's cap.
 TRAIN_SCHEDULING_KEYS = {"device", "gpus", "prefetch", "checkpoint_every", "keep_checkpoints", "loss_impl",
-                         "attn_impl", "cache_gib", "nodes"}
+                         "attn_impl", "cache_gib", "nodes", "early_check_step",
+                         "early_check_min_acceptance"}
 
 
 def train_inputs(cfg, vocab_ref, shard_refs) -> dict[str, str]:
@@ -165,6 +166,8 @@ def benchmark(cfg, trained, data) -> str:
     if len(heads) > 1:
         inputs["heads"] = ",".join(f"{label}={ref.digest}" for label, ref in heads)
     section = cfg.benchmark.model_dump(mode="json", exclude={"drafts"})
+    if section.get("length_buckets") is None:  # the default buckets: the address benchmarks had before the option
+        section.pop("length_buckets", None)
     for ev in section["evals"]:  # a first-turn eval keeps the address it had before long-context evals existed
         if not ev.get("context_tokens"):
             ev.pop("context_tokens", None)

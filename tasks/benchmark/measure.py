@@ -150,11 +150,11 @@ def measure(engine: Any, prompts: list[list[int]], sampling: dict, batch_size: i
 
 
 def spec_figures(run: RunResult, base: RunResult, k: int, temperature: float,
-                 simulated: float | None) -> dict[str, Any]:
-    """Everything the report says about one eval, k and batch size."""
+                 simulated: float | None, length_buckets: list[int] | None = None) -> dict[str, Any]:
+    """Everything the report says about one eval, k and batch size (`length_buckets`: benchmark.length_buckets)."""
     out = run.throughput()
     out.update(acceptance_figures(run.spec or SpecCounters(), k))
-    by_length = acceptance_by_length(run.prompt_tokens, run.spec_steps)
+    by_length = acceptance_by_length(run.prompt_tokens, run.spec_steps, length_buckets)
     if by_length:
         out["by_length"] = by_length
     b = base.throughput()

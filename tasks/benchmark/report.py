@@ -167,28 +167,44 @@ def report_markdown(report: dict[str, Any]) -> str:
 
 
 def lengths_markdown(report: dict[str, Any]) -> list[str]:
-    """'## Acceptance by context length': vLLM's per-request steps bucketed by the context at each draft, beside the
-    training samples in the same bucket and the training estimate of that bucket's held-out tokens (the one
-    figure over all lengths where the held-out split has no token in the bucket, marked *)."""
-    rows = [(ev, k, f) for ev, ks in (report.get("benchmark") or {}).items() for k, f in ks.items() if f.get("by_length")]
+    """'## Acceptance by context length': vLLM's per-request steps bucketed by the context at each draft
+    (benchmark.length_buckets, else the shared buckets), every head's rows, only the buckets that hold drafts, each
+    with its requests; beside the main head's, the training samples in the same bucket and the training estimate of
+    that bucket's held-out tokens (the one figure over all lengths where the held-out split has no token in the
+    bucket, marked *). Buckets other than the training data's have neither ('-')."""
+    heads = report.get("heads") or {}
+    main = next(iter(heads), "-")
+    runs = [(main, report.get("benchmark") or {})] + [(label, h.get("benchmark") or {})
+                                                      for label, h in list(heads.items())[1:]]
+    rows = [(head, ev, k, f) for head, bench in runs for ev, ks in bench.items() for k, f in ks.items()
+            if f.get("by_length")]
     if not rows:
         return []
+    from tasks.formats.acceptance import LENGTH_BUCKETS
+
+    shared = {lb for _, lb in LENGTH_BUCKETS}
     train = report.get("training_lengths") or {}
     have = train.get("length_buckets") or {}
+    custom = (report.get("settings") or {}).get("length_buckets")
     lines = ["", "## Acceptance by context length", "",
              "Context = prompt + tokens generated when the draft was made; vLLM's own per-request accepted tokens per "
-             f"verify step (batch {rows[0][2].get('batch_size')}). Training samples per bucket from the data artifact"
-             + (f" (longest {train['longest']:,} tokens)" if train.get("longest") else "")
+             f"verify step (batch {rows[0][3].get('batch_size')})"
+             + (f", in the buckets of benchmark.length_buckets {custom}" if custom else "")
+             + "; requests: those that drafted in the bucket (a long answer can span two). Training samples per "
+             "bucket from the data artifact" + (f" (longest {train['longest']:,} tokens)" if train.get("longest") else "")
              + "; the training estimate is the held-out split's tokens of the same bucket (* none there: the "
-             "estimate over every length).", "",
-             "| eval | k | context | accept len | drafts | training samples | simulated |", "|---|---:|---|---:|---:|---:|---:|"]
+             "estimate over every length); both for the main head, in the training data's buckets only.", "",
+             "| head | eval | k | context | accept len | drafts | requests | training samples | simulated |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     sim_by_length = (report.get("simulated") or {}).get("by_length") or {}
-    for ev, k, f in rows:
+    for head, ev, k, f in rows:
         for bucket, m in f["by_length"].items():
+            ours = head == main and bucket in shared
             sim = (sim_by_length.get(bucket) or {}).get("by_k", {}).get(str(k))
-            sim_text = _f(sim) if sim is not None else f"{_f(f.get('simulated_acceptance_length'))}*"
-            lines.append(f"| {ev} | {k} | {bucket} | {m['mean_acceptance_length']:.2f} | {m['drafts']} | "
-                         f"{have.get(bucket, 0) if have else '?'} | {sim_text} |")
+            sim_text = (_f(sim) if sim is not None else f"{_f(f.get('simulated_acceptance_length'))}*") if ours else "-"
+            samples = (have.get(bucket, 0) if have else "?") if ours else "-"
+            lines.append(f"| {head} | {ev} | {k} | {bucket} | {m['mean_acceptance_length']:.2f} | {m['drafts']} | "
+                         f"{m.get('requests', '-')} | {samples} | {sim_text} |")
     return lines
 
 

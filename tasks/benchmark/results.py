@@ -64,7 +64,7 @@ def assemble_report(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str
         "schema": SCHEMA,
         "measured_by": measured_by,
         "settings": {"temperature": b.temperature, "max_tokens": b.max_tokens, "batch_sizes": b.batch_sizes,
-                     "num_speculative_tokens": b.num_speculative_tokens,
+                     "num_speculative_tokens": b.num_speculative_tokens, "length_buckets": b.length_buckets,
                      "mismatch_threshold": b.mismatch_threshold, "counting": counting(cfg, draft_info)},
         "evals": {ev.name: {**ev.summary(), "in_distribution": in_distribution(cfg, ev.name),
                             **({"draft_vocab_coverage": vocab_coverage[ev.name]}
@@ -89,8 +89,8 @@ def assemble_report(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str
         report["benchmark"][ev.name] = {}
         for k in b.num_speculative_tokens:
             sim = sim_by_k.get(str(k))
-            figs = {str(bs): spec_figures(spec[k][ev.name][bs], baseline[ev.name][bs], k, b.temperature, sim)
-                    for bs in b.batch_sizes}
+            figs = {str(bs): spec_figures(spec[k][ev.name][bs], baseline[ev.name][bs], k, b.temperature, sim,
+                                          b.length_buckets) for bs in b.batch_sizes}
             report["benchmark"][ev.name][str(k)] = {**figs[str(largest)], "by_batch_size": figs}
     if b.temperature == 0:
         report["greedy_identity"] = greedy_identity(cfg, evals, baseline, spec, controls or {})

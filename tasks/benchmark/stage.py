@@ -483,7 +483,7 @@ def other_head(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str, dic
         try:
             for ev in evals:
                 figs = {str(bs): spec_figures(runs[ev.name][bs], baseline[ev.name][bs], k, b.temperature,
-                                              sim_by_k.get(str(k))) for bs in b.batch_sizes}
+                                              sim_by_k.get(str(k)), b.length_buckets) for bs in b.batch_sizes}
                 bench[ev.name][str(k)] = {**figs[str(largest)], "by_batch_size": figs}
         except BenchmarkError as exc:  # vLLM ran it but drafted nothing: as good as not decoding it
             errors[str(k)] = f"BenchmarkError: {exc}"

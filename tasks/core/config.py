@@ -297,6 +297,9 @@ class HeadConfig(Section):
         "DFlash drafts use 4096). Written into the draft's config as every layer's `sliding_attention` with this "
         "`sliding_window`, which vLLM's DFlash and DSpark models serve as sliding-window attention. Default: the "
         "whole context.")
+    early_check_min_acceptance: float | None = Field(
+        None, ge=1, description="This head's threshold for the early check (train.early_check_step); default "
+        "train.early_check_min_acceptance. Not part of the address.")
     mask_token_id: int | None = Field(
         None, ge=0, description="dflash, dspark: the token fed at masked positions. Default: resolved from the target's "
         "tokenizer as speculators does (its mask token, else a new <|MASK|> in a free embedding row, else pad/eos).")
@@ -326,7 +329,8 @@ class HeadConfig(Section):
     def recipe(self) -> dict[str, Any]:
         """What this head adds to the train address beyond the train section: nothing for the default
         EAGLE-3 head (so drafts stored before heads existed keep their addresses)."""
-        out = self.model_dump(mode="json", exclude_defaults=True, exclude={"name", "num_layers", "max_steps", "loss"})
+        out = self.model_dump(mode="json", exclude_defaults=True,
+                              exclude={"name", "num_layers", "max_steps", "loss", "early_check_min_acceptance"})
         if self.drafts_blocks:  # unset and written-out defaults: one address
             out.update({k: v for k, v in self.dflash_settings().items() if k != "mask_token_id"})
         return out
@@ -372,6 +376,14 @@ class TrainConfig(Section):
         "float32) or float32. auto: bf16 on GPUs and on CPUs with native bf16 (AMX, AVX512-BF16), else fp32.")
     checkpoint_every: int = Field(100, ge=1)
     eval_batches: int = Field(4, ge=0)
+    early_check_step: int = Field(
+        1000, ge=0, description="The early check: at this step the held-out split is evaluated once (the simulated "
+        "acceptance length, 1 + the sum of the per-position accuracy products, the estimate speculators' "
+        "full_acc_k counts; the final evaluation's figure) and the run's log shows it, with a warning when it is "
+        "under early_check_min_acceptance. 0: off. Not part of the address.")
+    early_check_min_acceptance: float | None = Field(
+        None, ge=1, description="The early check's threshold (a head's early_check_min_acceptance overrides it); "
+        "unset: the figure is shown, no warning. Not part of the address.")
     seed: int = 0
     prefetch: int = Field(2, ge=0, description="Parts fetched ahead of the training loop.")
     cache_gib: float | None = Field(
@@ -416,6 +428,8 @@ class TrainConfig(Section):
             update["max_steps"] = head.max_steps
         if head.loss is not None:
             update["loss"] = head.loss
+        if head.early_check_min_acceptance is not None:
+            update["early_check_min_acceptance"] = head.early_check_min_acceptance
         return self.model_copy(update=update)
 
     @property
@@ -459,6 +473,11 @@ class BenchmarkConfig(Section):
     max_tokens: int = Field(128, ge=1)
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 16])
     mismatch_threshold: float = Field(0.15, ge=0)
+    length_buckets: list[int] | None = Field(
+        None, description="Upper bounds (tokens, ascending) of the context-length buckets of report.md's "
+        "'Acceptance by context length' table, e.g. [1024, 4096, 8192, 12288] for <1K, 1K-4K, 4K-8K, 8K-12K and "
+        ">12K; only the buckets that hold drafts are shown, each with its requests. Default: the buckets the "
+        "training data's stats use (512, 2K, 8K, 32K), which also show the training samples of each bucket.")
     offline_replay: bool = Field(
         True,
         description="At temperature 0, also replay the draft offline (transformers) on the baseline's own "
@@ -488,6 +507,13 @@ class BenchmarkConfig(Section):
     @classmethod
     def _distinct_drafts(cls, v: list[DraftConfig]) -> list[DraftConfig]:
         check_unique([d.name for d in v], "benchmark.drafts names")
+        return v
+
+    @field_validator("length_buckets")
+    @classmethod
+    def _bounds(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or min(v) < 1 or any(a >= b for a, b in zip(v, v[1:]))):
+            raise ValueError(f"need ascending positive token counts, e.g. [1024, 4096, 8192], got {v}")
         return v
 
     @field_validator("num_speculative_tokens", "batch_sizes")

@@ -379,6 +379,7 @@ class Shape:
     trainable: int
     flops_fixed: float = 0.0  # of train_flops: the fc and the verifier head, once per token
     flops_per_pass: float = 0.0  # of train_flops: the decoder layers and the draft head, per pass (TTT step)
+    layer_params: int = 0  # of trainable: one decoder layer's (a head's num_layers scales them)
 
     def head_cost(self, head: Any, train: Any) -> float:
         """A head kind's training FLOPs per token over the EAGLE-3 draft's (`train_flops`): one factor per
@@ -389,9 +390,20 @@ class Shape:
         from tasks.train.model import passes_per_token
 
         passes = passes_per_token(head, train)
-        if passes == train.ttt_steps or not self.flops_per_pass:
+        extra = self.extra_layers(head, train)
+        if (passes == train.ttt_steps and not extra) or not self.flops_per_pass:
             return 1.0
-        return (self.flops_fixed + passes * self.flops_per_pass) / self.train_flops
+        per_pass = self.flops_per_pass + 6.0 * extra * self.layer_params  # fwd + bwd of each further layer
+        return (self.flops_fixed + passes * per_pass) / self.train_flops
+
+    def extra_layers(self, head: Any, train: Any) -> int:
+        """Decoder layers `head` has beyond the draft this shape was built with (train.num_layers)."""
+        return (head.num_layers or train.num_layers) - train.num_layers if self.layer_params else 0
+
+    def head_params(self, head: Any, train: Any) -> int:
+        """`head`'s trainable parameters: the shape's draft with its own number of decoder layers (its
+        checkpoints' size)."""
+        return self.trainable + self.extra_layers(head, train) * self.layer_params
 
 
 def head_cost_rate(head: Any, cost: float, train: Any, mfu_rate: str) -> Rate:
@@ -402,9 +414,12 @@ def head_cost_rate(head: Any, cost: float, train: Any, mfu_rate: str) -> Rate:
     left_out = {"dspark": "; DSpark's Markov and confidence heads left out",
                 "eagle3-mla": "; the MLA layer's own projections and attention scores left out",
                 "eagle3.1": "; its per-layer fc norms left out"}.get(head.kind, "")
+    if (head.num_layers or train.num_layers) > train.num_layers:
+        left_out += "; its further layers priced as the EAGLE-3 draft's layer (whose attention reads twice the width)"
     return Rate(f"train.head_cost.{head.label}", cost, "x the EAGLE-3 draft's training FLOPs per token",
                 "assumption", f"computed (Shape.head_cost): {passes_per_token(head, train):g} decoder passes per "
-                f"token against EAGLE-3's {train.ttt_steps}, at the EAGLE-3 draft's MFU ({mfu_rate}); {head.kind} "
+                f"token of {head.num_layers or train.num_layers} layer(s) against EAGLE-3's {train.ttt_steps} of "
+                f"{train.num_layers}, at the EAGLE-3 draft's MFU ({mfu_rate}); {head.kind} "
                 f"not measured on a GPU{left_out}")
 
 
@@ -418,8 +433,9 @@ def make_shape(cfg: RunConfig, rates: dict[str, Any]) -> Shape:
         layer_ids = configured_layer_ids(cfg, int(tc.num_hidden_layers))
         draft = draft_model(cfg, target, layer_ids)
         fixed = flops_per_token(draft, 0)
+        per_layer = sum(p.numel() for p in draft.layers.parameters()) // max(1, len(draft.layers))
         return Shape(target, int(tc.hidden_size), len(layer_ids), flops_per_token(draft, cfg.train.ttt_steps),
-                     trainable_params(draft), fixed, flops_per_token(draft, 1) - fixed)
+                     trainable_params(draft), fixed, flops_per_token(draft, 1) - fixed, per_layer)
 
 
 def _override(cfg: RunConfig, section: str, **values: Any) -> RunConfig:
@@ -533,12 +549,13 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     head_h = [max(c, rd) for c, rd in zip(head_compute, head_read)]
     train_h = sum(head_h)
     binding = "compute" if compute_h >= sum(read_h.values()) else max(read_h, key=read_h.get) + " read"
-    ckpt_size = shape.trainable * CHECKPOINT_BYTES_PER_PARAM
+    ckpt_sizes = [shape.head_params(h, cfg.train) * CHECKPOINT_BYTES_PER_PARAM for h in heads]
     keep = int(getattr(cfg.train, "keep_checkpoints", 0) or 0) or None  # read defensively: older configs lack it
-    written = sum(s // cfg.train.checkpoint_every for s in head_steps) * ckpt_size
-    kept = sum(min(s // cfg.train.checkpoint_every, keep or s) for s in head_steps) * ckpt_size
+    written = sum(s // cfg.train.checkpoint_every * c for s, c in zip(head_steps, ckpt_sizes))
+    kept = sum(min(s // cfg.train.checkpoint_every, keep or s) * c for s, c in zip(head_steps, ckpt_sizes))
     add("train", tnodes, train_tokens, "trained", written, written, kept, tnodes * train_h, train_h)
 
+    engine_h = 0.0  # one benchmark engine: its start and its decodes (each head's share: len(ks) of them)
     if cfg.benchmark.enabled:
         # the engines tasks/benchmark/stage.py starts: the baseline, one per head (and benchmark.drafts) and k, and
         # the offline replay's hidden-state engine
@@ -548,6 +565,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         single = per_bs if 1 in cfg.benchmark.batch_sizes else 0
         batched = per_bs * len([b for b in cfg.benchmark.batch_sizes if b > 1])
         bench_h = engines * start_h + (single / t["decode_tok_s_batch1"] + batched / t["decode_tok_s"]) / 3600
+        engine_h = start_h + (single / t["decode_tok_s_batch1"] + batched / t["decode_tok_s"]) / 3600 / decoding
         add("benchmark", 1, single + batched, "generated", 0.0, 0.0, 0.0, bench_h, bench_h)
 
     node_price = gpus * price
@@ -585,10 +603,15 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
            + ", ".join(f"{h.label} {c:.2f}" for h, c in zip(heads, costs)) + ")" if len(heads) > 1 else "") + ").",
     ]
     notes += length_notes(cfg, lengths)
-    if len(heads) > 1:  # each head's own train task: its steps, its FLOPs per token, its reads
-        notes.append("Training per head (one train task each, one after another): " + "; ".join(
-            f"{h.label} ({h.kind}) {st:,} steps x {c:.2f}: {hh:,.2f} h ({'compute' if hc >= hr else 'read'}-bound), "
-            f"${tnodes * hh * gpus * price:,.0f}"
+    if len(heads) > 1:  # each head's own train task (its steps, layers, FLOPs per token, reads) and engines
+        ks = cfg.benchmark.num_speculative_tokens if cfg.benchmark.enabled else []
+        notes.append("Per head (one train task each, one after another; then one benchmark engine per k in "
+                     f"{ks}): " + "; ".join(
+            f"{h.label} ({h.kind}, {h.num_layers or cfg.train.num_layers} layer(s), "
+            f"{_count(shape.head_params(h, cfg.train))} parameters) {st:,} steps x {c:.2f}: {hh:,.2f} h "
+            f"({'compute' if hc >= hr else 'read'}-bound), ${tnodes * hh * gpus * price:,.0f}"
+            + (f", + {len(ks)} engine(s) {len(ks) * engine_h:,.2f} h, ${len(ks) * engine_h * gpus * price:,.0f}"
+               if ks else "")
             for h, st, c, hc, hr, hh in zip(heads, head_steps, costs, head_compute, head_read, head_h)) + ".")
     if target.known_as and not Path(cfg.target.model).exists():
         notes.append(f"Target: {cfg.target.model} (not on this machine) is a local copy of {target.known_as} "
@@ -643,7 +666,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
             "prepare.bytes_per_token", train_rate_name, "train.multi_gpu_efficiency", "storage.gb_month_price",
             "engine.start_fixed_s", "engine.start_s_per_gb"]
     listed = [rates["rates"][k] for k in used] + list(target.rates.values()) + [
-        head_cost_rate(h, c, cfg.train, train_rate_name) for h, c in zip(heads, costs) if h.kind != "eagle3"]
+        head_cost_rate(h, c, cfg.train, train_rate_name) for h, c in zip(heads, costs) if h.kind != "eagle3" or c != 1.0]
     if lengths.prompt is not None:
         listed = [Rate(x.name, prompt, x.unit, "the run's stats", lengths.source)
                   if x.name == "regenerate.prompt_tokens" else x for x in listed]

@@ -41,20 +41,36 @@ def simulated_acceptance_length(acc_per_pos: Sequence[float] | None, k: int | No
 # ---------------------------------------------------------------------------- by context length
 
 # Context-length buckets (upper bounds, exclusive): the report, the data stats and `draftline check` share them.
-LENGTH_BUCKETS: tuple[tuple[int | None, str], ...] = (
-    (512, "<512"), (2048, "512-2K"), (8192, "2K-8K"), (32768, "8K-32K"), (None, ">32K"))
+# benchmark.length_buckets gives a benchmark's by-length table other bounds (`bounds` below).
+DEFAULT_BOUNDS: tuple[int, ...] = (512, 2048, 8192, 32768)
 
 
-def length_bucket(tokens: int) -> str:
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
+
+
+def buckets_of(bounds: Sequence[int] | None = None) -> tuple[tuple[int | None, str], ...]:
+    """(upper bound, label) per bucket of ascending `bounds` (default DEFAULT_BOUNDS), the last one unbounded:
+    (512, 2048) gives <512, 512-2K, >2K."""
+    b = tuple(bounds or DEFAULT_BOUNDS)
+    return ((b[0], f"<{_tokens(b[0])}"),
+            *((hi, f"{_tokens(lo)}-{_tokens(hi)}") for lo, hi in zip(b, b[1:])),
+            (None, f">{_tokens(b[-1])}"))
+
+
+LENGTH_BUCKETS = buckets_of(DEFAULT_BOUNDS)
+
+
+def length_bucket(tokens: int, bounds: Sequence[int] | None = None) -> str:
     """The bucket of a context of `tokens` tokens."""
-    for bound, label in LENGTH_BUCKETS:
+    for bound, label in buckets_of(bounds):
         if bound is None or tokens < bound:
             return label
     raise AssertionError("unreachable")
 
 
-def bucket_rank(label: str) -> int:
-    return [lb for _, lb in LENGTH_BUCKETS].index(label)
+def bucket_rank(label: str, bounds: Sequence[int] | None = None) -> int:
+    return [lb for _, lb in buckets_of(bounds)].index(label)
 
 
 def bucket_bounds(label: str) -> tuple[int, int | None]:
@@ -80,29 +96,32 @@ def merge_counts(*many: dict[str, int] | None) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: bucket_rank(kv[0])))
 
 
-def steps_by_length(prompt_tokens: int, accepted_per_step: Sequence[int]) -> dict[str, list[int]]:
+def steps_by_length(prompt_tokens: int, accepted_per_step: Sequence[int],
+                    bounds: Sequence[int] | None = None) -> dict[str, list[int]]:
     """[drafts, accepted tokens] per context-length bucket of one request, from vLLM's per-step accepted counts
     (`per_request_spec_decode_metrics: detailed`). The first draft is made once prefill has produced the first
     output token (context = prompt + 1); every verify step adds its accepted tokens plus the bonus token."""
     out: dict[str, list[int]] = {}
     context = prompt_tokens + 1
     for a in accepted_per_step:
-        cell = out.setdefault(length_bucket(context), [0, 0])
+        cell = out.setdefault(length_bucket(context, bounds), [0, 0])
         cell[0] += 1
         cell[1] += int(a)
         context += int(a) + 1
     return out
 
 
-def acceptance_by_length(prompt_tokens: Sequence[int],
-                         steps: Sequence[Sequence[int] | None]) -> dict[str, dict[str, float | int]]:
+def acceptance_by_length(prompt_tokens: Sequence[int], steps: Sequence[Sequence[int] | None],
+                         bounds: Sequence[int] | None = None) -> dict[str, dict[str, float | int]]:
     """Mean acceptance length (1 + accepted / drafts) per context-length bucket over requests, shortest bucket
-    first, empty buckets left out; {} when no request carried per-step figures."""
+    first, empty buckets left out, with the requests that drafted in each (a long answer can span two buckets);
+    {} when no request carried per-step figures. `bounds`: the buckets' upper bounds (default DEFAULT_BOUNDS)."""
     total: dict[str, list[int]] = {}
     for p, s in zip(prompt_tokens, steps):
-        for b, (d, a) in steps_by_length(p, s or []).items():
-            cell = total.setdefault(b, [0, 0])
+        for b, (d, a) in steps_by_length(p, s or [], bounds).items():
+            cell = total.setdefault(b, [0, 0, 0])
             cell[0] += d
             cell[1] += a
-    return {b: {"mean_acceptance_length": 1.0 + a / d, "drafts": d, "accepted_tokens": a}
-            for b, (d, a) in sorted(total.items(), key=lambda kv: bucket_rank(kv[0])) if d}
+            cell[2] += 1
+    return {b: {"mean_acceptance_length": 1.0 + a / d, "drafts": d, "accepted_tokens": a, "requests": r}
+            for b, (d, a, r) in sorted(total.items(), key=lambda kv: bucket_rank(kv[0], bounds)) if d}

@@ -14,7 +14,8 @@ The parts of a run, in the order `build_trainer` and the `Trainer` (loop.py) bui
 - inputs      `resolve_inputs` (inputs.py): target folder and config, layer ids (checked across shards
               and against the config), vocab maps, parts on the store
 - held-out    `HeldOut.split` (evaluation.py): the tail of the last part, kept out of training and
-              evaluated at the end (the one part read before the stream starts)
+              evaluated at the end (the one part read before the stream starts), and once at
+              `early_check_step` (`Trainer.early_check`: a warning under `early_check_min_acceptance`)
 - model       `build_draft_model` (model.py): decoder shaped like the target (Llama or Qwen3 layers),
               verifier embed/norm/lm_head from the target's safetensors; attention `resolve_attn_impl`
               (auto: flex_attention on a GPU where it compiles for the draft's shape, else sdpa, with the

@@ -130,6 +130,7 @@ class Checkpointer:
                 "scheduler": {"kind": "warmup_cosine", "step": state.step, "by_clock": self.t.max_minutes is not None,
                               "lr": state.history[-1]["lr"] if state.history else groups[0]["lr"]},
                 "stopped_reason": state.stopped_reason, "history": state.history, "train_digest": self.train_digest,
+                "early_check": state.early_check,
             }
             with owned_temporary_directory("ckpt") as tmp, \
                     self.store.write(CKPT_STAGE, digest, VERSIONS[CKPT_STAGE], {"train": self.train_digest},
@@ -180,7 +181,8 @@ class Checkpointer:
             rs = RunState(step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]),
                           train_seconds=float(meta["train_seconds"]), history=list(meta.get("history", [])),
                           positions=meta.get("positions"), rng=meta.get("rng"), world=int(meta.get("world", 1)),
-                          stopped_reason=meta.get("stopped_reason"), resumed_from=step)
+                          stopped_reason=meta.get("stopped_reason"), resumed_from=step,
+                          early_check=meta.get("early_check"))
             if rs.world == self.env.world and rs.rng:
                 set_rng_state(rs.rng[self.env.rank], self.env.device)
             log.info("resumed from checkpoint %s (step %d)", art.uri, rs.step)

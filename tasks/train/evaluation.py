@@ -48,6 +48,15 @@ class HeldOut:
         return {**out, "val_samples": self.samples} if out else {}
 
 
+def early_check_record(val: dict[str, Any], step: int, threshold: float | None) -> dict[str, Any]:
+    """The early check's record (train.early_check_step): the held-out simulated acceptance length at `step` against
+    `threshold` (None: shown, never `below`). No held-out split: no figure, and nothing to warn about."""
+    sal = val.get("simulated_acceptance_length")
+    return {"kind": "early_check", "step": step, "simulated_acceptance_length": sal,
+            "val_acc_per_pos": val.get("val_acc_per_pos"), "val_tokens": val.get("val_tokens", 0),
+            "threshold": threshold, "below": threshold is not None and sal is not None and sal < threshold}
+
+
 @torch.no_grad()
 def evaluate_model(model: Any, batches: Sequence[Batch], device: torch.device, forward_kwargs: dict[str, Any],
                    autocast: Callable[[], Any] = contextlib.nullcontext, by_length: bool = False) -> dict[str, Any]:

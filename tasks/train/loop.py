@@ -28,7 +28,7 @@ from tasks.store.artifacts import ArtifactRef, Store
 from tasks.train import STAGE, MetricsCallback, TrainError, log, rounded
 from tasks.train.checkpoints import Checkpointer
 from tasks.train.dist import DistEnv
-from tasks.train.evaluation import HeldOut
+from tasks.train.evaluation import HeldOut, early_check_record
 from tasks.train.inputs import TrainInputs, resolve_inputs, train_head
 from tasks.train.metrics import Meter
 from tasks.train.model import (
@@ -224,6 +224,8 @@ class Trainer:
                 state.step += 1
                 kill_point(f"train.rank{self.env.rank}.step")  # drills: DRAFTLINE_FAULT_KILL=train.rank1.step:3
                 self.meter.record(state, metrics, batch.tokens, lr, grad_norm)
+                if state.step == self.t.early_check_step:
+                    self.early_check(state)
                 self.checkpointer.save(state, stream)
             if state.stopped_reason is None:
                 state.stopped_reason = "max_steps"
@@ -231,6 +233,24 @@ class Trainer:
         finally:
             stream.close()
         return state
+
+    def early_check(self, state: RunState) -> None:
+        """The held-out figures at train.early_check_step (rank 0; the other ranks wait in their next step's
+        all-reduce): kept in the run's state (checkpoints carry it), emitted, and a warning when under the
+        head's early_check_min_acceptance. The evaluation forks the RNG, so training goes on as without it."""
+        if self.env.rank != 0:
+            return
+        threshold = self.head.early_check_min_acceptance or self.t.early_check_min_acceptance  # the head's first
+        rec = early_check_record(self.evaluate(), state.step, threshold)
+        state.early_check = {k: v for k, v in rec.items() if k != "kind"}
+        self.meter.emit(rec)
+        if rec["below"]:
+            log.warning("early check at step %d: held-out simulated acceptance length %s is under %s "
+                        "(train.early_check_min_acceptance): this head is not on course", state.step,
+                        rec["simulated_acceptance_length"], rec["threshold"])
+        else:
+            log.info("early check at step %d: held-out simulated acceptance length %s (threshold %s)", state.step,
+                     rec["simulated_acceptance_length"], rec["threshold"])
 
     # ---------------------------------------------------------------- commit
     def commit(self, state: RunState) -> ArtifactRef:
@@ -255,7 +275,7 @@ class Trainer:
                 "head": self.head.label, "head_kind": self.head.kind,
                 "trainable_params": sum(p.numel() for p in self.params), "world_size": env.world,
                 "device": env.device.type, "precision": self.precision, "attn_impl": self.attn_impl,
-                "resumed_from_step": state.resumed_from,
+                "resumed_from_step": state.resumed_from, "early_check": state.early_check,
             }
             if self.init_from is not None:
                 stats["init_from"] = self.init_from

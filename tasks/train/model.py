@@ -200,7 +200,13 @@ def dflash_mask_token(head: HeadConfig, target_path: str, vocab_size: int, trust
         return head.mask_token_id
     from speculators.train.utils import resolve_mask_token_id
 
-    return int(resolve_mask_token_id(target_path, vocab_size, None, trust_remote_code=trust_remote_code))
+    try:
+        return int(resolve_mask_token_id(target_path, vocab_size, None, trust_remote_code=trust_remote_code))
+    except (ValueError, ImportError, OSError) as exc:  # it loads the target's whole processor (a VLM's images too)
+        raise TrainError(f"train.heads: the {head.label} head needs a mask token, and speculators could not load "
+                         f"the target's processor to find one ({type(exc).__name__}: {str(exc)[:300]}); set the "
+                         "head's mask_token_id to a reserved or unused token id of the target's vocabulary (public "
+                         "DFlash drafts for Kimi K2.6 and K2.7 use 163838)") from None
 
 
 def build_draft_model(train: TrainConfig, target: TargetConfig, target_path: str, hf_config: Any,

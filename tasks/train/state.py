@@ -21,3 +21,4 @@ class RunState:
     world: int = 1
     stopped_reason: str | None = None
     resumed_from: int | None = None
+    early_check: dict[str, Any] | None = None  # the held-out figures at train.early_check_step (Trainer.early_check)

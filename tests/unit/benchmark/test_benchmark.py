@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -164,7 +165,8 @@ def test_acceptance_by_context_length_follows_each_requests_verify_steps():
     assert steps_by_length(508, [1, 0, 2, 0]) == {"<512": [2, 1], "512-2K": [2, 2]}
     by = acceptance_by_length([508, 3000, 10], [[1, 0, 2, 0], [3, 3], None])
     assert list(by) == ["<512", "512-2K", "2K-8K"]  # shortest first, empty buckets left out
-    assert by["2K-8K"] == {"mean_acceptance_length": 4.0, "drafts": 2, "accepted_tokens": 6}
+    assert by["2K-8K"] == {"mean_acceptance_length": 4.0, "drafts": 2, "accepted_tokens": 6, "requests": 1}
+    assert by["<512"]["requests"] == by["512-2K"]["requests"] == 1  # one request's answer crossed 512
     assert sum(b["drafts"] for b in by.values()) == 6 and sum(b["accepted_tokens"] for b in by.values()) == 9
     assert acceptance_by_length([5], [None]) == {}
     assert length_counts([10, 600, 40_000, 20]) == {"<512": 2, "512-2K": 1, ">32K": 1}
@@ -177,8 +179,56 @@ def test_acceptance_by_context_length_follows_each_requests_verify_steps():
     from tasks.benchmark.measure import spec_figures
 
     assert spec_figures(r, r, 2, 0.0, None)["by_length"] == {
-        "<512": {"mean_acceptance_length": 2.0, "drafts": 4, "accepted_tokens": 4},
-        "512-2K": {"mean_acceptance_length": 2.0, "drafts": 4, "accepted_tokens": 4}}
+        "<512": {"mean_acceptance_length": 2.0, "drafts": 4, "accepted_tokens": 4, "requests": 1},
+        "512-2K": {"mean_acceptance_length": 2.0, "drafts": 4, "accepted_tokens": 4, "requests": 1}}
+    # benchmark.length_buckets: the same steps in other buckets
+    assert spec_figures(r, r, 2, 0.0, None, [1024, 4096])["by_length"] == {
+        "<1K": {"mean_acceptance_length": 2.0, "drafts": 8, "accepted_tokens": 8, "requests": 2}}
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_configured_length_buckets_count_every_draft_and_request_at_two_counts(n):
+    """benchmark.length_buckets [1K, 4K, 8K, 12K] (the Kimi preset's): n requests of each prompt length put their
+    drafts and their n requests in that bucket, and only buckets that hold drafts appear, shortest first."""
+    from tasks.formats.acceptance import acceptance_by_length, buckets_of
+
+    bounds = [1024, 4096, 8192, 12288]
+    assert [lb for _, lb in buckets_of(bounds)] == ["<1K", "1K-4K", "4K-8K", "8K-12K", ">12K"]
+    prompts = [100] * n + [5000] * n + [9000] * n  # none in 1K-4K or past 12K
+    steps = [[2, 2]] * (3 * n)  # two verify steps of 2 accepted tokens each: AL 3, contexts stay in the bucket
+    by = acceptance_by_length(prompts, steps, bounds)
+    assert list(by) == ["<1K", "4K-8K", "8K-12K"]
+    for cell in by.values():
+        assert cell == {"mean_acceptance_length": 3.0, "drafts": 2 * n, "accepted_tokens": 4 * n, "requests": n}
+    # a prompt at a bound belongs to the bucket above it; a context that grows past one counts in both
+    assert list(acceptance_by_length([1022], [[0, 0]], bounds)) == ["<1K", "1K-4K"]
+    assert acceptance_by_length([1022], [[0, 0]], bounds)["1K-4K"]["requests"] == 1
+    with pytest.raises(ValueError, match="ascending positive token counts"):
+        bench_cfg(length_buckets=[4096, 1024])
+
+
+def test_the_by_length_table_shows_every_head_in_the_configured_buckets():
+    """report.md's 'Acceptance by context length': a row per head, eval, k and bucket that holds drafts, with its
+    requests; the training columns only for the main head in the training data's buckets."""
+    from tasks.benchmark.report import lengths_markdown
+
+    cell = {"mean_acceptance_length": 2.5, "drafts": 10, "accepted_tokens": 15, "requests": 4}
+    fig = {"batch_size": 4, "simulated_acceptance_length": 2.0, "by_length": {"<1K": cell, "8K-12K": cell}}
+    report = {"settings": {"length_buckets": [1024, 4096, 8192, 12288]}, "benchmark": {"long": {"7": fig}},
+              "heads": {"eagle3-mla": {}, "dflash": {"benchmark": {"long": {"7": fig}}}},
+              "training_lengths": {"length_buckets": {"<512": 5}, "longest": 300}}
+    md = "\n".join(lengths_markdown(report))
+    assert "benchmark.length_buckets [1024, 4096, 8192, 12288]" in md
+    for head in ("eagle3-mla", "dflash"):
+        for bucket in ("<1K", "8K-12K"):
+            assert f"| {head} | long | 7 | {bucket} | 2.50 | 10 | 4 | - | - |" in md
+    assert "4K-8K" not in md and "1K-4K" not in md  # buckets without drafts are left out
+    # the shared buckets: the main head's rows carry the training samples and the estimate
+    report["settings"]["length_buckets"] = None
+    fig["by_length"] = {"<512": cell}
+    md = "\n".join(lengths_markdown(report))
+    assert "| eagle3-mla | long | 7 | <512 | 2.50 | 10 | 4 | 5 | 2.00* |" in md
+    assert "| dflash | long | 7 | <512 | 2.50 | 10 | 4 | - | - |" in md
 
 
 def test_training_lengths_that_do_not_cover_the_served_ones_are_warned():
@@ -766,7 +816,7 @@ def test_real_benchmark_baseline_and_eagle3(tmp_path):
         assert r["compared"] == rep["evals"][ev]["prompts"] and r["same_steps_as_vllm"] == r["compared"], r
     md = art.read_bytes("report.md").decode()
     assert "Where the acceptance goes" in md and "## Greedy identity" in md and "batch 3 (repeat)" in md
-    assert "## Acceptance by context length" in md and "| heldout | 2 | 512-2K |" in md
+    assert "## Acceptance by context length" in md and re.search(r"\| [^|]+ \| heldout \| 2 \| 512-2K \|", md)
     assert find_report(store, "slow-test")["digest"] == ref.digest
     print(json.dumps({ev: {bs: {k: g[k] for k in ("mean_acceptance_length", "output_tokens_per_s", "speedup",
                                                   "tpot_ms", "ttft_ms")}
@@ -813,6 +863,7 @@ def test_the_by_length_table_sets_each_buckets_training_estimate_beside_vllms():
     ev = next(iter(rep["benchmark"]))
     rep["benchmark"][ev]["3"]["by_length"] = by_length
     rep["simulated"]["by_length"] = {"<512": {"val_tokens": 90, "by_k": {"3": 2.25}}}
-    rows = [ln for ln in lengths_markdown(rep) if ln.startswith(f"| {ev} | 3 |")]
+    rows = [ln for ln in lengths_markdown(rep) if f"| {ev} | 3 |" in ln]
     overall = rep["benchmark"][ev]["3"]["simulated_acceptance_length"]
-    assert rows == [f"| {ev} | 3 | <512 | 1.80 | 10 | ? | 2.25 |", f"| {ev} | 3 | 2K-8K | 1.20 | 5 | ? | {overall:.2f}* |"]
+    assert rows == [f"| - | {ev} | 3 | <512 | 1.80 | 10 | - | ? | 2.25 |",
+                    f"| - | {ev} | 3 | 2K-8K | 1.20 | 5 | - | ? | {overall:.2f}* |"]

@@ -34,8 +34,8 @@ def test_the_runbook_shows_the_plan_commands_output_unchanged():
                                       f"`draftline plan {m.group(1)}` between the plan markers")
     # the prose around the table quotes figures of this output: they must be in it
     prose = doc[:m.start()] + doc[m.end():]
-    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693", "$8,484", "$4,398",
-                   "451 TB", "$2,421 per month", "36.5", "12.29"):
+    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693", "$13,638", "$5,687",
+                   "902 TB", "$2,424 per month", "63.3", "12.29"):
         assert figure in out.output, figure
         assert figure.split()[0] in prose, f"docs/kimi-k2.5.md's text no longer quotes {figure}"
     # what the issue asks of it: every stage, both dtypes, totals, and a source for every rate
@@ -134,9 +134,12 @@ def kimi_shape():
     return planner.make_shape(cfg, planner.load_rates())
 
 
+ONE_HEAD = "train.heads=[{kind: eagle3}]"  # the preset with one head: the figures below are one train task's
+
+
 def test_the_plan_follows_the_config_and_the_price(kimi_shape):
     rates = planner.load_rates()
-    kimi = load_config(KIMI)
+    kimi = load_config(KIMI, [ONE_HEAD])
     one = planner.make_plan(kimi, rates, nodes=1, shape=kimi_shape)
     four = planner.make_plan(kimi, rates, nodes=4, shape=kimi_shape)
     by1, by4 = ({s.stage: s for s in p.stages} for p in (one, four))
@@ -169,33 +172,34 @@ def test_the_plan_follows_the_config_and_the_price(kimi_shape):
                "not measured on a GPU" in r.source for r in named.values())
     # each head's own train task: its hours, read-bound here (the store's reads, the same for every kind), add up
     # to the train stage's
-    per_head = next(n for n in kinds.notes if n.startswith("Training per head"))
+    per_head = next(n for n in kinds.notes if n.startswith("Per head"))
     hours = [float(h) for h in re.findall(r": ([\d.]+) h \(", per_head)]
     assert len(hours) == 4 and per_head.count("read-bound") == 4
     assert sum(hours) == pytest.approx({s.stage: s for s in kinds.stages}["train"].wall_hours, rel=1e-3)
-    # the command the Kimi preset's comment gives for its two heads: each head priced on its own, the MLA head the
-    # same hours as EAGLE-3's (read-bound), on both presets
+    # the Kimi presets' own heads (eagle3-mla, dflash of 6 layers): each priced on its own, its train task and its
+    # benchmark engines (one per k); read-bound, so both train for the same hours whatever their FLOPs
     for preset in (KIMI, KIMI.with_name("kimi-k2.5-workstation.yaml")):
-        assert '"train.heads=[{kind: eagle3}, {kind: eagle3-mla}]"' in " ".join(
-            line.lstrip("# ") for line in KIMI.read_text().splitlines())
-        out = draftline("plan", str(preset), "--set", "train.heads=[{kind: eagle3}, {kind: eagle3-mla}]")
+        out = draftline("plan", str(preset))
         assert out.exit_code == 0, out.output
-        per_head = re.search(r"Training per head[^\n]*", " ".join(out.output.split("\n- "))).group(0)
-        assert re.search(r"eagle3 \(eagle3\) 60,000 steps x 1.00: ([\d.,]+) h \(read-bound\), \$([\d,]+); eagle3-mla "
-                         r"\(eagle3-mla\) 60,000 steps x 1.00: \1 h \(read-bound\), \$\2\.", per_head), per_head
+        per_head = re.search(r"Per head[^\n]*", " ".join(out.output.split("\n- "))).group(0)
+        assert re.search(r"engine per k in \[3, 7\]\): eagle3-mla \(eagle3-mla, 1 layer\(s\), 962M parameters\) 60,000 "
+                         r"steps x 1.00: ([\d.,]+) h \(read-bound\), \$([\d,]+), \+ 2 engine\(s\) ([\d.]+) h, \$([\d,]+); "
+                         r"dflash \(dflash, 6 layer\(s\), [\d.]+B parameters\) 60,000 steps x 0\.\d\d: \1 h \(read-bound\), "
+                         r"\$\2, \+ 2 engine\(s\) \3 h, \$\4\.", per_head), per_head
     # more nodes: the sharded stages finish sooner, cost a little more (one engine start per node)
     assert by4["extract"].wall_hours < by1["extract"].wall_hours / 3
     assert by4["extract"].node_hours > by1["extract"].node_hours
     assert by4["train"].node_hours == by1["train"].node_hours
     # fp8 storage lifts the store bound of extraction and halves training's reads
-    fp8 = planner.make_plan(load_config(KIMI, ["extract.storage_dtype=fp8"]), rates, nodes=1, shape=kimi_shape)
+    fp8 = planner.make_plan(load_config(KIMI, [ONE_HEAD, "extract.storage_dtype=fp8"]), rates, nodes=1, shape=kimi_shape)
     assert {s.stage: s for s in fp8.stages}["extract"].node_hours < by1["extract"].node_hours
     assert fp8.totals["train_read_bytes"] == pytest.approx(one.totals["train_read_bytes"] * 28_693 / 57_349)
     # checkpoints: 60 written, keep_checkpoints (2) kept, 12 bytes per trainable parameter
     assert by1["train"].bytes_bf16 == 60 * kimi_shape.trainable * 12
     assert by1["train"].kept == 2 * kimi_shape.trainable * 12
     # cost scales with the command line's price, which is named among the rates
-    out = draftline("plan", str(KIMI), "--gpu-hour-price", "3", "--storage-price-gb-month", "0.01", "--json")
+    out = draftline("plan", str(KIMI), "--set", ONE_HEAD, "--gpu-hour-price", "3", "--storage-price-gb-month", "0.01",
+                    "--json")
     assert out.exit_code == 0, out.output
     import json
 
@@ -222,15 +226,19 @@ def test_engine_starts_are_priced_by_weight_bytes_and_counted_as_the_benchmark_s
     fixed, per_gb = (rates["rates"][f"engine.{k}"].value for k in ("start_fixed_s", "start_s_per_gb"))
     assert load_config(KIMI).extract.tensor_parallel_size == 8
     start_h = (fixed + 595 / 8 * per_gb) / 3600
-    assert load_config(KIMI).benchmark.num_speculative_tokens == [3]  # the k a Kimi user serves
-    base = bench([])
-    assert bench(["benchmark.offline_replay=true"]) - base == pytest.approx(start_h)  # one more start, no decode
+    assert load_config(KIMI).benchmark.num_speculative_tokens == [3, 7]  # the anchors' ks
+    base = bench([ONE_HEAD, "benchmark.num_speculative_tokens=[3]"])
+    assert bench([ONE_HEAD, "benchmark.num_speculative_tokens=[3]", "benchmark.offline_replay=true"]) - base == \
+        pytest.approx(start_h)  # one more start, no decode
     decode = (base - 2 * start_h) / 2  # one engine's decoding (the baseline's and the draft's are priced alike)
-    assert bench(["benchmark.num_speculative_tokens=[1, 3, 5]"]) == pytest.approx(4 * (start_h + decode))
-    assert bench(["train.heads=[{kind: eagle3}, {kind: eagle3.1}]"]) == pytest.approx(3 * (start_h + decode))
+    assert bench([ONE_HEAD, "benchmark.num_speculative_tokens=[1, 3, 5]"]) == pytest.approx(4 * (start_h + decode))
+    assert bench(["train.heads=[{kind: eagle3}, {kind: eagle3.1}]", "benchmark.num_speculative_tokens=[3]"]) == \
+        pytest.approx(3 * (start_h + decode))
+    assert bench([]) == pytest.approx(5 * (start_h + decode))  # the preset: 2 heads x k in [3, 7], the baseline
     # the rate prices every start: the benchmark's two, one per node for regeneration and extraction
-    assert bench([], [f"engine.start_s_per_gb={2 * per_gb}"]) - base == pytest.approx(2 * 595 / 8 * per_gb / 3600)
-    assert bench(["extract.tensor_parallel_size=4"]) - base == pytest.approx(2 * 595 / 8 * per_gb / 3600)
+    one = [ONE_HEAD, "benchmark.num_speculative_tokens=[3]"]
+    assert bench(one, [f"engine.start_s_per_gb={2 * per_gb}"]) - base == pytest.approx(2 * 595 / 8 * per_gb / 3600)
+    assert bench(one + ["extract.tensor_parallel_size=4"]) - base == pytest.approx(2 * 595 / 8 * per_gb / 3600)
     plan = planner.make_plan(load_config(KIMI), rates, nodes=4, shape=kimi_shape, levers=False)
     minutes = f"{start_h * 60:,.1f}"
     assert any(n.startswith(f"Engine starts: {minutes} min each ({fixed:g} s, engine.start_fixed_s, + 595 GB of "

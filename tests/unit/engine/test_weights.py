@@ -230,10 +230,10 @@ def test_the_workstation_and_b300_presets_address_the_same_artifacts(tmp_path, m
         regen = Ref(digests.regenerate(cfg, prep))
         vocab = Ref(digests.vocab(cfg, regen))
         shards = [Ref(digests.extract_shard(cfg, cfg.extract.layer_ids, regen.digest, s), s) for s in range(3)]
-        train = Ref(digests.train(cfg, vocab, shards))
+        heads = [(h.label, Ref(digests.train(cfg, vocab, shards, h))) for h in cfg.train.heads]  # one per head
         return {"prepare": prep.digest, "regenerate": regen.digest, "vocab": vocab.digest,
-                "extract": [s.digest for s in shards], "train": train.digest,
-                "benchmark": digests.benchmark(cfg, train, regen)}
+                "extract": [s.digest for s in shards], "train": [t.digest for _, t in heads],
+                "benchmark": digests.benchmark(cfg, heads, regen)}
 
     assert addresses(ws) == addresses(b300)
 

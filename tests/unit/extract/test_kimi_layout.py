@@ -406,6 +406,48 @@ def test_mla_head_trains_with_the_targets_attention_and_exports_what_vllms_deeps
     assert (info["kind"], info["vllm_method"], info["layer_ids"]) == ("eagle3-mla", "eagle3", [1, 3, 4])
 
 
+def test_the_presets_dflash_head_trains_on_the_kimi_layout_and_exports_what_vllms_dflash_reads(kimi):
+    """The Kimi preset's second head (DFlash, block 8, several layers; configs/kimi-k2.5-b300.yaml) on the MLA
+    target: Qwen3 draft layers of the target's width (the value head for MLA's rotary-only head_dim), a block of 8,
+    the target's aux layers, and the config vLLM 0.26 loads as DFlashDraftModel with method dflash."""
+    from tasks.benchmark.stage import check_draft
+    from tasks.core.config import load_config
+    from tasks.data.vocab import run_vocab
+    from tasks.train import TrainError
+    from tasks.train.stage import run_train
+
+    preset = load_config(Path(__file__).resolve().parents[3] / "configs" / "kimi-k2.5-b300.yaml")
+    head = next(h for h in preset.train.heads if h.kind == "dflash")
+    assert (head.block_size, head.num_layers, head.mask_token_id) == (8, 6, 163838)
+    vref = run_vocab(kimi.cfg, kimi.store, kimi.data)
+    # without a mask token id, speculators loads the wrapper's whole processor (its image processor needs
+    # torchvision, which the CPU environment lacks): where it cannot, the error names the head's fix
+    bare = kimi.cfg.model_copy(update={"train": kimi.cfg.train.for_head(head.model_copy(update={
+        "num_layers": 1, "mask_token_id": None, "max_anchors": 16}))})
+    try:
+        run_train(bare, kimi.store, vref, extract_stage(kimi.store, kimi.refs))
+    except TrainError as exc:
+        assert "set the head's mask_token_id" in str(exc) and "processor" in str(exc), exc
+    # the preset's block with fewer layers (CPU), a reserved id of this tiny vocabulary as its mask token
+    small = head.model_copy(update={"num_layers": 2, "max_anchors": 16, "mask_token_id": VOCAB - 2})
+    cfg = kimi.cfg.model_copy(update={"train": kimi.cfg.train.for_head(small)})
+    ref = run_train(cfg, kimi.store, vref, extract_stage(kimi.store, kimi.refs))
+    art = kimi.store.open("train", ref.digest)
+    assert ref.stats["head_kind"] == "dflash" and ref.stats["steps"] == 3 and len(ref.stats["val_acc_per_pos"]) == 7
+    conf = json.loads(art.read_bytes("draft/config.json"))
+    assert conf["architectures"] == ["DFlashDraftModel"] and conf["speculators_model_type"] == "dflash"
+    assert conf["block_size"] == 8 and conf["transformer_layer_config"]["model_type"] == "qwen3"
+    layer = conf["transformer_layer_config"]
+    assert (layer["num_hidden_layers"], layer["hidden_size"], layer["head_dim"]) == (2, HIDDEN, 128)
+    folder = kimi.root / "dflash-draft"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes(art.read_bytes(f"draft/{name}"))
+    info = check_draft(str(folder), kimi.hf)
+    assert (info["kind"], info["vllm_method"], info["block_size"], info["layer_ids"]) == ("dflash", "dflash", 8,
+                                                                                          [1, 3, 4])
+
+
 def test_an_mla_head_warm_starts_from_an_mla_draft_and_no_other_kind_does(mla_draft, kimi):
     """train.init_from for the MLA variant: an eagle3-mla draft (its flat config) seeds an eagle3-mla head, every
     weight copied; an EAGLE-3 head of another kind is refused with the draft's kind and the fix."""

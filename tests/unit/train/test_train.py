@@ -318,6 +318,56 @@ def test_time_budget_stops_early_and_still_exports(tmp_path, tiny):
     assert "draft/model.safetensors" in store.open("train", ref.digest).files()
 
 
+@pytest.mark.parametrize("check_step", [3, 8])
+def test_the_early_check_warns_at_its_step_and_changes_nothing_else(tmp_path, tiny, check_step):
+    """train.early_check_step: the held-out simulated acceptance length at that step, in the run's records, its
+    stats and log; a warning only under the threshold (a head's own overrides the section's). The evaluation
+    forks the RNG: the weights and the address are those of the same run without the check."""
+    import logging
+
+    from flows.pipeline import _train_log_line
+
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # the loop's own log, whatever Prefect set up
+    logging.getLogger("draftline.train").addHandler(handler)
+    runs = {}
+    try:
+        for name, train in {"off": {"early_check_step": 0},
+                            "under": {"early_check_step": check_step, "early_check_min_acceptance": 1.5,
+                                      "heads": [{"kind": "eagle3", "early_check_min_acceptance": 4.5}]},
+                            "over": {"early_check_step": check_step, "early_check_min_acceptance": 1.0}}.items():
+            store = Store(f"file://{tmp_path}/{name}")  # one store each: the three share one address
+            vref, refs = data_on(store, tiny)
+            events: list[dict] = []
+            warnings.clear()
+            ref = run_train(config(tiny, **train), store, vref, extract_stage(store, refs), on_metrics=events.append)
+            art = store.open("train", ref.digest)
+            runs[name] = {"digest": ref.digest, "events": events, "stats": art.stats, "warnings": list(warnings),
+                          "weights": st_load(art.read_bytes("draft/model.safetensors"))}
+    finally:
+        logging.getLogger("draftline.train").removeHandler(handler)
+
+    assert len({r["digest"] for r in runs.values()}) == 1  # the check is not part of the address
+    assert not [e for e in runs["off"]["events"] if e["kind"] == "early_check"]
+    assert runs["off"]["stats"]["early_check"] is None
+    for name, threshold in (("under", 4.5), ("over", 1.0)):
+        run = runs[name]
+        checks = [e for e in run["events"] if e["kind"] == "early_check"]
+        assert len(checks) == 1 and checks[0]["step"] == check_step and checks[0]["threshold"] == threshold
+        sal = checks[0]["simulated_acceptance_length"]
+        assert 1.0 <= sal <= 4.0 and checks[0]["below"] is (name == "under")  # 3 TTT steps: at most 4
+        assert run["stats"]["early_check"] == {k: v for k, v in checks[0].items() if k != "kind"}
+        line = _train_log_line(checks[0])
+        assert f"early check at step {check_step}" in line and str(sal) in line
+        assert ("not on course" in line) is (name == "under")
+        assert [w for w in run["warnings"] if "early check" in w] == (
+            [f"early check at step {check_step}: held-out simulated acceptance length {sal} is under 4.5 "
+             "(train.early_check_min_acceptance): this head is not on course"] if name == "under" else [])
+        for k, w in runs["off"]["weights"].items():
+            assert torch.equal(run["weights"][k], w), k
+
+
 def test_precision_bf16_autocasts_on_cpu_and_fp32_does_not(tmp_path, tiny, monkeypatch):
     """train.precision: bf16 autocast changes the arithmetic (not only a label), both learn, and auto
     follows the CPU's native bf16 support."""
