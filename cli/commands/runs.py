@@ -152,6 +152,11 @@ def run_report(c: Any, run: Any, stale_after: float) -> dict[str, Any]:
             st["failed_shards"].append(shard_of(name))
     for st in stages.values():
         st["failed_shards"].sort()
+    # a finished run whose task runs are not all final yet: Prefect sends task-run states over its events stream
+    # and the server writes them behind it (~100 s behind at 1,024 task runs on a loaded server: benchmarks/RESULTS.md,
+    # "A run's page in the Prefect UI at 128 and 1,024 task runs"), so the counts above are not settled yet
+    settling = sum(1 for t in latest.values() if t.state is None or not t.state.is_final()) \
+        if state_of(run) in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else 0
     deployment = None
     if run.deployment_id:
         try:
@@ -181,6 +186,7 @@ def run_report(c: Any, run: Any, stale_after: float) -> dict[str, Any]:
         "last_progress": live.last_progress,
         "last_heartbeat": live.last_heartbeat,
         "stages": {s: stages[s] for s in sorted(stages, key=lambda s: STAGES.index(s) if s in STAGES else 99)},
+        "settling": settling,
         "children": [child_report(c, ch, stale_after) for ch in child_runs(c, run.id)],
         "tasks": [
             {"name": t.name, "state": t.state.name if t.state else None,
@@ -208,6 +214,10 @@ def print_report(rep: dict[str, Any], show_tasks: bool) -> None:
         states = ", ".join(f"{k} {v}" for k, v in sorted(st["states"].items()))
         table.add_row(name, str(st["tasks"]), states, ", ".join(map(str, st["failed_shards"])) or "")
     console.print(table)
+    if rep.get("settling"):
+        err.print(f"[bold yellow]the server is still writing {rep['settling']} task runs' final states[/] (the run "
+                  "has ended; Prefect sends task-run states over its events stream and writes them behind it): "
+                  "these counts are not settled; run `draftline status` again in a minute.")
     if rep.get("children"):
         t3 = Table(title="child runs (slices of a stage's shards on other nodes)")
         for col in ("child run", "stage", "state", "worker", "shards"):
