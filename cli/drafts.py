@@ -16,7 +16,7 @@ from tasks.benchmark.results import find_report, load_report
 from tasks.core.config import ConfigError, RunConfig, head_config, load_config
 from tasks.engine.target import load_hf_config, resolve_model
 from tasks.extract.shards import plan_extract
-from tasks.store.artifacts import canonical_uri
+from tasks.store.location import canonical_uri
 
 
 def resolve_train(store: Any, what: str, config: Any | None = None,

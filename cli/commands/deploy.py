@@ -42,7 +42,7 @@ from flows.release import code_commit
 from flows.started_runs import record_started
 from tasks.core.config import STAGES, STORE_URI_ENV, check_until, load_config
 from tasks.core.secrets import WORKER_FIX, refuse_secrets
-from tasks.store.artifacts import s3_endpoint
+from tasks.store.location import s3_endpoint
 
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
 

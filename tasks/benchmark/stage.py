@@ -74,7 +74,8 @@ from tasks.benchmark.results import find_report  # noqa: F401  (the stage's read
 from tasks.core.config import RunConfig
 from tasks.engine.settings import benchmark_kwargs, engine_env
 from tasks.core.faults import kill_point
-from tasks.store.artifacts import Artifact, ArtifactRef, Store
+from tasks.store.artifacts import ArtifactRef, Store
+from tasks.store.reader import Artifact
 from tasks.store.stages import Stage
 
 DRAFT_FILES = ("draft/config.json", "draft/model.safetensors")

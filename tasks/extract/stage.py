@@ -42,7 +42,8 @@ from tasks.address import digests
 from tasks.extract.shards import STAGE, STAGE_ARTIFACT, ExtractError, ExtractShard, ProgressCallback, plan_extract  # noqa: F401
 from tasks.extract.verify import StateCheck, pooled_failure, summarize, verifier_head
 from tasks.formats.parts import PartBuffer
-from tasks.store.artifacts import ArtifactRef, ArtifactWriter, Store
+from tasks.store.artifacts import ArtifactRef, Store
+from tasks.store.writer import ArtifactWriter
 from tasks.store.stages import ShardedStage
 
 # ============================================================================ the stage

@@ -6,7 +6,7 @@ fight for the same devices' memory): the flow's task takes the lock of the artif
 (`address_lock`) before it computes, so the second run waits, finds the first one's artifact committed
 and reuses it (flows/caching.py). The lock only saves duplicated work: what is finished is decided by the
 store's manifest alone, and two writers of one address are kept apart by their attempt folders
-(tasks/store/artifacts.py), so taking over a lock that was not really dead costs work, never data.
+(tasks/store/writer.py), so taking over a lock that was not really dead costs work, never data.
 
 A lock is a file `STORE/_locks/STAGE-DIGEST.lock` recording its owner (host, boot, pid, process start time:
 tasks/core/owners.py) and a lease that a thread of the holding process renews. A waiter takes a lock over
