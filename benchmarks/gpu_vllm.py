@@ -194,7 +194,7 @@ def dspark(args) -> None:
     started again. Writes the acceptance per eval and batch size, the engines started or reused, and the
     draft's fc-sizing block (what vLLM 0.26 reads) to `args.out`."""
     from tasks.benchmark.stage import load_report, run_benchmark
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
     from tasks.core.home import apply_env_defaults
     from tasks.store.artifacts import Store
 

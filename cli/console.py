@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 from rich.console import Console, ConsoleDimensions
 
-from tasks.core.config import load_config
+from tasks.core.config_load import load_config
 from tasks.core.secrets import mask
 from tasks.store.artifacts import Store
 

@@ -32,7 +32,10 @@ from flows.report_artifacts import Progress, publish_summary
 from flows.run_record import RunRecord, announce, finish_stage
 from tasks.benchmark.serve import run_serve
 from tasks.benchmark.stage import STAGE_DEF as BENCHMARK, load_report
-from tasks.core.config import ConfigError, HeadConfig, RunConfig, STAGES, check_until, head_config, load_config
+from tasks.core.config import HeadConfig, RunConfig, STAGES, head_config
+from tasks.core.config_load import load_config
+from tasks.core.errors import ConfigError
+from tasks.core.stages import check_until
 from tasks.core.stages import task_name
 from tasks.core.faults import fail_point
 from tasks.data.vocab import STAGE_DEF as VOCAB

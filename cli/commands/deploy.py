@@ -40,7 +40,9 @@ from flows.flow_runs import EXTRACT_FLOW, FLOW_NAME, OpsError, slice_deployment
 from flows.preflight import remote_code_problem, remote_code_tag
 from flows.release import code_commit
 from flows.started_runs import record_started
-from tasks.core.config import STAGES, STORE_URI_ENV, check_until, load_config
+from tasks.core.config import STAGES
+from tasks.core.config_load import STORE_URI_ENV, load_config
+from tasks.core.stages import check_until
 from tasks.core.secrets import WORKER_FIX, refuse_secrets
 from tasks.store.location import s3_endpoint
 

@@ -29,7 +29,8 @@ from rich.table import Table
 
 from cli.console import ROOT, SetOpt, StoreOpt, console, fail, gb, with_store
 from cli.prefect_api import api_url, client
-from tasks.core.config import STORE_URI_ENV, ConfigError, load_config
+from tasks.core.config_load import STORE_URI_ENV, load_config
+from tasks.core.errors import ConfigError
 from tasks.core.home import cache_home
 from tasks.engine.vllm_versions import VLLM_BELOW, VLLM_OLDEST, supported
 from tasks.engine.weights import WeightsError, disk_needed, local_target

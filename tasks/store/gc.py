@@ -9,14 +9,11 @@ import contextlib
 import json
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tasks.core import owners
 from tasks.store.model import ArtifactCorrupt
 from tasks.store.trust import RECORD_CAP, read_capped
-
-if TYPE_CHECKING:
-    from tasks.store.artifacts import Store
 
 # Attempt folders of draftline before owner records (`a<time>-<host tag>-<pid>-<8 hex>`): still draftline's
 # leftovers, but the tag cannot tell hosts apart, so they go by age only.
@@ -30,7 +27,7 @@ def is_attempt_name(name: str) -> bool:
     return (parsed is not None and parsed["kind"] == "attempt") or bool(_LEGACY_ATTEMPT_RE.match(name))
 
 
-def garbage_detail(store: Store, min_age_s: float = 3600) -> list[dict[str, Any]]:
+def garbage_detail(store: Any, min_age_s: float = 3600) -> list[dict[str, Any]]:
     """`Store.garbage` with each leftover's age in seconds and its writer (its owner record, alive?).
 
     Only under a marked store (`collectable`; NotAStore otherwise), and only what draftline names:
@@ -75,7 +72,7 @@ def garbage_detail(store: Store, min_age_s: float = 3600) -> list[dict[str, Any]
     return out
 
 
-def _attempt_owner(store: Store, key: str) -> dict[str, Any]:
+def _attempt_owner(store: Any, key: str) -> dict[str, Any]:
     """The attempt's owner record ({} for none) with `alive`: True/False on this machine, None elsewhere."""
     try:
         record = json.loads(read_capped(store.fs, f"{key}/{owners.OWNER_FILE}", RECORD_CAP, store.is_local))
@@ -86,7 +83,7 @@ def _attempt_owner(store: Store, key: str) -> dict[str, Any]:
     return {**record, "alive": owners.alive(record)}
 
 
-def _age(store: Store, key: str, now: float) -> float:
+def _age(store: Any, key: str, now: float) -> float:
     try:
         newest = 0.0
         for _path, info in store.fs.find(key, detail=True, withdirs=False).items() if store.fs.isdir(key) else [(key, store.fs.info(key))]:
@@ -99,7 +96,7 @@ def _age(store: Store, key: str, now: float) -> float:
         return float("inf")
 
 
-def collect(store: Store, min_age_s: float = 3600) -> list[str]:
+def collect(store: Any, min_age_s: float = 3600) -> list[str]:
     """Delete what `garbage_detail` finds; the keys deleted."""
     removed = [g["key"] for g in garbage_detail(store, min_age_s)]
     for key in removed:

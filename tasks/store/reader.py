@@ -11,14 +11,11 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, Iterator
+from typing import IO, Any, Iterator
 
 from tasks.core import owners
 from tasks.store.model import ArtifactCorrupt, ArtifactRef, Manifest
 from tasks.store.trust import safe_join
-
-if TYPE_CHECKING:
-    from tasks.store.artifacts import Store
 
 HASH_CHUNK = 8 << 20  # a file is hashed (and copied from a local path) this many bytes at a time
 _COPY_CHUNK = 16 << 20  # ranged GETs of a streamed copy (Artifact.copy_to)
@@ -29,7 +26,7 @@ _COPY_INFLIGHT = 4  # ... in flight at once
 class Artifact:
     """A committed artifact opened for reading."""
 
-    store: "Store"
+    store: Any  # the Store it was read from (tasks/store/artifacts.py)
     manifest: Manifest
 
     @property

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, TYPE_CHECKING, Any, Iterator
+from typing import IO, Any, Iterator
 
 from tasks.core import owners
 from tasks.core.faults import kill_point
@@ -23,9 +23,6 @@ from tasks.store.model import COMMITTED_HERE, FileEntry, Manifest, StoreError
 from tasks.store.reader import HASH_CHUNK, Artifact
 from tasks.store.trust import check_name, check_relpath
 from tasks.store.uploads import open_for_write
-
-if TYPE_CHECKING:
-    from tasks.store.artifacts import Store
 
 _OWNER_BEAT_S = 60  # a writer refreshes its attempt's owner record (its lease) at most this often
 _KILL_MID_FILE_BYTES = 4096  # tasks/core/faults.py: `store.STAGE.mid-file` fires once a file holds this much
@@ -73,7 +70,7 @@ def now() -> str:
 class ArtifactWriter:
     """Collects the files of one attempt, then publishes them with the manifest."""
 
-    def __init__(self, store: "Store", stage: str, digest: str, version: str, inputs: dict[str, str],
+    def __init__(self, store: Any, stage: str, digest: str, version: str, inputs: dict[str, str],
                  config: dict[str, Any] | None = None):
         self.store = store
         self.stage = check_name("stage", stage)

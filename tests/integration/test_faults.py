@@ -444,7 +444,7 @@ def test_two_runs_of_one_config_at_once(prefect_server, tmp_path):
     local store; tasks/store/leases.py) makes the second wait, find the first's manifest and reuse it. Without a shared lock (two
     machines), both compute and both commit: the manifest that lands last names a complete set of
     files, and the two copies are identical."""
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
 
     store_uri = f"file://{tmp_path}/store"
     args = ["run", "tests/configs/deploy-small.yaml", "--until", "prepare", "--json", "--set", f"store.uri={store_uri}"]

@@ -177,7 +177,7 @@ def test_the_stage_registry_imports_neither_torch_nor_prefect():
     """The registry (tasks/core/stages.py) and what derives from it outside the flow (the config's STAGES, the
     store folders, the task-name parser) load no HEAVY library, as vLLM's CLI and model registry do not."""
     assert imported_by("import tasks.core.stages") == []
-    assert imported_by("import tasks.core.config, tasks.address.digests, cli.prefect_api") == []
+    assert imported_by("import tasks.core.config, tasks.core.config_load, tasks.address.digests, cli.prefect_api") == []
     assert "tasks.core.stages" not in heavy_modules()
 
 
@@ -201,7 +201,8 @@ for taken in (stages.StageEntry("distill", "m"), stages.StageEntry("other", "m",
         raise SystemExit(f"{{taken}} registered twice")
     except ValueError as e:
         assert "is registered already" in str(e), e
-from tasks.core.config import STAGES, check_until
+from tasks.core.config import STAGES
+from tasks.core.stages import check_until
 from tasks.address.digests import STAGE_FOLDERS
 from cli.prefect_api import shard_of, stage_of
 assert STAGES[-1] == "distill" and check_until("distill") == "distill", STAGES

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from tasks.address import digests
-from tasks.core.config import RunConfig, load_config
+from tasks.core.config import RunConfig
+from tasks.core.config_load import load_config
 from tasks.formats.drafts import DraftError, check_compatible, content_digest, remap_rows
 from tasks.benchmark.serve import best_k, export_draft, run_serve, serve_command
 from tasks.store.artifacts import Store

@@ -256,7 +256,7 @@ def test_default_layer_ids_come_from_the_text_config(kimi):
     assert validate_layer_ids(ids, LAYERS) == ids == resolve_layer_ids(kimi.cfg, kimi.hf)
     assert [(p.layer_ids, p.hidden_size, p.num_layers) for p in kimi.plans] == [(ids, HIDDEN, LAYERS)] * 2
     # the real model's shape (61 decoder layers under text_config) gives the preset's ids
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
     from transformers.models.kimi_k25 import Kimi_K25Config
 
     real = Kimi_K25Config(text_config={"model_type": "kimi_k2", "num_hidden_layers": 61, "hidden_size": 7168})

@@ -16,7 +16,9 @@ import torch
 from safetensors.torch import load as st_load
 
 from tasks.address import digests
-from tasks.core.config import ConfigError, HeadConfig, RunConfig, head_config, load_config
+from tasks.core.config import HeadConfig, RunConfig, head_config
+from tasks.core.config_load import load_config
+from tasks.core.errors import ConfigError
 from tasks.store.artifacts import Store
 from tasks.train.stage import run_train
 from tasks.train import TrainError
