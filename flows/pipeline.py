@@ -480,5 +480,6 @@ def _publish_summary(rec: RunRecord) -> None:
                      "failed": r.failed, "seconds": r.seconds, "artifact": r.artifact or ""})
     try:
         create_table_artifact(rows, key="run-summary", description=f"draftline run: {rec.state}")
-    except Exception:
-        pass
+    except Exception as exc:  # noqa: BLE001 - the UI's view only; the run's record holds the same rows
+        get_run_logger().warning(f"the run-summary table was not published to the Prefect UI "
+                                 f"({type(exc).__name__}: {exc}); `draftline status` shows the same stages")
