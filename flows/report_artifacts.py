@@ -76,7 +76,7 @@ class Progress:
                 self.id = create_progress_artifact(0.0, key=key, description=description)
                 return
             except Exception as exc:  # noqa: BLE001 - the bar is the UI's view only; the run goes on without it
-                from prefect.context import FlowRunContext  # only where a bar cannot be made, to tell why
+                from prefect.context import FlowRunContext  # heavy (prefect): only where a bar fails, to tell why
 
                 if FlowRunContext.get() is None:  # outside a flow: no bar to make
                     return

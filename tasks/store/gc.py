@@ -13,7 +13,8 @@ from typing import Any
 
 from tasks.core import owners
 from tasks.store.model import ArtifactCorrupt
-from tasks.store.trust import RECORD_CAP, read_capped
+from tasks.core.capped import RECORD_CAP
+from tasks.store.trust import read_capped
 
 # Attempt folders of draftline before owner records (`a<time>-<host tag>-<pid>-<8 hex>`): still draftline's
 # leftovers, but the tag cannot tell hosts apart, so they go by age only.

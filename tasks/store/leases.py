@@ -37,7 +37,8 @@ from typing import Any, Iterator
 from tasks.core import owners, stopping
 from tasks.core.errors import DraftlineError
 from tasks.store.artifacts import Store
-from tasks.store.trust import RECORD_CAP, RefusedStoreFile, read_capped
+from tasks.core.capped import RECORD_CAP
+from tasks.store.trust import RefusedStoreFile, read_capped
 
 FORMAT = "draftline-lease-1"
 DEFAULT_WAIT_S = 3600.0

@@ -373,3 +373,42 @@ def test_every_error_has_the_one_root():
                 if bases & builtin and "DraftlineError" not in bases:
                     found.append(f"{m}.{node.name}")
     assert found == []
+
+
+def defined_names(path: Path) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments, imports, also inside a
+    top-level if/try/with), as `from MODULE import NAME` finds them."""
+    out: set[str] = set()
+    todo = list(ast.parse(path.read_text()).body)
+    while todo:
+        n = todo.pop()
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in n.names)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                out.update(x.id for x in ast.walk(t) if isinstance(x, ast.Name))
+        elif isinstance(n, (ast.If, ast.Try, ast.With, ast.For)):
+            todo += [c for c in ast.iter_child_nodes(n) if isinstance(c, ast.stmt)]
+            todo += [s for h in getattr(n, "handlers", []) for s in h.body]
+    return out
+
+
+def test_every_name_imported_from_the_project_exists():
+    """A benchmark, a test or a module that imports a name a project module no longer defines fails only when
+    it runs (benchmarks/bench_identity.py imported the benchmark stage's removed `engine_kwargs`): every
+    `from tasks/flows/cli... import NAME` here, at any depth, names what that module defines or a submodule."""
+    mods = modules()
+    files = [p for d in ("tasks", "flows", "cli", "benchmarks", "tests") for p in sorted((ROOT / d).rglob("*.py"))]
+    defined: dict[str, set[str]] = {}
+    missing = []
+    for p in files:
+        for node in import_nodes(p, top_level_only=False):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module not in mods:
+                continue
+            have = defined.setdefault(node.module, defined_names(mods[node.module]))
+            missing += [f"{p.relative_to(ROOT)}:{node.lineno} imports {a.name} from {node.module}"
+                        for a in node.names if a.name != "*" and a.name not in have
+                        and f"{node.module}.{a.name}" not in mods]
+    assert missing == []
