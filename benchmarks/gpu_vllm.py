@@ -193,7 +193,8 @@ def dspark(args) -> None:
     the pipeline's benchmark already measured there (its baseline, the DSpark head at that k) are reused, not
     started again. Writes the acceptance per eval and batch size, the engines started or reused, and the
     draft's fc-sizing block (what vLLM 0.26 reads) to `args.out`."""
-    from tasks.benchmark.stage import load_report, run_benchmark
+    from tasks.benchmark.results import load_report
+    from tasks.benchmark.stage import run_benchmark
     from tasks.core.config_load import load_config
     from tasks.core.home import apply_env_defaults
     from tasks.store.artifacts import Store

@@ -31,7 +31,8 @@ from flows.started_runs import record_started
 from flows.report_artifacts import Progress, publish_summary
 from flows.run_record import RunRecord, announce, finish_stage
 from tasks.benchmark.serve import run_serve
-from tasks.benchmark.stage import STAGE_DEF as BENCHMARK, load_report
+from tasks.benchmark.results import load_report
+from tasks.benchmark.stage import STAGE_DEF as BENCHMARK
 from tasks.core.config import HeadConfig, RunConfig, STAGES, head_config
 from tasks.core.config_load import load_config
 from tasks.core.errors import ConfigError

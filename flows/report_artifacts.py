@@ -1,7 +1,7 @@
 """What a run shows in the Prefect UI besides its task runs: each stage's progress bar, and the
 benchmark report as a table artifact and a markdown artifact with the plot.
 
-`publish_summary(report)` takes report.json (as `tasks.benchmark.stage.load_report` returns it),
+`publish_summary(report)` takes report.json (as `tasks.benchmark.results.load_report` returns it),
 so a cached benchmark publishes the same figures, with the run that measured them.
 """
 

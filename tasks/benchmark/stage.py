@@ -67,10 +67,8 @@ from tasks.benchmark.results import (
     greedy_identity,
     head_entry,
     head_table,
-    load_report,
     report_stats,
 )
-from tasks.benchmark.results import find_report  # noqa: F401  (the stage's readers, re-exported)
 from tasks.core.config import RunConfig
 from tasks.engine.settings import benchmark_kwargs, engine_env
 from tasks.core.faults import kill_point

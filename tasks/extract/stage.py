@@ -39,7 +39,7 @@ from tasks.core.faults import kill_point
 from tasks.engine.process import EngineProcess
 from tasks.engine.target import load_hf_config, resolve_model
 from tasks.address import digests
-from tasks.extract.shards import STAGE, STAGE_ARTIFACT, ExtractError, ExtractShard, ProgressCallback, plan_extract  # noqa: F401
+from tasks.extract.shards import STAGE, STAGE_ARTIFACT, ExtractError, ExtractShard, ProgressCallback, plan_extract
 from tasks.extract.verify import StateCheck, pooled_failure, summarize, verifier_head
 from tasks.formats.parts import PartBuffer
 from tasks.store.artifacts import ArtifactRef, Store

@@ -36,7 +36,7 @@ from tasks.core.config import StoreConfig
 from tasks.store import gc as _gc
 from tasks.store.location import canonical_uri, resolve_credentials
 from tasks.store.manifests import read_manifests
-from tasks.store.model import (MANIFEST, ArtifactCorrupt, ArtifactMissing, ArtifactRef,  # noqa: F401
+from tasks.store.model import (MANIFEST, ArtifactCorrupt, ArtifactMissing, ArtifactRef,
                                BucketMissing, Manifest, NotAStore, StoreError)
 from tasks.store.reader import Artifact
 from tasks.store.trust import MANIFEST_CAP, NAME_RE as _NAME_RE, RefusedStoreFile, check_name, read_capped
