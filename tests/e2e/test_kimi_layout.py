@@ -261,7 +261,7 @@ def test_default_layer_ids_come_from_the_text_config(kimi):
 
     real = Kimi_K25Config(text_config={"model_type": "kimi_k2", "num_hidden_layers": 61, "hidden_size": 7168})
     assert type(text_config(real)).__name__ == "DeepseekV3Config"  # transformers reads the hub's kimi_k2 as DeepSeek-V3
-    preset = load_config(Path(__file__).resolve().parents[3] / "configs" / "kimi-k2.5-b300.yaml")
+    preset = load_config(Path(__file__).resolve().parents[2] / "configs" / "kimi-k2.5-b300.yaml")
     assert default_layer_ids(text_config(real).num_hidden_layers) == [2, 30, 58, 61] == preset.extract.layer_ids
     with pytest.raises(TargetError, match=r"last id must be 6 .*e\.g\. \[1, 3, 4, 6\]"):
         validate_layer_ids([2, 30, 58, 61], text_config(kimi.hf).num_hidden_layers)
