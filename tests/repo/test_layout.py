@@ -69,7 +69,11 @@ def test_tasks_is_packages_each_saying_what_lives_there():
     for pkg in TASK_PACKAGES:
         init = ROOT / "tasks" / pkg / "__init__.py"
         tree = ast.parse(init.read_text())
-        assert ast.get_docstring(tree), f"tasks/{pkg}/__init__.py says what lives in the package"
+        doc = ast.get_docstring(tree)
+        assert doc, f"tasks/{pkg}/__init__.py says what lives in the package"
+        unnamed = [m.name for m in sorted((ROOT / "tasks" / pkg).glob("*.py"))
+                   if m.name != "__init__.py" and m.name not in doc]
+        assert unnamed == [], f"tasks/{pkg}/__init__.py does not say what {unnamed} hold"
         heavy = {(n.module or "") if isinstance(n, ast.ImportFrom) else a.name
                  for n in import_nodes(init, True) for a in n.names}
         heavy = {m for m in heavy if m.split(".")[0] not in sys.stdlib_module_names
