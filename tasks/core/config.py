@@ -43,6 +43,17 @@ def with_scheme(uri: str) -> str:
     return uri if "://" in uri else "file://" + uri
 
 
+def canonical_uri(uri: str) -> str:
+    """One store, one URI, however it is written: a bare folder gets `file://`; a file:// folder is made absolute
+    (relative to the current folder, `~` expanded, symlinks resolved); no trailing slash. `file://.draftline/store`,
+    `file:///CHECKOUT/.draftline/store/` and `.draftline/store` run from the checkout are one store. Every comparison
+    of store URIs compares these (the Store's own `uri` is one)."""
+    scheme, rest = with_scheme(uri).split("://", 1)
+    if scheme == "file":
+        return f"file://{Path(rest).expanduser().resolve()}"
+    return f"{scheme}://{rest.rstrip('/')}"
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 

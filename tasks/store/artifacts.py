@@ -32,9 +32,9 @@ from typing import Any, Callable, Iterator
 
 import fsspec
 
-from tasks.core.config import StoreConfig
+from tasks.core.config import StoreConfig, canonical_uri
 from tasks.store import gc as _gc
-from tasks.store.location import canonical_uri, resolve_credentials
+from tasks.store.location import resolve_credentials
 from tasks.store.manifests import read_manifests
 from tasks.store.model import (MANIFEST, ArtifactCorrupt, ArtifactMissing, ArtifactRef,
                                BucketMissing, Manifest, NotAStore, StoreError)

@@ -1,4 +1,5 @@
-"""Where a store is and how to reach it: one canonical URI per store, the S3 endpoint, and s3fs's options.
+"""How to reach a store: the S3 endpoint and s3fs's options (the one canonical URI of a store is the config's,
+tasks/core/config.py `canonical_uri`).
 
 Credentials never pass through here as arguments: s3fs/botocore read AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
 AWS_SESSION_TOKEN / AWS_PROFILE from the environment (or a prefect-aws block fills them in, see
@@ -8,26 +9,15 @@ AWS_SESSION_TOKEN / AWS_PROFILE from the environment (or a prefect-aws block fil
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
-from tasks.core.config import StoreConfig, with_scheme
+from tasks.core.config import StoreConfig
 from tasks.store.model import StoreError
 from tasks.store.uploads import upload_options
 
 # botocore "standard" retries per S3 request (backoff: random up to 1, 2, 4, ... 20 s between attempts).
 S3_MAX_ATTEMPTS = 8
 
-
-def canonical_uri(uri: str) -> str:
-    """One store, one URI, however it is written: a bare folder gets `file://`; a file:// folder is made absolute
-    (relative to the current folder, `~` expanded, symlinks resolved); no trailing slash. `file://.draftline/store`,
-    `file:///CHECKOUT/.draftline/store/` and `.draftline/store` run from the checkout are one store. Every comparison
-    of store URIs compares these (the Store's own `uri` is one)."""
-    scheme, rest = with_scheme(uri).split("://", 1)
-    if scheme == "file":
-        return f"file://{Path(rest).expanduser().resolve()}"
-    return f"{scheme}://{rest.rstrip('/')}"
 
 def s3_endpoint(cfg: StoreConfig | None = None) -> str | None:
     """The S3 endpoint: `store.endpoint_url`, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL; None means AWS."""
