@@ -86,7 +86,8 @@ import torch  # noqa: E402
 
 from bench_train import clear_checkpoints, free_memory, run_speculators, speculators_dataset  # noqa: E402
 from tasks.address import digests  # noqa: E402
-from tasks.core.config import EvalConfig, RunConfig, load_config  # noqa: E402
+from tasks.core.config import EvalConfig, RunConfig  # noqa: E402
+from tasks.core.config_load import load_config  # noqa: E402
 from tasks.store.artifacts import Store  # noqa: E402
 from tasks.train.dist import DistEnv  # noqa: E402
 from tasks.train.inputs import resolve_inputs  # noqa: E402

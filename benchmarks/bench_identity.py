@@ -14,7 +14,7 @@ step, which is what changes the kernels' shapes; acceptance is beside the point 
 decodes every prompt set at every batch size in `--batch-sizes`, then once more at the first and the
 last (the repeat: run-to-run noise). Printed, per engine and prompt set: for every decode, the requests
 whose outputs differ from the baseline's decode at the largest batch size and the first differing token.
-Engine settings are the benchmark stage's (`tasks.benchmark.stage.engine_kwargs`: enforce_eager, seed 0).
+Engine settings are the benchmark stage's (`tasks.engine.settings.benchmark_kwargs`).
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-    from tasks.benchmark.stage import default_engine_factory, engine_kwargs
+    from tasks.benchmark.stage import default_engine_factory
     from tasks.core.config import RunConfig
+    from tasks.engine.settings import benchmark_kwargs
     from tasks.engine.target import resolve_model
     from tests.unit.benchmark.test_benchmark import make_random_draft
 
@@ -88,7 +89,7 @@ def main() -> int:
                     make_random_draft(model, draft)
                 spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k}
             name = "baseline" if not k else f"eagle3 k={k}"
-            kw = engine_kwargs(cfg, spec)
+            kw = benchmark_kwargs(cfg, spec, model)
             engine = default_engine_factory(cfg, model)(name, kw)
             engine.start()
             try:

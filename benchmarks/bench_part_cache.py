@@ -36,7 +36,8 @@ import torch  # noqa: E402
 
 from tasks.store.part_cache import PartCache  # noqa: E402
 from tasks.formats.parts import PartBuffer  # noqa: E402
-from tasks.store.artifacts import Artifact, Store  # noqa: E402
+from tasks.store.artifacts import Store  # noqa: E402
+from tasks.store.reader import Artifact  # noqa: E402
 from tasks.train.stream import BatchStream, PartReader, PartSpec  # noqa: E402
 
 

@@ -45,7 +45,8 @@ def hexd(*parts) -> str:
 def build(uri: str, shards: int) -> str:
     """The store; returns the train digest."""
     from tasks.address import digests
-    from tasks.core.config import StoreConfig, load_config
+    from tasks.core.config import StoreConfig
+    from tasks.core.config_load import load_config
     from tasks.store.artifacts import ArtifactRef, Store
 
     cfg = load_config(CONFIG, [*SETS, f"store.uri={uri}"])

@@ -139,18 +139,18 @@ def bare_multipart(fs, bucket: str, prefix: str, data: bytes, copies: int, write
 @contextlib.contextmanager
 def s3fs_own_writer():
     """ArtifactWriter.open through s3fs's `fs.open(key, "wb")` (the writer before tasks/store/uploads.py)."""
-    import tasks.store.artifacts as artifacts
+    import tasks.store.writer as writer
 
     @contextlib.contextmanager
     def plain(fs, path):
         with fs.open(path, "wb") as fh:
             yield fh
-    old = artifacts.open_for_write
-    artifacts.open_for_write = plain
+    old = writer.open_for_write
+    writer.open_for_write = plain
     try:
         yield
     finally:
-        artifacts.open_for_write = old
+        writer.open_for_write = old
 
 
 def side_by_side(name: str, rounds: int, store_fn, medium_fn, extra: dict) -> dict:

@@ -172,7 +172,7 @@ def prepare(args) -> None:
 
 
 def report(args) -> None:
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
     from tasks.store.artifacts import Store
 
     d = Path(args.dir)

@@ -10,7 +10,7 @@ own commands and stage code:
 serve ...`), one chat request through the OpenAI API, and the spec-decode counters of /metrics: drafts and
 accepted tokens above zero, the server's start seconds.
 
-`kimi` (item e): a tiny random-init Kimi-K2.5-layout repository built as the hub has it (tests/unit/extract/test_kimi_layout.py
+`kimi` (item e): a tiny random-init Kimi-K2.5-layout repository built as the hub has it (tests/e2e/test_kimi_layout.py
 `tiny_kimi`: MLA, routed + shared experts, the VLM wrapper), served by the stand-in hub (tests/support/hub_server.py),
 fetched with `draftline weights`, then `draftline run --until extract` through vLLM from exactly what was fetched.
 
@@ -138,7 +138,7 @@ def kimi(args) -> None:
     t0 = time.time()
     repo = Path(args.repo) if args.repo else root / "repo"
     if not args.repo:  # built here (transformers with Kimi-K2.5's classes), else carried as built elsewhere
-        from tests.unit.extract.test_kimi_layout import tiny_kimi  # the tests' builder (imports pytest)
+        from tests.e2e.test_kimi_layout import tiny_kimi  # the tests' builder (imports pytest)
 
         repo.mkdir(parents=True, exist_ok=True)
         tiny_kimi(repo)
@@ -193,8 +193,9 @@ def dspark(args) -> None:
     the pipeline's benchmark already measured there (its baseline, the DSpark head at that k) are reused, not
     started again. Writes the acceptance per eval and batch size, the engines started or reused, and the
     draft's fc-sizing block (what vLLM 0.26 reads) to `args.out`."""
-    from tasks.benchmark.stage import load_report, run_benchmark
-    from tasks.core.config import load_config
+    from tasks.benchmark.results import load_report
+    from tasks.benchmark.stage import run_benchmark
+    from tasks.core.config_load import load_config
     from tasks.core.home import apply_env_defaults
     from tasks.store.artifacts import Store
 

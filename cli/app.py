@@ -15,7 +15,7 @@ import typer
 from typer.core import TyperGroup
 
 from cli.commands import check, config, deploy, doctor, export, plan, report, run, runs, store, weights
-from cli.console import fail
+from cli.console import fail, help_paragraphs
 from cli.prefect_api import api_problem
 from tasks.core.errors import DraftlineError
 
@@ -56,11 +56,16 @@ def _main(_v: bool = typer.Option(False, "--version", "-V", callback=_version, i
     pass
 
 
-config_app.command("show")(config.show)
-store_app.command("init")(store.init)
+def _register(group: typer.Typer, name: str, command) -> None:
+    """A command under NAME, its docstring as help paragraphs (lines joined: rich wraps them to the terminal)."""
+    group.command(name, help=help_paragraphs(command.__doc__))(command)
+
+
+_register(config_app, "show", config.show)
+_register(store_app, "init", store.init)
 for _command in (run.run, store.ls, store.gc, report.report, doctor.doctor, deploy.deploy, deploy.submit, runs.status,
                  runs.retry, runs.ui, runs.logs, plan.plan, weights.weights, export.export, check.check):
-    app.command(_command.__name__)(_command)
+    _register(app, _command.__name__, _command)
 
 
 def main() -> None:  # pragma: no cover

@@ -8,17 +8,25 @@ terminal): a URL or a path in a message stays on one line for `grep` and for cop
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console, ConsoleDimensions
 
-from tasks.core.config import load_config
+from tasks.core.config_load import load_config
 from tasks.core.secrets import mask
 from tasks.store.artifacts import Store
 
 ROOT = Path(__file__).resolve().parents[1]
+
+def help_paragraphs(doc: str | None) -> str:
+    """A docstring as `--help` shows it: its paragraphs (blank-line separated) each one line, which rich wraps to
+    the terminal's width; a docstring's own line breaks would cut sentences wherever the source was wrapped."""
+    paragraphs = inspect.cleandoc(doc or "").split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs if p.strip())
+
 
 # The width of output that is not a terminal: wide enough that no line a command prints is folded.
 PIPE_WIDTH = 100_000

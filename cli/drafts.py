@@ -13,10 +13,11 @@ from flows.started_runs import params_digest, started_here
 from tasks.address import digests
 from tasks.benchmark.serve import ExportError, run_serve
 from tasks.benchmark.results import find_report, load_report
-from tasks.core.config import ConfigError, RunConfig, head_config, load_config
+from tasks.core.config import RunConfig, canonical_uri, head_config
+from tasks.core.config_load import load_config
+from tasks.core.errors import ConfigError
 from tasks.engine.target import load_hf_config, resolve_model
 from tasks.extract.shards import plan_extract
-from tasks.store.artifacts import canonical_uri
 
 
 def resolve_train(store: Any, what: str, config: Any | None = None,

@@ -2,7 +2,7 @@
 
 - on the store, only under a root that holds draftline's store marker (`Store.collectable`): attempt folders
   named as draftline names them that no manifest names, and manifest temp files
-  (tasks/store/artifacts.py `garbage_detail`);
+  (tasks/store/gc.py `garbage_detail`);
 - stale locks of a file:// store (tasks/store/leases.py, in STORE/_locks and, left by versions that locked
   through Prefect, STORE/_prefect/locks): a dead holder's, an expired lease's, or an older version's (which
   were never released when their run was killed). Nothing else under STORE/_prefect is touched;

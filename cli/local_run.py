@@ -19,8 +19,8 @@ from cli.console import console, err
 from flows import interrupts
 from flows.run_record import RunRecord, recording
 from tasks.benchmark.report import render_terminal
-from tasks.benchmark.stage import find_report
-from tasks.core.config import load_config
+from tasks.benchmark.results import find_report
+from tasks.core.config_load import load_config
 from tasks.extract.verify import summary_line
 from tasks.store.artifacts import Store
 

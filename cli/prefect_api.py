@@ -12,6 +12,7 @@ from __future__ import annotations
 # command's --help would wait for it.
 
 import datetime as dt
+import logging
 import re
 import subprocess
 import time
@@ -287,8 +288,9 @@ def progress_line(c: Any, run: Any) -> str:
             flow_run_id=ArtifactFilterFlowRunId(any_=[r.id for r in runs]), type=ArtifactFilterType(any_=["progress"])))
         for a in sorted(arts, key=lambda a: a.updated or a.created):
             bars[(a.key or "").removesuffix("-progress")] = a
-    except Exception:  # noqa: BLE001 - progress is a courtesy; the states above stand
-        pass
+    except Exception as exc:  # noqa: BLE001 - progress is a courtesy; the states above stand
+        logging.getLogger("draftline.status").warning(
+            f"progress bars of run {run.name} not read ({type(exc).__name__}: {exc}); showing the task states only")
     parts = []
     for name in sorted(stages, key=lambda s: STAGES.index(s) if s in STAGES else 99):
         done, total, running = stages[name]

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.core.config import CHECKOUT as ROOT
-from tasks.core.config import ConfigError, read_config_file
+from tasks.core.config_load import CHECKOUT as ROOT, read_config_file
+from tasks.core.errors import ConfigError
 from tasks.core.errors import DraftlineError
 
 FLOW_NAME = "draftline"

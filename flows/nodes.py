@@ -86,8 +86,9 @@ def _publish_check(record: StageRecord, refs: list[ArtifactRef], errors: list[st
     try:
         create_markdown_artifact(markdown([r.stats for r in refs], errors), key="extraction-check",
                                  description="Stored hidden states against the engine's next token")
-    except Exception:  # noqa: BLE001 - the UI's view only; the figures are in the summary and the manifests
-        pass
+    except Exception as exc:  # noqa: BLE001 - the UI's view only; the figures are in the summary and the manifests
+        logger.warning(f"extract: the extraction-check artifact was not published to the Prefect UI "
+                       f"({type(exc).__name__}: {exc}); its figures are in the run's summary and the manifests")
 
 
 def child_deployment(cfg: RunConfig) -> str:

@@ -15,7 +15,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from tasks.core.config import CHECKOUT as ROOT
+from tasks.core.config_load import CHECKOUT as ROOT
 
 
 def code_version(code_dir: Path) -> str | None:

@@ -1,17 +1,14 @@
 """What a run shows in the Prefect UI besides its task runs: each stage's progress bar, and the
 benchmark report as a table artifact and a markdown artifact with the plot.
 
-`publish_summary(report)` takes report.json (as `tasks.benchmark.stage.load_report` returns it),
+`publish_summary(report)` takes report.json (as `tasks.benchmark.results.load_report` returns it),
 so a cached benchmark publishes the same figures, with the run that measured them.
 """
 
 from __future__ import annotations
 
-# Prefect's run context is imported where a bar cannot be made, to tell why (the heavy import is already paid
-# by the artifacts above).
-
+import logging
 import time
-
 from typing import Any
 
 from prefect.artifacts import (
@@ -27,6 +24,8 @@ from tasks.benchmark.results import head_table
 TABLE_KEY = "benchmark"
 HEADS_KEY = "benchmark-heads"
 MARKDOWN_KEY = "benchmark-report"
+# the terminal and the Prefect UI (PREFECT_LOGGING_EXTRA_LOGGERS gives "draftline" Prefect's API handler)
+log = logging.getLogger("draftline.ui")
 
 
 def summary_markdown(report: dict[str, Any], embed_plot: bool = True) -> str:
@@ -69,18 +68,23 @@ class Progress:
 
     def __init__(self, key: str, description: str):
         self.id = None
+        self.key = key
         self.last = -1.0
+        self.warned = False
         for attempt in range(3):  # a busy API may time out once; the bar is worth a second try, not a failed run
             try:
                 self.id = create_progress_artifact(0.0, key=key, description=description)
                 return
-            except Exception:
-                from prefect.context import FlowRunContext
+            except Exception as exc:  # noqa: BLE001 - the bar is the UI's view only; the run goes on without it
+                from prefect.context import FlowRunContext  # heavy (prefect): only where a bar fails, to tell why
 
                 if FlowRunContext.get() is None:  # outside a flow: no bar to make
                     return
                 if attempt < 2:
                     time.sleep(1.0)
+                else:
+                    log.warning(f"progress bar {key!r} not created in the Prefect UI after 3 tries "
+                                f"({type(exc).__name__}: {exc}); the run goes on without it")
 
     def update(self, pct: float, description: str | None = None) -> None:
         if self.id is None or (pct - self.last < 1.0 and pct < 100.0):
@@ -88,5 +92,8 @@ class Progress:
         self.last = pct
         try:
             update_progress_artifact(self.id, min(100.0, pct), description=description)
-        except Exception:
-            pass
+        except Exception as exc:  # noqa: BLE001 - the bar is the UI's view only; said once, the run goes on
+            if not self.warned:
+                self.warned = True
+                log.warning(f"progress bar {self.key!r} not updated in the Prefect UI ({type(exc).__name__}: {exc}); "
+                            "the run goes on, the bar may lag")

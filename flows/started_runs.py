@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any
 
-from tasks.core.config import load_config
+from tasks.core.config_load import load_config
 from tasks.core.home import cache_home
 
 RECORD = "started-runs.jsonl"

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from cli.console import SetOpt, StoreOpt, load_cfg
-from tasks.core.config import dump_config
+from tasks.core.config_load import dump_config
 
 
 def show(config: Optional[Path] = typer.Argument(None, help="YAML config (default: built-in defaults)."),

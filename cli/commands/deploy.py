@@ -40,9 +40,11 @@ from flows.flow_runs import EXTRACT_FLOW, FLOW_NAME, OpsError, slice_deployment
 from flows.preflight import remote_code_problem, remote_code_tag
 from flows.release import code_commit
 from flows.started_runs import record_started
-from tasks.core.config import STAGES, STORE_URI_ENV, check_until, load_config
+from tasks.core.config import STAGES
+from tasks.core.config_load import STORE_URI_ENV, load_config
+from tasks.core.stages import check_until
 from tasks.core.secrets import WORKER_FIX, refuse_secrets
-from tasks.store.artifacts import s3_endpoint
+from tasks.store.location import s3_endpoint
 
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
 
@@ -348,7 +350,6 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
     check_until(until)
     cfg = load_config(config, overrides)  # fail here, not on the node
     full = deployment if "/" in deployment else f"{FLOW_NAME}/{deployment}"
-    job_vars: dict[str, Any] = {}
     with client() as c:
         from prefect.exceptions import ObjectNotFound
 
@@ -364,31 +365,12 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
         params, file_store, inlined_why = deployment_config(config, overrides, inline, dep.pull_steps)
         params["until"] = until
         pool = c.read_work_pool(dep.work_pool_name) if dep.work_pool_name else None
-        if store or (file_store and file_store != "file://.draftline/store"):
-            job_vars["store_uri"] = store or file_store
-        if gpus is not None:
-            if gpus < 0:
-                raise OpsError("--gpus must be 0 or more")
-            if pool is not None and pool.type == "docker":
-                job_vars["gpus"] = gpus
-            else:
-                job_vars["gpu_ids"] = ",".join(str(i) for i in range(gpus))
-        if env:
-            job_vars["env"] = _env_pairs(env)
-            refuse_unnamed_env(pool, job_vars["env"])
-        if pool is not None and pool.type == "docker":
-            # A container's file:// store vanishes with the container.
-            chosen = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("store.uri=")), None)
-            chosen = chosen or job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri")
-            if not chosen or not str(chosen).startswith("s3://"):
-                raise OpsError(f"{full} runs in containers: give it a shared store (--store s3://BUCKET/PREFIX, "
-                               "or `draftline deploy --store ...`); a file:// store would vanish with the container")
+        job_vars = _job_variables(full, dep, pool, overrides, store, file_store, gpus, env)
         online = []
         if pool is not None:
             online = [w.name for w in c.read_workers_for_work_pool(pool.name)
                       if getattr(w.status, "value", str(w.status)) == "ONLINE"]
-        if cfg.extract.nodes > 1:
-            slices = check_slice_deployment(c, cfg, dep)
+        slices = check_slice_deployment(c, cfg, dep) if cfg.extract.nodes > 1 else None
         run = run_deployment(full, parameters=params, job_variables=job_vars or None, timeout=0,
                              flow_run_name=name, tags=[f"config:{config.name}"])
         record_started(run.id, params)  # `last` of retry/check/export: the newest run this machine started
@@ -398,24 +380,7 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
                 "store": store_note, "state": state_of(run),
                 "config": params["config_path"] or "inlined", "inlined_because": inlined_why}
         if not as_json:
-            console.print(f"submitted [bold]{run.name}[/] ({run.id}) to {full}")
-            console.print(f"  config {params['config_path'] or '(inlined) ' + config.name}, "
-                          f"overrides {len(params['overrides'])}, store {info['store']}")
-            if inlined_why:
-                console.print(f"  sent the config's content: {inlined_why}")
-            if cfg.extract.nodes > 1:
-                console.print(f"  regeneration and extraction over up to {cfg.extract.nodes} nodes: this run's node and child "
-                              f"runs of {slices}")
-                if pool is not None and len(online) < cfg.extract.nodes:
-                    err.print(f"[yellow]extract.nodes={cfg.extract.nodes} but pool {pool.name} has "
-                              f"{len(online)} online worker(s)[/]: the run holds one node; a child that no node takes "
-                              "within 30 s goes back to it (slower): start more workers or lower extract.nodes")
-            if pool is not None and not online:
-                err.print(f"[yellow]no worker is online in pool {pool.name}[/]: the run waits until one "
-                          f"starts (prefect worker start --pool {pool.name}, or infra/node-bootstrap.sh)")
-            if info["ui_url"]:
-                console.print(f"  UI: {info['ui_url']}")
-            console.print(f"  draftline status {run.id}")
+            _print_submitted(info, config, params, cfg, pool, online, slices)
         if watch:
             run = wait_for(c, run.id, timeout, quiet=as_json)
             info["state"] = state_of(run)
@@ -423,3 +388,53 @@ def submit(config: Path = typer.Argument(..., help="YAML config (validated here 
         print(json.dumps(info))
     if watch and info["state"] != "COMPLETED":
         raise typer.Exit(1)
+
+
+def _job_variables(full: str, dep: Any, pool: Any, overrides: list[str], store: str | None, file_store: str | None,
+                   gpus: int | None, env: list[str]) -> dict[str, Any]:
+    """The run's job variables: its store (--store, or a store.uri the config names other than the default), its
+    GPUs (a count on a docker pool, the first N ids on a process pool) and --env (only names the pool's template
+    lets a run set). A docker pool's run needs an s3:// store: a container's file:// store vanishes with it."""
+    job_vars: dict[str, Any] = {}
+    if store or (file_store and file_store != "file://.draftline/store"):
+        job_vars["store_uri"] = store or file_store
+    if gpus is not None:
+        if gpus < 0:
+            raise OpsError("--gpus must be 0 or more")
+        if pool is not None and pool.type == "docker":
+            job_vars["gpus"] = gpus
+        else:
+            job_vars["gpu_ids"] = ",".join(str(i) for i in range(gpus))
+    if env:
+        job_vars["env"] = _env_pairs(env)
+        refuse_unnamed_env(pool, job_vars["env"])
+    if pool is not None and pool.type == "docker":
+        chosen = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("store.uri=")), None)
+        chosen = chosen or job_vars.get("store_uri") or (dep.job_variables or {}).get("store_uri")
+        if not chosen or not str(chosen).startswith("s3://"):
+            raise OpsError(f"{full} runs in containers: give it a shared store (--store s3://BUCKET/PREFIX, "
+                           "or `draftline deploy --store ...`); a file:// store would vanish with the container")
+    return job_vars
+
+
+def _print_submitted(info: dict[str, Any], config: Path, params: dict[str, Any], cfg: Any, pool: Any,
+                     online: list[str], slices: Any) -> None:
+    """What `submit` says on the terminal: the run, its config and store, and what would keep it waiting."""
+    console.print(f"submitted [bold]{info['name']}[/] ({info['id']}) to {info['deployment']}")
+    console.print(f"  config {params['config_path'] or '(inlined) ' + config.name}, "
+                  f"overrides {len(params['overrides'])}, store {info['store']}")
+    if info["inlined_because"]:
+        console.print(f"  sent the config's content: {info['inlined_because']}")
+    if cfg.extract.nodes > 1:
+        console.print(f"  regeneration and extraction over up to {cfg.extract.nodes} nodes: this run's node and child "
+                      f"runs of {slices}")
+        if pool is not None and len(online) < cfg.extract.nodes:
+            err.print(f"[yellow]extract.nodes={cfg.extract.nodes} but pool {pool.name} has "
+                      f"{len(online)} online worker(s)[/]: the run holds one node; a child that no node takes "
+                      "within 30 s goes back to it (slower): start more workers or lower extract.nodes")
+    if pool is not None and not online:
+        err.print(f"[yellow]no worker is online in pool {pool.name}[/]: the run waits until one "
+                  f"starts (prefect worker start --pool {pool.name}, or infra/node-bootstrap.sh)")
+    if info["ui_url"]:
+        console.print(f"  UI: {info['ui_url']}")
+    console.print(f"  draftline status {info['id']}")

@@ -29,11 +29,13 @@ from rich.table import Table
 
 from cli.console import ROOT, SetOpt, StoreOpt, console, fail, gb, with_store
 from cli.prefect_api import api_url, client
-from tasks.core.config import STORE_URI_ENV, ConfigError, load_config
+from tasks.core.config_load import STORE_URI_ENV, load_config
+from tasks.core.errors import ConfigError
 from tasks.core.home import cache_home
 from tasks.engine.vllm_versions import VLLM_BELOW, VLLM_OLDEST, supported
 from tasks.engine.weights import WeightsError, disk_needed, local_target
-from tasks.store.artifacts import Store, StoreError, s3_endpoint
+from tasks.store.artifacts import Store, StoreError
+from tasks.store.location import s3_endpoint
 
 # The versions draftline is tested with (doctor compares against these).
 CORE_PACKAGES = ("vllm", "speculators", "torch", "transformers", "prefect")

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from cli.console import SetOpt
-from tasks.core.config import load_config
+from tasks.core.config_load import load_config
 from tasks.cost.plan import RATES_FILE, PlanError, Rate, load_rates, machine_for, make_plan, render, run_lengths
 
 

@@ -10,7 +10,7 @@ import typer
 
 from cli.console import SetOpt, StoreOpt, console, fail, load_cfg, open_store
 from tasks.benchmark.report import render_terminal
-from tasks.benchmark.stage import find_report
+from tasks.benchmark.results import find_report
 
 
 def report(config: Optional[Path] = typer.Argument(None, help="Config naming the store (default store otherwise)."),

@@ -11,7 +11,8 @@ import typer
 from cli.console import SetOpt, StoreOpt, fail, load_cfg, open_store, with_store
 from cli.local_run import run_here
 from flows.preflight import input_problems
-from tasks.core.config import STAGES, check_until
+from tasks.core.config import STAGES
+from tasks.core.stages import check_until
 
 
 def run(config: Path = typer.Argument(..., help="YAML config, e.g. configs/demo.yaml."),

@@ -14,7 +14,7 @@ from rich.table import Table
 from cli.console import JsonOpt, SetOpt, StoreOpt, console, err, fail, load_cfg, open_store
 from cli.leftovers import find, human_age
 from tasks.address.digests import STAGE_FOLDERS
-from tasks.core.config import check_stage
+from tasks.core.stages import check_stage
 from tasks.store.artifacts import Store
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from cli.console import SetOpt, console, fail, gb
-from tasks.core.config import load_config
+from tasks.core.config_load import load_config
 from tasks.engine.target import resolve_model
 from tasks.engine.weights import disk_needed, ensure_snapshot, local_target
 

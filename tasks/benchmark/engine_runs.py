@@ -6,6 +6,9 @@ runs again, and its report is the one it would have made (a Kimi-K2.5 engine tak
     done = load_engine_run(store, address)                          # an EngineRun, or None
     commit_engine_run(store, address, EngineRun(results, controls, timing), name)
 
+`EngineSession.serve` is that rule as the stage applies it to each engine it needs: reuse, or start, measure,
+close and commit.
+
 One small artifact per engine, `benchmark-engine/DIGEST/engine.json`: per eval and batch size the RunResult
 (outputs, seconds, latencies, spec-decode counters, per-request steps), the baseline's control decodes, and the
 engine's start and measure seconds. The address (tasks/address/digests.py `benchmark_engine`) holds the target,
@@ -21,10 +24,14 @@ import dataclasses
 import hashlib
 import json
 import logging
-from typing import Any
+import time
+from typing import Any, Callable
 
 from tasks.address import digests
-from tasks.benchmark.measure import RunResult, SpecCounters
+from tasks.benchmark.identity import control_batch_sizes
+from tasks.benchmark.measure import RunResult, SpecCounters, measure
+from tasks.core.faults import kill_point
+from tasks.engine.settings import engine_env
 from tasks.store.artifacts import Store
 
 # the terminal and the Prefect UI (PREFECT_LOGGING_EXTRA_LOGGERS gives "draftline" Prefect's API handler; the
@@ -109,3 +116,75 @@ def commit_engine_run(store: Store, address: str, run: EngineRun, name: str, dra
         w.write_bytes(ENGINE_FILE, json.dumps(body, separators=(",", ":")).encode())
         art = w.commit(stats={"engine": name, **run.timing})
     return art.uri
+
+
+class EngineSession:
+    """The engines of one benchmark: each started (or its committed figures reused), warmed up, measured on every
+    eval at every batch size (the baseline also its control decodes), closed and committed. It keeps what the
+    report says of them: `engines` (why each ran and the vllm.LLM arguments it ran with), `timing`, `controls`."""
+
+    def __init__(self, cfg: Any, store: Store, evals: list[Any], sampling: dict[str, Any],
+                 factory: Callable[[str, dict], Any], measured_by: dict[str, Any], say: Callable[[str], None]):
+        """SAY gets the one line a reused engine is noted with."""
+        self.cfg, self.store, self.evals, self.sampling, self.factory = cfg, store, evals, sampling, factory
+        self.measured_by, self.say = measured_by, say
+        self.warmup = evals[0].prompts[0]
+        self.timing: dict[str, Any] = {"engine_start_s": {}, "measure_s": {}}
+        self.controls: dict[str, dict[str, RunResult]] = {}
+        self.engines: dict[str, dict[str, Any]] = {}
+
+    def serve(self, name: str, kwargs: dict, control: bool = False, why: str = "",
+              draft: str | None = None) -> dict[str, dict[int, RunResult]]:
+        """ENGINE NAME's figures per eval and batch size: measured now, or reused from a run that committed them
+        (one killed later: its engine is not started again). DRAFT names the draft by its address."""
+        b, timing = self.cfg.benchmark, self.timing
+        measured = {"sampling": self.sampling, "batch_sizes": b.batch_sizes, "env": engine_env(self.cfg),
+                    "controls": control and {ev.name: control_batch_sizes(b.batch_sizes, len(ev.prompts))
+                                             for ev in self.evals}}
+        address = engine_address(self.cfg, kwargs, measured, self.evals, draft, self.measured_by)
+        done = load_engine_run(self.store, address)
+        recorded = draft_named(kwargs, draft) if draft else kwargs  # the report names the draft by its address
+        if done is not None:
+            self.engines[name] = {"why": why, "args": recorded, "start_s": done.timing.get("start_s"),
+                                  "reused": done.uri}
+            timing["engine_start_s"][name] = done.timing.get("start_s")
+            timing["measure_s"][name] = done.timing.get("measure_s")
+            if control:
+                self.controls.update(done.controls)
+                timing["control_s"] = done.timing.get("control_s")
+            self.say(f"benchmark: {name}: reused {done.uri} (measured {done.created}), no engine started")
+            return done.results
+        engine = self.factory(name, kwargs)
+        self.engines[name] = {"why": why, "args": recorded}
+        res, mine = self._measure(engine, name, control)
+        commit_engine_run(self.store, address, EngineRun(res, mine, {
+            "start_s": timing["engine_start_s"][name], "measure_s": timing["measure_s"][name],
+            "control_s": timing.get("control_s") if control else None}), name, draft)
+        kill_point("benchmark.engine-committed")
+        return res
+
+    def _measure(self, engine: Any, name: str, control: bool) -> tuple[dict, dict]:
+        b, timing = self.cfg.benchmark, self.timing
+        mine: dict[str, dict[str, RunResult]] = {}
+        t0 = time.time()
+        try:
+            engine.start()
+            timing["engine_start_s"][name] = self.engines[name]["start_s"] = round(time.time() - t0, 1)
+            engine.generate([self.warmup], {"max_tokens": 8, "temperature": 0.0})  # first-call costs stay out
+            t1 = time.time()
+            res: dict[str, dict[int, RunResult]] = {}
+            for ev in self.evals:
+                res[ev.name] = {bs: measure(engine, ev.prompts, self.sampling, bs) for bs in b.batch_sizes}
+            timing["measure_s"][name] = round(time.time() - t1, 1)
+            if control:  # the same prompts again, on the same engine: the baseline's own divergence
+                t1 = time.time()
+                for ev in self.evals:
+                    mine[ev.name] = {f"batch {bs} (repeat)" if bs in b.batch_sizes else f"batch {bs}":
+                                     measure(engine, ev.prompts, self.sampling, bs)
+                                     for bs in control_batch_sizes(b.batch_sizes, len(ev.prompts))}
+                timing["control_s"] = round(time.time() - t1, 1)
+                self.controls.update(mine)
+        finally:
+            engine.close()
+        return res, mine
+

@@ -81,19 +81,23 @@ def maps(store: Store, train_digest: str, vocab_digest: str | None, vocab_size: 
     if not vocab_digest:
         return Finding("maps", "ok", "the draft predicts the whole target vocabulary (no d2t/t2d)")
     art = store.open("train", train_digest)
+    if "draft/model.safetensors" not in art.files("draft/"):
+        return Finding("maps", "fail", f"train/{train_digest} holds no draft/model.safetensors (its files: "
+                       f"{', '.join(art.files()) or 'none'}): not a trained draft", "re-run the train stage")
     try:
         if vocab_size:
             read_vocab(store, ArtifactRef(stage="vocab", digest=vocab_digest, uri=""), vocab_size)  # raises if off
         from tasks.formats.drafts import draft_data_files
 
         with art.local_folder("draft/", names=draft_data_files(art.files("draft/"))) as folder:  # data only
-            same_maps_as_training(store, art, folder)
+            not_compared = same_maps_as_training(store, art, folder)
     except (VocabFormatError, ExportError) as exc:
         return Finding("maps", "fail", str(exc), "re-run the vocab and train stages")
     except ArtifactMissing:
         return Finding("maps", "fail", f"vocab/{vocab_digest} is not on the store", "re-run `draftline run`")
     return Finding("maps", "ok", f"d2t/t2d consistent with each other{' and the top-K of their counts' if vocab_size else ''}"
-                   "; the draft's maps equal training's byte for byte")
+                   + ("; the draft's maps equal training's byte for byte" if not_compared is None
+                      else f"; no map to compare: {not_compared}"))
 
 
 def coverage(store: Store, vocab_digest: str | None, report: dict[str, Any] | None = None) -> Finding:

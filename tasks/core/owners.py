@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from tasks.core.capped import RECORD_CAP, read_regular
+
 OWNER_FILE = ".draftline-owner.json"
 _OWNED_RE = re.compile(r"^draftline-(?P<kind>[a-z0-9]+(?:-[a-z0-9]+)*)-(?P<when>\d{8}T\d{6})-(?P<rand>[0-9a-f]{16})$")
 
@@ -143,8 +145,11 @@ def last_seen(owner: dict[str, Any] | None) -> float:
 
 
 def read(folder: str | os.PathLike) -> dict[str, Any] | None:
-    with contextlib.suppress(OSError, ValueError):
-        return json.loads(Path(folder, OWNER_FILE).read_text())
+    """FOLDER's owner record, or None when it has none that draftline could have written (missing, unreadable,
+    not a regular file, over RECORD_CAP, not JSON): the folder is then of an unknown owner (gc goes by its age)."""
+    with contextlib.suppress(OSError, ValueError):  # RefusedFile is a ValueError
+        record = json.loads(read_regular(Path(folder, OWNER_FILE), RECORD_CAP))
+        return record if isinstance(record, dict) else None
     return None
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from tasks.core.errors import ConfigError, did_you_mean
+
 SHARD = "shard"  # a shard task's name: STAGE-shard-I
 
 
@@ -95,3 +97,15 @@ def parse_task_name(name: str) -> tuple[str, int | None] | None:
             return e.name, (int(m.group(1)) if m and e.sharded else None)
     return None
 
+
+def check_stage(name: str | None, option: str) -> str | None:
+    """A stage named on the command line (`--until`, `ls --stage`): a registered stage, or None for all."""
+    names = stage_names()
+    if name is not None and name not in names:
+        raise ConfigError(f"{option} {name!r}: use one of {', '.join(names)}{did_you_mean(name, names)}")
+    return name
+
+
+def check_until(until: str | None) -> str | None:
+    """`--until STAGE` (run, submit, the flow's parameter): a stage name, or None for the whole pipeline."""
+    return check_stage(until, "--until")

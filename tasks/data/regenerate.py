@@ -47,7 +47,8 @@ from tasks.data.chat import ChatMasker, SampleDropped, encode_sample, make_maske
 from tasks.formats.acceptance import merge_counts
 from tasks.formats.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats
 from tasks.store.stats import data_stats
-from tasks.store.artifacts import Artifact, ArtifactRef, Store
+from tasks.store.artifacts import ArtifactRef, Store
+from tasks.store.reader import Artifact
 from tasks.store.stages import ShardedStage, ShardPlan
 
 STAGE = "regenerate"

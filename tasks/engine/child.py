@@ -507,7 +507,7 @@ _WORKDIR: str | None = None
 
 
 def _pin_cores() -> None:
-    """An engine of a CPU group (tasks/extract/stage.py `engine_groups`) runs on its own cores only."""
+    """An engine of a CPU group (tasks/engine/settings.py `engine_groups`) runs on its own cores only."""
     cores = os.environ.get("DRAFTLINE_ENGINE_CPUS")
     if not cores:
         return

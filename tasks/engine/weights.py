@@ -504,7 +504,7 @@ def provenance(t) -> dict[str, Any]:
     return {"fingerprint": target_fingerprint(t)}
 
 
-PROVENANCE_ENV = "DRAFTLINE_TARGET_PROVENANCE"  # read by every manifest commit (tasks/store/artifacts.py), ranks included
+PROVENANCE_ENV = "DRAFTLINE_TARGET_PROVENANCE"  # read by every manifest commit (tasks/store/writer.py), ranks included
 
 
 def pin_run(cfg, overrides: list[str]) -> list[str]:

@@ -21,8 +21,6 @@ from tasks.store.stages import ShardPlan
 STAGE = "extract"
 # the stage's own artifact: a manifest naming every shard (tasks/extract/stage.py assemble_extract)
 STAGE_ARTIFACT = digests.EXTRACT_STAGE
-# Keys that decide where and how fast extraction runs, not what it produces.
-SCHEDULING_KEYS = digests.EXTRACT_SCHEDULING_KEYS
 DATA_STAGES = ("prepare", "regenerate")
 
 ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in the shard)

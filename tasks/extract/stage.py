@@ -39,10 +39,11 @@ from tasks.core.faults import kill_point
 from tasks.engine.process import EngineProcess
 from tasks.engine.target import load_hf_config, resolve_model
 from tasks.address import digests
-from tasks.extract.shards import STAGE, STAGE_ARTIFACT, ExtractError, ExtractShard, ProgressCallback, plan_extract  # noqa: F401
+from tasks.extract.shards import STAGE, STAGE_ARTIFACT, ExtractError, ExtractShard, ProgressCallback, plan_extract
 from tasks.extract.verify import StateCheck, pooled_failure, summarize, verifier_head
 from tasks.formats.parts import PartBuffer
-from tasks.store.artifacts import ArtifactRef, ArtifactWriter, Store
+from tasks.store.artifacts import ArtifactRef, Store
+from tasks.store.writer import ArtifactWriter
 from tasks.store.stages import ShardedStage
 
 # ============================================================================ the stage
@@ -302,21 +303,13 @@ def extract_shard(cfg: RunConfig, store: Store, plan: ExtractShard, engine: Engi
 
 def _extract(cfg: RunConfig, store: Store, plan: ExtractShard, engine: EngineProcess,
              on_progress: ProgressCallback | None) -> ArtifactRef:
+    """One shard: the engine's batches collected into parts while the next batch computes and earlier parts are
+    written, then checked and committed. Kept as one function (~95 lines) on purpose: the part buffer and the
+    three timers the manifest reports (engine wait, write wait, collect) pass through every step of the loop."""
     e = cfg.extract
     samples = _read_shard(store, plan)
     total = sum(len(s[1]) for s in samples)
-    limit = int(engine.info.get("max_model_len") or cfg.target.max_model_len)
-    too_long = [(s[0], len(s[1])) for s in samples if len(s[1]) >= limit]
-    if too_long:
-        raise ExtractError(
-            f"shard {plan.shard}: {len(too_long)} sample(s) do not fit the engine's max_model_len={limit} "
-            f"(e.g. {too_long[0][0]}: {too_long[0][1]} tokens); raise target.max_model_len above "
-            "data.max_length or lower data.max_length"
-        )
-    engine_ids = engine.info.get("layer_ids")
-    if engine_ids is not None and list(engine_ids) != plan.layer_ids:
-        raise ExtractError(f"the engine extracts layers {engine_ids}, shard {plan.shard} needs {plan.layer_ids}; "
-                           "start it with engine_for_group(cfg, ...) for this config")
+    _check_engine_fits(cfg, plan, engine, samples)
 
     t0 = time.monotonic()
     done = masked = 0
@@ -324,11 +317,7 @@ def _extract(cfg: RunConfig, store: Store, plan: ExtractShard, engine: EnginePro
     collect = 0.0  # time this thread spent collecting batches into parts
     batches = list(_batches(samples, e.batch_tokens))
     deal = e.batch_tokens > e.part_tokens  # part_rule: engine batches larger than a part are dealt out
-    if deal:
-        capacity = min(total, max(e.part_tokens, max((len(s[1]) for s in samples), default=0)))
-    else:  # a part ends at the first batch that reaches part_tokens: at most part_tokens - 1 + one batch
-        longest_batch = max((sum(len(s[1]) for s in b) for b in batches), default=0)
-        capacity = min(total, e.part_tokens - 1 + longest_batch)
+    capacity = _part_capacity(e.part_tokens, deal, samples, batches, total)
     new_buffer = lambda: PartBuffer(plan.layer_ids, plan.hidden_size, e.storage_dtype, capacity)  # noqa: E731
     buf = new_buffer()
     check = _state_check(cfg, engine)
@@ -412,6 +401,32 @@ def _extract(cfg: RunConfig, store: Store, plan: ExtractShard, engine: EnginePro
         }
         art = w.commit(stats)
     return art.ref()
+
+
+def _check_engine_fits(cfg: RunConfig, plan: ExtractShard, engine: EngineProcess, samples: list) -> None:
+    """Refuse a shard the engine cannot extract as planned: a sample longer than its max_model_len, or other layers
+    than the shard's (an engine started for another config)."""
+    limit = int(engine.info.get("max_model_len") or cfg.target.max_model_len)
+    too_long = [(s[0], len(s[1])) for s in samples if len(s[1]) >= limit]
+    if too_long:
+        raise ExtractError(
+            f"shard {plan.shard}: {len(too_long)} sample(s) do not fit the engine's max_model_len={limit} "
+            f"(e.g. {too_long[0][0]}: {too_long[0][1]} tokens); raise target.max_model_len above "
+            "data.max_length or lower data.max_length"
+        )
+    engine_ids = engine.info.get("layer_ids")
+    if engine_ids is not None and list(engine_ids) != plan.layer_ids:
+        raise ExtractError(f"the engine extracts layers {engine_ids}, shard {plan.shard} needs {plan.layer_ids}; "
+                           "start it with engine_for_group(cfg, ...) for this config")
+
+
+def _part_capacity(part_tokens: int, deal: bool, samples: list, batches: list, total: int) -> int:
+    """The most tokens one part buffer must hold (its allocation, made once and reused)."""
+    if deal:  # engine batches larger than a part are dealt out: a part holds part_tokens, or one longer sample
+        return min(total, max(part_tokens, max((len(s[1]) for s in samples), default=0)))
+    # a part ends at the first batch that reaches part_tokens: at most part_tokens - 1 + one batch
+    longest_batch = max((sum(len(s[1]) for s in b) for b in batches), default=0)
+    return min(total, part_tokens - 1 + longest_batch)
 
 
 def extract_address(shards: Sequence[ExtractShard | ArtifactRef]) -> str:

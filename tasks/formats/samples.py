@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from tasks.formats.acceptance import length_counts
-from tasks.store.artifacts import Artifact
+from tasks.store.reader import Artifact
 
 HELDOUT = "heldout.parquet"
 

@@ -6,7 +6,7 @@ fight for the same devices' memory): the flow's task takes the lock of the artif
 (`address_lock`) before it computes, so the second run waits, finds the first one's artifact committed
 and reuses it (flows/caching.py). The lock only saves duplicated work: what is finished is decided by the
 store's manifest alone, and two writers of one address are kept apart by their attempt folders
-(tasks/store/artifacts.py), so taking over a lock that was not really dead costs work, never data.
+(tasks/store/writer.py), so taking over a lock that was not really dead costs work, never data.
 
 A lock is a file `STORE/_locks/STAGE-DIGEST.lock` recording its owner (host, boot, pid, process start time:
 tasks/core/owners.py) and a lease that a thread of the holding process renews. A waiter takes a lock over
@@ -37,7 +37,8 @@ from typing import Any, Iterator
 from tasks.core import owners, stopping
 from tasks.core.errors import DraftlineError
 from tasks.store.artifacts import Store
-from tasks.store.trust import RECORD_CAP, RefusedStoreFile, read_capped
+from tasks.core.capped import RECORD_CAP
+from tasks.store.trust import RefusedStoreFile, read_capped
 
 FORMAT = "draftline-lease-1"
 DEFAULT_WAIT_S = 3600.0

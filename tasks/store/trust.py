@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from typing import Any
 
+from tasks.core.capped import RefusedFile, read_regular, refuse_over_cap
 from tasks.core.errors import DraftlineError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MANIFEST_CAP = 64 << 20  # the largest manifest read (an extraction shard of a long run lists its parts: ~1 MB)
-RECORD_CAP = 64 << 10    # a lock file, an owner record: a few hundred bytes
 
 
 class UnsafePath(DraftlineError, ValueError):
     """A path from a manifest (or a folder written to) that would lead out of its folder."""
 
 
-class RefusedStoreFile(DraftlineError, ValueError):
+class RefusedStoreFile(RefusedFile):
     """A store file that is not what draftline writes there (not a regular file, too big, the wrong address)."""
 
 
@@ -76,32 +75,13 @@ def refuse_link(path: str) -> str:
 
 def read_capped(fs: Any, key: str, cap: int, local: bool) -> bytes:
     """The bytes of a small store file, at most `cap`: on a local store only a regular file, opened without
-    following a final symlink and without blocking (a FIFO is refused, never waited on); on any store a file over
-    the cap is refused, never read whole. FileNotFoundError when it is not there; RefusedStoreFile otherwise."""
-    if not local:
-        data = fs.cat_file(key, start=0, end=cap + 1)
-    else:
-        try:
-            fd = os.open(key, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            if isinstance(exc, FileNotFoundError):
-                raise
-            raise RefusedStoreFile(f"{key}: cannot be opened as a plain file ({exc.strerror}: a symlink or a "
-                                   "special file planted there?); draftline writes only regular files: remove it"
-                                   ) from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise RefusedStoreFile(f"{key}: not a regular file (a FIFO, device or folder planted there?); "
-                                       "draftline writes only regular files: remove it")
-            with os.fdopen(fd, "rb", closefd=False) as fh:
-                data = fh.read(cap + 1)
-        finally:
-            os.close(fd)
-    if len(data) > cap:
-        raise RefusedStoreFile(f"{key}: larger than the {cap:,} bytes draftline ever writes there; not read: "
-                               "remove it (the stage is then recomputed)")
-    return data
+    following a final symlink and without blocking (a FIFO is refused, never waited on: tasks/core/capped.py); on
+    any store a file over the cap is refused, never read whole. FileNotFoundError when it is not there;
+    RefusedStoreFile otherwise."""
+    fix = "remove it (the stage is then recomputed)"
+    if local:
+        return read_regular(key, cap, RefusedStoreFile, fix)
+    return refuse_over_cap(key, fs.cat_file(key, start=0, end=cap + 1), cap, RefusedStoreFile, fix)
 
 
 def check_manifest_address(manifest: Any, stage: str, digest: str, where: str) -> None:

@@ -16,7 +16,8 @@ The parts of a run, in the order `build_trainer` and the `Trainer` (loop.py) bui
 - held-out    `HeldOut.split` (evaluation.py): the tail of the last part, kept out of training and
               evaluated at the end (the one part read before the stream starts), and once at
               `early_check_step` (`Trainer.early_check`: a warning under `early_check_min_acceptance`)
-- model       `build_draft_model` (model.py): decoder shaped like the target (Llama or Qwen3 layers),
+- model       `build_draft_model` (model.py): decoder shaped like the target (Llama or Qwen3 layers; Qwen3 for the
+              block heads, DeepSeek-V3's MLA layer for eagle3-mla),
               verifier embed/norm/lm_head from the target's safetensors; attention `resolve_attn_impl`
               (auto: flex_attention on a GPU where it compiles for the draft's shape, else sdpa, with the
               reason logged)
@@ -31,7 +32,8 @@ The parts of a run, in the order `build_trainer` and the `Trainer` (loop.py) bui
 - data        `BatchStream` (stream.py), opened by `fit()`: a seeded (shard, part) order per epoch, seeded
               sample order inside a part, packing to exactly `batch_tokens` per step, `prefetch` parts
               loading ahead in parallel, a packer thread
-- commit      `draft/config.json` + `draft/model.safetensors` (d2t/t2d included), by loop.py
+- commit      `draft/config.json` + `draft/model.safetensors` (with d2t/t2d when the draft vocabulary is smaller
+              than the target's), by loop.py
 """
 
 from __future__ import annotations

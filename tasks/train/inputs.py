@@ -12,7 +12,8 @@ import torch
 from tasks.address import digests
 from tasks.core.config import RunConfig
 from tasks.store.stats import StatsError, shard_stats
-from tasks.store.artifacts import Artifact, ArtifactCorrupt, ArtifactMissing, ArtifactRef, Store
+from tasks.store.artifacts import ArtifactCorrupt, ArtifactMissing, ArtifactRef, Store
+from tasks.store.reader import Artifact
 from tasks.engine.target import (
     configured_layer_ids,
     load_hf_config,

@@ -277,7 +277,7 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from tasks.core.owners import owned_tempdir
-    from tasks.store.artifacts import COMMITTED_HERE
+    from tasks.store.model import COMMITTED_HERE
 
     folder = owned_tempdir("ranks")
     paths = {k: os.path.join(folder, name) for k, name in

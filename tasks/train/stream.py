@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from tasks.core.config import TrainConfig
-from tasks.store.artifacts import Artifact, ArtifactCorrupt
+from tasks.store.model import ArtifactCorrupt
+from tasks.store.reader import Artifact
 from tasks.train import TrainError
 
 HOLDOUT_MAX_FRACTION = 0.1

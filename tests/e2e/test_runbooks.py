@@ -32,7 +32,7 @@ import typer
 from typer.testing import CliRunner
 
 from cli.app import app
-from tasks.core.config import load_config
+from tasks.core.config_load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "docs/DEPLOY.md", "docs/kimi-k2.5.md")

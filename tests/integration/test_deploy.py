@@ -25,7 +25,7 @@ import deploy_harness as harness
 from cli import prefect_api
 from cli.commands import deploy, doctor, runs
 from flows import flow_runs, release
-from tasks.core.config import load_config
+from tasks.core.config_load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOTSTRAP = ROOT / "infra" / "node-bootstrap.sh"

@@ -287,7 +287,7 @@ def test_corrupted_part_is_named_never_trained_on_and_reextracted(tmp_path, targ
 
 def _train_and_die(args: dict) -> None:
     """Child process: train; SIGKILL itself inside the write of checkpoint `die_at`."""
-    import tasks.store.artifacts as ts
+    import tasks.store.writer as ts
 
     tag = f"-s{args['die_at']:08d}"
     if args["where"] == "mid-file":
@@ -306,7 +306,7 @@ def _train_and_die(args: dict) -> None:
         real_replace = os.replace
 
         def replace(src, dst, *a, **k):
-            if str(dst).endswith("/" + ts.MANIFEST) and tag in str(dst):
+            if str(dst).endswith("/" + MANIFEST) and tag in str(dst):
                 os.kill(os.getpid(), signal.SIGKILL)
             return real_replace(src, dst, *a, **k)
 
@@ -393,7 +393,7 @@ def _upload_across_an_outage(store: Store, server, digest: str, payload: bytes, 
 @pytest.mark.s3
 def test_s3_server_killed_mid_upload(own_s3, monkeypatch):
     from tasks.core.config import StoreConfig
-    from tasks.store.artifacts import resolve_credentials
+    from tasks.store.location import resolve_credentials
 
     payload = os.urandom(12 << 20)
     cfg = StoreConfig(uri=f"s3://outage/{uuid.uuid4().hex[:8]}")
@@ -444,7 +444,7 @@ def test_two_runs_of_one_config_at_once(prefect_server, tmp_path):
     local store; tasks/store/leases.py) makes the second wait, find the first's manifest and reuse it. Without a shared lock (two
     machines), both compute and both commit: the manifest that lands last names a complete set of
     files, and the two copies are identical."""
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
 
     store_uri = f"file://{tmp_path}/store"
     args = ["run", "tests/configs/deploy-small.yaml", "--until", "prepare", "--json", "--set", f"store.uri={store_uri}"]

@@ -184,7 +184,7 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
 
 def test_nodes_and_deployment_are_scheduling_keys_that_change_no_address():
     from tasks.address import digests as digest
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
 
     one = load_config(harness.CONFIG)
     many = load_config(harness.CONFIG, ["extract.nodes=8", "extract.deployment=draftline-extract/b300"])
@@ -203,7 +203,7 @@ def test_missing_shards_are_dealt_round_robin_into_at_most_one_slice_per_node():
 
 def test_a_local_run_with_several_nodes_says_which_deployment_to_name():
     from flows.nodes import child_deployment
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
 
     with pytest.raises(RuntimeError, match=r"not a deployment run: set extract.deployment.*draftline deploy"):
         child_deployment(load_config(harness.CONFIG, ["extract.nodes=2"]))
@@ -235,7 +235,7 @@ def test_children_get_the_runs_config_even_from_a_file_only_the_parent_has(tmp_p
     the children as its content; one inside travels as its path, which every node's code folder has."""
     from flows.nodes import child_config
     from flows.run_record import RunRecord
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
 
     mine = tmp_path / "mine.yaml"
     mine.write_text((ROOT / harness.CONFIG).read_text().replace("heldout: 4", "heldout: 3"))

@@ -213,7 +213,8 @@ def test_a_credential_in_any_value_is_refused_and_never_echoed(tmp_path, args, f
 
 
 def test_a_credential_in_a_config_file_is_refused_and_never_echoed(tmp_path):
-    from tasks.core.config import ConfigError, load_config
+    from tasks.core.config_load import load_config
+    from tasks.core.errors import ConfigError
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"base: {ROOT / CONFIG}\nstore: {{uri: 's3://{KEY_ID}:{SECRET}@b/x'}}\n"
@@ -263,7 +264,8 @@ def test_deploy_and_submit_refuse_credentials_in_job_variables(monkeypatch):
 def test_a_config_base_stays_in_the_checkout_or_the_configs_folder(tmp_path):
     """A flow run's parameters name configs: a `base:` cannot read a worker's other files, and a YAML error
     shows where and what, never a line of the file."""
-    from tasks.core.config import ConfigError, load_config
+    from tasks.core.config_load import load_config
+    from tasks.core.errors import ConfigError
 
     outside = tmp_path / "outside"
     outside.mkdir()

@@ -22,7 +22,7 @@ import deploy_harness as harness
 from cli.commands import deploy
 from flows import release
 from cli.prefect_api import RELEASE_STEP
-from tasks.core.config import load_config
+from tasks.core.config_load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = "configs/demo.yaml"

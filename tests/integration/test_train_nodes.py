@@ -70,7 +70,7 @@ def test_each_node_reads_only_its_ranks_share_and_the_deal_follows_the_world_siz
 
 def test_train_nodes_is_scheduling_not_part_of_the_address():
     from tasks.address import digests as digest
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
 
     one = load_config(harness.CONFIG)
     two = load_config(harness.CONFIG, ["train.nodes=2"])
@@ -82,7 +82,7 @@ def test_a_child_node_computes_its_train_address_and_refuses_another():
     one that differs (another version, or a path planted in the parameters) stops the node before any rank."""
     from flows.nodes import child_train_address
     from tasks.address import digests as digest
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
     from tasks.train import TrainError
 
     cfg = load_config(harness.CONFIG)

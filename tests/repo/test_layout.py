@@ -69,7 +69,11 @@ def test_tasks_is_packages_each_saying_what_lives_there():
     for pkg in TASK_PACKAGES:
         init = ROOT / "tasks" / pkg / "__init__.py"
         tree = ast.parse(init.read_text())
-        assert ast.get_docstring(tree), f"tasks/{pkg}/__init__.py says what lives in the package"
+        doc = ast.get_docstring(tree)
+        assert doc, f"tasks/{pkg}/__init__.py says what lives in the package"
+        unnamed = [m.name for m in sorted((ROOT / "tasks" / pkg).glob("*.py"))
+                   if m.name != "__init__.py" and m.name not in doc]
+        assert unnamed == [], f"tasks/{pkg}/__init__.py does not say what {unnamed} hold"
         heavy = {(n.module or "") if isinstance(n, ast.ImportFrom) else a.name
                  for n in import_nodes(init, True) for a in n.names}
         heavy = {m for m in heavy if m.split(".")[0] not in sys.stdlib_module_names
@@ -177,7 +181,7 @@ def test_the_stage_registry_imports_neither_torch_nor_prefect():
     """The registry (tasks/core/stages.py) and what derives from it outside the flow (the config's STAGES, the
     store folders, the task-name parser) load no HEAVY library, as vLLM's CLI and model registry do not."""
     assert imported_by("import tasks.core.stages") == []
-    assert imported_by("import tasks.core.config, tasks.address.digests, cli.prefect_api") == []
+    assert imported_by("import tasks.core.config, tasks.core.config_load, tasks.address.digests, cli.prefect_api") == []
     assert "tasks.core.stages" not in heavy_modules()
 
 
@@ -201,7 +205,8 @@ for taken in (stages.StageEntry("distill", "m"), stages.StageEntry("other", "m",
         raise SystemExit(f"{{taken}} registered twice")
     except ValueError as e:
         assert "is registered already" in str(e), e
-from tasks.core.config import STAGES, check_until
+from tasks.core.config import STAGES
+from tasks.core.stages import check_until
 from tasks.address.digests import STAGE_FOLDERS
 from cli.prefect_api import shard_of, stage_of
 assert STAGES[-1] == "distill" and check_until("distill") == "distill", STAGES
@@ -372,3 +377,42 @@ def test_every_error_has_the_one_root():
                 if bases & builtin and "DraftlineError" not in bases:
                     found.append(f"{m}.{node.name}")
     assert found == []
+
+
+def defined_names(path: Path) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments, imports, also inside a
+    top-level if/try/with), as `from MODULE import NAME` finds them."""
+    out: set[str] = set()
+    todo = list(ast.parse(path.read_text()).body)
+    while todo:
+        n = todo.pop()
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in n.names)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                out.update(x.id for x in ast.walk(t) if isinstance(x, ast.Name))
+        elif isinstance(n, (ast.If, ast.Try, ast.With, ast.For)):
+            todo += [c for c in ast.iter_child_nodes(n) if isinstance(c, ast.stmt)]
+            todo += [s for h in getattr(n, "handlers", []) for s in h.body]
+    return out
+
+
+def test_every_name_imported_from_the_project_exists():
+    """A benchmark, a test or a module that imports a name a project module no longer defines fails only when
+    it runs (benchmarks/bench_identity.py imported the benchmark stage's removed `engine_kwargs`): every
+    `from tasks/flows/cli... import NAME` here, at any depth, names what that module defines or a submodule."""
+    mods = modules()
+    files = [p for d in ("tasks", "flows", "cli", "benchmarks", "tests") for p in sorted((ROOT / d).rglob("*.py"))]
+    defined: dict[str, set[str]] = {}
+    missing = []
+    for p in files:
+        for node in import_nodes(p, top_level_only=False):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module not in mods:
+                continue
+            have = defined.setdefault(node.module, defined_names(mods[node.module]))
+            missing += [f"{p.relative_to(ROOT)}:{node.lineno} imports {a.name} from {node.module}"
+                        for a in node.names if a.name != "*" and a.name not in have
+                        and f"{node.module}.{a.name}" not in mods]
+    assert missing == []

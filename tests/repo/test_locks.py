@@ -18,7 +18,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tasks.core.config import load_config
+from tasks.core.config_load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 REQ = ROOT / "requirements"

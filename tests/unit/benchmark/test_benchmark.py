@@ -12,7 +12,8 @@ import pytest
 
 from tasks.address import digests
 from tasks.formats.acceptance import simulated_acceptance_length
-from tasks.benchmark.stage import check_draft, draft_folder, find_report, load_report, run_benchmark
+from tasks.benchmark.results import find_report, load_report
+from tasks.benchmark.stage import check_draft, draft_folder, run_benchmark
 from tasks.benchmark import BenchmarkError
 from tasks.benchmark.measure import acceptance_figures, histogram_delta, measure, RunResult, SpecCounters
 from tasks.benchmark.prompts import load_eval_prompts, select_evenly

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from tasks.address import digests
-from tasks.core.config import RunConfig, load_config
+from tasks.core.config import RunConfig
+from tasks.core.config_load import load_config
 from tasks.formats.drafts import DraftError, check_compatible, content_digest, remap_rows
 from tasks.benchmark.serve import best_k, export_draft, run_serve, serve_command
 from tasks.store.artifacts import Store
@@ -110,7 +111,7 @@ def test_the_serve_line_is_the_engine_the_benchmark_ran(tmp_path):
 def test_one_store_is_one_uri_however_it_is_written(tmp_path, monkeypatch):
     """`make demo` writes to configs/demo.yaml's `file://.draftline/store`; `draftline export last` compares the run's
     store with its own as one URI (the message of issue 35: "wrote to file://.draftline/store, not file:///...")."""
-    from tasks.store.artifacts import canonical_uri
+    from tasks.core.config import canonical_uri
 
     monkeypatch.chdir(tmp_path)
     absolute = f"file://{tmp_path.resolve()}/.draftline/store"
@@ -287,6 +288,35 @@ def test_check_gives_one_verdict_on_a_draft_and_fails_a_drifted_one(exp):
     assert "the draft's d2t differs from the one its training read" in rows["maps"]["evidence"]
 
 
+def test_check_says_when_there_is_no_map_to_compare_and_names_a_draft_without_weights(exp):
+    """A draft over the whole target vocabulary (no d2t/t2d in its weights) has no map to compare with training's:
+    `check` says so rather than "equal". A train artifact without draft/model.safetensors is a failed check naming
+    the file, never a traceback."""
+    from safetensors.torch import save
+    from typer.testing import CliRunner
+
+    from cli.app import app
+
+    def check(digest: str):
+        r = CliRunner().invoke(app, ["check", digest, "--store", exp.store.uri, "--json"])
+        assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+        return r.exit_code, {c["check"]: c for c in json.loads(r.stdout)["checks"]}
+
+    w = load_file(str(exp.dest / "draft/model.safetensors"))
+    whole = _with_draft_files(exp, "whole-vocab", {"draft/model.safetensors": save(
+        {k: v for k, v in w.items() if k not in ("d2t", "t2d")})})
+    code, rows = check(whole)
+    assert code == 0 and rows["maps"]["status"] == "ok", rows["maps"]
+    assert "no map to compare: the draft holds no d2t/t2d" in rows["maps"]["evidence"]
+    assert "byte for byte" not in rows["maps"]["evidence"]
+
+    empty = _with_draft_files(exp, "no-weights", {"draft/model.safetensors": None})
+    code, rows = check(empty)
+    assert code == 1 and rows["maps"]["status"] == "fail", rows["maps"]
+    assert f"train/{empty} holds no draft/model.safetensors" in rows["maps"]["evidence"]
+    assert rows["maps"]["fix"] == "re-run the train stage"
+
+
 def test_check_lengths_sets_the_training_length_distribution_against_the_contexts_served(tmp_path):
     """`draftline check`'s lengths row: the prepared data's samples per context-length bucket and its longest
     sample against each eval's longest prompt + benchmark.max_tokens; the fix when training falls short."""
@@ -392,8 +422,9 @@ def test_export_refuses_to_replace_a_users_files_unless_forced_and_never_follows
     assert victim.read_text() == "precious" and not (fresh / "README.md").exists()
 
 
-def _with_draft_files(exp, tag: str, files: dict[str, bytes]) -> str:
-    """A train artifact like exp's with draft files replaced or added (as a writer to the store could commit)."""
+def _with_draft_files(exp, tag: str, files: dict[str, bytes | None]) -> str:
+    """A train artifact like exp's with draft files replaced, added or (None) left out (as a writer to the store
+    could commit)."""
     from tasks.core.digest import VERSIONS, stage_digest
 
     digest = stage_digest("train", {"planted": tag})
@@ -403,7 +434,8 @@ def _with_draft_files(exp, tag: str, files: dict[str, bytes]) -> str:
             if name not in files:
                 wr.write_bytes(name, art.read_bytes(name))
         for name, data in files.items():
-            wr.write_bytes(name, data)
+            if data is not None:
+                wr.write_bytes(name, data)
         wr.commit(dict(art.stats))
     return digest
 

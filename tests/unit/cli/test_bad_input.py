@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tasks.core.config import RunConfig, load_config
+from tasks.core.config import RunConfig
+
+from tasks.core.config_load import load_config
 from tasks.data.sources import DataSourceError
 from tasks.data.prepare import ChatTemplateError, PrepareError, run_prepare
 from tasks.store.artifacts import Store, StoreError

@@ -68,6 +68,35 @@ def test_help_is_h_or_help_everywhere_and_version_prints_the_installed_version()
         assert out.exit_code == 0 and out.output.strip() == f"draftline {version('draftline')}", out.output
 
 
+def test_help_is_paragraphs_no_sentence_cut_where_the_source_was_wrapped(monkeypatch):
+    """Rendered 1,000 columns wide, `draftline --help` and every command's help hold each paragraph on one line
+    and each command, argument and option on one row: a second line is a docstring's hard line break, which a
+    terminal of another width shows as a sentence cut in the middle."""
+    import typer.rich_utils
+
+    monkeypatch.setattr(typer.rich_utils, "MAX_WIDTH", 1000)
+    root = typer.main.get_command(app)
+    groups = {"": root, **{n: c for n, c in root.commands.items() if getattr(c, "commands", None)}}
+    for name, cmd in {**groups, **commands()}.items():
+        out = draftline(*name.split(), "--help")
+        assert out.exit_code == 0, (name, out.output)
+        lines = out.output.splitlines()
+        head = [x.strip() for x in lines[:next(i for i, x in enumerate(lines) if x.startswith("╭"))]]
+        assert not [a for a, b in zip(head, head[1:]) if a and b], (name, head)  # paragraphs apart, one line each
+        shown = [p for p in cmd.params if not getattr(p, "hidden", False)]
+        want = {"Options": len([p for p in shown if p.param_type_name == "option"]) + 1,  # and -h/--help
+                "Arguments": len([p for p in shown if p.param_type_name == "argument"]),
+                "Commands": len(getattr(cmd, "commands", {}))}
+        box, rows = None, 0
+        for x in lines:
+            if x.startswith("╭"):
+                box, rows = x.strip("╭─ ╮"), 0
+            elif x.startswith("╰"):
+                assert rows == want[box], (name, box, out.output)
+            elif box:
+                rows += 1
+
+
 def test_one_meaning_per_short_flag_config_first_and_store_json_where_they_apply():
     cmds = commands()
     assert {"logs", "store init", "report", "ls", "gc", "retry"} <= set(cmds)

@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.core.config import ConfigError, RunConfig, load_config
+from tasks.core.config import RunConfig
+
+from tasks.core.config_load import load_config
+
+from tasks.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
 

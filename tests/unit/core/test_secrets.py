@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.app import app
-from tasks.core.config import ConfigError, load_config
+from tasks.core.config_load import load_config
+from tasks.core.errors import ConfigError
 from tasks.core.secrets import find_secrets, mask
 
 CASES = [("s3://minio:12/abcSeCrEt@bucket/x", "abcSeCrEt"),      # a password starting with digits and a '/'

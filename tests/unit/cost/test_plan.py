@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from tasks.cost import plan as planner
 from cli.app import app
-from tasks.core.config import HeadConfig, load_config
+from tasks.core.config import HeadConfig
+from tasks.core.config_load import load_config
 
 ROOT = Path(__file__).resolve().parents[3]
 RUNBOOK = ROOT / "docs" / "kimi-k2.5.md"

@@ -14,7 +14,8 @@ import pytest
 
 from tasks.address import digests
 from tasks.address.data import DataIdentityError, data_identity, file_identity, pin_data
-from tasks.core.config import RunConfig, load_config
+from tasks.core.config import RunConfig
+from tasks.core.config_load import load_config
 from tasks.data.prepare import read_samples, run_prepare, shard_name
 from tasks.store.artifacts import Store
 

@@ -18,7 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.address import digests
-from tasks.core.config import ConfigError, RunConfig, SourceConfig, TargetConfig, load_config
+from tasks.core.config import RunConfig, SourceConfig, TargetConfig
+from tasks.core.config_load import load_config
+from tasks.core.errors import ConfigError
 from tasks.data.sources import DataSourceError, load_source, normalize_row, BadRow
 from tasks.data.prepare import (
     HELDOUT,

@@ -22,7 +22,7 @@ from tests.integration.test_train_ranks import byte_tokenizer
 from train_data import make_tiny_target
 
 from tasks.address import digests
-from tasks.core.config import load_config
+from tasks.core.config_load import load_config
 from tasks.store.artifacts import Store
 from tasks.engine import weights
 from tasks.engine.weights import folder_fingerprint
@@ -423,7 +423,7 @@ def test_a_run_resumes_after_the_model_folder_moves_and_on_another_prefect_home(
 
 def test_a_base_config_is_layered_under_the_file_and_travels_inlined(tmp_path, monkeypatch):
     from flows.flow_runs import config_parameters
-    from tasks.core.config import ConfigError
+    from tasks.core.errors import ConfigError
 
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "base.yaml").write_text("name: base\ntrain: {max_steps: 7, lr: 0.01}\nvocab: {draft_vocab_size: 99}\n")
@@ -484,7 +484,7 @@ def test_a_run_pins_an_unpinned_hub_id_for_its_tasks_and_children(hub, tmp_path)
     get and into the overrides the run's children get (tasks/engine/weights.py; flows/nodes.py child_config sends
     the run's overrides), and a child with those overrides does not ask the hub again."""
     cfg = write_config(tmp_path, REPO, f"file://{tmp_path}/store")
-    code = ("import json, os; from tasks.core.config import load_config; from tasks.engine.weights import pin_run; "
+    code = ("import json, os; from tasks.core.config_load import load_config; from tasks.engine.weights import pin_run; "
             f"cfg = load_config({str(cfg)!r}, ['vocab.draft_vocab_size=32']); o = pin_run(cfg, ['vocab.draft_vocab_size=32']); "
             "print(json.dumps({'overrides': o, 'revision': cfg.target.revision, "
             "'provenance': json.loads(os.environ['DRAFTLINE_TARGET_PROVENANCE'])}))")

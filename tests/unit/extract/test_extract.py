@@ -662,7 +662,7 @@ def test_part_writes_overlap_the_engine_with_bounded_parts(store, model_path, mo
     and never more than `write_queue` parts are in flight."""
     import time
 
-    from tasks.store.artifacts import ArtifactWriter
+    from tasks.store.writer import ArtifactWriter
 
     cfg = writer_cfg(model_path, overlap, queue, workers)
     data = fixed_data(store, f"overlap-{overlap}-{queue}-{workers}")
@@ -760,7 +760,7 @@ def test_store_error_in_the_writer_fails_the_shard_and_commits_nothing(any_store
     nothing is committed and no part is left behind."""
     import contextlib
 
-    from tasks.store.artifacts import ArtifactWriter
+    from tasks.store.writer import ArtifactWriter
 
     cfg = writer_cfg(model_path, overlap, queue=2, workers=workers)
     plan = plan_extract(cfg, fixed_data(any_store, "s3-error"), load_hf_config(cfg.target))[0]
@@ -792,7 +792,7 @@ def test_engine_failure_cancels_the_part_being_written(store, model_path, monkey
     """The engine fails while the writer holds part 0: the shard raises the engine's error, the
     writer stops mid-part, and the aborted attempt leaves no files."""
     from tasks.extract.stage import _PartWriter
-    from tasks.store.artifacts import ArtifactWriter
+    from tasks.store.writer import ArtifactWriter
 
     cfg = writer_cfg(model_path)
     plan = plan_extract(cfg, fixed_data(store, "cancel"), load_hf_config(cfg.target))[0]

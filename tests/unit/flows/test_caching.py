@@ -106,7 +106,7 @@ def test_stored_artifacts_keep_their_addresses():
     """An address that changes silently recomputes finished work (a day of extraction, a trained draft).
     These are the demo's addresses as stored by earlier versions (with stand-in input digests); a change
     here must come with a VERSIONS bump and a note, never by accident (new scheduling keys, refactors)."""
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
 
     class Ref:
         def __init__(self, d, shard=0):
@@ -122,7 +122,7 @@ def test_a_folder_targets_address_is_pinned_to_its_bytes(tmp_path, monkeypatch):
     """A folder (or hub) target's addresses hash its fingerprint (tasks/engine/weights.py): the content of its small
     files and the sha256 of every weight file. Pinned like the demo's: these moved ONCE, deliberately, when the
     weights entered by content (VERSIONS["target"] target-v2, issue 33); a change here needs another bump."""
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
     from tasks.engine.weights import folder_fingerprint
 
     monkeypatch.setenv("DRAFTLINE_HOME", str(tmp_path / "node"))

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from tasks.core.config import StoreConfig
-from tasks.store.artifacts import ArtifactCorrupt, ArtifactMissing, Store, StoreError, check_name
+from tasks.store.artifacts import ArtifactCorrupt, ArtifactMissing, Store, StoreError
+from tasks.store.trust import check_name
 
 
 def _write(store: Store, digest: str, payload: bytes, stage: str = "prepare") -> None:
@@ -90,7 +91,7 @@ def test_large_writes_are_hashed_while_written(store, monkeypatch):
     sha256 is still that of the whole file, and a failed write still fails (after its hash ends)."""
     import hashlib
 
-    from tasks.store import artifacts as store_mod
+    from tasks.store import writer as store_mod
 
     payload = os.urandom(3 << 20) + b"tail"
     with store.write("prepare", "dbig", "v1") as w:

@@ -16,7 +16,9 @@ import torch
 from safetensors.torch import load as st_load
 
 from tasks.address import digests
-from tasks.core.config import ConfigError, HeadConfig, RunConfig, head_config, load_config
+from tasks.core.config import HeadConfig, RunConfig, head_config
+from tasks.core.config_load import load_config
+from tasks.core.errors import ConfigError
 from tasks.store.artifacts import Store
 from tasks.train.stage import run_train
 from tasks.train import TrainError
@@ -330,7 +332,8 @@ def test_every_head_is_measured_against_one_baseline_and_a_head_vllm_cannot_deco
     from tests.unit.benchmark.test_benchmark import FakeEngine, bench_cfg
 
     import tasks.benchmark.stage
-    from tasks.benchmark.stage import load_report, run_benchmark
+    from tasks.benchmark.results import load_report
+    from tasks.benchmark.stage import run_benchmark
     from tasks.benchmark.report import report_markdown
     from tasks.engine.process import EngineError
 
@@ -401,7 +404,8 @@ def test_a_benchmark_run_again_after_a_kill_starts_only_the_engines_it_had_not_f
     from tests.unit.benchmark.test_benchmark import FakeEngine, bench_cfg
 
     import tasks.benchmark.stage
-    from tasks.benchmark.stage import load_report, run_benchmark
+    from tasks.benchmark.results import load_report
+    from tasks.benchmark.stage import run_benchmark
 
     class Killed(BaseException):
         """What a SIGKILL is to the benchmark: nothing after it runs."""

@@ -256,12 +256,12 @@ def test_default_layer_ids_come_from_the_text_config(kimi):
     assert validate_layer_ids(ids, LAYERS) == ids == resolve_layer_ids(kimi.cfg, kimi.hf)
     assert [(p.layer_ids, p.hidden_size, p.num_layers) for p in kimi.plans] == [(ids, HIDDEN, LAYERS)] * 2
     # the real model's shape (61 decoder layers under text_config) gives the preset's ids
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
     from transformers.models.kimi_k25 import Kimi_K25Config
 
     real = Kimi_K25Config(text_config={"model_type": "kimi_k2", "num_hidden_layers": 61, "hidden_size": 7168})
     assert type(text_config(real)).__name__ == "DeepseekV3Config"  # transformers reads the hub's kimi_k2 as DeepSeek-V3
-    preset = load_config(Path(__file__).resolve().parents[3] / "configs" / "kimi-k2.5-b300.yaml")
+    preset = load_config(Path(__file__).resolve().parents[2] / "configs" / "kimi-k2.5-b300.yaml")
     assert default_layer_ids(text_config(real).num_hidden_layers) == [2, 30, 58, 61] == preset.extract.layer_ids
     with pytest.raises(TargetError, match=r"last id must be 6 .*e\.g\. \[1, 3, 4, 6\]"):
         validate_layer_ids([2, 30, 58, 61], text_config(kimi.hf).num_hidden_layers)
@@ -411,7 +411,7 @@ def test_the_presets_dflash_head_trains_on_the_kimi_layout_and_exports_what_vllm
     target: Qwen3 draft layers of the target's width (the value head for MLA's rotary-only head_dim), a block of 8,
     the target's aux layers, and the config vLLM 0.26 loads as DFlashDraftModel with method dflash."""
     from tasks.benchmark.stage import check_draft
-    from tasks.core.config import load_config
+    from tasks.core.config_load import load_config
     from tasks.data.vocab import run_vocab
     from tasks.train import TrainError
     from tasks.train.stage import run_train
