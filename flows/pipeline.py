@@ -26,7 +26,7 @@ from flows.caching import TASK_OPTIONS, as_ref, finished_or_run
 from flows.flow_runs import EXTRACT_FLOW
 from flows.interrupts import chain_into_flow
 from flows.nodes import SHARDED, child_config, finish_sharded, run_nodes, train_child, train_nodes
-from flows.preflight import check_head_layers, remote_code_problem
+from tasks.train.preflight import check_head_layers, remote_code_problem
 from flows.started_runs import record_started
 from flows.report_artifacts import Progress, publish_summary
 from flows.run_record import RunRecord, announce, finish_stage

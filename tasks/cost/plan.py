@@ -13,7 +13,8 @@ REGENERATE_FANS_OUT below), training reads its parts through the node-local part
 training runs on `train.nodes` nodes (one in the presets), the benchmark on one. Cost is counted three ways: the nodes held for the whole
 wall-clock, a schedule that rents the nodes per stage, and the busy node-hours alone.
 
-`make_plan` is a plain function (config and rates in, numbers out); `render` prints the markdown that
+`make_plan` is a plain function (config, rates and the run's lengths in, numbers out: it reads no store; the
+rates are tasks/cost/rates.py's, the lengths tasks/cost/lengths.py's); `render` prints the markdown that
 docs/kimi-k2.5.md shows verbatim (tests/unit/cost/test_plan.py keeps them equal).
 """
 
@@ -22,20 +23,15 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-import yaml
+from tasks.core.config import RunConfig
+from tasks.engine.target import text_config
+from tasks.cost.lengths import Lengths, length_notes
+from tasks.cost.rates import DEFAULT_MACHINE, SHAPE_KEYS, PlanError, Rate, Target, load_target
+from tasks.train.preflight import head_problems
 
-from tasks.core.config import CHECKOUT, RunConfig
-from tasks.core.errors import DraftlineError
-
-RATES_FILE = CHECKOUT / "configs" / "rates.yaml"
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train/checkpoints.py Checkpointer.write)
-DEFAULT_MACHINE = "b300-node"
-KINDS = ("measured", "cited", "assumption")
-TARGET_RATES = ("decode_tok_s", "decode_tok_s_batch1")  # per target and machine
-# per target: its active parameters, and the bytes of its weights (an engine start reads them: engine.start_s_per_gb)
-TARGET_SIZES = ("active_params", "weights_gb")
 
 # What the code does, as switches so a plan can show what each is worth (tests flip them): regeneration shards
 # are dealt over the nodes like extraction's (flows/nodes.py run_nodes); False prices regeneration on one node.
@@ -43,19 +39,6 @@ REGENERATE_FANS_OUT = True
 # Training reads its parts through the node-local part cache (tasks/store/part_cache.py), so epochs after the first
 # read from the node's NVMe what the cache holds; False prices every epoch downloading every part again.
 NODE_PART_CACHE = True
-
-
-class PlanError(DraftlineError, ValueError):
-    """A plan that cannot be made; the message says what to add or fix."""
-
-
-@dataclass
-class Rate:
-    name: str
-    value: float
-    unit: str
-    kind: str  # measured | cited | assumption | command line | the run's stats
-    source: str
 
 
 @dataclass
@@ -86,174 +69,6 @@ class Plan:
     levers: list[dict[str, Any]] = field(default_factory=list)
 
 
-# --------------------------------------------------------------------------- rates
-
-def _rate(name: str, raw: Any) -> Rate:
-    if not isinstance(raw, dict) or not {"value", "unit", "kind", "source"} <= set(raw):
-        raise PlanError(f"rate {name}: give value, unit, kind ({', '.join(KINDS)}) and source")
-    if raw["kind"] not in KINDS:
-        raise PlanError(f"rate {name}: kind must be one of {', '.join(KINDS)}, got {raw['kind']!r}")
-    return Rate(name, float(raw["value"]), str(raw["unit"]), raw["kind"], " ".join(str(raw["source"]).split()))
-
-
-def _section_rates(data: dict[str, Any], where: str) -> dict[str, Rate]:
-    return {f"{sec}.{name}": _rate(f"{where}{sec}.{name}", raw)
-            for sec, items in data.items() for name, raw in (items or {}).items()}
-
-
-def read_rates_file(path: Path = RATES_FILE) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise PlanError(f"cannot read the rates file {path}: {exc}") from None
-    if not data.get("machines"):
-        raise PlanError(f"{path}: add `machines:` (at least {DEFAULT_MACHINE}: with its node rates)")
-    return data
-
-
-def machine_for(config_name: str | None, path: Path = RATES_FILE) -> str:
-    """The machine a preset names in the rates file (`presets:`), else the B300 node."""
-    for name, entry in read_rates_file(path)["machines"].items():
-        if config_name and config_name in (entry.get("presets") or []):
-            return name
-    return DEFAULT_MACHINE
-
-
-def all_rates(path: Path = RATES_FILE) -> list[Rate]:
-    """Every rate the file holds, on every machine and for every target (for checking their sources)."""
-    data = read_rates_file(path)
-    out = list(_section_rates({k: v for k, v in data.items() if k not in ("machines", "targets")}, "").values())
-    for m, entry in data["machines"].items():
-        out += _section_rates({k: v for k, v in entry.items() if k not in ("description", "presets", "max_nodes")},
-                              f"{m}: ").values()
-    for model, entry in (data.get("targets") or {}).items():
-        out += [_rate(f"{model}.{k}", v) for k, v in entry.items() if k not in ("config", "machines", "local_copies")]
-        for m, items in (entry.get("machines") or {}).items():
-            out += [_rate(f"{model} on {m}: target.{k}", v) for k, v in items.items()]
-    return out
-
-
-def load_rates(path: Path = RATES_FILE, overrides: list[str] | None = None,
-               machine: str = DEFAULT_MACHINE) -> dict[str, Any]:
-    """The rates of one machine as {"rates": {"node.gpus": Rate, ...}, "targets": {model: {...}}, "machine":
-    name, "description": ..., "overrides": {...}}; `overrides` are `section.name=value` (target rates:
-    `target.decode_tok_s=...`, applied to the config's target on this machine)."""
-    data = read_rates_file(path)
-    machines = data.pop("machines")
-    targets = data.pop("targets", {}) or {}
-    if machine not in machines:
-        raise PlanError(f"--machine {machine!r} is not in {Path(path).name}; one of: {', '.join(machines)}")
-    entry = dict(machines[machine])
-    description = " ".join(str(entry.pop("description", machine)).split())
-    entry.pop("presets", None)
-    max_nodes = entry.pop("max_nodes", None)
-    rates = _section_rates(data, "")
-    rates.update(_section_rates(entry, ""))
-    out = {"rates": rates, "targets": targets, "overrides": {}, "machine": machine, "description": description,
-           "max_nodes": int(max_nodes) if max_nodes else None}
-    target_names = [f"target.{n}" for n in (*TARGET_SIZES, *TARGET_RATES)]
-    for item in overrides or []:
-        key, _, value = item.partition("=")
-        if key not in rates and key not in target_names:
-            raise PlanError(f"--rate {key!r} is not a rate; one of: {', '.join(sorted(rates) + target_names)}")
-        try:
-            number = float(value)
-        except ValueError:
-            raise PlanError(f"--rate {item!r}: expected NAME=NUMBER, e.g. --rate node.gpu_hour_price=4.5") from None
-        if key in rates:
-            rates[key] = Rate(key, number, rates[key].unit, "command line", f"--rate {item}")
-        else:
-            out["overrides"][key.removeprefix("target.")] = number
-    return out
-
-
-@dataclass
-class Target:
-    hf_config: Any
-    folder: str  # a folder holding its config.json (for speculators' layer config)
-    rates: dict[str, Rate]
-    experts: bool
-    known_as: str = ""  # the rates file's target whose shape a local target.model has
-
-
-SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
-
-
-def _same_shape(hf: Any, targets: dict[str, Any]) -> str:
-    """The rates file's target with the decoder shape of `hf` (the same weights under another path, e.g. a
-    workstation's /models/kimi-k2.5), or ""."""
-    from transformers import AutoConfig
-
-    from tasks.engine.target import text_config
-
-    mine = [getattr(text_config(hf), k, None) for k in SHAPE_KEYS]
-    for model, entry in targets.items():
-        conf = dict(entry["config"])
-        known = text_config(AutoConfig.for_model(conf.pop("model_type"), **conf))
-        if [getattr(known, k, None) for k in SHAPE_KEYS] == mine:
-            return model
-    return ""
-
-
-def _target_rate(model: str, entry: dict, name: str, overrides: dict[str, float], where: str) -> Rate:
-    if name in overrides:
-        return Rate(f"target.{name}", overrides[name], entry.get(name, {}).get("unit", ""), "command line",
-                    f"--rate target.{name}={overrides[name]:g}")
-    if name not in entry:
-        raise PlanError(f"configs/rates.yaml: targets: {model}: {where}add {name} (value, unit, kind, source), "
-                        f"or pass --rate target.{name}=...")
-    return _rate(f"target.{name}", entry[name])
-
-
-def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
-    """The target's config from the rates file's `targets` entry (no weights needed), else from target.model;
-    its rates on the plan's machine from the entry's `machines:`."""
-    from transformers import AutoConfig
-
-    from tasks.engine.target import TargetError, load_hf_config, max_model_len_problem, text_config
-
-    model = cfg.target.model
-    entry = rates["targets"].get(model)
-    known_as = ""
-    if entry is None and not Path(model).exists():  # a preset's copy on its own machine, planned elsewhere
-        known_as = next((name for name, e in rates["targets"].items() if model in (e.get("local_copies") or [])), "")
-        entry = rates["targets"].get(known_as)
-    # a rates entry's config is a stand-in: its context length is only known when it states one
-    stated = entry is None or "max_position_embeddings" in entry.get("config", {})
-    if entry is not None:
-        conf = dict(entry["config"])
-        hf = AutoConfig.for_model(conf.pop("model_type"), **conf)
-    else:
-        try:
-            hf = load_hf_config(cfg.target)
-        except (TargetError, OSError, ValueError) as exc:
-            raise PlanError(f"target.model {model!r}: cannot read its config ({str(exc).splitlines()[0][:160]}); "
-                            f"add it under `targets:` in {RATES_FILE.relative_to(CHECKOUT)} (its config.json fields, "
-                            f"active_params, and per machine {', '.join(TARGET_RATES)})") from None
-        known_as = _same_shape(hf, rates["targets"])
-        entry = rates["targets"][known_as] if known_as else {}
-    hf.save_pretrained(tmp)
-    tc = text_config(hf)
-    too_long = max_model_len_problem(cfg.target, tc) if stated else None
-    if too_long:
-        raise PlanError(too_long)
-    machine = rates.get("machine", DEFAULT_MACHINE)
-    on_machine = (entry.get("machines") or {}).get(machine, {})
-    out = {"active_params": _target_rate(known_as or model, entry, "active_params", rates["overrides"], "")}
-    out.update({n: _target_rate(known_as or model, on_machine, n, rates["overrides"], f"machines: {machine}: ")
-                for n in TARGET_RATES})
-    local = Path(model).expanduser()
-    if "weights_gb" in entry or "weights_gb" in rates["overrides"]:
-        out["weights_gb"] = _target_rate(known_as or model, entry, "weights_gb", rates["overrides"], "")
-    elif local.is_dir():  # the folder itself says how many bytes an engine start reads
-        size = sum(f.stat().st_size for f in local.glob("*.safetensors"))
-        out["weights_gb"] = Rate("target.weights_gb", size / 1e9, "GB of weights (*.safetensors)", "measured",
-                                 f"the sizes of the *.safetensors files in {local}")
-    return Target(hf, str(tmp), out,
-                  experts=bool(getattr(tc, "n_routed_experts", None) or getattr(tc, "num_local_experts", None)),
-                  known_as=known_as)
-
-
 # --------------------------------------------------------------------------- the draft's size
 
 def draft_model(cfg: RunConfig, target: Target, layer_ids: list[int]):
@@ -264,7 +79,6 @@ def draft_model(cfg: RunConfig, target: Target, layer_ids: list[int]):
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
-    from tasks.engine.target import text_config
     from tasks.train.model import draft_layer_config
 
     layer_cfg = draft_layer_config(cfg.train, cfg.target.model_copy(update={"trust_remote_code": False}),
@@ -295,76 +109,6 @@ def hidden_bytes_per_token(layers: int, hidden: int, dtype: str) -> int:
     Measured on SmolLM2 (4 x 576): 4,613 bf16, 2,325 fp8 (benchmarks/RESULTS.md)."""
     states = layers * hidden * 2 if dtype == "bf16" else layers * hidden + layers * 4
     return states + 5
-
-
-# --------------------------------------------------------------------------- the run's own lengths
-
-@dataclass
-class Lengths:
-    """Mean prompt and answer tokens per sample (and the sample count) that a run's stages recorded."""
-    samples: Optional[int] = None
-    prompt: Optional[float] = None
-    answer: Optional[float] = None  # per sample, the target's (regenerate) or the data's
-    source: str = ""
-    longest: Optional[int] = None  # the longest sample, and samples per context-length bucket (prepare's stats)
-    buckets: Optional[dict] = None
-
-
-def run_lengths(cfg: RunConfig) -> Lengths:
-    """Read this config's prepare artifact and its regenerate artifact (or the regenerate shards committed so
-    far) on cfg.store; what is not there stays None, and `source` says what was found."""
-    from tasks.address import digests
-    from tasks.store.artifacts import Store, StoreError
-
-    from tasks.address.data import DataIdentityError
-
-    try:
-        store = Store.from_config(cfg.store)
-        prep = store.find("prepare", digests.prepare(cfg))
-    except DataIdentityError as exc:  # the data's content cannot be named here (offline, no record of a commit)
-        return Lengths(source=f"this config's data has no address here ({str(exc)[:160]})")
-    except Exception as exc:  # noqa: BLE001 - any store or credential failure: say it and plan on assumptions
-        return Lengths(source=f"the store {cfg.store.uri} could not be read ({str(exc).splitlines()[0][:120]})")
-    if prep is None:
-        return Lengths(source=f"no prepare artifact of this config on {store.uri} yet")
-    s = prep.stats
-    samples = int(s.get("samples") or 0)
-    if not samples:
-        return Lengths(source=f"the prepare artifact {prep.digest[:12]} records no samples")
-    out = Lengths(samples=samples, source=f"prepare {prep.digest[:12]} ({samples:,} samples)",
-                  longest=s.get("longest"), buckets=s.get("length_buckets"))
-    if not cfg.regenerate.enabled:
-        out.prompt = (s["tokens"] - s["masked_tokens"]) / samples
-        out.answer = s["masked_tokens"] / samples
-        return out
-    out.prompt = (s["tokens"] - s["masked_tokens"]) / samples  # the data's answers are replaced
-    reg_digest = digests.regenerate(cfg, prep.ref())
-    try:
-        reg = store.find("regenerate", reg_digest)
-        # else the shards committed so far: their manifests' stats, read at once (a hero run has 512)
-        arts = [reg] if reg is not None else [m for m in store.manifests(digests.REGENERATE_SHARD, [
-            digests.regenerate_shard(reg_digest, i) for i in range(int(s.get("num_shards") or cfg.data.num_shards))
-        ], skip_unsafe=True).values() if m is not None]
-    except StoreError as exc:
-        out.source += f"; regenerate shards unreadable ({str(exc).splitlines()[0][:120]})"
-        return out
-    regen = [a.stats for a in arts if a.stats.get("samples")]
-    if regen:
-        n = sum(int(r["samples"]) for r in regen)
-        tokens = sum(int(r["tokens"]) for r in regen)
-        gen = sum(int(r.get("generated_tokens", 0)) for r in regen)
-        out.answer = gen / n
-        out.prompt = (tokens - gen) / n
-        if all(r.get("longest") for r in regen):  # the regenerated answers' lengths replace the data's
-            from tasks.formats.acceptance import merge_counts
-
-            out.longest = max(int(r["longest"]) for r in regen)
-            out.buckets = merge_counts(*(r.get("length_buckets") for r in regen))
-        what = "regenerate" if reg is not None else f"{len(regen)} regenerate shard(s)"
-        out.source += f", {what} ({n:,} samples)"
-    else:
-        out.source += "; nothing regenerated yet"
-    return out
 
 
 # --------------------------------------------------------------------------- the plan
@@ -409,7 +153,7 @@ def head_cost_rate(head: Any, cost: float, train: Any, mfu_rate: str) -> Rate:
 
 
 def make_shape(cfg: RunConfig, rates: dict[str, Any]) -> Shape:
-    from tasks.engine.target import configured_layer_ids, text_config
+    from tasks.engine.target import configured_layer_ids
     from tasks.train.model import flops_per_token
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -437,13 +181,8 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         raise PlanError("data.max_samples is not set: a plan needs the number of samples (set it, or "
                         "--set data.max_samples=N)")
     shape = shape or make_shape(cfg, rates)
-    # a head this target cannot train is refused as `draftline run` refuses it (the train stage's own check);
-    # tasks.train.model imports torch, which a plan made on a laptop needs only here
-    from tasks.engine.target import text_config
-    from tasks.train.model import head_target_problem
-
-    text = text_config(shape.target.hf_config)
-    problems = [p for p in (head_target_problem(h, text, cfg.target.model) for h in cfg.train.heads) if p]
+    # a head this target cannot train is refused as `draftline run` refuses it (tasks/train/preflight.py)
+    problems = head_problems(cfg, text_config(shape.target.hf_config))
     if problems:
         raise PlanError("\n".join(problems))
     lengths = lengths or Lengths()
@@ -655,17 +394,6 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     if levers:
         plan.levers = _levers(cfg, rates, plan, nodes=nodes, lengths=lengths, shape=shape)
     return plan
-
-
-def length_notes(cfg: RunConfig, lengths: Lengths) -> list[str]:
-    """A note when the target will serve contexts (target.max_model_len) longer than any training sample: the
-    run's longest prepared sample with --from-store, else data.max_length. A sample reaches the served context
-    at max_model_len - 1 tokens, the most the config check allows (extraction sends max_length + 1)."""
-    from tasks.benchmark.results import LENGTH_FIX, length_gap
-
-    train = {"longest": lengths.longest, "length_buckets": lengths.buckets, "max_length": cfg.data.max_length}
-    gap = length_gap(train, cfg.target.max_model_len - 1, "Lengths: contexts served up to target.max_model_len")
-    return [f"{gap}: a draft's acceptance falls at lengths it never trained on; {LENGTH_FIX}."] if gap else []
 
 
 def _levers(cfg: RunConfig, rates: dict[str, Any], base: Plan, *, nodes: int, lengths: Lengths,

@@ -7,12 +7,13 @@ loss-masked token counts it was chosen from). The vocab stage writes it; trainin
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tasks.core.errors import DraftlineError
 from tasks.store.artifacts import ArtifactMissing, ArtifactRef, Store
+
+if TYPE_CHECKING:  # torch is imported where the maps are read: the vocab stage's module stays light
+    import torch
 
 FILE = "vocab.safetensors"
 
@@ -32,6 +33,7 @@ def read_maps(store: Store, vocab_ref: ArtifactRef) -> dict[str, Any]:
 def read_vocab(store: Store, vocab_ref: ArtifactRef, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t offsets int64 [K], t2d bool [V]) from the vocab artifact, checked against each other and against the
     token counts they were chosen from (the top-K)."""
+    import torch
     from safetensors.torch import load as st_load
 
     try:

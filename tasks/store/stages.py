@@ -43,6 +43,11 @@ def always(cfg: RunConfig) -> bool:
     return True
 
 
+def one_variant(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
+    """A stage with no variants: the run's config, unnamed."""
+    return [("", cfg)]
+
+
 @dataclass(frozen=True)
 class Stage:
     """A stage the flow runs as one task."""
@@ -53,6 +58,18 @@ class Stage:
     run: Callable[..., ArtifactRef]      # (cfg, store, *inputs, digest=address(...)) -> the artifact, found
                                          # or committed (without digest: it computes it by `address`)
     enabled: Callable[[RunConfig], bool] = always
+    # (label, config) per artifact the stage makes from the same inputs, each at its own address: the train
+    # stage's heads (train.heads); one unnamed variant for every other stage
+    variants: Callable[[RunConfig], list[tuple[str, RunConfig]]] = one_variant
+
+    @property
+    def store_stage(self) -> str:
+        """Where the stage's artifact is committed: its name."""
+        return self.name
+
+    def locate(self, cfg: RunConfig, store: Store, inputs: list[Any]) -> tuple[str, list[Any]]:
+        """(the digest this stage commits at from INPUTS, no shard plans): what every caller asks a stage."""
+        return self.address(cfg, store, *inputs), []
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,12 @@ class ShardedStage:
     tokens: str                          # the shard stat the stage sums and reports a rate of
     rate: str                            # that rate's unit
     enabled: Callable[[RunConfig], bool] = always
+    variants: Callable[[RunConfig], list[tuple[str, RunConfig]]] = one_variant
+
+    def locate(self, cfg: RunConfig, store: Store, inputs: list[Any]) -> tuple[str, list[Any]]:
+        """(the digest the stage's artifact commits at, the plan of each shard) from INPUTS (its data)."""
+        plans = self.plan(cfg, inputs[0])
+        return self.address(cfg, inputs[0], plans), plans
 
 
 @cache

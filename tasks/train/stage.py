@@ -27,14 +27,14 @@ data order is a function of (seed, epoch, part), not of history.
 from __future__ import annotations
 
 from tasks.address import digests
-from tasks.core.config import RunConfig
+from tasks.core.config import RunConfig, head_config
 from tasks.store.artifacts import ArtifactRef, Store
 from tasks.store.stages import Stage
 from tasks.extract.shards import ExtractError, extract_shards
 from tasks.train import STAGE, MetricsCallback, TrainError
-from tasks.train.inputs import resolve_inputs, train_head
-from tasks.train.loop import train_here
-from tasks.train.ranks import launch_ranks, launched_as_rank, train_ranks
+
+# The training parts (inputs, loop, ranks) import torch: they are imported where a head is trained, so this
+# module, and with it the stage registry's STAGE_DEF, stays light (tasks/resolve.py reads the addresses).
 
 
 def train_address(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: ArtifactRef) -> str:
@@ -58,6 +58,8 @@ def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: A
     it trains itself. Under torchrun every rank calls this; rank 0 writes, all ranks
     return the same ref.
     """
+    from tasks.train.inputs import train_head
+
     train_head(cfg)  # one head per call
     digest = digest or train_address(cfg, store, vocab_ref, extracted)
     return store.found_or_compute(STAGE, digest, lambda: _train(cfg, store, vocab_ref, training_shards(
@@ -66,6 +68,10 @@ def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: A
 
 def _train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef],
            on_metrics: MetricsCallback | None, digest: str) -> ArtifactRef:
+    from tasks.train.inputs import resolve_inputs
+    from tasks.train.loop import train_here
+    from tasks.train.ranks import launch_ranks, launched_as_rank, train_ranks
+
     if not launched_as_rank():
         ranks = train_ranks(cfg.train)
         if ranks > 1:
@@ -85,4 +91,10 @@ def training_shards(store: Store, extracted: ArtifactRef) -> list[ArtifactRef]:
 
 # the stage as the flow runs it (tasks/store/stages.py), once per head of train.heads (tasks.core.config
 # head_config): its address is made of the shards the extract stage's artifact names
-STAGE_DEF = Stage(name=STAGE, inputs=("vocab", "extract"), address=train_address, run=run_train)
+def head_variants(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
+    """The stage's variants: one (label, config) per head of train.heads, each trained at its own address."""
+    return [(head.label, head_config(cfg, head)) for head in cfg.train.heads]
+
+
+STAGE_DEF = Stage(name=STAGE, inputs=("vocab", "extract"), address=train_address, run=run_train,
+                  variants=head_variants)
