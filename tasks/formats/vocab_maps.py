@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tasks.core.config import VocabConfig
 from tasks.core.errors import DraftlineError
 from tasks.store.artifacts import ArtifactMissing, ArtifactRef, Store
 
@@ -16,6 +17,27 @@ if TYPE_CHECKING:  # torch is imported where the maps are read: the vocab stage'
     import torch
 
 FILE = "vocab.safetensors"
+
+
+class VocabError(DraftlineError, ValueError):
+    """A vocabulary that cannot be built; the message says what to change."""
+
+
+# the default draft vocabulary size, which a smaller target's vocabulary caps
+_DEFAULT_K = VocabConfig.model_fields["draft_vocab_size"].default
+
+
+def draft_size(requested: int, target_vocab: int) -> int:
+    """The default (32,000) is capped at the target's vocabulary; an explicit larger size is an error."""
+    if requested <= target_vocab:
+        return requested
+    if requested == _DEFAULT_K:
+        return target_vocab
+    raise VocabError(
+        f"vocab.draft_vocab_size ({requested}) is larger than the target's vocabulary ({target_vocab}); "
+        f"set it to at most {target_vocab} (or remove it: the default {_DEFAULT_K} is capped automatically)"
+    )
+
 
 
 class VocabFormatError(DraftlineError, ValueError):

@@ -19,7 +19,7 @@ regeneration ran, else prepare's), in the order its `run` takes them.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Callable
 
@@ -37,6 +37,42 @@ class ShardPlan(BaseModel):
 
     shard: int
     digest: str
+
+
+@dataclass
+class Shown:
+    """What the flow shows of a stage's artifacts, as data (one publisher in flows/ turns it into Prefect
+    artifacts and log lines): markdown and table artifacts, figures for the stage's line of the run's summary,
+    fields of the run's record (the draft's `vllm serve` line, the benchmark's figures), log lines."""
+
+    markdown: list[tuple[str, str, str]] = field(default_factory=list)  # (key, description, markdown)
+    tables: list[tuple[str, str, list[dict[str, Any]]]] = field(default_factory=list)  # (key, description, rows)
+    stats: dict[str, Any] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Tick:
+    """One progress record of a running stage as the flow shows it: the bar (percent, its line) and log lines."""
+
+    percent: float | None = None
+    message: str | None = None
+    log: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def as_variants(made: Any) -> list[tuple[str, ArtifactRef]]:
+    """A stage's artifacts as (label, artifact) per variant: what `combine` (tasks/store/resolve.py) made."""
+    return [("", made)] if isinstance(made, ArtifactRef) else list(made)
+
+
+def never_shown(cfg: RunConfig, store: Store, made: dict[str, Any]) -> Shown:
+    return Shown()
+
+
+def one_node(cfg: RunConfig) -> int:
+    return 1
 
 
 def always(cfg: RunConfig) -> bool:
@@ -61,6 +97,15 @@ class Stage:
     # (label, config) per artifact the stage makes from the same inputs, each at its own address: the train
     # stage's heads (train.heads); one unnamed variant for every other stage
     variants: Callable[[RunConfig], list[tuple[str, RunConfig]]] = one_variant
+    # what the flow shows once the stage is done, from the artifacts MADE so far (by stage name)
+    show: Callable[[RunConfig, Store, dict[str, Any]], Shown] = never_shown
+    # keywords of `run` the flow fills from the flow run: `on_progress` (records `tick` turns into the
+    # progress bar and log lines), `flow_run_id`
+    context: tuple[str, ...] = ()
+    tick: Callable[[dict[str, Any]], Tick] | None = None
+    # run before any sharded (long) stage before it, so a bad config fails before hours of work
+    check: Callable[[RunConfig], None] | None = None
+    nodes: Callable[[RunConfig], int] = one_node  # > 1: the flow runs it over nodes (flows/train_nodes.py)
 
     @property
     def store_stage(self) -> str:
@@ -92,6 +137,10 @@ class ShardedStage:
     rate: str                            # that rate's unit
     enabled: Callable[[RunConfig], bool] = always
     variants: Callable[[RunConfig], list[tuple[str, RunConfig]]] = one_variant
+    show: Callable[[RunConfig, Store, dict[str, Any]], Shown] = never_shown
+    # what the flow shows of the shards once they are all done: (shard refs, errors) -> Shown
+    show_shards: Callable[[list[ArtifactRef], list[str]], Shown] | None = None
+    check: Callable[[RunConfig], None] | None = None
 
     def locate(self, cfg: RunConfig, store: Store, inputs: list[Any]) -> tuple[str, list[Any]]:
         """(the digest the stage's artifact commits at, the plan of each shard) from INPUTS (its data)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.config import head_config
-from tasks.data.vocab import VocabError, draft_size
+from tasks.formats.vocab_maps import VocabError, draft_size
 from tasks.engine.target import (TargetError, load_hf_config, max_model_len_problem, resolve_layer_ids, resolve_model,
                                  text_config)
 from tasks.formats.drafts import DraftError, draft_folder_of, read_config, warm_start_problem
