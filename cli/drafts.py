@@ -13,7 +13,6 @@ from flows.started_runs import params_digest, started_here
 from tasks.benchmark.serve import ExportError, run_serve
 from tasks.benchmark.results import find_report, load_report
 from tasks.core.config import ConfigError, RunConfig, load_config
-from tasks.store.artifacts import canonical_uri
 from tasks.store.resolve import resolve
 
 
@@ -102,7 +101,6 @@ def run_train_digest(store: Any, run: str, head: str | None = None) -> tuple[str
                           "in parameters this machine did not record (another API user's run, or edited since): "
                           "loading its target would run that repository's code here. Give its train digest "
                           "(`draftline ls --stage train`) or the config you trust")
-    if canonical_uri(cfg.store.uri) != store.uri:  # one store however it is written (relative, absolute, slash)
-        raise ExportError(f"flow run {fr.name} wrote to {canonical_uri(cfg.store.uri)}, not {store.uri}: pass "
-                          f"--store {canonical_uri(cfg.store.uri)}")
+    if cfg.store.uri != store.uri:  # both canonical: one store however it is written (relative, absolute, slash)
+        raise ExportError(f"flow run {fr.name} wrote to {cfg.store.uri}, not {store.uri}: pass --store {cfg.store.uri}")
     return config_train_digest(store, cfg, head), cfg

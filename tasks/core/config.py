@@ -52,6 +52,17 @@ def with_scheme(uri: str) -> str:
     return uri if "://" in uri else "file://" + uri
 
 
+def canonical_uri(uri: str) -> str:
+    """One store, one URI, however it is written: a bare folder gets `file://`; a file:// folder is made absolute
+    (relative to the current folder, `~` expanded, symlinks resolved); no trailing slash. `file://.draftline/store`,
+    `file:///CHECKOUT/.draftline/store/` and `.draftline/store` run from the checkout are one store. Every comparison
+    of store URIs compares these (the Store's own `uri` is one)."""
+    scheme, rest = with_scheme(uri).split("://", 1)
+    if scheme == "file":
+        return f"file://{Path(rest).expanduser().resolve()}"
+    return f"{scheme}://{rest.rstrip('/')}"
+
+
 class ConfigError(DraftlineError, ValueError):
     """A config that cannot be used; the message names each field and the fix."""
 
@@ -505,8 +516,9 @@ def head_config(cfg: "RunConfig", head: HeadConfig) -> "RunConfig":
 
 class StoreConfig(Section):
     uri: str = Field(
-        "file://.draftline/store",
-        description="file://FOLDER or s3://BUCKET/PREFIX. Credentials come from the environment, never from here.",
+        "file://.draftline/store", validate_default=True,
+        description="file://FOLDER or s3://BUCKET/PREFIX, canonical once loaded (a file:// folder absolute, from the "
+        "current folder; no trailing slash). Credentials come from the environment, never from here.",
     )
     endpoint_url: str | None = Field(
         None, description="S3 endpoint for non-AWS servers (or env AWS_ENDPOINT_URL). Not a secret."
@@ -531,7 +543,7 @@ class StoreConfig(Section):
             raise ValueError(f"store uri must start with file:// or s3://, got {scheme}://")
         if scheme == "s3" and "@" in v[len("s3://"):].split("/", 1)[0]:
             raise ValueError("credentials must not be embedded in the store uri; use AWS_* environment variables")
-        return v
+        return canonical_uri(v)  # once, here: every comparison and every Store reads this one
 
 
 class DecodeEngineConfig(Section):

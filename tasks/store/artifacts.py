@@ -43,11 +43,12 @@ from pydantic import BaseModel, Field
 
 from tasks.core import owners
 from tasks.core.errors import DraftlineError
-from tasks.core.config import StoreConfig, with_scheme
+from tasks.core.config import StoreConfig, canonical_uri
 from tasks.core.faults import kill_point
 from tasks.store.model import (COMMITTED_HERE, MANIFEST, ArtifactCorrupt, ArtifactMissing, ArtifactRef,  # noqa: F401
                                BucketMissing, FileEntry, Manifest, NotAStore, StoreError)
 from tasks.store.manifests import read_manifests
+from tasks.store.opened import opened
 from tasks.store.uploads import open_for_write, upload_options
 from tasks.store.trust import (MANIFEST_CAP, NAME_RE as _NAME_RE, RECORD_CAP, RefusedStoreFile, UnsafePath,  # noqa: F401
                                check_manifest_address, check_name, check_relpath, read_capped, safe_join)
@@ -81,17 +82,6 @@ def _forget_hasher() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_hasher)
-
-
-def canonical_uri(uri: str) -> str:
-    """One store, one URI, however it is written: a bare folder gets `file://`; a file:// folder is made absolute
-    (relative to the current folder, `~` expanded, symlinks resolved); no trailing slash. `file://.draftline/store`,
-    `file:///CHECKOUT/.draftline/store/` and `.draftline/store` run from the checkout are one store. Every comparison
-    of store URIs compares these (the Store's own `uri` is one)."""
-    scheme, rest = with_scheme(uri).split("://", 1)
-    if scheme == "file":
-        return f"file://{Path(rest).expanduser().resolve()}"
-    return f"{scheme}://{rest.rstrip('/')}"
 
 
 @contextlib.contextmanager
@@ -463,8 +453,9 @@ class Store:
 
     @classmethod
     def from_config(cls, cfg: StoreConfig) -> "Store":
+        """The process's one Store for this store and these credentials (tasks/store/opened.py)."""
         opts = resolve_credentials(cfg) if cfg.uri.startswith("s3://") else {}
-        return cls(cfg.uri, opts)
+        return opened(canonical_uri(cfg.uri), opts, lambda: cls(cfg.uri, opts))
 
     @property
     def is_local(self) -> bool:

@@ -110,7 +110,7 @@ def test_the_serve_line_is_the_engine_the_benchmark_ran(tmp_path):
 def test_one_store_is_one_uri_however_it_is_written(tmp_path, monkeypatch):
     """`make demo` writes to configs/demo.yaml's `file://.draftline/store`; `draftline export last` compares the run's
     store with its own as one URI (the message of issue 35: "wrote to file://.draftline/store, not file:///...")."""
-    from tasks.store.artifacts import canonical_uri
+    from tasks.core.config import canonical_uri
 
     monkeypatch.chdir(tmp_path)
     absolute = f"file://{tmp_path.resolve()}/.draftline/store"

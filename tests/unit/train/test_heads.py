@@ -479,7 +479,7 @@ def test_the_equal_budget_benchmark_gives_every_head_the_same_budget():
                 for h in cfg.train.heads}) == 1 and cfg.train.max_minutes is None
     assert all(h.dflash_settings()["block_size"] - 1 >= max(cfg.benchmark.num_speculative_tokens)
                for h in cfg.train.heads if h.drafts_blocks)
-    assert cfg.store.uri.startswith("file://.draftline/") and cfg.store.uri != load_config(root / "configs" / "demo.yaml").store.uri
+    assert cfg.store.uri.startswith(f"file://{Path.cwd().resolve()}/.draftline/") and cfg.store.uri != load_config(root / "configs" / "demo.yaml").store.uri
 
 
 # ============================================================================ train.loss: the LK losses
