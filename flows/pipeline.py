@@ -299,7 +299,7 @@ def _run_sharded_stage(st: ShardedStage, cfg: RunConfig, store: Store, rec: RunR
 def _run_shards(st: ShardedStage, cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, plans: list,
                 logger) -> list[ArtifactRef]:
     """ST's shards (PLANS), one task each, over this node's engine groups and, with extract.nodes > 1, over
-    other nodes (flows/nodes.py); the stage's record counts them. Raises when a shard failed: `draftline
+    other nodes (flows/shard_nodes.py); the stage's record counts them. Raises when a shard failed: `draftline
     retry` runs only the shards not on the store."""
     t0 = time.time()
     model = resolve_model(cfg.target)
@@ -356,8 +356,10 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
                   data_digest: str = "", shards: list[int] | None = None, stage: str = "extract",
                   rendezvous: dict[str, Any] | None = None, train_inputs: dict[str, Any] | None = None) -> dict:
     """A slice of a run's regeneration or extraction shards (STAGE) on one node, started by the run with
-    extract.nodes > 1 (flows/nodes.py); `data_*` name the artifact the shards read. With stage=train
-    (train.nodes > 1): one node of the run's training, joining RENDEZVOUS with TRAIN_INPUTS."""
+    extract.nodes > 1 (flows/shard_nodes.py); the node resolves its shards on the store (tasks/store/resolve.py)
+    and checks them against the data the parent named (`data_*`). With stage=train (train.nodes > 1): one node
+    of the run's training, joining RENDEZVOUS; the train address in TRAIN_INPUTS picks the head
+    (flows/train_nodes.py)."""
     chain_into_flow()
     if stage not in SHARDED and stage != "train":
         raise RuntimeError(f"stage={stage!r}: a slice runs the shards of one of {', '.join(SHARDED)}, or train")

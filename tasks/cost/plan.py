@@ -34,7 +34,7 @@ from tasks.train.preflight import head_problems
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train/checkpoints.py Checkpointer.write)
 
 # What the code does, as switches so a plan can show what each is worth (tests flip them): regeneration shards
-# are dealt over the nodes like extraction's (flows/nodes.py run_nodes); False prices regeneration on one node.
+# are dealt over the nodes like extraction's (flows/shard_nodes.py run_nodes); False prices regeneration on one node.
 REGENERATE_FANS_OUT = True
 # Training reads its parts through the node-local part cache (tasks/store/part_cache.py), so epochs after the first
 # read from the node's NVMe what the cache holds; False prices every epoch downloading every part again.
