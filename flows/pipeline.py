@@ -186,7 +186,7 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
             else:
                 inputs = inputs_of(st, made)
                 if isinstance(st, ShardedStage):
-                    checked = checked or _check_later(cfg, rec, STAGE_DEFS[i + 1:], until)
+                    checked = checked or until == st.name or _check_later(cfg, rec, STAGE_DEFS[i + 1:], until)
                     made[st.name] = _run_sharded_stage(st, cfg, store, rec, inputs[0], logger)
                 else:
                     made[st.name] = _run_variants(st, cfg, store, rec, inputs, logger)

@@ -1,8 +1,10 @@
-"""Preflight: what can be checked in seconds before a run's work starts, so a typo fails now and not after hours of earlier stages (each stage checks again). `draftline run` asks `input_problems` before it starts
-the flow (local paths, the target's config, layer ids, each head's kind against the target, the draft vocabulary,
-drafts from outside the run and the heads a warm start can seed; `draftline plan` asks `head_problems` too);
-the flow asks `check_head_layers` once the data stages are done, before extraction; a deployment's run (and
-`draftline submit`) asks `remote_code_problem` whether the deployment lets it run the target's own code.
+"""Preflight: what can be checked in seconds before a run's work starts, so a typo fails now and not after
+hours of earlier stages (each stage checks again). `draftline run` asks `input_problems` before it starts the
+flow (local paths, the target's config, layer ids, each head's kind against the target, the draft vocabulary,
+drafts from outside the run and the heads a warm start can seed); `draftline plan` asks `head_problems`; the
+flow asks `check_head_layers` (the train stage's `check`) before its first sharded stage, regeneration or
+extraction; a deployment's run (and `draftline submit`) asks `remote_code_problem` whether the deployment lets
+it run the target's own code.
 """
 
 from __future__ import annotations

@@ -299,7 +299,7 @@ def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_
     cfg.train.heads = [HeadConfig(kind="eagle3.1", layer_ids=[1, 4])]
     with pytest.raises(TrainError, match="4 is this target's last layer"):
         head_layer_ids(cfg, LAYER_IDS)
-    # the flow asks the same before extraction (tasks/train/preflight.py), from the target's own config
+    # the flow asks the same (the train stage's `check`) before its sharded stages, from the target's own config
     from tasks.train.preflight import check_head_layers
 
     with pytest.raises(TrainError, match="4 is this target's last layer"):
