@@ -70,13 +70,13 @@ def stage_task(stage: str, cfg: RunConfig, digest: str, inputs: list[Any], extra
         data, shards, started, reused = inputs
         return finished_or_run(st.store_stage, store, digest, lambda: st.assemble(
             cfg, store, as_ref(data), [as_ref(x) for x in shards], started, reused, digest=digest))
-    progress = Progress(f"{stage}-progress", f"{stage}: progress") if st.tick is not None else None
+    bar: list[Progress] = []  # made when the stage computes (a found artifact shows no bar)
 
     def on_progress(m: dict[str, Any]) -> None:
         """The stage's records, as its `tick` says the bar and the log show them."""
         t = st.tick(m)
-        if t.percent is not None and progress is not None:
-            progress.update(t.percent, t.message)
+        if t.percent is not None and bar:
+            bar[0].update(t.percent, t.message)
         for line in t.log:
             get_run_logger().info(line)
         for line in t.warnings:
@@ -86,15 +86,18 @@ def stage_task(stage: str, cfg: RunConfig, digest: str, inputs: list[Any], extra
     kwargs = {k: context[k] for k in st.context}
 
     def compute() -> ArtifactRef:
+        if st.tick is not None:
+            bar.append(Progress(f"{stage}-progress", f"{stage}: progress"))
         if st.nodes(cfg) > 1:
-            return train_nodes(cfg, store, (extra or {}).get("children") or {}, *inputs, digest, get_run_logger(),
-                               on_progress)
-        return st.run(cfg, store, *inputs, digest=digest, **kwargs)
+            ref = train_nodes(cfg, store, (extra or {}).get("children") or {}, *inputs, digest, get_run_logger(),
+                              on_progress)
+        else:
+            ref = st.run(cfg, store, *inputs, digest=digest, **kwargs)
+        for b in bar:
+            b.update(100.0)
+        return ref
 
-    ref = finished_or_run(stage, store, digest, compute)
-    if progress is not None:
-        progress.update(100.0)
-    return ref
+    return finished_or_run(stage, store, digest, compute)
 
 
 @task(name="shard", retries=0, **TASK_OPTIONS)
@@ -185,6 +188,9 @@ def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None,
                 rec.stages[st.name].status = "skipped"
             else:
                 inputs = inputs_of(st, made)
+                if inputs is None:  # a registry line whose inputs name a stage that is not before it, or is off
+                    raise RuntimeError(f"{st.name} takes {', '.join(st.inputs)}, not all made by the stages before "
+                                       "it in this run: fix the stage's `inputs` or its registry line's place")
                 if isinstance(st, ShardedStage):
                     checked = checked or until == st.name or _check_later(cfg, rec, STAGE_DEFS[i + 1:], until)
                     made[st.name] = _run_sharded_stage(st, cfg, store, rec, inputs[0], logger)
