@@ -1,6 +1,6 @@
 """A seventh stage is its module and one registry line: the real flow (flows/pipeline.py) runs it, its variants
 as tasks of their own, shows what it shows in the Prefect UI, and `resolve` (tasks/store/resolve.py) finds its
-artifacts, with nothing in flows/ or cli/ changed. Two stages are registered after the six, which are switched
+artifacts, with nothing in flows/ or cli/ changed; the process builds one Store for all of it. Two stages are registered after the six, which are switched
 off here so that the flow runs in seconds: a stage with no inputs, and one whose variants are the config's heads
 (at two counts).
 """
@@ -83,6 +83,10 @@ from tasks.core.config import load_config
 from tasks.store.artifacts import Store
 from tasks.store.resolve import resolve
 
+built = []  # every Store this process builds (the flow, each stage task, the resolution after)
+init = Store.__init__
+Store.__init__ = lambda self, *a, **k: built.append(1) or init(self, *a, **k)
+
 overrides = sys.argv[2:]
 out = pipeline(config_path=None, overrides=overrides)
 cfg = load_config(None, overrides)
@@ -91,7 +95,8 @@ with get_client(sync_client=True) as client:
     notes = [a.data for a in client.read_artifacts() if a.key == "alpha-note"]
 print(json.dumps({"stages": {k: [v["status"], v.get("stats", {})] for k, v in out["stages"].items()},
                   "beta": [[a.variant, a.digest, a.artifact is not None] for a in found.addresses["beta"]],
-                  "alpha": found.of("alpha").digest, "missing": found.missing, "notes": notes}))
+                  "alpha": found.of("alpha").digest, "missing": found.missing, "notes": notes,
+                  "stores_built": len(built)}))
 '''
 
 
@@ -112,6 +117,7 @@ def test_a_seventh_stage_runs_in_the_flow_and_resolves_with_its_variants(prefect
     assert one["stages"]["alpha"][1]["shown"] == "yes"  # its `show` reached the run's summary
     assert any("alpha: 7 samples" in (n or "") for n in one["notes"]), one["notes"]  # and the Prefect UI
     assert [(label, found) for label, _, found in one["beta"]] == [("eagle3", True)] and one["missing"] is None
+    assert one["stores_built"] == 1  # one Store in the process: the flow's, its stage tasks' and resolve's
 
     two_heads = ["train.heads=[{kind: eagle3}, {kind: dflash}]"]
     two = run_flow(tmp_path, prefect_server, *two_heads)
@@ -121,3 +127,4 @@ def test_a_seventh_stage_runs_in_the_flow_and_resolves_with_its_variants(prefect
     assert len(labels) == 2 and labels[0] == "eagle3" and all(found for *_, found in two["beta"]), two
     assert two["beta"][0][1] == one["beta"][0][1]  # the first head keeps its address beside a second one
     assert len({digest for _, digest, _ in two["beta"]}) == 2
+    assert two["stores_built"] == 1
