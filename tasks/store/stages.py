@@ -13,7 +13,16 @@ there, flows/caching.py) and passes it in. Called without `digest` (a command, a
 computes it with the very function its `address` is, so the flow and the stage cannot disagree.
 
 `inputs` names what a stage takes, by the stage that made it (`data`: regenerate's artifact when
-regeneration ran, else prepare's), in the order its `run` takes them.
+regeneration ran, else prepare's), in the order its `run` takes them. `locate(cfg, store, inputs)` is the one
+question every caller asks a stage, sharded or not: (its digest, its shard plans); the flow and `resolve`
+(tasks/store/resolve.py) ask it the same way.
+
+What differs between stages is data on the stage object, never a branch in the flow: `variants` (the train
+stage's heads, each its own task at its own address), `show` (what the Prefect UI and the run's record show of
+its artifacts, as `Shown` data that one publisher in flows/ turns into artifacts), `context` (keywords of `run`
+the flow fills: `on_metrics`, whose records `tick` turns into the progress bar and log lines; `flow_run_id`),
+`check` (asked before the run's first sharded stage), `nodes` (a stage the flow runs over several nodes), and
+a sharded stage's `show_shards` (what is shown of its shards).
 """
 
 from __future__ import annotations
