@@ -4,7 +4,11 @@ The flow iterates the stages (STAGE_DEFS: each stage module's `STAGE_DEF`, tasks
 one is) with one generic task per stage (`stage_task`) and one per shard of a sharded stage (`shard_task`).
 A task computes nothing twice: it asks the store's manifest at its artifact's address (flows/caching.py
 `finished_or_run`): a committed artifact ends the task at once as Cached, otherwise it computes under the
-address's lock. The store, not Prefect's database, decides what runs.
+address's lock. The store, not Prefect's database, decides what runs. The loop over the stages tests no
+stage's name: what differs between stages (a stage's variants, what it shows, the keywords its run takes, its
+checks, running over nodes) is data on its stage object, and a stage's inputs are found as `resolve` finds
+them (tasks/store/resolve.py `inputs_of`, `combine`). Two things name one: the run's `vllm serve` line is the
+trained draft's (`_serve_line`), and the slice flow's `stage` parameter says what a node does (shards, train).
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ data order is a function of (seed, epoch, part), not of history.
 
 from __future__ import annotations
 
-from tasks.address import digests
 import re
 from typing import Any
 
+from tasks.address import digests
 from tasks.core.config import HeadConfig, RunConfig, head_config
 from tasks.store.artifacts import ArtifactRef, Store
 from tasks.store.stages import Shown, Stage, Tick, as_variants
@@ -38,7 +38,7 @@ from tasks.train import STAGE, MetricsCallback, TrainError
 from tasks.train.preflight import check_head_layers
 
 # The training parts (inputs, loop, ranks) import torch: they are imported where a head is trained, so this
-# module, and with it the stage registry's STAGE_DEF, stays light (tasks/resolve.py reads the addresses).
+# module, and with it the stage registry's STAGE_DEF, stays light (tasks/store/resolve.py reads the addresses).
 
 
 def train_address(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: ArtifactRef) -> str:
