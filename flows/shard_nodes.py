@@ -8,7 +8,7 @@ how they are counted and what is shown of them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from prefect.runtime import flow_run
 
