@@ -10,14 +10,12 @@ from typing import Any
 from cli.prefect_api import client, find_run
 from flows.flow_runs import OpsError
 from flows.started_runs import params_digest, started_here
-from tasks.address import digests
 from tasks.benchmark.serve import ExportError, run_serve
 from tasks.benchmark.results import find_report, load_report
-from tasks.core.config import RunConfig, canonical_uri, head_config
+from tasks.core.config import RunConfig
 from tasks.core.config_load import load_config
 from tasks.core.errors import ConfigError
-from tasks.engine.target import load_hf_config, resolve_model
-from tasks.extract.shards import plan_extract
+from tasks.store.resolve import resolve
 
 
 def resolve_train(store: Any, what: str, config: Any | None = None,
@@ -71,27 +69,18 @@ def report_for(store: Any, train_digest: str) -> dict[str, Any] | None:
 
 def config_train_digest(store: Any, cfg: Any, head: str | None = None) -> str:
     """The train address a config's run has (or would have): the data, vocab and extraction artifacts are read
-    from the store, as the pipeline computes them."""
-    def need(stage: str, digest: str) -> Any:
-        art = store.find(stage, digest)
-        if art is None:
-            raise ExportError(f"this config's {stage} artifact ({digest}) is not on {store.uri}: the run has not got "
-                              "that far; run it first (`draftline run CONFIG`) or give a train digest")
-        return art.ref()
-
-    data = need("prepare", digests.prepare(cfg))
-    if cfg.regenerate.enabled:
-        data = need("regenerate", digests.regenerate(cfg, data))
-    vocab = need("vocab", digests.vocab(cfg, data))
-    plans = plan_extract(cfg, data, load_hf_config(cfg.target, resolve_model(cfg.target)))
-    shards = [need("extract", p.digest) for p in plans]
-    heads = {h.label: h for h in cfg.train.heads}
+    from the store, as the pipeline computes them (tasks/store/resolve.py)."""
+    heads = [h.label for h in cfg.train.heads]
     if head is not None and head not in heads:
         raise ExportError(f"--head {head!r}: this config trains {', '.join(heads)}")
-    chosen = heads[head] if head is not None else cfg.train.heads[0]
-    digest = digests.train(head_config(cfg, chosen), vocab, shards)
-    need("train", digest)
-    return digest
+    found = resolve(cfg, store, until="train")
+    train = found.of("train", head)
+    if train is None or train.artifact is None:
+        stage = found.missing or "train"
+        where = f" ({found.of(stage).digest})" if found.of(stage) is not None else ""
+        raise ExportError(f"this config's {stage} artifact{where} is not on {store.uri}: the run has not got that "
+                          "far; run it first (`draftline run CONFIG`) or give a train digest")
+    return train.digest
 
 
 def run_train_digest(store: Any, run: str, head: str | None = None) -> tuple[str, Any]:
@@ -114,7 +103,6 @@ def run_train_digest(store: Any, run: str, head: str | None = None) -> tuple[str
                           "in parameters this machine did not record (another API user's run, or edited since): "
                           "loading its target would run that repository's code here. Give its train digest "
                           "(`draftline ls --stage train`) or the config you trust")
-    if canonical_uri(cfg.store.uri) != store.uri:  # one store however it is written (relative, absolute, slash)
-        raise ExportError(f"flow run {fr.name} wrote to {canonical_uri(cfg.store.uri)}, not {store.uri}: pass "
-                          f"--store {canonical_uri(cfg.store.uri)}")
+    if cfg.store.uri != store.uri:  # both canonical: one store however it is written (relative, absolute, slash)
+        raise ExportError(f"flow run {fr.name} wrote to {cfg.store.uri}, not {store.uri}: pass --store {cfg.store.uri}")
     return config_train_digest(store, cfg, head), cfg

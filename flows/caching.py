@@ -1,6 +1,6 @@
 """Finished work, as the flow's tasks see it: the store's manifest decides, Prefect shows it.
 
-A stage task computes its artifact's address once (the stage's `address`, tasks/store/stages.py), calls
+A stage task computes its artifact's address once (the stage's `locate`, tasks/store/stages.py), calls
 `finished_or_run` with it, and hands the same digest to the stage it runs:
 
 - the store holds a committed artifact there that verifies: the task ends at once in a Completed state

@@ -1,31 +1,18 @@
-"""One run's regeneration and extraction over several nodes (extract.nodes > 1): a stage's shards not
-yet on the store are dealt into slices, this node runs the first and each other slice is a child flow
-run of the `draftline-extract` deployment (the slice flow, flows/pipeline.py `extract_slice`, with a
-`stage` parameter) that a worker on any node of the pool picks up. The shared store, not Prefect, says
-what is done; a lost node leaves exactly its unfinished shards for `draftline retry`. One mechanism for
-both stages: `SHARDED` holds their stage objects (tasks/store/stages.py), which say where each stage's shards
-are committed and how they are counted.
-
-Training over several nodes (train.nodes > 1, `train_nodes`) starts its other nodes the same way
-(`start_children`, the slice flow with stage=train, `train_child` there): one c10d rendezvous hosted by
-the run's node, a control store there for the node count and the nodes' heartbeats, which name a node
-lost mid-training. A child no node takes within TAKE_BACK_AFTER (DRAFTLINE_TAKE_BACK_S) is cancelled: the
-run trains on the nodes there are.
+"""A run's child flow runs on other nodes: the deployment they go to (`child_deployment`), the run's config
+they get (`child_config`), starting them (`start_children`: the slice flow, flows/pipeline.py `extract_slice`,
+with a `stage` parameter, which a worker on any node of the pool picks up), and waiting for them
+(`wait_children`, `wait_claimed`): a child no node takes within TAKE_BACK_AFTER (DRAFTLINE_TAKE_BACK_S) is
+cancelled, and its work is taken back. Two users: a sharded stage's shards dealt over nodes
+(flows/shard_nodes.py) and training over nodes (flows/train_nodes.py).
 """
 
 from __future__ import annotations
 
-# The train stage's modules are imported where used: they import torch, which is heavy (seconds), and a run
-# that never trains over several nodes never needs them.
-
-import dataclasses
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 from prefect.deployments import run_deployment
@@ -33,62 +20,11 @@ from prefect.exceptions import ObjectNotFound
 from prefect.runtime import deployment, flow_run
 from prefect.states import Cancelled
 
-from flows.flow_runs import EXTRACT_FLOW, child_stage, config_parameters, slice_deployment, submitting_worker
-from flows.report_artifacts import Progress
-from flows.run_record import RunRecord, StageRecord, finish_stage
-from tasks.address import digests
+from flows.flow_runs import EXTRACT_FLOW, config_parameters, slice_deployment
+from flows.run_record import RunRecord
 from tasks.core import stopping
 from tasks.core.config import RunConfig
-from tasks.extract.verify import markdown, summarize, summary_line
-from tasks.store.artifacts import ArtifactRef, Store
-from tasks.store.stages import ShardedStage, stage_defs
-from tasks.train import TrainError
-
-
-# the sharded stages by name (tasks/store/stages.py ShardedStage: where shards are committed, how they are counted)
-SHARDED = {st.name: st for st in stage_defs() if isinstance(st, ShardedStage)}
-
-
-def finish_sharded(stage: str, record: StageRecord, store: Store, plans: list, refs: list[ArtifactRef],
-                   errors: list[str], t0: float, logger, *, executed: int | None = None,
-                   nodes: int | None = None) -> list[ArtifactRef]:
-    """The end of a sharded stage, on one node or several: REFS (the shards there are) sorted, the record's
-    counts, status, figures and error; raises naming the shards not finished, which `draftline retry` runs."""
-    kind = SHARDED[stage]
-    refs.sort(key=lambda x: int(x.stats.get("shard", 0)))
-    done = {int(x.stats.get("shard", 0)) for x in refs}
-    lost = sorted(p.shard for p in plans if p.shard not in done)
-    finish_stage(record, t0, refs, failed=len(lost), executed=executed)
-    record.artifact = f"{store.uri}/{kind.shard_stage}/"
-    record.stats = {"shards": len(plans), kind.tokens: sum(int(x.stats.get(kind.tokens, 0)) for x in refs)}
-    if stage == "extract":
-        _publish_check(record, refs, errors, logger)
-    where = ""
-    if nodes is not None:
-        record.stats["nodes"] = nodes
-        where = f" (on {nodes} nodes)"
-    if lost:
-        record.error = errors[0] if errors else f"shards {lost} are not on {store.uri}"
-        logger.error(f"{stage}: {len(lost)} of {len(plans)} shards not finished ({lost}); " + "; ".join(errors))
-        raise RuntimeError(f"{len(lost)} of {len(plans)} {kind.label} shards not finished ({lost}): "
-                           f"{record.error}; `draftline retry` this run: it runs only those, on any node")
-    logger.info(f"{stage}: {record.executed} shards ran{where}, {record.cached} cached, in {record.seconds}s")
-    return refs
-
-
-def _publish_check(record: StageRecord, refs: list[ArtifactRef], errors: list[str], logger) -> None:
-    """The extraction check's figures (tasks/extract/verify.py) in the run's summary and, as a markdown
-    artifact, in the Prefect UI, the refused shards' causes included."""
-    verified = summarize([r.stats for r in refs])
-    if verified is not None:
-        record.stats["verified"] = verified
-        logger.info(f"extract: {summary_line(verified)}")
-    try:
-        create_markdown_artifact(markdown([r.stats for r in refs], errors), key="extraction-check",
-                                 description="Stored hidden states against the engine's next token")
-    except Exception as exc:  # noqa: BLE001 - the UI's view only; the figures are in the summary and the manifests
-        logger.warning(f"extract: the extraction-check artifact was not published to the Prefect UI "
-                       f"({type(exc).__name__}: {exc}); its figures are in the run's summary and the manifests")
+from tasks.store.artifacts import Store
 
 
 def child_deployment(cfg: RunConfig) -> str:
@@ -103,61 +39,6 @@ def child_deployment(cfg: RunConfig) -> str:
             "submit the run to a pool (`draftline submit ... --deployment b300`), or set extract.nodes=1 "
             "(train.nodes=1)")
     return name
-
-
-def slice_shards(missing: list[int], nodes: int) -> list[list[int]]:
-    """Missing shards dealt round-robin into at most NODES slices (none empty)."""
-    k = min(nodes, len(missing))
-    return [missing[i::k] for i in range(k)]
-
-
-def run_nodes(stage: str, cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, plans: list, logger,
-              t0: float, run_here: Callable[[list, Progress], tuple[list[ArtifactRef], list[str]]],
-              ) -> list[ArtifactRef]:
-    """extract.nodes > 1: STAGE's (regenerate or extract) shards not yet on the store are dealt into
-    slices; this node runs the first slice, a child flow run of `child_deployment` each other one
-    (Prefect's run_deployment: a worker of that deployment's pool picks it up, on any node). The store,
-    not Prefect, says what is done: the children's shards are read back from it, and a child that
-    crashed (its node lost: the heartbeat automation of `draftline deploy` marks it Crashed) leaves
-    exactly its unfinished shards missing, which `draftline retry` runs again on any node.
-    `run_here(plans, progress)` runs shards on this node (the flow's shard tasks over its engine groups)."""
-    kind = SHARDED[stage]
-    r = rec.stages[stage]
-    by_shard = {p.shard: p for p in plans}
-    on_store = store.find_many(kind.shard_stage, [p.digest for p in plans])  # at once: a hero stage has 512
-    cached = [p.shard for p in plans if on_store[p.digest] is not None]
-    missing = [p.shard for p in plans if p.shard not in set(cached)]
-    # A retry whose earlier attempt's children still run (its own node died, theirs did not): wait for
-    # them instead of running their shards a second time.
-    children = [(run, shards) for run, shards in running_children(flow_run.id)
-                if child_stage(run) == stage and set(shards) & set(missing)]
-    for run, shards in children:
-        logger.info(f"{stage}: child {run.name} of an earlier attempt still runs shards {shards}: waiting for it")
-    adopted = {s for _, shards in children for s in shards}
-    slices = slice_shards([s for s in missing if s not in adopted], max(1, cfg.extract.nodes - len(children)))
-    own = slices[0] if slices else []
-    if len(slices) > 1:
-        children += start_children(stage, cfg, store, child_config(rec), slices, logger,
-                                   {"data_stage": data.stage, "data_digest": data.digest})
-    logger.info(f"{stage}: {len(plans)} shards, {len(cached)} on the store; this node runs {own}, "
-                f"{len(children)} child run(s) the rest")
-    progress = Progress(f"{stage}-progress", f"{kind.title}: 0/{len(plans)} shards")
-    # The cached shards go through Prefect too (Cached task runs), so the run's page lists every shard.
-    mine = [by_shard[s] for s in sorted(cached + own)]
-    refs, errors = run_here(mine, progress)
-
-    def take_back(shards: list[int]) -> None:
-        more, errs = run_here([by_shard[s] for s in shards], progress)
-        refs.extend(more)
-        errors.extend(errs)
-
-    errors += wait_children(children, store, by_shard, logger, take_back, stage=stage)
-    after = store.find_many(kind.shard_stage, [by_shard[s].digest for s in missing])
-    found = {s: after[by_shard[s].digest] for s in missing}
-    have = {int(x.stats.get("shard", 0)) for x in refs}
-    refs += [a.ref() for s, a in found.items() if a is not None and s not in have]
-    return finish_sharded(stage, r, store, plans, refs, errors, t0, logger,
-                          executed=sum(1 for a in found.values() if a is not None), nodes=1 + len(children))
 
 
 def start_children(stage: str, cfg: RunConfig, store: Store, config: dict[str, Any], slices: list[list[int]],
@@ -239,13 +120,12 @@ def take_back_after() -> float:
 
 def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard: dict[int, Any],
                   logger, take_back: Callable[[list[int]], None] | None = None, poll: float = 5.0,
-                  stage: str = "extract") -> list[str]:
+                  stage: str = "extract", shard_stage: str | None = None) -> list[str]:
     """Wait for the child runs (of STAGE) to end (Completed, Failed, Crashed, Cancelled); the errors of
     those whose shards are not all on the store. A child still Scheduled TAKE_BACK_AFTER seconds after
     this node went idle is cancelled, and `take_back` runs its shards here (a pool short of nodes never
     hangs)."""
     take_back_s = take_back_after()
-    store_stage = SHARDED[stage].shard_stage if stage in SHARDED else None
     errors: list[str] = []
     pending = {c.id: (c, shards) for c, shards in children}
     last_note = idle_since = time.time()
@@ -265,7 +145,7 @@ def wait_children(children: list[tuple[Any, list[int]]], store: Store, by_shard:
                 if run.state is None or not run.state.is_final():
                     continue
                 del pending[cid]
-                there = store.find_many(store_stage, [by_shard[s].digest for s in shards]) if shards else {}
+                there = store.find_many(shard_stage, [by_shard[s].digest for s in shards]) if shards else {}
                 lost = [s for s in shards if there[by_shard[s].digest] is None]
                 state = run.state.name
                 if lost and run.state.is_completed():
@@ -324,138 +204,3 @@ def wait_claimed(children: list[tuple[Any, list[int]]], logger, stage: str, why:
     return claimed
 
 
-# Training over several nodes (train.nodes > 1): the nodes' heartbeats on the run node's control store
-NODE_BEAT = 2.0        # seconds between a training node's heartbeats
-NODE_LOST_AFTER = 8.0  # a node whose heartbeat has not changed this long (and whose run has not ended) is lost
-
-
-def train_nodes(cfg: RunConfig, store: Store, config: dict[str, Any], vocab: ArtifactRef,
-                extracted: ArtifactRef, digest: str, logger, on_metrics) -> ArtifactRef:
-    """train.nodes > 1: torch's elastic launcher on this node and on train.nodes - 1 child flow runs of
-    `child_deployment` (the slice flow with stage=train), one c10d rendezvous hosted here. The nodes that
-    take their child within TAKE_BACK_AFTER seconds train (the others are cancelled: the run trains on the
-    nodes there are); rank 0 is on this node. A node that stops heartbeating while training failed is named
-    in the error; `draftline retry` resumes from the last checkpoint on whatever nodes are there then.
-    CONFIG: the run's config for the children (`child_config`); DIGEST: the train artifact's address (the
-    flow's task found it not committed, flows/caching.py), which every node's ranks take."""
-    from tasks.train.inputs import resolve_inputs
-    from tasks.train.ranks import Rendezvous, launch_ranks, node_address, secret_run_id, train_ranks
-    from tasks.train.stage import training_shards
-
-    shards = training_shards(store, extracted)
-    ranks = train_ranks(cfg.train)
-    resolve_inputs(cfg, store, vocab, shards, digest=digest)  # bad inputs fail here, before any node is taken
-    host = node_address()
-    # one store on this node, listening on the address the nodes use only: torch's rendezvous and our control
-    control = Rendezvous(endpoint="", control=f"{host}:0", run_id="").store(is_master=True)
-    spec = Rendezvous(endpoint=f"{host}:{control.port}", control=f"{host}:{control.port}",
-                      run_id=secret_run_id(digest), host=True)
-    # The secret run id travels to the child runs as a flow-run parameter (docs/SECURITY.md says who sees it).
-    children = start_children("train", cfg, store, config, [[] for _ in range(cfg.train.nodes)], logger, {
-        "rendezvous": {"endpoint": spec.endpoint, "control": spec.control, "run_id": spec.run_id},
-        "train_inputs": {"vocab": vocab.model_dump(mode="json"),
-                         "extract": [r.model_dump(mode="json") for r in shards], "digest": digest}})
-    claimed = wait_claimed(children, logger, "train", "its parent trains on the nodes there are")
-    nodes = 1 + len(claimed)
-    control.set(f"{spec.run_id}/nodes", str(nodes))
-    spec = dataclasses.replace(spec, nodes=nodes)
-    logger.info(f"train: {nodes} of {cfg.train.nodes} node(s) x {ranks} rank(s) = {nodes * ranks} rank(s); "
-                f"rendezvous {spec.endpoint} (id {spec.label}), this node holds rank 0"
-                + (f"; nodes: this one and {', '.join(c.name for c in claimed)}" if claimed else ""))
-    try:
-        ref = launch_ranks(cfg, store, vocab, shards, ranks, on_metrics, rendezvous=spec, digest=digest)
-    except TrainError as exc:
-        lost = lost_nodes(control, spec, claimed)
-        if not lost:
-            raise
-        names = []
-        with get_client(sync_client=True) as client:
-            for run in lost:
-                worker = submitting_worker(client, run)
-                names.append(f"{worker.name if worker is not None else 'its node'} (child flow run {run.name}, "
-                             f"{run.id})")
-        msg = (f"training node lost: {'; '.join(names)} stopped heartbeating mid-training (the node died or "
-               f"its process was killed), so the {nodes * ranks} ranks stopped. `draftline retry` this run: it "
-               "resumes from the last checkpoint on the nodes there are then.")
-        logger.error(msg)
-        raise TrainError(msg + "\n" + str(exc)) from None
-    errors = wait_children([(c, []) for c in claimed], store, {}, logger, stage="train")
-    for e in errors:
-        logger.warning(f"train: {e}")
-    return ref
-
-
-def lost_nodes(control: Any, spec: Any, claimed: list[Any]) -> list[Any]:
-    """The child runs whose node stopped heartbeating on the control store (unchanged for NODE_LOST_AFTER
-    seconds) while their run did not end: those nodes died (a node whose training failed ends its run)."""
-    def beats() -> dict[Any, bytes | None]:
-        out = {}
-        for run in claimed:
-            key = f"{spec.run_id}/beat/{run.id}"
-            out[run.id] = control.get(key) if control.check([key]) else None
-        return out
-
-    first = beats()
-    deadline = time.time() + NODE_LOST_AFTER
-    lost: dict[Any, Any] = {}
-    with get_client(sync_client=True) as client:
-        while time.time() < deadline:
-            stopping.wait(1.0, "telling a lost training node from a slow one")
-            now = beats()
-            for run in claimed:
-                state = client.read_flow_run(run.id).state
-                if now[run.id] == first[run.id] and (state is None or not state.is_final() or state.is_crashed()):
-                    lost[run.id] = run
-                else:
-                    lost.pop(run.id, None)
-    return list(lost.values())
-
-
-def child_train_address(cfg: RunConfig, inputs: dict[str, Any], vocab: ArtifactRef, shards: list[ArtifactRef]) -> str:
-    """The train address a child node's ranks commit at: computed here from the inputs the parent named (a flow
-    run's parameters are not trusted to name a store path), and checked against the one the parent sent (absent
-    from parents of earlier versions): a different one means the nodes run different draftline versions."""
-    digest = digests.train(cfg, vocab, shards)
-    sent = inputs.get("digest")
-    if sent is not None and sent != digest:
-        raise TrainError(f"train: the run's node sent train address {str(sent)[:80]!r}, this node computes {digest} "
-                         "from the same inputs: the nodes run different draftline versions (or the run's parameters "
-                         "were altered). Fix: install the run node's draftline version on this node, then "
-                         "`draftline retry` the run")
-    return digest
-
-
-def train_child(cfg: RunConfig, store: Store, rendezvous: dict[str, Any], inputs: dict[str, Any], logger) -> dict:
-    """One node of a run's training (the slice flow with stage=train): heartbeats on the run node's control
-    store, waits for the node count there, then starts train.gpus ranks in the rendezvous."""
-
-    from tasks.train.ranks import Rendezvous, launch_ranks, train_ranks
-
-    spec = Rendezvous(**rendezvous)
-    control = spec.store()
-    stop = threading.Event()
-
-    def beat() -> None:
-        n = 0
-        try:
-            beat_store = spec.store()  # its own connection: the store client is not shared across threads
-            while not stop.is_set():
-                n += 1
-                beat_store.set(f"{spec.run_id}/beat/{flow_run.id}", str(n))
-                stop.wait(NODE_BEAT)
-        except Exception as exc:  # noqa: BLE001 - the run's node is gone: its training fails this node's too
-            logger.warning(f"train: no more heartbeats to the run's node ({spec.control}): {exc}")
-
-    threading.Thread(target=beat, name="draftline-node-beat", daemon=True).start()
-    try:
-        nodes = int(control.get(f"{spec.run_id}/nodes"))
-        vocab = ArtifactRef.model_validate(inputs["vocab"])
-        shards = [ArtifactRef.model_validate(r) for r in inputs["extract"]]
-        ranks = train_ranks(cfg.train)
-        logger.info(f"train: this node runs {ranks} of the {nodes} nodes' ranks; rendezvous {spec.endpoint} "
-                    f"(id {spec.label})")
-        digest = child_train_address(cfg, inputs, vocab, shards)
-        launch_ranks(cfg, store, vocab, shards, ranks, rendezvous=dataclasses.replace(spec, nodes=nodes), digest=digest)
-    finally:
-        stop.set()
-    return {"stage": "train", "nodes": nodes, "ranks": ranks}

@@ -4,20 +4,20 @@ The flow iterates the stages (STAGE_DEFS: each stage module's `STAGE_DEF`, tasks
 one is) with one generic task per stage (`stage_task`) and one per shard of a sharded stage (`shard_task`).
 A task computes nothing twice: it asks the store's manifest at its artifact's address (flows/caching.py
 `finished_or_run`): a committed artifact ends the task at once as Cached, otherwise it computes under the
-address's lock. The store, not Prefect's database, decides what runs.
+address's lock. The store, not Prefect's database, decides what runs. The loop over the stages tests no
+stage's name: what differs between stages (a stage's variants, what it shows, the keywords its run takes, its
+checks, running over nodes) is data on its stage object, and a stage's inputs are found as `resolve` finds
+them (tasks/store/resolve.py `inputs_of`, `combine`). Two things name one: the run's `vllm serve` line is the
+trained draft's (`_serve_line`), and the slice flow's `stage` parameter says what a node does (shards, train).
 """
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import (
-    create_markdown_artifact,
-    create_table_artifact,
-)
+from prefect.artifacts import create_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.futures import wait
 from prefect.runtime import deployment, flow_run
@@ -25,35 +25,31 @@ from prefect.runtime import deployment, flow_run
 from flows.caching import TASK_OPTIONS, as_ref, finished_or_run
 from flows.flow_runs import EXTRACT_FLOW
 from flows.interrupts import chain_into_flow
-from flows.nodes import SHARDED, child_config, finish_sharded, run_nodes, train_child, train_nodes
-from flows.preflight import check_head_layers, remote_code_problem
+from flows.nodes import child_config
+from flows.shard_nodes import SHARDED, finish_sharded, run_nodes
 from flows.started_runs import record_started
-from flows.report_artifacts import Progress, publish_summary
+from flows.report_artifacts import Progress, show
 from flows.run_record import RunRecord, announce, finish_stage
+from flows.train_nodes import train_child, train_nodes
 from tasks.benchmark.serve import run_serve
-from tasks.benchmark.results import load_report
-from tasks.benchmark.stage import STAGE_DEF as BENCHMARK
-from tasks.core.config import HeadConfig, RunConfig, STAGES, head_config
+from tasks.core.config import RunConfig, STAGES
 from tasks.core.config_load import load_config
 from tasks.core.errors import ConfigError
 from tasks.core.stages import check_until
 from tasks.core.stages import task_name
 from tasks.core.faults import fail_point
-from tasks.data.vocab import STAGE_DEF as VOCAB
 from tasks.engine.settings import EnginePool
 from tasks.engine.target import resolve_model
 from tasks.address.data import DataIdentityError, pin_data
 from tasks.engine.weights import WeightsError, pin_run
-from tasks.extract.stage import STAGE_DEF as EXTRACT
 from tasks.store.artifacts import ArtifactRef, Store
-from tasks.store.stages import ShardedStage, Stage, stage_defs
-from tasks.train import TrainError
-from tasks.train.stage import STAGE_DEF as TRAIN
+from tasks.store.resolve import combine, inputs_of, resolve
+from tasks.store.stages import ShardedStage, Stage, as_variants, stage_defs
+from tasks.train.preflight import remote_code_problem
 
-# The stages are imported at the top, torch with them (tasks.data.vocab's maps, tasks.train.stage): whoever
-# imports this module runs the flow (a Prefect worker's flow run, `draftline run` via cli/local_run.py), and
-# vocab and train need torch there. The one reader that does not, `prefect deploy` (under `draftline deploy`)
-# reading the flows' parameters, pays ~1.2 s once; no other command imports this module
+# Prefect is imported at the top: whoever imports this module runs the flow (a Prefect worker's flow run,
+# `draftline run` via cli/local_run.py). The stage modules import torch only where they compute (a head
+# trained, the vocabulary's maps read). No command but `draftline deploy` imports this module
 # (tests/repo/test_layout.py: `--help`, `deploy --help` and `ls` load neither Prefect nor torch).
 
 # the stages in the order the flow runs them: the registry's (tasks/core/stages.py; STAGES, the names `--until` takes)
@@ -72,16 +68,42 @@ def named(fn: Any, name: str) -> Any:
 def stage_task(stage: str, cfg: RunConfig, digest: str, inputs: list[Any], extra: dict[str, Any] | None = None
                ) -> ArtifactRef:
     """STAGE's artifact at DIGEST from INPUTS (a sharded stage's: its data, its shards' artifacts, when the
-    stage began, how many shards were reused), with what the Prefect UI shows of it."""
+    stage began, how many shards were reused). EXTRA: with a stage over several nodes, the run's config for
+    the other nodes' child runs (flows/train_nodes.py)."""
     st = BY_NAME[stage]
     store = Store.from_config(cfg.store)
     if isinstance(st, ShardedStage):
         data, shards, started, reused = inputs
         return finished_or_run(st.store_stage, store, digest, lambda: st.assemble(
             cfg, store, as_ref(data), [as_ref(x) for x in shards], started, reused, digest=digest))
-    run = {"vocab": _vocab, "train": _train, "benchmark": _benchmark}.get(stage)
-    return finished_or_run(stage, store, digest, lambda: run(cfg, store, inputs, digest, extra or {}) if run
-                           else st.run(cfg, store, *inputs, digest=digest))
+    bar: list[Progress] = []  # made when the stage computes (a found artifact shows no bar)
+
+    def on_progress(m: dict[str, Any]) -> None:
+        """The stage's records, as its `tick` says the bar and the log show them."""
+        t = st.tick(m)
+        if t.percent is not None and bar:
+            bar[0].update(t.percent, t.message)
+        for line in t.log:
+            get_run_logger().info(line)
+        for line in t.warnings:
+            get_run_logger().warning(line)
+
+    context = {"on_metrics": on_progress, "flow_run_id": flow_run.id}  # what a stage's `context` may name
+    kwargs = {k: context[k] for k in st.context}
+
+    def compute() -> ArtifactRef:
+        if st.tick is not None:
+            bar.append(Progress(f"{stage}-progress", f"{stage}: progress"))
+        if st.nodes(cfg) > 1:
+            ref = train_nodes(cfg, store, (extra or {}).get("children") or {}, *inputs, digest, get_run_logger(),
+                              on_progress)
+        else:
+            ref = st.run(cfg, store, *inputs, digest=digest, **kwargs)
+        for b in bar:
+            b.update(100.0)
+        return ref
+
+    return finished_or_run(stage, store, digest, compute)
 
 
 @task(name="shard", retries=0, **TASK_OPTIONS)
@@ -102,88 +124,6 @@ def shard_task(stage: str, cfg: RunConfig, digest: str, shard: int, plan: Any, p
         return ref
 
     return finished_or_run(st.shard_stage, store, digest, compute)
-
-
-def _vocab(cfg: RunConfig, store: Store, inputs: list[Any], digest: str, extra: dict[str, Any]) -> ArtifactRef:
-    ref = VOCAB.run(cfg, store, *inputs, digest=digest)
-    summary = ref.stats.get("summary_md")
-    if summary:
-        create_markdown_artifact(summary, key="draft-vocabulary", description="Draft vocabulary coverage")
-    return ref
-
-
-def _benchmark(cfg: RunConfig, store: Store, inputs: list[Any], digest: str, extra: dict[str, Any]) -> ArtifactRef:
-    # The report names the flow run that measured it (PREFECT__FLOW_RUN_ID is set only in deployed runs).
-    return BENCHMARK.run(cfg, store, *inputs, flow_run_id=flow_run.id, digest=digest)
-
-
-def _train(cfg: RunConfig, store: Store, inputs: list[Any], digest: str, extra: dict[str, Any]) -> ArtifactRef:
-    """EXTRA's `children`: with train.nodes > 1, the run's config for the other nodes' child runs (flows/nodes.py)."""
-    vocab, extracted = inputs
-    logger = get_run_logger()
-    progress = Progress("train-progress", "Training steps")
-
-    def on_metrics(m: dict[str, Any]) -> None:
-        """Rank 0's records, from this process or (several ranks) from the launched ranks as they train."""
-        if "step" in m and "max_steps" in m:
-            progress.update(100.0 * m["step"] / max(1, m["max_steps"]),
-                            f"step {m['step']}/{m['max_steps']}" + (f", loss {m['loss']:.4f}" if "loss" in m else ""))
-        line = _train_log_line(m)
-        if line:
-            (logger.warning if m.get("below") else logger.info)(line)
-        if m.get("attn_fallback"):
-            logger.warning(f"train: {m['attn_fallback']}; training with sdpa")
-
-    if cfg.train.nodes > 1:
-        ref = train_nodes(cfg, store, extra.get("children") or {}, vocab, extracted, digest, logger, on_metrics)
-    else:
-        ref = TRAIN.run(cfg, store, vocab, extracted, on_metrics=on_metrics, digest=digest)
-    progress.update(100.0)
-    acc = ref.stats.get("val_acc_per_pos")
-    if acc:
-        create_table_artifact(
-            [{"position": i + 1, "accuracy": round(a, 4)} for i, a in enumerate(acc)],
-            key=f"train{_head_key(cfg)}-heldout-accuracy",
-            description=f"Draft accuracy per TTT position on held-out data ({cfg.train.head.label})")
-    return ref
-
-
-def _head_key(cfg: RunConfig) -> str:
-    """'' for the default EAGLE-3 head, else '-' + its label as a Prefect artifact key allows."""
-    head = cfg.train.head
-    return "" if head == HeadConfig() else "-" + re.sub(r"[^a-z0-9-]+", "-", head.label.lower())
-
-
-def _train_log_line(m: dict[str, Any]) -> str | None:
-    """A log line for a training record: start, every ~5% of the steps, checkpoints, evaluation."""
-    kind = m.get("kind")
-    if kind == "start":
-        resumed = f", resumed from the checkpoint of step {m['resumed_from']}" if m.get("resumed_from") is not None else ""
-        warm = f"; warm start from {m['init_from']['source']}: {m['init_from']['note']}" if m.get("init_from") else ""
-        return (f"train: {m.get('world_size', 1)} rank(s) on {m.get('device')}, {m.get('attn_impl')} attention, "
-                f"{m.get('precision')}, step {m.get('step')}/{m.get('max_steps')}{resumed}{warm}")
-    if kind == "train":
-        step, total = int(m["step"]), int(m["max_steps"])
-        if step == 1 or step == total or step % max(1, total // 20) == 0:
-            return (f"train step {step}/{total}: loss {m['loss']:.4f}, acc {m.get('acc_per_pos')}, "
-                    f"{m.get('tokens_per_s', 0):.0f} tok/s, data wait {m.get('data_wait_s', 0):.3f}s")
-        return None
-    if kind == "checkpoint":
-        return f"train: checkpoint at step {m['step']} ({m.get('digest')})"
-    if kind == "eval":
-        return (f"train: held-out accuracy per position {m.get('val_acc_per_pos')}, simulated acceptance length "
-                f"{m.get('simulated_acceptance_length')}")
-    if kind == "early_check":
-        sal, threshold = m.get("simulated_acceptance_length"), m.get("threshold")
-        if m.get("below"):
-            return (f"train: early check at step {m['step']}: held-out simulated acceptance length {sal} is under "
-                    f"{threshold} (train.early_check_min_acceptance): this head is not on course for its target; "
-                    "stop it and fix the data or the recipe before spending the rest of the steps")
-        return (f"train: early check at step {m['step']}: held-out simulated acceptance length {sal}"
-                + (f" (threshold {threshold})" if threshold is not None else ""))
-    if kind == "done" and m.get("head"):
-        return f"train: the {m['head']} head ({m.get('head_kind')}) saved after {m.get('steps')} steps"
-    return None
 
 
 # --------------------------------------------------------------------------- the flow
@@ -244,29 +184,67 @@ def allow_remote_code(cfg: RunConfig, logger) -> None:
 
 
 def _run_stages(cfg: RunConfig, store: Store, rec: RunRecord, until: str | None, logger) -> None:
-    """Each stage in turn, from the artifacts the stages before it made (`made`, by stage; `data`: the
-    regenerate artifact when regeneration ran, else prepare's), until UNTIL."""
+    """Each stage in turn, from the artifacts the stages before it made (`made`, by stage), until UNTIL, with
+    what each shows once done (its `show`); then the trained draft's `vllm serve` line, as far as it got."""
     made: dict[str, Any] = {}
-    for st in STAGE_DEFS:
-        if not st.enabled(cfg):
-            rec.stages[st.name].status = "skipped"
-        else:
-            if st is EXTRACT and until != "extract":
-                _check_heads(cfg, rec)
-            inputs = [made[name] for name in st.inputs]
-            if isinstance(st, ShardedStage):
-                made[st.name] = _run_sharded_stage(st, cfg, store, rec, inputs[0], logger)
-            elif st is TRAIN:
-                made[st.name] = _run_heads(cfg, store, rec, inputs, logger)
+    checked = False
+    try:
+        for i, st in enumerate(STAGE_DEFS):
+            if not st.enabled(cfg):
+                rec.stages[st.name].status = "skipped"
             else:
-                made[st.name] = _run_stage(st, cfg, store, rec, inputs, logger)
-        made["data"] = made.get("regenerate") or made.get("prepare")
-        if st is BENCHMARK and st.name in made:
-            _after_benchmark(cfg, store, rec, made, logger)
-        if _stop_after(until, st.name):
-            for later in STAGES[STAGES.index(st.name) + 1:]:
-                rec.stages[later].status = "skipped"
-            return
+                inputs = inputs_of(st, made)
+                if inputs is None:  # a registry line whose inputs name a stage that is not before it, or is off
+                    raise RuntimeError(f"{st.name} takes {', '.join(st.inputs)}, not all made by the stages before "
+                                       "it in this run: fix the stage's `inputs` or its registry line's place")
+                if isinstance(st, ShardedStage):
+                    checked = checked or until == st.name or _check_later(cfg, rec, STAGE_DEFS[i + 1:], until)
+                    made[st.name] = _run_sharded_stage(st, cfg, store, rec, inputs[0], logger)
+                else:
+                    made[st.name] = _run_variants(st, cfg, store, rec, inputs, logger)
+                try:
+                    show(st.show(cfg, store, made), rec.stages[st.name], logger, rec)
+                except Exception as exc:  # noqa: BLE001 - the artifact is committed either way
+                    logger.warning(f"{st.name}: could not show its results: {type(exc).__name__}: {exc}")
+            if _stop_after(until, st.name):
+                for later in STAGES[STAGES.index(st.name) + 1:]:
+                    rec.stages[later].status = "skipped"
+                return
+    finally:
+        _serve_line(cfg, store, rec, made, logger)
+
+
+def _check_later(cfg: RunConfig, rec: RunRecord, later: tuple[Stage | ShardedStage, ...], until: str | None) -> bool:
+    """The `check` of each stage after a long (sharded) one, up to UNTIL: a head reading layers the extraction
+    will not hold fails now, not after hours of extraction. The failing stage's record says why."""
+    for st in later:
+        if st.check is not None and st.enabled(cfg):
+            try:
+                st.check(cfg)
+            except Exception as exc:
+                rec.stages[st.name].status, rec.stages[st.name].error = "failed", str(exc)
+                raise
+        if until == st.name:
+            break
+    return True
+
+
+def _run_variants(st: Stage, cfg: RunConfig, store: Store, rec: RunRecord, inputs: list[Any], logger
+                  ) -> ArtifactRef | list[tuple[str, ArtifactRef]]:
+    """One cached task per variant of ST (each head of train.heads), each at its own address, from the same
+    inputs. Returns the one artifact, or (label, artifact) per variant."""
+    variants = st.variants(cfg)
+    t0 = time.time()
+    extra = {"children": child_config(rec)} if st.nodes(cfg) > 1 else None
+    made = []
+    for label, vcfg in variants:
+        name = task_name(st.name, variant=label if len(variants) > 1 else None)
+        made.append((label, _run_stage(st, vcfg, store, rec, inputs, logger, extra, name)))
+    if len(made) > 1:
+        r = rec.stages[st.name]
+        finish_stage(r, t0, [ref for _, ref in made])
+        r.stats = {}
+    return combine(made)
 
 
 def _run_stage(st: Stage, cfg: RunConfig, store: Store, rec: RunRecord, inputs: list[Any], logger,
@@ -275,7 +253,7 @@ def _run_stage(st: Stage, cfg: RunConfig, store: Store, rec: RunRecord, inputs: 
     r = rec.stages[st.name]
     t0 = time.time()
     r.status = "running"
-    digest = st.address(cfg, store, *inputs)
+    digest, _ = st.locate(cfg, store, inputs)
     try:
         ref = as_ref(named(stage_task, name or st.name)(st.name, cfg, digest, inputs, extra))
     except Exception as exc:
@@ -288,51 +266,15 @@ def _run_stage(st: Stage, cfg: RunConfig, store: Store, rec: RunRecord, inputs: 
     return ref
 
 
-def _check_heads(cfg: RunConfig, rec: RunRecord) -> None:
-    """A head reading layers the extraction will not hold fails now, not after hours of extraction."""
+def _serve_line(cfg: RunConfig, store: Store, rec: RunRecord, made: dict[str, Any], logger) -> None:
+    """The trained draft's `vllm serve` line at the config's settings, unless a stage's `show` set the measured
+    one (the benchmark's)."""
+    if rec.serve is not None or "train" not in made:
+        return
     try:
-        check_head_layers(cfg)
-    except TrainError as exc:
-        rec.stages["train"].status, rec.stages["train"].error = "failed", str(exc)
-        raise
-
-
-def _run_heads(cfg: RunConfig, store: Store, rec: RunRecord, inputs: list[Any], logger
-               ) -> ArtifactRef | list[tuple[str, ArtifactRef]]:
-    """One cached train task per head of train.heads, each at its own address, from the same inputs; the
-    draft's `vllm serve` line. Returns the one head's artifact, or (label, artifact) per head."""
-    heads: list[tuple[str, ArtifactRef]] = []
-    t0 = time.time()
-    extra = {"children": child_config(rec)} if cfg.train.nodes > 1 else None
-    for head in cfg.train.heads:
-        name = task_name(TRAIN.name, variant=head.label if len(cfg.train.heads) > 1 else None)
-        heads.append((head.label, _run_stage(TRAIN, head_config(cfg, head), store, rec, inputs, logger, extra, name)))
-    if len(heads) > 1:
-        r = rec.stages["train"]
-        finish_stage(r, t0, [ref for _, ref in heads])
-        r.stats = {"heads": ", ".join(f"{label} {ref.digest[:8]} ({ref.stats.get('steps')} steps)"
-                                      for label, ref in heads)}
-    try:
-        rec.serve = run_serve(head_config(cfg, cfg.train.heads[0]), store, heads[0][1])
+        rec.serve = run_serve(BY_NAME["train"].variants(cfg)[0][1], store, as_variants(made["train"])[0][1])
     except Exception as exc:  # noqa: BLE001 - the draft is committed either way; `draftline export` prints it too
         logger.warning(f"could not build the draft's vllm serve line: {exc}")
-    return heads[0][1] if len(heads) == 1 else heads
-
-
-def _after_benchmark(cfg: RunConfig, store: Store, rec: RunRecord, made: dict[str, Any], logger) -> None:
-    """The run's figures and `vllm serve` line from the benchmark's report, and the report in the UI."""
-    report = load_report(store, made["benchmark"])
-    rec.benchmark = report.get("benchmark")
-    trained = made["train"]
-    first = trained if isinstance(trained, ArtifactRef) else trained[0][1]
-    if report.get("serve"):  # the settings it was measured at (a report from before they were kept: the config's)
-        rec.serve = run_serve(cfg, store, first, report)
-    if len(report.get("heads") or {}) > 1:  # every head's rows, for --json and the terminal
-        rec.stages["benchmark"].stats["heads"] = report.get("head_table")
-    try:
-        publish_summary(report)
-    except Exception as exc:  # the figures are in the store either way
-        logger.warning(f"could not publish benchmark artifacts to Prefect: {exc}")
 
 
 def _run_sharded_stage(st: ShardedStage, cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef,
@@ -343,8 +285,7 @@ def _run_sharded_stage(st: ShardedStage, cfg: RunConfig, store: Store, rec: RunR
     r = rec.stages[st.name]
     t0 = time.time()
     r.status = "running"
-    plans = st.plan(cfg, data)
-    digest = st.address(cfg, data, plans)
+    digest, plans = st.locate(cfg, store, [data])
     counts: dict[str, Any] = {}
     shards: list[ArtifactRef] = []
     if not (st.copies_shards and store.find(st.store_stage, digest) is not None):
@@ -370,7 +311,7 @@ def _run_sharded_stage(st: ShardedStage, cfg: RunConfig, store: Store, rec: RunR
 def _run_shards(st: ShardedStage, cfg: RunConfig, store: Store, rec: RunRecord, data: ArtifactRef, plans: list,
                 logger) -> list[ArtifactRef]:
     """ST's shards (PLANS), one task each, over this node's engine groups and, with extract.nodes > 1, over
-    other nodes (flows/nodes.py); the stage's record counts them. Raises when a shard failed: `draftline
+    other nodes (flows/shard_nodes.py); the stage's record counts them. Raises when a shard failed: `draftline
     retry` runs only the shards not on the store."""
     t0 = time.time()
     model = resolve_model(cfg.target)
@@ -427,8 +368,10 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
                   data_digest: str = "", shards: list[int] | None = None, stage: str = "extract",
                   rendezvous: dict[str, Any] | None = None, train_inputs: dict[str, Any] | None = None) -> dict:
     """A slice of a run's regeneration or extraction shards (STAGE) on one node, started by the run with
-    extract.nodes > 1 (flows/nodes.py); `data_*` name the artifact the shards read. With stage=train
-    (train.nodes > 1): one node of the run's training, joining RENDEZVOUS with TRAIN_INPUTS."""
+    extract.nodes > 1 (flows/shard_nodes.py); the node resolves its shards on the store (tasks/store/resolve.py)
+    and checks them against the data the parent named (`data_*`). With stage=train (train.nodes > 1): one node
+    of the run's training, joining RENDEZVOUS; the train address in TRAIN_INPUTS picks the head
+    (flows/train_nodes.py)."""
     chain_into_flow()
     if stage not in SHARDED and stage != "train":
         raise RuntimeError(f"stage={stage!r}: a slice runs the shards of one of {', '.join(SHARDED)}, or train")
@@ -443,14 +386,10 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
             raise RuntimeError("stage=train: a training node needs the rendezvous and train_inputs parameters "
                                "its parent run sends")
         return train_child(cfg, store, rendezvous, train_inputs, logger)
-    hit = store.find(data_stage, data_digest)
-    if hit is None:
-        raise RuntimeError(f"the data this slice reads ({data_stage}/{data_digest}) is not on {store.uri}: "
-                           "the parent run and this node must share one s3:// store")
     st = SHARDED[stage]
     model = resolve_model(cfg.target)
     want = set(shards or [])
-    plans = [p for p in st.plan(cfg, hit.ref()) if p.shard in want]
+    plans = [p for p in _slice_plans(cfg, store, st, data_stage, data_digest) if p.shard in want]
     if len(plans) != len(want):
         raise RuntimeError(f"shards {sorted(want - {p.shard for p in plans})} do not exist in {data_stage}/{data_digest}")
     progress = Progress(f"{stage}-progress", f"{st.title} slice: 0/{len(plans)} shards")
@@ -461,6 +400,22 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(plans)} shards of this slice failed: {errors[0]}")
     return summary
+
+
+def _slice_plans(cfg: RunConfig, store: Store, st: ShardedStage, data_stage: str, data_digest: str) -> list[Any]:
+    """ST's shard plans as this node resolves its config on the store (tasks/store/resolve.py: a flow run's
+    parameters name no store path), checked against the data the parent run named (DATA_STAGE/DATA_DIGEST)."""
+    found = resolve(cfg, store, until=st.name)
+    at, data = found.of(st.name), found.ref(st.inputs[0])
+    if at is None or data is None:
+        raise RuntimeError(f"the data this slice reads ({data_stage}/{data_digest}) is not on {store.uri}: "
+                           "the parent run and this node must share one s3:// store")
+    if data_digest and (data.stage, data.digest) != (data_stage, data_digest):
+        raise RuntimeError(f"the run's node sent {data_stage}/{data_digest} as the data of its {st.name} shards, this "
+                           f"node resolves {data.stage}/{data.digest} from the same config: the nodes run different "
+                           "draftline versions (or the run's parameters were altered). Fix: install the run node's "
+                           "draftline version on this node, then `draftline retry` the run")
+    return at.plans
 
 
 def _pin_target(cfg: RunConfig, overrides: list[str]) -> list[str]:

@@ -1,8 +1,5 @@
-"""What a run shows in the Prefect UI besides its task runs: each stage's progress bar, and the
-benchmark report as a table artifact and a markdown artifact with the plot.
-
-`publish_summary(report)` takes report.json (as `tasks.benchmark.results.load_report` returns it),
-so a cached benchmark publishes the same figures, with the run that measured them.
+"""What a run shows in the Prefect UI besides its task runs: each stage's progress bar, and what each stage
+shows of its artifacts (its `show`, as data: tasks/store/stages.py `Shown`) as markdown and table artifacts.
 """
 
 from __future__ import annotations
@@ -18,49 +15,38 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from tasks.benchmark.report import plot_data_uri, report_markdown, report_table_rows
-from tasks.benchmark.results import head_table
+from tasks.store.stages import Shown
 
-TABLE_KEY = "benchmark"
-HEADS_KEY = "benchmark-heads"
-MARKDOWN_KEY = "benchmark-report"
 # the terminal and the Prefect UI (PREFECT_LOGGING_EXTRA_LOGGERS gives "draftline" Prefect's API handler)
 log = logging.getLogger("draftline.ui")
 
 
-def summary_markdown(report: dict[str, Any], embed_plot: bool = True) -> str:
-    """report.md with the plot on top: embedded as a data: URI, plus the store path of report.png."""
-    md = report_markdown(report)
-    head, _, rest = md.partition("\n")  # keep the title first
-    plot = ""
-    uri = report.get("uri")
-    if embed_plot:
-        plot += f"\n![acceptance per position and speedup]({plot_data_uri(report)})\n"
-    if uri:
-        plot += f"\nPlot and full report on the store: `{uri}/` (report.png, report.json, report.md)\n"
-    return head + "\n" + plot + rest
-
-
-def publish_summary(report: dict[str, Any]) -> dict[str, Any]:
-    """Create the table and markdown artifacts for the current flow run; returns their ids."""
-    mb = report.get("measured_by") or {}
-    when = f"measured {mb.get('date', '?')}" + (f" by run {mb['flow_run_id']}" if mb.get("flow_run_id") else "")
-    serve = (report.get("serve") or {}).get("lines") or []
-    table_id = create_table_artifact(
-        report_table_rows(report), key=TABLE_KEY,
-        description=f"Draft vs baseline in vLLM per eval, k (0 = no draft) and batch size; {when}"
-                    + ("\n\nServe the draft:\n\n```\n" + "\n".join(serve) + "\n```" if serve else ""))
-    md_id = create_markdown_artifact(
-        summary_markdown(report), key=MARKDOWN_KEY,
-        description=f"Draft benchmark report ({when})")
-    out = {"table": table_id, "markdown": md_id}
-    heads = report.get("heads") or {}
-    if len(heads) > 1:  # train.heads: every head against the same baseline, one row per head, eval, k, batch
-        rows = [{k: (", ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else v) for k, v in r.items()}
-                for r in head_table(report)]
-        out["heads"] = create_table_artifact(
-            rows, key=HEADS_KEY, description=f"Draft heads ({', '.join(heads)}) against one baseline; {when}")
+def publish(shown: Shown) -> dict[str, Any]:
+    """Create the markdown and table artifacts a stage's `show` made (tasks/store/stages.py `Shown`) for the
+    current flow run; returns their ids by key."""
+    out: dict[str, Any] = {}
+    for key, description, rows in shown.tables:
+        out[key] = create_table_artifact(rows, key=key, description=description)
+    for key, description, md in shown.markdown:
+        out[key] = create_markdown_artifact(md, key=key, description=description)
     return out
+
+
+def show(shown: Shown, record: Any, logger, rec: Any = None) -> None:
+    """What a stage shows (its `show`): figures on its line of the run's summary (RECORD, a StageRecord),
+    fields of the run's record REC, log lines, and its artifacts in the Prefect UI (best effort: the figures
+    are on the store either way)."""
+    record.stats.update(shown.stats)
+    for key, value in shown.record.items():
+        if rec is not None:
+            setattr(rec, key, value)
+    for line in shown.log:
+        logger.info(line)
+    try:
+        publish(shown)
+    except Exception as exc:  # noqa: BLE001 - the UI's view only
+        logger.warning(f"could not publish {', '.join(k for k, *_ in shown.markdown + shown.tables)} to Prefect: "
+                       f"{exc}")
 
 
 class Progress:

@@ -37,7 +37,7 @@ from cli.prefect_api import (
     wait_for,
 )
 from flows.flow_runs import EXTRACT_FLOW, FLOW_NAME, OpsError, slice_deployment
-from flows.preflight import remote_code_problem, remote_code_tag
+from tasks.train.preflight import remote_code_problem, remote_code_tag
 from flows.release import code_commit
 from flows.started_runs import record_started
 from tasks.core.config import STAGES
@@ -223,7 +223,7 @@ def ensure_crash_automation(c: Any, within_s: int) -> str:
 
 def deploy_spec(deps: list[dict[str, Any]], store: str | None, remote_code: list[str] = ()) -> dict[str, Any]:
     """prefect.yaml with only DEPS, carrying --store, the tags of --allow-trust-remote-code (the operator's
-    decision, flows/preflight.py) and this checkout's commit in each release pull step (nodes then must run this
+    decision, tasks/train/preflight.py) and this checkout's commit in each release pull step (nodes then must run this
     commit, not only this version: flows/release.py)."""
     spec = yaml.safe_load(PREFECT_FILE.read_text())
     commit = code_commit(ROOT)

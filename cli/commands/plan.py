@@ -12,7 +12,12 @@ import typer
 
 from cli.console import SetOpt
 from tasks.core.config_load import load_config
-from tasks.cost.plan import RATES_FILE, PlanError, Rate, load_rates, machine_for, make_plan, render, run_lengths
+from tasks.address.data import DataIdentityError
+from tasks.cost.lengths import Lengths, run_lengths, unresolved
+from tasks.cost.plan import make_plan, render
+from tasks.cost.rates import RATES_FILE, PlanError, Rate, load_rates, machine_for
+from tasks.store.artifacts import Store
+from tasks.store.resolve import resolve
 
 
 def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi-k2.5-b300.yaml."),
@@ -46,10 +51,22 @@ def plan(config: Path = typer.Argument(..., help="YAML config, e.g. configs/kimi
         if value <= 0:
             raise PlanError(f"{flag} must be positive, got {value:g}")
         rates["rates"][key] = Rate(key, value, unit, "command line", f"{flag} {value:g}")
-    lengths = run_lengths(cfg) if from_store else None
+    lengths = store_lengths(cfg) if from_store else None
     result = make_plan(cfg, rates, nodes=cfg.extract.nodes if nodes is None else nodes,
                        config_name=str(config), lengths=lengths)
     if as_json:
         print(json.dumps(asdict(result), indent=2))
     else:
         print(render(result, rates["description"]), end="")
+
+
+def store_lengths(cfg) -> Lengths:
+    """The lengths this config's prepare and regenerate stages recorded on its store (tasks/cost/lengths.py); a
+    store that cannot be read, or data with no address here, plans on the assumed lengths and says why."""
+    try:
+        found = resolve(cfg, Store.from_config(cfg.store), until="regenerate")
+    except DataIdentityError as exc:  # the data's content cannot be named here (offline, no record of a commit)
+        return unresolved(cfg, exc, data_identity=True)
+    except Exception as exc:  # noqa: BLE001 - any store or credential failure: say it and plan on assumptions
+        return unresolved(cfg, exc, data_identity=False)
+    return run_lengths(cfg, found)

@@ -1,5 +1,5 @@
 """`draftline run CONFIG`: the pipeline in this process (cli/local_run.py), its inputs checked first
-(flows/preflight.py)."""
+(tasks/train/preflight.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 
 from cli.console import SetOpt, StoreOpt, fail, load_cfg, open_store, with_store
 from cli.local_run import run_here
-from flows.preflight import input_problems
+from tasks.train.preflight import input_problems
 from tasks.core.config import STAGES
 from tasks.core.stages import check_until
 

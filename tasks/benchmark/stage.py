@@ -75,6 +75,7 @@ from tasks.core.faults import kill_point
 from tasks.store.artifacts import ArtifactRef, Store
 from tasks.store.reader import Artifact
 from tasks.store.stages import Stage
+from tasks.benchmark.shown import show_benchmark
 
 DRAFT_FILES = ("draft/config.json", "draft/model.safetensors")
 # speculators_model_type of a draft -> the `method` of vLLM's speculative_config that decodes it
@@ -496,5 +497,7 @@ def other_head(cfg: RunConfig, evals: list[EvalPrompts], baseline: dict[str, dic
 
 # the stage as the flow runs it (tasks/store/stages.py): TRAIN is the one head's artifact or (label, artifact)
 # per head of train.heads
+# (the report names the flow run that measured it: `flow_run_id` from the flow; shown: tasks/benchmark/shown.py)
 STAGE_DEF = Stage(name=STAGE, inputs=("train", "data"), address=benchmark_address, run=run_benchmark,
-                  enabled=lambda cfg: cfg.benchmark.enabled)
+                  enabled=lambda cfg: cfg.benchmark.enabled, show=show_benchmark,
+                  context=("flow_run_id",))

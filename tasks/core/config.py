@@ -506,8 +506,9 @@ def head_config(cfg: "RunConfig", head: HeadConfig) -> "RunConfig":
 
 class StoreConfig(Section):
     uri: str = Field(
-        "file://.draftline/store",
-        description="file://FOLDER or s3://BUCKET/PREFIX. Credentials come from the environment, never from here.",
+        "file://.draftline/store", validate_default=True,
+        description="file://FOLDER or s3://BUCKET/PREFIX, canonical once loaded (a file:// folder absolute, from the "
+        "current folder; no trailing slash). Credentials come from the environment, never from here.",
     )
     endpoint_url: str | None = Field(
         None, description="S3 endpoint for non-AWS servers (or env AWS_ENDPOINT_URL). Not a secret."
@@ -532,7 +533,7 @@ class StoreConfig(Section):
             raise ValueError(f"store uri must start with file:// or s3://, got {scheme}://")
         if scheme == "s3" and "@" in v[len("s3://"):].split("/", 1)[0]:
             raise ValueError("credentials must not be embedded in the store uri; use AWS_* environment variables")
-        return v
+        return canonical_uri(v)  # once, here: every comparison and every Store reads this one
 
 
 class DecodeEngineConfig(Section):

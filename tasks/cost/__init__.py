@@ -1,2 +1,3 @@
 """What a run will cost before it starts: `plan.py` prices a config's stages on a machine's measured rates
-(configs/rates.yaml) and says what bounds each one (`draftline plan` prints it)."""
+(`rates.py`: configs/rates.yaml) and the run's own lengths where its store has them (`lengths.py`), and says
+what bounds each one (`draftline plan` prints it). Pure: the caller reads the store."""

@@ -13,7 +13,8 @@ REGENERATE_FANS_OUT below), training reads its parts through the node-local part
 training runs on `train.nodes` nodes (one in the presets), the benchmark on one. Cost is counted three ways: the nodes held for the whole
 wall-clock, a schedule that rents the nodes per stage, and the busy node-hours alone.
 
-`make_plan` is a plain function (config and rates in, numbers out); `render` prints the markdown that
+`make_plan` is a plain function (config, rates and the run's lengths in, numbers out: it reads no store; the
+rates are tasks/cost/rates.py's, the lengths tasks/cost/lengths.py's); `render` prints the markdown that
 docs/kimi-k2.5.md shows verbatim (tests/unit/cost/test_plan.py keeps them equal).
 """
 
@@ -22,42 +23,22 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
-
-import yaml
+from typing import Any
 
 from tasks.core.config import RunConfig
+from tasks.engine.target import text_config
+from tasks.cost.lengths import Lengths, length_notes
+from tasks.cost.rates import DEFAULT_MACHINE, SHAPE_KEYS, PlanError, Rate, Target, load_target
+from tasks.train.preflight import head_problems
 
-from tasks.core.config_load import CHECKOUT
-from tasks.core.errors import DraftlineError
-
-RATES_FILE = CHECKOUT / "configs" / "rates.yaml"
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments (tasks/train/checkpoints.py Checkpointer.write)
-DEFAULT_MACHINE = "b300-node"
-KINDS = ("measured", "cited", "assumption")
-TARGET_RATES = ("decode_tok_s", "decode_tok_s_batch1")  # per target and machine
-# per target: its active parameters, and the bytes of its weights (an engine start reads them: engine.start_s_per_gb)
-TARGET_SIZES = ("active_params", "weights_gb")
 
 # What the code does, as switches so a plan can show what each is worth (tests flip them): regeneration shards
-# are dealt over the nodes like extraction's (flows/nodes.py run_nodes); False prices regeneration on one node.
+# are dealt over the nodes like extraction's (flows/shard_nodes.py run_nodes); False prices regeneration on one node.
 REGENERATE_FANS_OUT = True
 # Training reads its parts through the node-local part cache (tasks/store/part_cache.py), so epochs after the first
 # read from the node's NVMe what the cache holds; False prices every epoch downloading every part again.
 NODE_PART_CACHE = True
-
-
-class PlanError(DraftlineError, ValueError):
-    """A plan that cannot be made; the message says what to add or fix."""
-
-
-@dataclass
-class Rate:
-    name: str
-    value: float
-    unit: str
-    kind: str  # measured | cited | assumption | command line | the run's stats
-    source: str
 
 
 @dataclass
@@ -88,174 +69,6 @@ class Plan:
     levers: list[dict[str, Any]] = field(default_factory=list)
 
 
-# --------------------------------------------------------------------------- rates
-
-def _rate(name: str, raw: Any) -> Rate:
-    if not isinstance(raw, dict) or not {"value", "unit", "kind", "source"} <= set(raw):
-        raise PlanError(f"rate {name}: give value, unit, kind ({', '.join(KINDS)}) and source")
-    if raw["kind"] not in KINDS:
-        raise PlanError(f"rate {name}: kind must be one of {', '.join(KINDS)}, got {raw['kind']!r}")
-    return Rate(name, float(raw["value"]), str(raw["unit"]), raw["kind"], " ".join(str(raw["source"]).split()))
-
-
-def _section_rates(data: dict[str, Any], where: str) -> dict[str, Rate]:
-    return {f"{sec}.{name}": _rate(f"{where}{sec}.{name}", raw)
-            for sec, items in data.items() for name, raw in (items or {}).items()}
-
-
-def read_rates_file(path: Path = RATES_FILE) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise PlanError(f"cannot read the rates file {path}: {exc}") from None
-    if not data.get("machines"):
-        raise PlanError(f"{path}: add `machines:` (at least {DEFAULT_MACHINE}: with its node rates)")
-    return data
-
-
-def machine_for(config_name: str | None, path: Path = RATES_FILE) -> str:
-    """The machine a preset names in the rates file (`presets:`), else the B300 node."""
-    for name, entry in read_rates_file(path)["machines"].items():
-        if config_name and config_name in (entry.get("presets") or []):
-            return name
-    return DEFAULT_MACHINE
-
-
-def all_rates(path: Path = RATES_FILE) -> list[Rate]:
-    """Every rate the file holds, on every machine and for every target (for checking their sources)."""
-    data = read_rates_file(path)
-    out = list(_section_rates({k: v for k, v in data.items() if k not in ("machines", "targets")}, "").values())
-    for m, entry in data["machines"].items():
-        out += _section_rates({k: v for k, v in entry.items() if k not in ("description", "presets", "max_nodes")},
-                              f"{m}: ").values()
-    for model, entry in (data.get("targets") or {}).items():
-        out += [_rate(f"{model}.{k}", v) for k, v in entry.items() if k not in ("config", "machines", "local_copies")]
-        for m, items in (entry.get("machines") or {}).items():
-            out += [_rate(f"{model} on {m}: target.{k}", v) for k, v in items.items()]
-    return out
-
-
-def load_rates(path: Path = RATES_FILE, overrides: list[str] | None = None,
-               machine: str = DEFAULT_MACHINE) -> dict[str, Any]:
-    """The rates of one machine as {"rates": {"node.gpus": Rate, ...}, "targets": {model: {...}}, "machine":
-    name, "description": ..., "overrides": {...}}; `overrides` are `section.name=value` (target rates:
-    `target.decode_tok_s=...`, applied to the config's target on this machine)."""
-    data = read_rates_file(path)
-    machines = data.pop("machines")
-    targets = data.pop("targets", {}) or {}
-    if machine not in machines:
-        raise PlanError(f"--machine {machine!r} is not in {Path(path).name}; one of: {', '.join(machines)}")
-    entry = dict(machines[machine])
-    description = " ".join(str(entry.pop("description", machine)).split())
-    entry.pop("presets", None)
-    max_nodes = entry.pop("max_nodes", None)
-    rates = _section_rates(data, "")
-    rates.update(_section_rates(entry, ""))
-    out = {"rates": rates, "targets": targets, "overrides": {}, "machine": machine, "description": description,
-           "max_nodes": int(max_nodes) if max_nodes else None}
-    target_names = [f"target.{n}" for n in (*TARGET_SIZES, *TARGET_RATES)]
-    for item in overrides or []:
-        key, _, value = item.partition("=")
-        if key not in rates and key not in target_names:
-            raise PlanError(f"--rate {key!r} is not a rate; one of: {', '.join(sorted(rates) + target_names)}")
-        try:
-            number = float(value)
-        except ValueError:
-            raise PlanError(f"--rate {item!r}: expected NAME=NUMBER, e.g. --rate node.gpu_hour_price=4.5") from None
-        if key in rates:
-            rates[key] = Rate(key, number, rates[key].unit, "command line", f"--rate {item}")
-        else:
-            out["overrides"][key.removeprefix("target.")] = number
-    return out
-
-
-@dataclass
-class Target:
-    hf_config: Any
-    folder: str  # a folder holding its config.json (for speculators' layer config)
-    rates: dict[str, Rate]
-    experts: bool
-    known_as: str = ""  # the rates file's target whose shape a local target.model has
-
-
-SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
-
-
-def _same_shape(hf: Any, targets: dict[str, Any]) -> str:
-    """The rates file's target with the decoder shape of `hf` (the same weights under another path, e.g. a
-    workstation's /models/kimi-k2.5), or ""."""
-    from transformers import AutoConfig
-
-    from tasks.engine.target import text_config
-
-    mine = [getattr(text_config(hf), k, None) for k in SHAPE_KEYS]
-    for model, entry in targets.items():
-        conf = dict(entry["config"])
-        known = text_config(AutoConfig.for_model(conf.pop("model_type"), **conf))
-        if [getattr(known, k, None) for k in SHAPE_KEYS] == mine:
-            return model
-    return ""
-
-
-def _target_rate(model: str, entry: dict, name: str, overrides: dict[str, float], where: str) -> Rate:
-    if name in overrides:
-        return Rate(f"target.{name}", overrides[name], entry.get(name, {}).get("unit", ""), "command line",
-                    f"--rate target.{name}={overrides[name]:g}")
-    if name not in entry:
-        raise PlanError(f"configs/rates.yaml: targets: {model}: {where}add {name} (value, unit, kind, source), "
-                        f"or pass --rate target.{name}=...")
-    return _rate(f"target.{name}", entry[name])
-
-
-def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
-    """The target's config from the rates file's `targets` entry (no weights needed), else from target.model;
-    its rates on the plan's machine from the entry's `machines:`."""
-    from transformers import AutoConfig
-
-    from tasks.engine.target import TargetError, load_hf_config, max_model_len_problem, text_config
-
-    model = cfg.target.model
-    entry = rates["targets"].get(model)
-    known_as = ""
-    if entry is None and not Path(model).exists():  # a preset's copy on its own machine, planned elsewhere
-        known_as = next((name for name, e in rates["targets"].items() if model in (e.get("local_copies") or [])), "")
-        entry = rates["targets"].get(known_as)
-    # a rates entry's config is a stand-in: its context length is only known when it states one
-    stated = entry is None or "max_position_embeddings" in entry.get("config", {})
-    if entry is not None:
-        conf = dict(entry["config"])
-        hf = AutoConfig.for_model(conf.pop("model_type"), **conf)
-    else:
-        try:
-            hf = load_hf_config(cfg.target)
-        except (TargetError, OSError, ValueError) as exc:
-            raise PlanError(f"target.model {model!r}: cannot read its config ({str(exc).splitlines()[0][:160]}); "
-                            f"add it under `targets:` in {RATES_FILE.relative_to(CHECKOUT)} (its config.json fields, "
-                            f"active_params, and per machine {', '.join(TARGET_RATES)})") from None
-        known_as = _same_shape(hf, rates["targets"])
-        entry = rates["targets"][known_as] if known_as else {}
-    hf.save_pretrained(tmp)
-    tc = text_config(hf)
-    too_long = max_model_len_problem(cfg.target, tc) if stated else None
-    if too_long:
-        raise PlanError(too_long)
-    machine = rates.get("machine", DEFAULT_MACHINE)
-    on_machine = (entry.get("machines") or {}).get(machine, {})
-    out = {"active_params": _target_rate(known_as or model, entry, "active_params", rates["overrides"], "")}
-    out.update({n: _target_rate(known_as or model, on_machine, n, rates["overrides"], f"machines: {machine}: ")
-                for n in TARGET_RATES})
-    local = Path(model).expanduser()
-    if "weights_gb" in entry or "weights_gb" in rates["overrides"]:
-        out["weights_gb"] = _target_rate(known_as or model, entry, "weights_gb", rates["overrides"], "")
-    elif local.is_dir():  # the folder itself says how many bytes an engine start reads
-        size = sum(f.stat().st_size for f in local.glob("*.safetensors"))
-        out["weights_gb"] = Rate("target.weights_gb", size / 1e9, "GB of weights (*.safetensors)", "measured",
-                                 f"the sizes of the *.safetensors files in {local}")
-    return Target(hf, str(tmp), out,
-                  experts=bool(getattr(tc, "n_routed_experts", None) or getattr(tc, "num_local_experts", None)),
-                  known_as=known_as)
-
-
 # --------------------------------------------------------------------------- the draft's size
 
 def draft_model(cfg: RunConfig, target: Target, layer_ids: list[int]):
@@ -266,7 +79,6 @@ def draft_model(cfg: RunConfig, target: Target, layer_ids: list[int]):
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
-    from tasks.engine.target import text_config
     from tasks.train.model import draft_layer_config
 
     layer_cfg = draft_layer_config(cfg.train, cfg.target.model_copy(update={"trust_remote_code": False}),
@@ -297,76 +109,6 @@ def hidden_bytes_per_token(layers: int, hidden: int, dtype: str) -> int:
     Measured on SmolLM2 (4 x 576): 4,613 bf16, 2,325 fp8 (benchmarks/RESULTS.md)."""
     states = layers * hidden * 2 if dtype == "bf16" else layers * hidden + layers * 4
     return states + 5
-
-
-# --------------------------------------------------------------------------- the run's own lengths
-
-@dataclass
-class Lengths:
-    """Mean prompt and answer tokens per sample (and the sample count) that a run's stages recorded."""
-    samples: Optional[int] = None
-    prompt: Optional[float] = None
-    answer: Optional[float] = None  # per sample, the target's (regenerate) or the data's
-    source: str = ""
-    longest: Optional[int] = None  # the longest sample, and samples per context-length bucket (prepare's stats)
-    buckets: Optional[dict] = None
-
-
-def run_lengths(cfg: RunConfig) -> Lengths:
-    """Read this config's prepare artifact and its regenerate artifact (or the regenerate shards committed so
-    far) on cfg.store; what is not there stays None, and `source` says what was found."""
-    from tasks.address import digests
-    from tasks.store.artifacts import Store, StoreError
-
-    from tasks.address.data import DataIdentityError
-
-    try:
-        store = Store.from_config(cfg.store)
-        prep = store.find("prepare", digests.prepare(cfg))
-    except DataIdentityError as exc:  # the data's content cannot be named here (offline, no record of a commit)
-        return Lengths(source=f"this config's data has no address here ({str(exc)[:160]})")
-    except Exception as exc:  # noqa: BLE001 - any store or credential failure: say it and plan on assumptions
-        return Lengths(source=f"the store {cfg.store.uri} could not be read ({str(exc).splitlines()[0][:120]})")
-    if prep is None:
-        return Lengths(source=f"no prepare artifact of this config on {store.uri} yet")
-    s = prep.stats
-    samples = int(s.get("samples") or 0)
-    if not samples:
-        return Lengths(source=f"the prepare artifact {prep.digest[:12]} records no samples")
-    out = Lengths(samples=samples, source=f"prepare {prep.digest[:12]} ({samples:,} samples)",
-                  longest=s.get("longest"), buckets=s.get("length_buckets"))
-    if not cfg.regenerate.enabled:
-        out.prompt = (s["tokens"] - s["masked_tokens"]) / samples
-        out.answer = s["masked_tokens"] / samples
-        return out
-    out.prompt = (s["tokens"] - s["masked_tokens"]) / samples  # the data's answers are replaced
-    reg_digest = digests.regenerate(cfg, prep.ref())
-    try:
-        reg = store.find("regenerate", reg_digest)
-        # else the shards committed so far: their manifests' stats, read at once (a hero run has 512)
-        arts = [reg] if reg is not None else [m for m in store.manifests(digests.REGENERATE_SHARD, [
-            digests.regenerate_shard(reg_digest, i) for i in range(int(s.get("num_shards") or cfg.data.num_shards))
-        ], skip_unsafe=True).values() if m is not None]
-    except StoreError as exc:
-        out.source += f"; regenerate shards unreadable ({str(exc).splitlines()[0][:120]})"
-        return out
-    regen = [a.stats for a in arts if a.stats.get("samples")]
-    if regen:
-        n = sum(int(r["samples"]) for r in regen)
-        tokens = sum(int(r["tokens"]) for r in regen)
-        gen = sum(int(r.get("generated_tokens", 0)) for r in regen)
-        out.answer = gen / n
-        out.prompt = (tokens - gen) / n
-        if all(r.get("longest") for r in regen):  # the regenerated answers' lengths replace the data's
-            from tasks.formats.acceptance import merge_counts
-
-            out.longest = max(int(r["longest"]) for r in regen)
-            out.buckets = merge_counts(*(r.get("length_buckets") for r in regen))
-        what = "regenerate" if reg is not None else f"{len(regen)} regenerate shard(s)"
-        out.source += f", {what} ({n:,} samples)"
-    else:
-        out.source += "; nothing regenerated yet"
-    return out
 
 
 # --------------------------------------------------------------------------- the plan
@@ -426,7 +168,7 @@ def head_cost_rate(head: Any, cost: float, train: Any, mfu_rate: str) -> Rate:
 
 
 def make_shape(cfg: RunConfig, rates: dict[str, Any]) -> Shape:
-    from tasks.engine.target import configured_layer_ids, text_config
+    from tasks.engine.target import configured_layer_ids
     from tasks.train.model import flops_per_token
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -446,6 +188,38 @@ def _override(cfg: RunConfig, section: str, **values: Any) -> RunConfig:
 
 def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_name: str = "",
               lengths: Lengths | None = None, shape: Shape | None = None, levers: bool = True) -> Plan:
+    """The plan of CFG's run on `rates` (a machine's, load_rates) over NODES nodes: per stage its tokens, store
+    bytes, busy node-hours and wall-clock hours; the totals and costs; the notes that say what each rests on;
+    with LEVERS, the same plan with one thing changed at a time. LENGTHS: the run's own (tasks/cost/lengths.py),
+    else the rates' assumptions; SHAPE: the target's and draft's sizes (make_shape, computed when not given)."""
+    shape = _checked_shape(cfg, rates, nodes, shape)
+    lengths = lengths or Lengths()
+    r = {k: v.value for k, v in rates["rates"].items()}
+    t = {k: v.value for k, v in shape.target.rates.items()}
+    gpus, price = int(r["node.gpus"]), r["node.gpu_hour_price"]
+    w = _workload(cfg, r, lengths)
+    # one vLLM engine start: a fixed part (compile, CUDA graphs, KV cache) plus the bytes each GPU of the engine
+    # loads (its 1 / tensor_parallel_size share of the weights) at engine.start_s_per_gb
+    start_h = (r["engine.start_fixed_s"] + t["weights_gb"] / cfg.extract.tensor_parallel_size
+               * r["engine.start_s_per_gb"]) / 3600
+    ex = _extraction(cfg, r, t, shape, w.tokens)
+    tr = _training(cfg, r, shape, w.tokens, ex)
+    bench = _benchmark_work(cfg, r, t, start_h) if cfg.benchmark.enabled else None
+    stages = _stages(cfg, r, t, nodes, w, start_h, ex, tr, bench)
+    totals = _totals(stages, r, nodes, gpus * price, tr, ex)
+    dominant = max(stages, key=lambda s: s.wall_hours).stage
+    notes = _workload_notes(cfg, shape, lengths, w, tr, bench, gpus, price, stages)
+    notes += _stage_notes(cfg, r, t, shape, w, ex, tr, start_h, bench)
+    notes += _cost_notes(stages, totals, nodes, tr, ex.dtype, r["storage.gb_month_price"], dominant)
+    plan = Plan(config_name, rates.get("machine", DEFAULT_MACHINE), nodes, gpus, price, stages, notes,
+                _listed_rates(cfg, rates, shape, lengths, w, ex, tr), totals, dominant)
+    if levers:
+        plan.levers = _levers(cfg, rates, plan, nodes=nodes, lengths=lengths, shape=shape)
+    return plan
+
+
+def _checked_shape(cfg: RunConfig, rates: dict[str, Any], nodes: int, shape: Shape | None) -> Shape:
+    """SHAPE (or make_shape's), once the node count, the sample count, the heads and the target's weights pass."""
     if nodes < 1:
         raise PlanError(f"--nodes must be 1 or more, got {nodes}")
     if rates.get("max_nodes") and nodes > rates["max_nodes"]:
@@ -455,166 +229,232 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         raise PlanError("data.max_samples is not set: a plan needs the number of samples (set it, or "
                         "--set data.max_samples=N)")
     shape = shape or make_shape(cfg, rates)
-    # a head this target cannot train is refused as `draftline run` refuses it (the train stage's own check);
-    # tasks.train.model imports torch, which a plan made on a laptop needs only here
-    from tasks.engine.target import text_config
-    from tasks.train.model import head_target_problem
-
-    text = text_config(shape.target.hf_config)
-    problems = [p for p in (head_target_problem(h, text, cfg.target.model) for h in cfg.train.heads) if p]
+    # a head this target cannot train is refused as `draftline run` refuses it (tasks/train/preflight.py)
+    problems = head_problems(cfg, text_config(shape.target.hf_config))
     if problems:
         raise PlanError("\n".join(problems))
-    lengths = lengths or Lengths()
-    r = {k: v.value for k, v in rates["rates"].items()}
-    target = shape.target
-    t = {k: v.value for k, v in target.rates.items()}
-    gpus, price = int(r["node.gpus"]), r["node.gpu_hour_price"]
-    peak = r["node.matmul_tflops"] * 1e12
-    hidden, n_layers = shape.hidden, shape.n_layers
-    samples = min(cfg.data.max_samples, lengths.samples or cfg.data.max_samples)
+    if "weights_gb" not in shape.target.rates:
+        raise PlanError(f"configs/rates.yaml: targets: {shape.target.known_as or cfg.target.model}: add weights_gb "
+                        "(value, unit, kind, source), or pass --rate target.weights_gb=...: an engine start is priced "
+                        "by the bytes it loads")
+    return shape
 
-    # tokens per sample: the prompt plus the answer (the target's, or the data's), within max_length
+
+@dataclass
+class Workload:
+    """The samples and their tokens: the prompt plus the answer (the target's, or the data's), within max_length."""
+    samples: int
+    prompt: float
+    answer: float
+    per_sample: float
+    tokens: float
+
+
+def _workload(cfg: RunConfig, r: dict[str, float], lengths: Lengths) -> Workload:
+    samples = min(cfg.data.max_samples, lengths.samples or cfg.data.max_samples)
     prompt = lengths.prompt if lengths.prompt is not None else r["regenerate.prompt_tokens"]
     room = cfg.regenerate.max_tokens if cfg.regenerate.enabled else max(cfg.data.max_length - prompt, 0)
     answer = (min(lengths.answer, room) if lengths.answer is not None else r["regenerate.answer_fill"] * room)
     per_sample = min(cfg.data.max_length, prompt + answer)
-    answer = per_sample - prompt
-    tokens = samples * per_sample
-    if "weights_gb" not in t:
-        raise PlanError(f"configs/rates.yaml: targets: {target.known_as or cfg.target.model}: add weights_gb (value, "
-                        "unit, kind, source), or pass --rate target.weights_gb=...: an engine start is priced by the "
-                        "bytes it loads")
-    # one vLLM engine start: a fixed part (compile, CUDA graphs, KV cache) plus the bytes each GPU of the engine
-    # loads (its 1 / tensor_parallel_size share of the weights) at engine.start_s_per_gb
-    tp = cfg.extract.tensor_parallel_size
-    start_h = (r["engine.start_fixed_s"] + t["weights_gb"] / tp * r["engine.start_s_per_gb"]) / 3600
-    stages: list[Stage] = []
+    return Workload(samples, prompt, per_sample - prompt, per_sample, samples * per_sample)
 
-    def add(stage: str, n: int, n_tokens: float, what: str, b16: float, b8: float, kept: float, hours: float,
-            wall: float) -> None:
-        stages.append(Stage(stage, n, n_tokens, what, b16, b8, kept, hours, wall))
 
-    pq = r["prepare.bytes_per_token"]
-    prep_h = samples / r["prepare.samples_per_s"] / 3600
-    prep_tokens = samples * (prompt if cfg.regenerate.enabled else per_sample)
-    add("prepare", 1, prep_tokens, "prompt" if cfg.regenerate.enabled else "sample", prep_tokens * pq,
-        prep_tokens * pq, prep_tokens * pq, prep_h, prep_h)
-    regen_nodes = nodes if REGENERATE_FANS_OUT else 1
-    if cfg.regenerate.enabled:
-        gen = samples * answer
-        busy = regen_nodes * start_h + gen / t["decode_tok_s"] / 3600
-        wall = start_h + gen / (regen_nodes * t["decode_tok_s"]) / 3600
-        stored = 2 * tokens * pq  # the shard artifacts, and the stage's artifact that copies them
-        add("regenerate", regen_nodes, gen, "generated", stored, stored, stored, busy, wall)
-    add("vocab", 1, tokens, "counted", 0.0, 0.0, 0.0, 0.0, 0.0)
+@dataclass
+class Extraction:
+    """Extraction's rates: bytes per token stored, compute- and store-bound tokens/s per node, in each dtype."""
+    bpt: dict[str, int]
+    rate_name: str
+    mfu: float
+    compute_rate: float
+    store_rate: dict[str, float]
+    rate: dict[str, float]
+    dtype: str
+    hours: float  # node-hours of prefill at the config's dtype (engine starts apart)
 
-    bpt = {d: hidden_bytes_per_token(n_layers, hidden, d) for d in ("bf16", "fp8")}
-    extract_rate_name = "extract.mfu_moe" if target.experts else "extract.mfu_dense"
-    mfu = r[extract_rate_name]
-    compute_rate = gpus * peak * mfu / (2 * t["active_params"])
+
+def _extraction(cfg: RunConfig, r: dict[str, float], t: dict[str, float], shape: Shape, tokens: float) -> Extraction:
+    bpt = {d: hidden_bytes_per_token(shape.n_layers, shape.hidden, d) for d in ("bf16", "fp8")}
+    rate_name = "extract.mfu_moe" if shape.target.experts else "extract.mfu_dense"
+    mfu = r[rate_name]
+    peak = r["node.matmul_tflops"] * 1e12
+    compute_rate = int(r["node.gpus"]) * peak * mfu / (2 * t["active_params"])
     store_rate = {d: r["node.store_write_gb_s"] * 1e9 / bpt[d] for d in bpt}
     rate = {d: min(compute_rate, store_rate[d]) for d in bpt}
     dtype = cfg.extract.storage_dtype
-    ext_h = tokens / rate[dtype] / 3600
-    add("extract", nodes, tokens, "prefilled", tokens * bpt["bf16"], tokens * bpt["fp8"], tokens * bpt[dtype],
-        nodes * start_h + ext_h, start_h + ext_h / nodes)
+    return Extraction(bpt, rate_name, mfu, compute_rate, store_rate, rate, dtype, tokens / rate[dtype] / 3600)
 
-    # training: train.nodes nodes (torch's elastic launcher over each one's GPUs, one rendezvous; batch_tokens
-    # per rank), as fast as the slower of their compute and their reads (each node reads its ranks' share)
+
+@dataclass
+class Training:
+    """Training over train.nodes nodes (torch's elastic launcher over each one's GPUs, one rendezvous;
+    batch_tokens per rank), as fast as the slower of their compute and their reads (each node reads its ranks'
+    share); the heads train one after another, each at its own steps and FLOPs per token."""
+    tnodes: int
+    ranks: int
+    heads: list[Any]
+    head_steps: list[int]
+    steps: int
+    tokens: float
+    rate_name: str
+    mfu: float
+    per_gpu: float
+    node_rate: float
+    costs: list[float]
+    head_compute: list[float]
+    compute_h: float
+    data_bytes: float
+    hit: float
+    from_cache: float
+    from_store: float
+    read_rate: dict[str, float]
+    read_h: dict[str, float]
+    head_read: list[float]
+    head_h: list[float]
+    hours: float
+    binding: str
+    written: float
+    kept: float
+    keep: int | None
+
+
+def _training(cfg: RunConfig, r: dict[str, float], shape: Shape, tokens: float, ex: Extraction) -> Training:
     tnodes = int(getattr(cfg.train, "nodes", 1) or 1)
-    ranks = (cfg.train.gpus or gpus) * tnodes
+    ranks = (cfg.train.gpus or int(r["node.gpus"])) * tnodes
     heads = cfg.train.heads
     head_steps = [h.max_steps or cfg.train.max_steps for h in heads]  # one train task per head, one after another
     steps = sum(head_steps)
     train_tokens = steps * cfg.train.batch_tokens * ranks
     # auto is flex_attention on a GPU where it compiles (tasks.train.model.resolve_attn_impl)
-    train_rate_name = ("train.mfu_flex_attention" if cfg.train.attn_impl in ("auto", "flex_attention")
-                       else "train.mfu_sdpa")
-    mfu_t = r[train_rate_name]
-    per_gpu = peak * mfu_t / shape.train_flops
+    rate_name = "train.mfu_flex_attention" if cfg.train.attn_impl in ("auto", "flex_attention") else "train.mfu_sdpa"
+    mfu = r[rate_name]
+    peak = r["node.matmul_tflops"] * 1e12
+    per_gpu = peak * mfu / shape.train_flops
     node_rate = per_gpu * ranks * (r["train.multi_gpu_efficiency"] if ranks > 1 else 1.0)  # all nodes together
     costs = [shape.head_cost(h, cfg.train) for h in heads]  # each head's FLOPs per token over the EAGLE-3 draft's
     head_compute = [s * f * cfg.train.batch_tokens * ranks / node_rate / 3600 for s, f in zip(head_steps, costs)]
     compute_h = sum(head_compute)
-    data_bytes = tokens * bpt[dtype]
-    cache_bytes = r["node.cache_tb"] * 1e12
-    hit = min(1.0, cache_bytes / data_bytes) if NODE_PART_CACHE and data_bytes else 0.0
+    bpt = ex.bpt[ex.dtype]
+    data_bytes = tokens * bpt
+    hit = min(1.0, r["node.cache_tb"] * 1e12 / data_bytes) if NODE_PART_CACHE and data_bytes else 0.0
     first = min(train_tokens, tokens)  # the first epoch comes from the store
     from_cache = (train_tokens - first) * hit
     from_store = train_tokens - from_cache
-    read_rate = {"store": r["node.store_read_gb_s"] * 1e9 / bpt[dtype],
-                 "node cache": r["node.cache_read_gb_s"] * 1e9 / bpt[dtype]}
+    read_rate = {"store": r["node.store_read_gb_s"] * 1e9 / bpt, "node cache": r["node.cache_read_gb_s"] * 1e9 / bpt}
     read_h = {"store": from_store / read_rate["store"] / tnodes / 3600,
               "node cache": from_cache / read_rate["node cache"] / tnodes / 3600}
     # the heads train one after another, each as fast as the slower of its compute and its reads (its steps' share)
     head_read = [sum(read_h.values()) * st / steps for st in head_steps]
     head_h = [max(c, rd) for c, rd in zip(head_compute, head_read)]
-    train_h = sum(head_h)
     binding = "compute" if compute_h >= sum(read_h.values()) else max(read_h, key=read_h.get) + " read"
     ckpt_sizes = [shape.head_params(h, cfg.train) * CHECKPOINT_BYTES_PER_PARAM for h in heads]
     keep = int(getattr(cfg.train, "keep_checkpoints", 0) or 0) or None  # read defensively: older configs lack it
     written = sum(s // cfg.train.checkpoint_every * c for s, c in zip(head_steps, ckpt_sizes))
     kept = sum(min(s // cfg.train.checkpoint_every, keep or s) * c for s, c in zip(head_steps, ckpt_sizes))
-    add("train", tnodes, train_tokens, "trained", written, written, kept, tnodes * train_h, train_h)
+    return Training(tnodes, ranks, heads, head_steps, steps, train_tokens, rate_name, mfu, per_gpu, node_rate, costs,
+                    head_compute, compute_h, data_bytes, hit, from_cache, from_store, read_rate, read_h, head_read,
+                    head_h, sum(head_h), binding, written, kept, keep)
 
-    engine_h = 0.0  # one benchmark engine: its start and its decodes (each head's share: len(ks) of them)
-    if cfg.benchmark.enabled:
-        # the engines tasks/benchmark/stage.py starts: the baseline, one per head (and benchmark.drafts) and k, and
-        # the offline replay's hidden-state engine
-        decoding = 1 + (len(heads) + len(cfg.benchmark.drafts)) * len(cfg.benchmark.num_speculative_tokens)
-        engines = decoding + int(cfg.benchmark.offline_replay and cfg.benchmark.temperature == 0)
-        per_bs = sum(e.num_prompts for e in cfg.benchmark.evals) * cfg.benchmark.max_tokens * decoding
-        single = per_bs if 1 in cfg.benchmark.batch_sizes else 0
-        batched = per_bs * len([b for b in cfg.benchmark.batch_sizes if b > 1])
-        bench_h = engines * start_h + (single / t["decode_tok_s_batch1"] + batched / t["decode_tok_s"]) / 3600
-        engine_h = start_h + (single / t["decode_tok_s_batch1"] + batched / t["decode_tok_s"]) / 3600 / decoding
-        add("benchmark", 1, single + batched, "generated", 0.0, 0.0, 0.0, bench_h, bench_h)
 
-    node_price = gpus * price
+@dataclass
+class BenchmarkWork:
+    """The engines tasks/benchmark/stage.py starts (the baseline, one per head and benchmark.drafts and k, and
+    the offline replay's hidden-state engine) and the tokens they generate at batch size 1 and above."""
+    engines: int
+    decoding: int
+    tokens: float
+    hours: float
+    engine_h: float  # one decoding engine: its start and its share of the decodes (a head's engines: one per k)
+
+
+def _benchmark_work(cfg: RunConfig, r: dict[str, float], t: dict[str, float], start_h: float) -> BenchmarkWork:
+    decoding = 1 + (len(cfg.train.heads) + len(cfg.benchmark.drafts)) * len(cfg.benchmark.num_speculative_tokens)
+    engines = decoding + int(cfg.benchmark.offline_replay and cfg.benchmark.temperature == 0)
+    per_bs = sum(e.num_prompts for e in cfg.benchmark.evals) * cfg.benchmark.max_tokens * decoding
+    single = per_bs if 1 in cfg.benchmark.batch_sizes else 0
+    batched = per_bs * len([b for b in cfg.benchmark.batch_sizes if b > 1])
+    decode_h = (single / t["decode_tok_s_batch1"] + batched / t["decode_tok_s"]) / 3600
+    return BenchmarkWork(engines, decoding, single + batched, engines * start_h + decode_h,
+                         start_h + decode_h / decoding)
+
+
+def _stages(cfg: RunConfig, r: dict[str, float], t: dict[str, float], nodes: int, w: Workload, start_h: float,
+            ex: Extraction, tr: Training, bench: BenchmarkWork | None) -> list[Stage]:
+    """Each stage's row: nodes, tokens, bytes written (bf16, fp8) and kept, busy node-hours, wall-clock hours."""
+    pq = r["prepare.bytes_per_token"]
+    prep_h = w.samples / r["prepare.samples_per_s"] / 3600
+    prep_tokens = w.samples * (w.prompt if cfg.regenerate.enabled else w.per_sample)
+    stages = [Stage("prepare", 1, prep_tokens, "prompt" if cfg.regenerate.enabled else "sample", prep_tokens * pq,
+                    prep_tokens * pq, prep_tokens * pq, prep_h, prep_h)]
+    if cfg.regenerate.enabled:
+        regen_nodes = nodes if REGENERATE_FANS_OUT else 1
+        gen = w.samples * w.answer
+        busy = regen_nodes * start_h + gen / t["decode_tok_s"] / 3600
+        wall = start_h + gen / (regen_nodes * t["decode_tok_s"]) / 3600
+        stored = 2 * w.tokens * pq  # the shard artifacts, and the stage's artifact that copies them
+        stages.append(Stage("regenerate", regen_nodes, gen, "generated", stored, stored, stored, busy, wall))
+    stages.append(Stage("vocab", 1, w.tokens, "counted", 0.0, 0.0, 0.0, 0.0, 0.0))
+    stages.append(Stage("extract", nodes, w.tokens, "prefilled", w.tokens * ex.bpt["bf16"], w.tokens * ex.bpt["fp8"],
+                        w.tokens * ex.bpt[ex.dtype], nodes * start_h + ex.hours, start_h + ex.hours / nodes))
+    stages.append(Stage("train", tr.tnodes, tr.tokens, "trained", tr.written, tr.written, tr.kept,
+                        tr.tnodes * tr.hours, tr.hours))
+    if bench is not None:
+        stages.append(Stage("benchmark", 1, bench.tokens, "generated", 0.0, 0.0, 0.0, bench.hours, bench.hours))
+    return stages
+
+
+def _totals(stages: list[Stage], r: dict[str, float], nodes: int, node_price: float, tr: Training,
+            ex: Extraction) -> dict[str, float]:
     wall = sum(s.wall_hours for s in stages)
-    gb_month = r["storage.gb_month_price"]
     kept_bytes = sum(s.kept for s in stages)
     totals = {"bytes_bf16": sum(s.bytes_bf16 for s in stages), "bytes_fp8": sum(s.bytes_fp8 for s in stages),
               "kept": kept_bytes, "node_hours": sum(s.node_hours for s in stages), "wall_hours": wall,
               "cost_held": nodes * wall * node_price,
               "cost_per_stage": sum(s.nodes * s.wall_hours for s in stages) * node_price,
               "cost_busy": sum(s.node_hours for s in stages) * node_price,
-              "storage_month": kept_bytes / 1e9 * gb_month,
-              "train_read_bytes": train_tokens * bpt[dtype], "train_compute_hours": compute_h,
-              "train_read_hours": sum(read_h.values())}
+              "storage_month": kept_bytes / 1e9 * r["storage.gb_month_price"],
+              "train_read_bytes": tr.tokens * ex.bpt[ex.dtype], "train_compute_hours": tr.compute_h,
+              "train_read_hours": sum(tr.read_h.values())}
     totals["cost"] = min(totals["cost_held"], totals["cost_per_stage"])
-    top = max(stages, key=lambda s: s.wall_hours)
-    dominant = top.stage
+    return totals
 
-    other = "fp8" if dtype == "bf16" else "bf16"
-    bound = "store" if store_rate[dtype] < compute_rate else "compute"
+
+def _lengths_source(lengths: Lengths) -> str:
     assumed = "assumed (configs/rates.yaml regenerate.prompt_tokens, regenerate.answer_fill)"
     if lengths.prompt is None and lengths.answer is None:
-        len_src = assumed + (f"; {lengths.source}" if lengths.source else "")
-    elif lengths.answer is None:
-        len_src = f"prompt from the run's {lengths.source}; answer assumed (regenerate.answer_fill)"
-    else:
-        len_src = f"from the run's {lengths.source}"
-    fanned = [s.stage for s in stages if s.nodes > 1]
+        return assumed + (f"; {lengths.source}" if lengths.source else "")
+    if lengths.answer is None:
+        return f"prompt from the run's {lengths.source}; answer assumed (regenerate.answer_fill)"
+    return f"from the run's {lengths.source}"
+
+
+def _workload_notes(cfg: RunConfig, shape: Shape, lengths: Lengths, w: Workload, tr: Training,
+                    bench: "BenchmarkWork | None", gpus: int,
+                    price: float, stages: list[Stage]) -> list[str]:
+    """What the plan rests on: the workload and its lengths, each head's training, the target's rates."""
+    heads, costs = tr.heads, tr.costs
     notes = [
-        f"Workload: {samples:,} samples x {per_sample:,.0f} tokens ({prompt:,.0f} prompt + {answer:,.0f} answer"
-        f"{'' if cfg.regenerate.enabled else ' from the data'}) = {_count(tokens)} tokens; lengths: {len_src}. "
-        f"Training reads {_count(train_tokens)} tokens = {train_tokens / tokens:.2f} epochs ({steps:,} steps x "
-        f"{cfg.train.batch_tokens:,} tokens x {ranks} ranks"
+        f"Workload: {w.samples:,} samples x {w.per_sample:,.0f} tokens ({w.prompt:,.0f} prompt + {w.answer:,.0f} answer"
+        f"{'' if cfg.regenerate.enabled else ' from the data'}) = {_count(w.tokens)} tokens; lengths: "
+        f"{_lengths_source(lengths)}. "
+        f"Training reads {_count(tr.tokens)} tokens = {tr.tokens / w.tokens:.2f} epochs ({tr.steps:,} steps x "
+        f"{cfg.train.batch_tokens:,} tokens x {tr.ranks} ranks"
         + (f"; {len(heads)} heads, each priced at its FLOPs per token over the EAGLE-3 draft below (Shape.head_cost: "
            + ", ".join(f"{h.label} {c:.2f}" for h, c in zip(heads, costs)) + ")" if len(heads) > 1 else "") + ").",
     ]
     notes += length_notes(cfg, lengths)
     if len(heads) > 1:  # each head's own train task (its steps, layers, FLOPs per token, reads) and engines
-        ks = cfg.benchmark.num_speculative_tokens if cfg.benchmark.enabled else []
+        ks = cfg.benchmark.num_speculative_tokens if bench is not None else []
+        engine_h = bench.engine_h if bench is not None else 0.0
         notes.append("Per head (one train task each, one after another; then one benchmark engine per k in "
                      f"{ks}): " + "; ".join(
             f"{h.label} ({h.kind}, {h.num_layers or cfg.train.num_layers} layer(s), "
             f"{_count(shape.head_params(h, cfg.train))} parameters) {st:,} steps x {c:.2f}: {hh:,.2f} h "
-            f"({'compute' if hc >= hr else 'read'}-bound), ${tnodes * hh * gpus * price:,.0f}"
+            f"({'compute' if hc >= hr else 'read'}-bound), ${tr.tnodes * hh * gpus * price:,.0f}"
             + (f", + {len(ks)} engine(s) {len(ks) * engine_h:,.2f} h, ${len(ks) * engine_h * gpus * price:,.0f}"
                if ks else "")
-            for h, st, c, hc, hr, hh in zip(heads, head_steps, costs, head_compute, head_read, head_h)) + ".")
+            for h, st, c, hc, hr, hh in zip(heads, tr.head_steps, costs, tr.head_compute, tr.head_read, tr.head_h))
+            + ".")
+    target = shape.target
     if target.known_as and not Path(cfg.target.model).exists():
         notes.append(f"Target: {cfg.target.model} (not on this machine) is a local copy of {target.known_as} "
                      "(configs/rates.yaml local_copies): its shape and rates are used.")
@@ -622,31 +462,53 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
         notes.append(f"Target: {cfg.target.model} has the shape of {target.known_as} ({', '.join(SHAPE_KEYS)}): "
                      f"its rates in configs/rates.yaml are used.")
     if cfg.regenerate.enabled:
+        regen_nodes = next(s.nodes for s in stages if s.stage == "regenerate")
         notes.append(
-            f"Regeneration: {_count(t['decode_tok_s'])} output tok/s per node ({target.rates['decode_tok_s'].kind}), "
-            f"dealt over {regen_nodes} node(s) like extraction's shards.")
-    notes += [
-        f"Extraction: {n_layers} layers x hidden {hidden:,} = {bpt['bf16']:,} bytes/token bf16, {bpt['fp8']:,} fp8; "
-        f"compute {_count(compute_rate)} tok/s per node (2 x {_count(t['active_params'])} active params, MFU "
-        f"{mfu:g}), store {_count(store_rate[dtype])} tok/s ({dtype}): {_count(rate[dtype])} tok/s, "
-        f"{bound}-bound. With {other}: {_count(rate[other])} tok/s, "
-        f"{tokens / rate[other] / 3600:,.1f} node-hours.",
+            f"Regeneration: {_count(target.rates['decode_tok_s'].value)} output tok/s per node "
+            f"({target.rates['decode_tok_s'].kind}), dealt over {regen_nodes} node(s) like extraction's shards.")
+    return notes
+
+
+def _stage_notes(cfg: RunConfig, r: dict[str, float], t: dict[str, float], shape: Shape, w: Workload,
+                 ex: Extraction, tr: Training, start_h: float, bench: BenchmarkWork | None) -> list[str]:
+    """How extraction, training and the engine starts are priced, and what binds each."""
+    dtype, bpt = ex.dtype, ex.bpt
+    other = "fp8" if dtype == "bf16" else "bf16"
+    bound = "store" if ex.store_rate[dtype] < ex.compute_rate else "compute"
+    engines = bench.engines if bench is not None else 0
+    decoding = bench.decoding if bench is not None else 0
+    return [
+        f"Extraction: {shape.n_layers} layers x hidden {shape.hidden:,} = {bpt['bf16']:,} bytes/token bf16, "
+        f"{bpt['fp8']:,} fp8; compute {_count(ex.compute_rate)} tok/s per node (2 x {_count(t['active_params'])} "
+        f"active params, MFU {ex.mfu:g}), store {_count(ex.store_rate[dtype])} tok/s ({dtype}): "
+        f"{_count(ex.rate[dtype])} tok/s, {bound}-bound. With {other}: {_count(ex.rate[other])} tok/s, "
+        f"{w.tokens / ex.rate[other] / 3600:,.1f} node-hours.",
         f"Training: the draft has {_count(shape.trainable)} trainable parameters, {shape.train_flops / 1e9:.2f} GFLOP "
-        f"per token (tasks.train.model.flops_per_token, {cfg.train.ttt_steps} TTT steps): {_count(per_gpu)} tok/s "
-        f"per GPU at MFU {mfu_t:g}, {_count(node_rate)} tok/s per node = {compute_h:,.2f} h of compute. It reads "
-        f"{_bytes(totals['train_read_bytes'])} ({dtype}; {_bytes(data_bytes)} per epoch): "
-        f"{_bytes(from_store * bpt[dtype])} from the store at {_count(read_rate['store'])} tok/s "
-        f"({read_h['store']:,.2f} h), {_bytes(from_cache * bpt[dtype])} from the node cache at "
-        f"{_count(read_rate['node cache'])} tok/s ({read_h['node cache']:,.2f} h; "
-        + (f"it holds {hit:.0%} of an epoch, NODE_PART_CACHE in tasks/cost/plan.py" if NODE_PART_CACHE
-           else "no node cache: NODE_PART_CACHE is off") + f"): **{binding}-bound**, {train_h:,.2f} h.",
+        f"per token (tasks.train.model.flops_per_token, {cfg.train.ttt_steps} TTT steps): {_count(tr.per_gpu)} tok/s "
+        f"per GPU at MFU {tr.mfu:g}, {_count(tr.node_rate)} tok/s per node = {tr.compute_h:,.2f} h of compute. It "
+        f"reads {_bytes(tr.tokens * bpt[dtype])} ({dtype}; {_bytes(tr.data_bytes)} per epoch): "
+        f"{_bytes(tr.from_store * bpt[dtype])} from the store at {_count(tr.read_rate['store'])} tok/s "
+        f"({tr.read_h['store']:,.2f} h), {_bytes(tr.from_cache * bpt[dtype])} from the node cache at "
+        f"{_count(tr.read_rate['node cache'])} tok/s ({tr.read_h['node cache']:,.2f} h; "
+        + (f"it holds {tr.hit:.0%} of an epoch, NODE_PART_CACHE in tasks/cost/plan.py" if NODE_PART_CACHE
+           else "no node cache: NODE_PART_CACHE is off") + f"): **{tr.binding}-bound**, {tr.hours:,.2f} h.",
         f"Engine starts: {start_h * 60:,.1f} min each ({r['engine.start_fixed_s']:g} s, engine.start_fixed_s, + "
-        f"{t['weights_gb']:,.0f} GB of weights / {tp} GPU(s) x {r['engine.start_s_per_gb']:g} s per GB, "
-        f"engine.start_s_per_gb)"
+        f"{t['weights_gb']:,.0f} GB of weights / {cfg.extract.tensor_parallel_size} GPU(s) x "
+        f"{r['engine.start_s_per_gb']:g} s per GB, engine.start_s_per_gb)"
         + (f"; the benchmark starts {engines} (the baseline, {engines - 1 - int(engines > decoding)} with a draft: "
            f"k in {cfg.benchmark.num_speculative_tokens}"
-           + (", and the offline replay's" if engines > decoding else "") + ")" if cfg.benchmark.enabled else "")
+           + (", and the offline replay's" if engines > decoding else "") + ")" if bench is not None else "")
         + ".",
+    ]
+
+
+def _cost_notes(stages: list[Stage], totals: dict[str, float], nodes: int, tr: Training, dtype: str,
+                gb_month: float, dominant: str) -> list[str]:
+    """Where the stages run, what the run costs held or rented per stage, what it keeps on the store."""
+    fanned = [s.stage for s in stages if s.nodes > 1]
+    wall = totals["wall_hours"]
+    top = next(s for s in stages if s.stage == dominant)
+    return [
         (f"Nodes: {', '.join(fanned)} dealt over {nodes} nodes (each node starts its own engine); "
          f"{', '.join(s.stage for s in stages if s.nodes == 1 and s.wall_hours > 0)} on one node." if fanned
          else "Nodes: every stage on one node."),
@@ -656,41 +518,32 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
            f"${totals['cost_held'] - totals['cost_per_stage']:,.0f} less."
            if totals["cost_per_stage"] < totals["cost_held"] - 0.5 else ""),
         f"Store: {_bytes(totals['bytes_bf16'] if dtype == 'bf16' else totals['bytes_fp8'])} written, "
-        f"{_bytes(kept_bytes)} kept (train: {_bytes(written)} of checkpoints written, {_bytes(kept)} kept with "
-        f"keep_checkpoints {keep if keep else 'unset: all'}) = **${totals['storage_month']:,.0f} per month** at "
-        f"${gb_month:g} per GB-month.",
+        f"{_bytes(totals['kept'])} kept (train: {_bytes(tr.written)} of checkpoints written, {_bytes(tr.kept)} kept "
+        f"with keep_checkpoints {tr.keep if tr.keep else 'unset: all'}) = **${totals['storage_month']:,.0f} per "
+        f"month** at ${gb_month:g} per GB-month.",
         f"Dominant stage: **{dominant}**, {top.wall_hours:,.1f} of {wall:,.1f} wall-clock hours "
         f"({top.wall_hours / wall:.0%}).",
     ]
+
+
+def _listed_rates(cfg: RunConfig, rates: dict[str, Any], shape: Shape, lengths: Lengths, w: Workload,
+                  ex: Extraction, tr: Training) -> list[Rate]:
+    """Every rate the plan used, with its kind and source; the run's own lengths in place of the assumed ones."""
     used = ["node.gpus", "node.matmul_tflops", "node.gpu_hour_price", "node.store_write_gb_s",
-            "node.store_read_gb_s", "node.cache_read_gb_s", "node.cache_tb", extract_rate_name,
+            "node.store_read_gb_s", "node.cache_read_gb_s", "node.cache_tb", ex.rate_name,
             "regenerate.answer_fill", "regenerate.prompt_tokens", "prepare.samples_per_s",
-            "prepare.bytes_per_token", train_rate_name, "train.multi_gpu_efficiency", "storage.gb_month_price",
+            "prepare.bytes_per_token", tr.rate_name, "train.multi_gpu_efficiency", "storage.gb_month_price",
             "engine.start_fixed_s", "engine.start_s_per_gb"]
-    listed = [rates["rates"][k] for k in used] + list(target.rates.values()) + [
-        head_cost_rate(h, c, cfg.train, train_rate_name) for h, c in zip(heads, costs) if h.kind != "eagle3" or c != 1.0]
+    listed = [rates["rates"][k] for k in used] + list(shape.target.rates.values()) + [
+        head_cost_rate(h, c, cfg.train, tr.rate_name) for h, c in zip(tr.heads, tr.costs)
+        if h.kind != "eagle3" or c != 1.0]
     if lengths.prompt is not None:
-        listed = [Rate(x.name, prompt, x.unit, "the run's stats", lengths.source)
+        listed = [Rate(x.name, w.prompt, x.unit, "the run's stats", lengths.source)
                   if x.name == "regenerate.prompt_tokens" else x for x in listed]
     if lengths.answer is not None:
-        listed = [Rate("regenerate.answer_tokens", answer, "tokens per sample, mean answer", "the run's stats",
+        listed = [Rate("regenerate.answer_tokens", w.answer, "tokens per sample, mean answer", "the run's stats",
                        lengths.source) if x.name == "regenerate.answer_fill" else x for x in listed]
-    plan = Plan(config_name, rates.get("machine", DEFAULT_MACHINE), nodes, gpus, price, stages, notes, listed,
-                totals, dominant)
-    if levers:
-        plan.levers = _levers(cfg, rates, plan, nodes=nodes, lengths=lengths, shape=shape)
-    return plan
-
-
-def length_notes(cfg: RunConfig, lengths: Lengths) -> list[str]:
-    """A note when the target will serve contexts (target.max_model_len) longer than any training sample: the
-    run's longest prepared sample with --from-store, else data.max_length. A sample reaches the served context
-    at max_model_len - 1 tokens, the most the config check allows (extraction sends max_length + 1)."""
-    from tasks.benchmark.results import LENGTH_FIX, length_gap
-
-    train = {"longest": lengths.longest, "length_buckets": lengths.buckets, "max_length": cfg.data.max_length}
-    gap = length_gap(train, cfg.target.max_model_len - 1, "Lengths: contexts served up to target.max_model_len")
-    return [f"{gap}: a draft's acceptance falls at lengths it never trained on; {LENGTH_FIX}."] if gap else []
+    return listed
 
 
 def _levers(cfg: RunConfig, rates: dict[str, Any], base: Plan, *, nodes: int, lengths: Lengths,

@@ -20,21 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from tasks.core.errors import DraftlineError
-from tasks.core.config import RunConfig, VocabConfig
+from tasks.core.config import RunConfig
 from tasks.address import digests
 from tasks.core.digest import VERSIONS
 from tasks.store.artifacts import ArtifactRef, Store
-from tasks.store.stages import Stage
-from tasks.formats.vocab_maps import FILE
+from tasks.store.stages import Shown, Stage
+from tasks.formats.vocab_maps import FILE, VocabError, draft_size
 
 STAGE = "vocab"
-_DEFAULT_K = VocabConfig.model_fields["draft_vocab_size"].default
 _REPORT_SIZES = (1024, 2048, 4096, 8192, 16384, 32000, 65536)
-
-
-class VocabError(DraftlineError, ValueError):
-    """A vocabulary that cannot be built; the message says what to change."""
 
 
 def target_vocab_size(cfg: RunConfig) -> int:
@@ -42,18 +36,6 @@ def target_vocab_size(cfg: RunConfig) -> int:
     from tasks.engine.target import load_hf_config, text_config
 
     return int(text_config(load_hf_config(cfg.target)).vocab_size)
-
-
-def draft_size(requested: int, target_vocab: int) -> int:
-    """The default (32,000) is capped at the target's vocabulary; an explicit larger size is an error."""
-    if requested <= target_vocab:
-        return requested
-    if requested == _DEFAULT_K:
-        return target_vocab
-    raise VocabError(
-        f"vocab.draft_vocab_size ({requested}) is larger than the target's vocabulary ({target_vocab}); "
-        f"set it to at most {target_vocab} (or remove it: the default {_DEFAULT_K} is capped automatically)"
-    )
 
 
 def training_shards(data_art: Any) -> list[str]:
@@ -194,4 +176,10 @@ def _vocab(cfg: RunConfig, store: Store, data_ref: ArtifactRef, digest: str) -> 
 
 
 # the stage as the flow runs it (tasks/store/stages.py)
-STAGE_DEF = Stage(name=STAGE, inputs=("data",), address=vocab_address, run=run_vocab)
+def show_vocab(cfg: RunConfig, store: Store, made: dict[str, Any]) -> Shown:
+    """The coverage table of the vocabulary, in the Prefect UI."""
+    summary = made[STAGE].stats.get("summary_md")
+    return Shown(markdown=[("draft-vocabulary", "Draft vocabulary coverage", summary)] if summary else [])
+
+
+STAGE_DEF = Stage(name=STAGE, inputs=("data",), address=vocab_address, run=run_vocab, show=show_vocab)

@@ -39,12 +39,12 @@ from tasks.core.faults import kill_point
 from tasks.engine.process import EngineProcess
 from tasks.engine.target import load_hf_config, resolve_model
 from tasks.address import digests
-from tasks.extract.shards import STAGE, STAGE_ARTIFACT, ExtractError, ExtractShard, ProgressCallback, plan_extract
-from tasks.extract.verify import StateCheck, pooled_failure, summarize, verifier_head
+from tasks.extract.shards import STAGE, STAGE_ARTIFACT, ExtractError, ExtractShard, ProgressCallback, plan_extract  # noqa: F401
+from tasks.extract.verify import StateCheck, markdown, pooled_failure, summarize, summary_line, verifier_head
 from tasks.formats.parts import PartBuffer
 from tasks.store.artifacts import ArtifactRef, Store
 from tasks.store.writer import ArtifactWriter
-from tasks.store.stages import ShardedStage
+from tasks.store.stages import ShardedStage, Shown
 
 # ============================================================================ the stage
 
@@ -478,10 +478,23 @@ def plan_shards(cfg: RunConfig, data: ArtifactRef) -> list[ExtractShard]:
     return plan_extract(cfg, data, load_hf_config(cfg.target, resolve_model(cfg.target)))
 
 
+def show_check(refs: list[ArtifactRef], errors: list[str]) -> Shown:
+    """The extraction check's figures (tasks/extract/verify.py) in the run's summary and, as a markdown artifact,
+    in the Prefect UI, the refused shards' causes included."""
+    verified = summarize([r.stats for r in refs])
+    out = Shown(markdown=[("extraction-check", "Stored hidden states against the engine's next token",
+                           markdown([r.stats for r in refs], errors))])
+    if verified is not None:
+        out.stats["verified"] = verified
+        out.log.append(f"extract: {summary_line(verified)}")
+    return out
+
+
 # the stage as the flow runs it (tasks/store/stages.py)
 STAGE_DEF = ShardedStage(
     name=STAGE, inputs=("data",), store_stage=STAGE_ARTIFACT, shard_stage=STAGE, plan=plan_shards,
     address=lambda cfg, data, plans: extract_address(plans), shard=extract_shard,
     assemble=lambda cfg, store, data, shards, t0, reused, *, digest=None: assemble_extract(
         cfg, store, shards, t0, reused, digest=digest),
-    copies_shards=False, label="extraction", title="Extraction", tokens="tokens", rate="tok/s")
+    copies_shards=False, label="extraction", title="Extraction", tokens="tokens", rate="tok/s",
+    show_shards=lambda refs, errors: show_check(refs, errors))

@@ -7,14 +7,37 @@ loss-masked token counts it was chosen from). The vocab stage writes it; trainin
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from tasks.core.config import VocabConfig
 from tasks.core.errors import DraftlineError
 from tasks.store.artifacts import ArtifactMissing, ArtifactRef, Store
 
+if TYPE_CHECKING:  # torch is imported where the maps are read: the vocab stage's module stays light
+    import torch
+
 FILE = "vocab.safetensors"
+
+
+class VocabError(DraftlineError, ValueError):
+    """A vocabulary that cannot be built; the message says what to change."""
+
+
+# the default draft vocabulary size, which a smaller target's vocabulary caps
+_DEFAULT_K = VocabConfig.model_fields["draft_vocab_size"].default
+
+
+def draft_size(requested: int, target_vocab: int) -> int:
+    """The default (32,000) is capped at the target's vocabulary; an explicit larger size is an error."""
+    if requested <= target_vocab:
+        return requested
+    if requested == _DEFAULT_K:
+        return target_vocab
+    raise VocabError(
+        f"vocab.draft_vocab_size ({requested}) is larger than the target's vocabulary ({target_vocab}); "
+        f"set it to at most {target_vocab} (or remove it: the default {_DEFAULT_K} is capped automatically)"
+    )
+
 
 
 class VocabFormatError(DraftlineError, ValueError):
@@ -32,6 +55,7 @@ def read_maps(store: Store, vocab_ref: ArtifactRef) -> dict[str, Any]:
 def read_vocab(store: Store, vocab_ref: ArtifactRef, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t offsets int64 [K], t2d bool [V]) from the vocab artifact, checked against each other and against the
     token counts they were chosen from (the top-K)."""
+    import torch
     from safetensors.torch import load as st_load
 
     try:

@@ -36,6 +36,7 @@ from tasks.core.config import StoreConfig, canonical_uri
 from tasks.store import gc as _gc
 from tasks.store.location import resolve_credentials
 from tasks.store.manifests import read_manifests
+from tasks.store.opened import opened
 from tasks.store.model import (MANIFEST, ArtifactCorrupt, ArtifactMissing, ArtifactRef,
                                BucketMissing, Manifest, NotAStore, StoreError)
 from tasks.store.reader import Artifact
@@ -65,8 +66,9 @@ class Store:
 
     @classmethod
     def from_config(cls, cfg: StoreConfig) -> "Store":
+        """The process's one Store for this store and these credentials (tasks/store/opened.py)."""
         opts = resolve_credentials(cfg) if cfg.uri.startswith("s3://") else {}
-        return cls(cfg.uri, opts)
+        return opened(canonical_uri(cfg.uri), opts, lambda: cls(cfg.uri, opts))
 
     @property
     def is_local(self) -> bool:

@@ -13,13 +13,22 @@ there, flows/caching.py) and passes it in. Called without `digest` (a command, a
 computes it with the very function its `address` is, so the flow and the stage cannot disagree.
 
 `inputs` names what a stage takes, by the stage that made it (`data`: regenerate's artifact when
-regeneration ran, else prepare's), in the order its `run` takes them.
+regeneration ran, else prepare's), in the order its `run` takes them. `locate(cfg, store, inputs)` is the one
+question every caller asks a stage, sharded or not: (its digest, its shard plans); the flow and `resolve`
+(tasks/store/resolve.py) ask it the same way.
+
+What differs between stages is data on the stage object, never a branch in the flow: `variants` (the train
+stage's heads, each its own task at its own address), `show` (what the Prefect UI and the run's record show of
+its artifacts, as `Shown` data that one publisher in flows/ turns into artifacts), `context` (keywords of `run`
+the flow fills: `on_metrics`, whose records `tick` turns into the progress bar and log lines; `flow_run_id`),
+`check` (asked before the run's first sharded stage), `nodes` (a stage the flow runs over several nodes), and
+a sharded stage's `show_shards` (what is shown of its shards).
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Callable
 
@@ -39,8 +48,49 @@ class ShardPlan(BaseModel):
     digest: str
 
 
+@dataclass
+class Shown:
+    """What the flow shows of a stage's artifacts, as data (one publisher in flows/ turns it into Prefect
+    artifacts and log lines): markdown and table artifacts, figures for the stage's line of the run's summary,
+    fields of the run's record (the draft's `vllm serve` line, the benchmark's figures), log lines."""
+
+    markdown: list[tuple[str, str, str]] = field(default_factory=list)  # (key, description, markdown)
+    tables: list[tuple[str, str, list[dict[str, Any]]]] = field(default_factory=list)  # (key, description, rows)
+    stats: dict[str, Any] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Tick:
+    """One progress record of a running stage as the flow shows it: the bar (percent, its line) and log lines."""
+
+    percent: float | None = None
+    message: str | None = None
+    log: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def as_variants(made: Any) -> list[tuple[str, ArtifactRef]]:
+    """A stage's artifacts as (label, artifact) per variant: what `combine` (tasks/store/resolve.py) made."""
+    return [("", made)] if isinstance(made, ArtifactRef) else list(made)
+
+
+def never_shown(cfg: RunConfig, store: Store, made: dict[str, Any]) -> Shown:
+    return Shown()
+
+
+def one_node(cfg: RunConfig) -> int:
+    return 1
+
+
 def always(cfg: RunConfig) -> bool:
     return True
+
+
+def one_variant(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
+    """A stage with no variants: the run's config, unnamed."""
+    return [("", cfg)]
 
 
 @dataclass(frozen=True)
@@ -53,6 +103,27 @@ class Stage:
     run: Callable[..., ArtifactRef]      # (cfg, store, *inputs, digest=address(...)) -> the artifact, found
                                          # or committed (without digest: it computes it by `address`)
     enabled: Callable[[RunConfig], bool] = always
+    # (label, config) per artifact the stage makes from the same inputs, each at its own address: the train
+    # stage's heads (train.heads); one unnamed variant for every other stage
+    variants: Callable[[RunConfig], list[tuple[str, RunConfig]]] = one_variant
+    # what the flow shows once the stage is done, from the artifacts MADE so far (by stage name)
+    show: Callable[[RunConfig, Store, dict[str, Any]], Shown] = never_shown
+    # keywords of `run` the flow fills from the flow run: `on_progress` (records `tick` turns into the
+    # progress bar and log lines), `flow_run_id`
+    context: tuple[str, ...] = ()
+    tick: Callable[[dict[str, Any]], Tick] | None = None
+    # run before any sharded (long) stage before it, so a bad config fails before hours of work
+    check: Callable[[RunConfig], None] | None = None
+    nodes: Callable[[RunConfig], int] = one_node  # > 1: the flow runs it over nodes (flows/train_nodes.py)
+
+    @property
+    def store_stage(self) -> str:
+        """Where the stage's artifact is committed: its name."""
+        return self.name
+
+    def locate(self, cfg: RunConfig, store: Store, inputs: list[Any]) -> tuple[str, list[Any]]:
+        """(the digest this stage commits at from INPUTS, no shard plans): what every caller asks a stage."""
+        return self.address(cfg, store, *inputs), []
 
 
 @dataclass(frozen=True)
@@ -74,6 +145,16 @@ class ShardedStage:
     tokens: str                          # the shard stat the stage sums and reports a rate of
     rate: str                            # that rate's unit
     enabled: Callable[[RunConfig], bool] = always
+    variants: Callable[[RunConfig], list[tuple[str, RunConfig]]] = one_variant
+    show: Callable[[RunConfig, Store, dict[str, Any]], Shown] = never_shown
+    # what the flow shows of the shards once they are all done: (shard refs, errors) -> Shown
+    show_shards: Callable[[list[ArtifactRef], list[str]], Shown] | None = None
+    check: Callable[[RunConfig], None] | None = None
+
+    def locate(self, cfg: RunConfig, store: Store, inputs: list[Any]) -> tuple[str, list[Any]]:
+        """(the digest the stage's artifact commits at, the plan of each shard) from INPUTS (its data)."""
+        plans = self.plan(cfg, inputs[0])
+        return self.address(cfg, inputs[0], plans), plans
 
 
 @cache

@@ -29,7 +29,7 @@ def is_mla(tc: Any) -> bool:
 
 def head_target_problem(head: HeadConfig, tc: Any, model: str) -> str | None:
     """Why head `head` cannot be trained for the target `model` (its text config `tc`), with the fix; None if
-    it can. Asked by `draftline run` and `draftline plan` before any work (flows/preflight.py), and by the
+    it can. Asked by `draftline run` and `draftline plan` before any work (tasks/train/preflight.py), and by the
     train stage (`mla_layer_config`)."""
     if head.kind == "eagle3-mla" and not is_mla(tc):
         return (f"train.heads: head {head.label!r} is eagle3-mla, which needs an MLA target (kv_lora_rank in its "

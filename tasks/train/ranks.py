@@ -1,7 +1,7 @@
 """Training on every GPU of the node: `train.gpus` ranks started by torch's elastic launcher from the
 train task, rank 0's metrics followed live, a failed rank named with its error.
 
-Over several nodes (train.nodes > 1, flows/nodes.py `train_nodes`) each node's launcher joins one c10d
+Over several nodes (train.nodes > 1, flows/train_nodes.py `train_nodes`) each node's launcher joins one c10d
 rendezvous that the run's own node hosts (`Rendezvous`); the ranks are renumbered so that the run's
 node holds ranks 0..gpus-1 (`host_first_rank`): rank 0, which checkpoints and commits the draft, is always there.
 """

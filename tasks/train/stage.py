@@ -26,15 +26,19 @@ data order is a function of (seed, epoch, part), not of history.
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 from tasks.address import digests
-from tasks.core.config import RunConfig
+from tasks.core.config import HeadConfig, RunConfig, head_config
 from tasks.store.artifacts import ArtifactRef, Store
-from tasks.store.stages import Stage
+from tasks.store.stages import Shown, Stage, Tick, as_variants
 from tasks.extract.shards import ExtractError, extract_shards
 from tasks.train import STAGE, MetricsCallback, TrainError
-from tasks.train.inputs import resolve_inputs, train_head
-from tasks.train.loop import train_here
-from tasks.train.ranks import launch_ranks, launched_as_rank, train_ranks
+from tasks.train.preflight import check_head_layers
+
+# The training parts (inputs, loop, ranks) import torch: they are imported where a head is trained, so this
+# module, and with it the stage registry's STAGE_DEF, stays light (tasks/store/resolve.py reads the addresses).
 
 
 def train_address(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: ArtifactRef) -> str:
@@ -58,6 +62,8 @@ def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: A
     it trains itself. Under torchrun every rank calls this; rank 0 writes, all ranks
     return the same ref.
     """
+    from tasks.train.inputs import train_head
+
     train_head(cfg)  # one head per call
     digest = digest or train_address(cfg, store, vocab_ref, extracted)
     return store.found_or_compute(STAGE, digest, lambda: _train(cfg, store, vocab_ref, training_shards(
@@ -66,6 +72,10 @@ def run_train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extracted: A
 
 def _train(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_refs: list[ArtifactRef],
            on_metrics: MetricsCallback | None, digest: str) -> ArtifactRef:
+    from tasks.train.inputs import resolve_inputs
+    from tasks.train.loop import train_here
+    from tasks.train.ranks import launch_ranks, launched_as_rank, train_ranks
+
     if not launched_as_rank():
         ranks = train_ranks(cfg.train)
         if ranks > 1:
@@ -85,4 +95,81 @@ def training_shards(store: Store, extracted: ArtifactRef) -> list[ArtifactRef]:
 
 # the stage as the flow runs it (tasks/store/stages.py), once per head of train.heads (tasks.core.config
 # head_config): its address is made of the shards the extract stage's artifact names
-STAGE_DEF = Stage(name=STAGE, inputs=("vocab", "extract"), address=train_address, run=run_train)
+def head_variants(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
+    """The stage's variants: one (label, config) per head of train.heads, each trained at its own address."""
+    return [(head.label, head_config(cfg, head)) for head in cfg.train.heads]
+
+
+def head_key(head: HeadConfig) -> str:
+    """'' for the default EAGLE-3 head, else '-' + its label as a Prefect artifact key allows."""
+    return "" if head == HeadConfig() else "-" + re.sub(r"[^a-z0-9-]+", "-", head.label.lower())
+
+
+def show_heads(cfg: RunConfig, store: Store, made: dict[str, Any]) -> Shown:
+    """Each head's held-out accuracy per TTT position as a table artifact; with several heads, each one's digest
+    and steps on the stage's line of the run's summary."""
+    heads = as_variants(made[STAGE])
+    out = Shown()
+    for head, (_, ref) in zip(cfg.train.heads, heads):
+        acc = ref.stats.get("val_acc_per_pos")
+        if acc:
+            out.tables.append((f"train{head_key(head)}-heldout-accuracy",
+                               f"Draft accuracy per TTT position on held-out data ({head.label})",
+                               [{"position": i + 1, "accuracy": round(a, 4)} for i, a in enumerate(acc)]))
+    if len(heads) > 1:
+        out.stats["heads"] = ", ".join(f"{label} {ref.digest[:8]} ({ref.stats.get('steps')} steps)"
+                                       for label, ref in heads)
+    return out
+
+
+def tick(m: dict[str, Any]) -> Tick:
+    """A training record (rank 0's, from this process or the launched ranks) as the flow shows it: the bar at
+    its step, a log line at start, every ~5% of the steps, checkpoints and evaluation."""
+    out = Tick()
+    if "step" in m and "max_steps" in m:
+        out.percent = 100.0 * m["step"] / max(1, m["max_steps"])
+        out.message = f"step {m['step']}/{m['max_steps']}" + (f", loss {m['loss']:.4f}" if "loss" in m else "")
+    line = _log_line(m)
+    if line:
+        (out.warnings if m.get("below") else out.log).append(line)  # an early check under its threshold warns
+    if m.get("attn_fallback"):
+        out.warnings.append(f"train: {m['attn_fallback']}; training with sdpa")
+    return out
+
+
+def _log_line(m: dict[str, Any]) -> str | None:
+    kind = m.get("kind")
+    if kind == "start":
+        resumed = f", resumed from the checkpoint of step {m['resumed_from']}" if m.get("resumed_from") is not None else ""
+        warm = f"; warm start from {m['init_from']['source']}: {m['init_from']['note']}" if m.get("init_from") else ""
+        return (f"train: {m.get('world_size', 1)} rank(s) on {m.get('device')}, {m.get('attn_impl')} attention, "
+                f"{m.get('precision')}, step {m.get('step')}/{m.get('max_steps')}{resumed}{warm}")
+    if kind == "train":
+        step, total = int(m["step"]), int(m["max_steps"])
+        if step == 1 or step == total or step % max(1, total // 20) == 0:
+            return (f"train step {step}/{total}: loss {m['loss']:.4f}, acc {m.get('acc_per_pos')}, "
+                    f"{m.get('tokens_per_s', 0):.0f} tok/s, data wait {m.get('data_wait_s', 0):.3f}s")
+        return None
+    if kind == "checkpoint":
+        return f"train: checkpoint at step {m['step']} ({m.get('digest')})"
+    if kind == "eval":
+        return (f"train: held-out accuracy per position {m.get('val_acc_per_pos')}, simulated acceptance length "
+                f"{m.get('simulated_acceptance_length')}")
+    if kind == "early_check":
+        sal, threshold = m.get("simulated_acceptance_length"), m.get("threshold")
+        if m.get("below"):
+            return (f"train: early check at step {m['step']}: held-out simulated acceptance length {sal} is under "
+                    f"{threshold} (train.early_check_min_acceptance): this head is not on course for its target; "
+                    "stop it and fix the data or the recipe before spending the rest of the steps")
+        return (f"train: early check at step {m['step']}: held-out simulated acceptance length {sal}"
+                + (f" (threshold {threshold})" if threshold is not None else ""))
+    if kind == "done" and m.get("head"):
+        return f"train: the {m['head']} head ({m.get('head_kind')}) saved after {m.get('steps')} steps"
+    return None
+
+
+# (over train.nodes > 1 nodes the flow starts the other nodes: flows/train_nodes.py; a head reading layers the
+# extraction will not hold fails before extraction: `check`)
+STAGE_DEF = Stage(name=STAGE, inputs=("vocab", "extract"), address=train_address, run=run_train,
+                  variants=head_variants, show=show_heads, context=("on_metrics",), tick=tick,
+                  check=check_head_layers, nodes=lambda cfg: cfg.train.nodes)

@@ -193,7 +193,7 @@ def test_nodes_and_deployment_are_scheduling_keys_that_change_no_address():
 
 
 def test_missing_shards_are_dealt_round_robin_into_at_most_one_slice_per_node():
-    from flows.nodes import slice_shards
+    from flows.shard_nodes import slice_shards
 
     assert slice_shards([0, 1, 2, 3], 2) == [[0, 2], [1, 3]]
     assert slice_shards([3], 2) == [[3]]  # one shard left: no child run, the run's own node takes it

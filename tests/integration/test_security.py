@@ -287,7 +287,7 @@ def test_a_config_base_stays_in_the_checkout_or_the_configs_folder(tmp_path):
 
 
 def test_trust_remote_code_from_a_flow_run_needs_the_deployment_to_allow_it():
-    from flows.preflight import REMOTE_CODE_TAG, remote_code_problem
+    from tasks.train.preflight import REMOTE_CODE_TAG, remote_code_problem
 
     problem = remote_code_problem(True, "draftline/b300", ["draftline", "b300"], "org/model")
     assert "does not allow it" in problem and "`draftline deploy --name b300 --allow-trust-remote-code org/model`" in problem

@@ -78,20 +78,21 @@ def test_train_nodes_is_scheduling_not_part_of_the_address():
 
 
 def test_a_child_node_computes_its_train_address_and_refuses_another():
-    """A child node's train address is computed from the inputs it was sent, not taken from the run's parameters:
-    one that differs (another version, or a path planted in the parameters) stops the node before any rank."""
-    from flows.nodes import child_train_address
-    from tasks.address import digests as digest
-    from tasks.core.config_load import load_config
+    """A child node's train address is its own resolution's (its config on the store), not taken from the run's
+    parameters: one that differs (another version, or a path planted in the parameters) stops the node before
+    any rank; the address the parent sent picks the head among several."""
+    from flows.train_nodes import child_train_address
+    from tasks.store.resolve import Address, Resolution
     from tasks.train import TrainError
 
-    cfg = load_config(harness.CONFIG)
-    right = digest.train(cfg, _ref("vocab"), [_ref("extract")])
-    assert child_train_address(cfg, {"digest": right}, _ref("vocab"), [_ref("extract")]) == right
-    assert child_train_address(cfg, {}, _ref("vocab"), [_ref("extract")]) == right  # an older parent sends none
+    heads = [Address("train", "train", "e" * 64, "eagle3"), Address("train", "train", "d" * 64, "dflash")]
+    found = Resolution(addresses={"train": heads})
+    assert child_train_address(found, {"digest": "e" * 64}) is heads[0]
+    assert child_train_address(found, {"digest": "d" * 64}) is heads[1]
+    assert child_train_address(found, {}) is heads[0]  # an older parent sends none
     for sent in ("0" * 32, "../../../home/someone/.ssh"):
         with pytest.raises(TrainError, match=r"this node computes .* different draftline versions .* Fix: install"):
-            child_train_address(cfg, {"digest": sent}, _ref("vocab"), [_ref("extract")])
+            child_train_address(found, {"digest": sent})
 
 
 def _ref(stage: str):

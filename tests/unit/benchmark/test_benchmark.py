@@ -526,25 +526,27 @@ def test_publish_summary_builds_prefect_artifacts(monkeypatch):
     import base64
 
     import flows.report_artifacts as ra
+    from tasks.benchmark.shown import report_shown
 
     made = {}
     monkeypatch.setattr(ra, "create_table_artifact", lambda rows, key, description: made.update(table=(key, rows)))
     monkeypatch.setattr(ra, "create_markdown_artifact", lambda md, key, description: made.update(md=(key, md)))
     rep = fabricated_report(bench_cfg())
     rep["uri"] = "file:///store/benchmark/abc"
-    ra.publish_summary(rep)
+    ra.publish(report_shown(rep))
     key, rows = made["table"]
     assert key == "benchmark" and rows == report_table_rows(rep)
     key, md = made["md"]
     assert key == "benchmark-report" and "file:///store/benchmark/abc" in md
     b64 = md.split("data:image/png;base64,", 1)[1].split(")", 1)[0]
     assert base64.b64decode(b64).startswith(PNG_MAGIC)
-    assert "heads" not in ra.publish_summary(rep)  # one head: its figures are the table above
+    assert "benchmark-heads" not in ra.publish(report_shown(rep))  # one head: its figures are the table above
 
 
 def test_several_heads_get_their_own_table_in_the_ui(monkeypatch):
     """train.heads: the UI shows every head against the one baseline, an offline-only head with vLLM's error."""
     import flows.report_artifacts as ra
+    from tasks.benchmark.shown import report_shown
 
     tables = {}
     monkeypatch.setattr(ra, "create_table_artifact", lambda rows, key, description: tables.update({key: rows}))
@@ -556,7 +558,7 @@ def test_several_heads_get_their_own_table_in_the_ui(monkeypatch):
                    "errors": {}},
         "dflash": {"kind": "dflash", "benchmark": {}, "simulated_by_k": dict.fromkeys(ks, 1.3),
                    "errors": dict.fromkeys(ks, "RuntimeError: no dflash here")}}
-    ra.publish_summary(rep)
+    ra.publish(report_shown(rep))
     rows = tables["benchmark-heads"]
     evals, batches = len(rep["evals"]), len(rep["settings"]["batch_sizes"])
     assert len([r for r in rows if r["head"] == "eagle3"]) == evals * len(ks) * batches

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tasks.cost import plan as planner
+from tasks.cost import rates as cost_rates
 from cli.app import app
 from tasks.core.config import HeadConfig
 from tasks.core.config_load import load_config
@@ -65,7 +66,7 @@ def _spellings(value: float) -> set[str]:
 
 
 def test_every_measured_rate_is_written_in_the_results_section_it_names():
-    entries = planner.all_rates()
+    entries = cost_rates.all_rates()
     measured = [r for r in entries if r.kind == "measured"]
     assert len(measured) >= 4
     for r in measured:
@@ -85,13 +86,13 @@ def _shape_only_target(rates: dict, name: str, config: dict) -> None:
     """A target known by its config.json fields alone (its rates are not what these tests look at)."""
     rate = {"value": 1.0, "unit": "-", "kind": "assumption", "source": "a test's stand-in"}
     rates["targets"][name] = {"config": config, "active_params": rate,
-                              "machines": {rates["machine"]: {k: rate for k in planner.TARGET_RATES}}}
+                              "machines": {rates["machine"]: {k: rate for k in cost_rates.TARGET_RATES}}}
 
 
 def _draft_flops(rates: dict, cfg, layer_ids: list[int], tmp_path: Path) -> tuple[float, int]:
     from tasks.train.model import flops_per_token
 
-    target = planner.load_target(cfg, rates, tmp_path)
+    target = cost_rates.load_target(cfg, rates, tmp_path)
     draft = planner.draft_model(cfg, target, layer_ids)
     return flops_per_token(draft, cfg.train.ttt_steps), planner.trainable_params(draft)
 
@@ -101,7 +102,7 @@ def test_the_formulas_give_back_the_measured_figures(tmp_path):
     assert planner.hidden_bytes_per_token(4, 576, "bf16") == 4613
     assert planner.hidden_bytes_per_token(4, 576, "fp8") == 2325
     # the 8B-shaped draft of RESULTS' H200 training runs: 6.52 GFLOP per token (tasks.train.model.flops_per_token)
-    rates = planner.load_rates()
+    rates = cost_rates.load_rates()
     _shape_only_target(rates, "llama-3.1-8b-shape", {
         "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
         "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256})
@@ -132,14 +133,14 @@ KIMI = ROOT / "configs" / "kimi-k2.5-b300.yaml"
 def kimi_shape():
     """The Kimi preset's target and draft sizes, built once (no lever of the plan changes them)."""
     cfg = load_config(KIMI)
-    return planner.make_shape(cfg, planner.load_rates())
+    return planner.make_shape(cfg, cost_rates.load_rates())
 
 
 ONE_HEAD = "train.heads=[{kind: eagle3}]"  # the preset with one head: the figures below are one train task's
 
 
 def test_the_plan_follows_the_config_and_the_price(kimi_shape):
-    rates = planner.load_rates()
+    rates = cost_rates.load_rates()
     kimi = load_config(KIMI, [ONE_HEAD])
     one = planner.make_plan(kimi, rates, nodes=1, shape=kimi_shape)
     four = planner.make_plan(kimi, rates, nodes=4, shape=kimi_shape)
@@ -217,10 +218,10 @@ def test_engine_starts_are_priced_by_weight_bytes_and_counted_as_the_benchmark_s
     """One engine start = engine.start_fixed_s + target.weights_gb / tensor_parallel_size x engine.start_s_per_gb
     (both measured on the lent H100); the benchmark's count is what tasks/benchmark/stage.py starts: the baseline,
     one per head and k, the replay's."""
-    rates = planner.load_rates()
+    rates = cost_rates.load_rates()
 
     def bench(sets: list[str], rate_sets: list[str] = ()) -> float:
-        r = planner.load_rates(overrides=list(rate_sets)) if rate_sets else rates
+        r = cost_rates.load_rates(overrides=list(rate_sets)) if rate_sets else rates
         plan = planner.make_plan(load_config(KIMI, sets), r, shape=kimi_shape, levers=False)
         return {s.stage: s for s in plan.stages}["benchmark"].wall_hours
 
@@ -255,7 +256,7 @@ def _rate_rows(text: str) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("nodes", [1, 4, 8])
 def test_the_kimi_plan_prices_the_nodes_held_names_the_read_bound_and_the_dominant_stage(nodes, kimi_shape):
-    rates = planner.load_rates()
+    rates = cost_rates.load_rates()
     rates["rates"]["node.gpu_hour_price"].value = 6.0
     p = planner.make_plan(load_config(KIMI), rates, nodes=nodes, shape=kimi_shape, config_name=str(KIMI))
     text = planner.render(p)
@@ -300,11 +301,11 @@ def test_the_kimi_plan_prices_the_nodes_held_names_the_read_bound_and_the_domina
 
 def test_regeneration_on_one_node_when_the_fan_out_assumption_is_flipped(kimi_shape, monkeypatch):
     monkeypatch.setattr(planner, "REGENERATE_FANS_OUT", False)
-    p = planner.make_plan(load_config(KIMI), planner.load_rates(), nodes=4, shape=kimi_shape)
+    p = planner.make_plan(load_config(KIMI), cost_rates.load_rates(), nodes=4, shape=kimi_shape)
     by = {s.stage: s for s in p.stages}
     assert by["regenerate"].nodes == 1 and by["regenerate"].wall_hours == pytest.approx(by["regenerate"].node_hours)
     monkeypatch.setattr(planner, "NODE_PART_CACHE", False)
-    no_cache = planner.make_plan(load_config(KIMI), planner.load_rates(), nodes=4, shape=kimi_shape)
+    no_cache = planner.make_plan(load_config(KIMI), cost_rates.load_rates(), nodes=4, shape=kimi_shape)
     assert no_cache.totals["train_read_hours"] > p.totals["train_read_hours"]
 
 
@@ -320,7 +321,7 @@ def test_the_runs_own_stats_on_the_store_replace_the_assumed_lengths(tmp_path, m
     # the addresses hash what the target is (tasks/engine/weights.py): a local folder holding Kimi's config stands in
     # for the hub snapshot, which this offline machine cannot fingerprint
     model = tmp_path / "kimi-k2.5"
-    planner.make_shape(load_config(KIMI), planner.load_rates()).target.hf_config.save_pretrained(model)
+    planner.make_shape(load_config(KIMI), cost_rates.load_rates()).target.hf_config.save_pretrained(model)
     sets = [f"store.uri={uri}", f"target.model={model}"]
     cfg = load_config(KIMI, sets)
     args = ["plan", str(KIMI), "--set", sets[0], "--set", sets[1], "--json"]
@@ -391,9 +392,9 @@ def test_the_workstation_profile(kimi_shape):
     hours = float(regen.split("|")[8].replace(",", ""))
     assert f"~{hours:.0f} h" in RUNBOOK.read_text()
     # slower than a B300 node at every GPU stage of the same config
-    rates = planner.load_rates(machine="workstation-rtx-pro-6000")
+    rates = cost_rates.load_rates(machine="workstation-rtx-pro-6000")
     box = planner.make_plan(load_config(KIMI), rates, shape=planner.make_shape(load_config(KIMI), rates))
-    node = planner.make_plan(load_config(KIMI), planner.load_rates(), shape=kimi_shape)
+    node = planner.make_plan(load_config(KIMI), cost_rates.load_rates(), shape=kimi_shape)
     for stage in ("regenerate", "extract", "train"):
         assert ({s.stage: s for s in box.stages}[stage].wall_hours
                 > {s.stage: s for s in node.stages}[stage].wall_hours), stage
@@ -449,7 +450,7 @@ def test_the_kimi_preset_leaves_room_and_its_parts_are_the_size_its_comment_says
     assert cfg.data.max_length + 1 == cfg.target.max_model_len == 12_288
     # the mix's usual prompt gets the whole answer budget; a long one (LongAlign-10k) the room it leaves, batched
     # (tests/unit/data/test_regenerate.py::test_overlong_prompts_are_filtered_before_generating)
-    assert planner.load_rates()["rates"]["regenerate.prompt_tokens"].value + cfg.regenerate.max_tokens <= 12_288
+    assert cost_rates.load_rates()["rates"]["regenerate.prompt_tokens"].value + cfg.regenerate.max_tokens <= 12_288
     assert any(s.hub == "THUDM/LongAlign-10k" for s in cfg.data.sources)
     e = cfg.extract
     assert e.batch_tokens > e.part_tokens  # so engine batches are dealt into parts of at most part_tokens
@@ -459,7 +460,7 @@ def test_the_kimi_preset_leaves_room_and_its_parts_are_the_size_its_comment_says
 
 def test_a_local_copy_of_a_known_target_plans_with_its_rates(tmp_path, kimi_shape):
     # the workstation's /models/kimi-k2.5 (issue 26): the same config.json under a path, no weights needed
-    rates = planner.load_rates()
+    rates = cost_rates.load_rates()
     planner.make_shape(load_config(KIMI), rates).target.hf_config.save_pretrained(tmp_path / "kimi-k2.5")
     out = draftline("plan", str(KIMI), "--set", f"target.model={tmp_path / 'kimi-k2.5'}", "--nodes", "4")
     assert out.exit_code == 0, out.output
@@ -468,7 +469,7 @@ def test_a_local_copy_of_a_known_target_plans_with_its_rates(tmp_path, kimi_shap
 
 
 def test_training_on_several_nodes_is_priced_on_that_many(kimi_shape):
-    rates = planner.load_rates()
+    rates = cost_rates.load_rates()
     one, two = (planner.make_plan(load_config(KIMI, sets), rates, nodes=4, shape=kimi_shape)
                 for sets in ([], ["train.nodes=2"]))
     t1, t2 = (next(s for s in p.stages if s.stage == "train") for p in (one, two))
@@ -486,5 +487,5 @@ def test_a_context_longer_than_the_target_allows_is_refused_by_the_plan(tmp_path
                 max_position_embeddings=1024).save_pretrained(tmp_path / "model")
     cfg = load_config("configs/demo.yaml", [f"target.model={tmp_path / 'model'}", "target.max_model_len=4096",
                                             "data.max_length=1000"])
-    with pytest.raises(planner.PlanError, match=r"target.max_model_len \(4096\) is longer than .* allows \(1024 tokens"):
-        planner.load_target(cfg, planner.load_rates(), tmp_path / "t")
+    with pytest.raises(cost_rates.PlanError, match=r"target.max_model_len \(4096\) is longer than .* allows \(1024 tokens"):
+        cost_rates.load_target(cfg, cost_rates.load_rates(), tmp_path / "t")

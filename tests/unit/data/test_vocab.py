@@ -11,7 +11,8 @@ import torch
 from tasks.core.config import RunConfig
 from tasks.data.prepare import HELDOUT, read_samples, run_prepare, shard_name
 from tasks.store.artifacts import Store
-from tasks.data.vocab import FILE, VocabError, build_maps, draft_size, run_vocab
+from tasks.data.vocab import FILE, build_maps, run_vocab
+from tasks.formats.vocab_maps import VocabError, draft_size
 from tasks.formats.vocab_maps import read_maps
 
 

@@ -301,8 +301,8 @@ def test_a_head_reads_a_subset_of_the_stored_layers_and_names_extract_layer_ids_
     cfg.train.heads = [HeadConfig(kind="eagle3.1", layer_ids=[1, 4])]
     with pytest.raises(TrainError, match="4 is this target's last layer"):
         head_layer_ids(cfg, LAYER_IDS)
-    # the flow asks the same before extraction (flows/preflight.py), from the target's own config
-    from flows.preflight import check_head_layers
+    # the flow asks the same (the train stage's `check`) before its sharded stages, from the target's own config
+    from tasks.train.preflight import check_head_layers
 
     with pytest.raises(TrainError, match="4 is this target's last layer"):
         check_head_layers(cfg)
@@ -483,7 +483,7 @@ def test_the_equal_budget_benchmark_gives_every_head_the_same_budget():
                 for h in cfg.train.heads}) == 1 and cfg.train.max_minutes is None
     assert all(h.dflash_settings()["block_size"] - 1 >= max(cfg.benchmark.num_speculative_tokens)
                for h in cfg.train.heads if h.drafts_blocks)
-    assert cfg.store.uri.startswith("file://.draftline/") and cfg.store.uri != load_config(root / "configs" / "demo.yaml").store.uri
+    assert cfg.store.uri.startswith(f"file://{Path.cwd().resolve()}/.draftline/") and cfg.store.uri != load_config(root / "configs" / "demo.yaml").store.uri
 
 
 # ============================================================================ train.loss: the LK losses

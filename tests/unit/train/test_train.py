@@ -325,7 +325,7 @@ def test_the_early_check_warns_at_its_step_and_changes_nothing_else(tmp_path, ti
     forks the RNG: the weights and the address are those of the same run without the check."""
     import logging
 
-    from flows.pipeline import _train_log_line
+    from tasks.train.stage import tick  # what the flow shows of a training record
 
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
@@ -358,9 +358,10 @@ def test_the_early_check_warns_at_its_step_and_changes_nothing_else(tmp_path, ti
         sal = checks[0]["simulated_acceptance_length"]
         assert 1.0 <= sal <= 4.0 and checks[0]["below"] is (name == "under")  # 3 TTT steps: at most 4
         assert run["stats"]["early_check"] == {k: v for k, v in checks[0].items() if k != "kind"}
-        line = _train_log_line(checks[0])
+        shown = tick(checks[0])
+        line = (shown.warnings + shown.log)[0]
         assert f"early check at step {check_step}" in line and str(sal) in line
-        assert ("not on course" in line) is (name == "under")
+        assert ("not on course" in line) is (name == "under") and (shown.warnings == [line]) is (name == "under")
         assert [w for w in run["warnings"] if "early check" in w] == (
             [f"early check at step {check_step}: held-out simulated acceptance length {sal} is under 4.5 "
              "(train.early_check_min_acceptance): this head is not on course"] if name == "under" else [])

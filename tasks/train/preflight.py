@@ -1,20 +1,22 @@
 """Preflight: what can be checked in seconds before a run's work starts, so a typo fails now and not after
-hours of earlier stages (each stage checks again). `draftline run` asks `input_problems` before it starts
-the flow (local paths, the target's config, layer ids, each head's kind against the target, the draft vocabulary,
-drafts from outside the run and the heads a warm start can seed; `draftline plan` asks `head_problems` too);
-the flow asks `check_head_layers` once the data stages are done, before extraction; a deployment's run (and
-`draftline submit`) asks `remote_code_problem` whether the deployment lets it run the target's own code.
+hours of earlier stages (each stage checks again). `draftline run` asks `input_problems` before it starts the
+flow (local paths, the target's config, layer ids, each head's kind against the target, the draft vocabulary,
+drafts from outside the run and the heads a warm start can seed); `draftline plan` asks `head_problems`; the
+flow asks `check_head_layers` (the train stage's `check`) before its first sharded stage, regeneration or
+extraction; a deployment's run (and `draftline submit`) asks `remote_code_problem` whether the deployment lets
+it run the target's own code.
 """
 
 from __future__ import annotations
 
-# The vocab stage and the train inputs are imported where used: they import torch, which is heavy
-# (seconds), and `draftline run` asks these checks before anything heavy is needed.
+# The train model and inputs are imported where used: they import torch, which is heavy (seconds), and
+# `draftline run` and `draftline plan` ask these checks before anything heavy is needed.
 
 from pathlib import Path
 from typing import Any
 
 from tasks.core.config import head_config
+from tasks.formats.vocab_maps import VocabError, draft_size
 from tasks.engine.target import (TargetError, load_hf_config, max_model_len_problem, resolve_layer_ids, resolve_model,
                                  text_config)
 from tasks.formats.drafts import DraftError, draft_folder_of, read_config, warm_start_problem
@@ -22,8 +24,6 @@ from tasks.formats.drafts import DraftError, draft_folder_of, read_config, warm_
 
 def input_problems(cfg: Any) -> list[str]:
     """Every problem found in the config's inputs, each naming the fix; [] when there is none."""
-    from tasks.data.vocab import VocabError, draft_size
-
     problems = []
     t = cfg.target
     if t.chat_template and not Path(t.chat_template).expanduser().is_file():
