@@ -10,7 +10,8 @@ from typing import Any
 
 import yaml
 
-from tasks.core.config import CHECKOUT, RunConfig
+from tasks.core.config import RunConfig
+from tasks.core.config_load import CHECKOUT
 from tasks.core.errors import DraftlineError
 
 RATES_FILE = CHECKOUT / "configs" / "rates.yaml"

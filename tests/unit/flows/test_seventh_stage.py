@@ -79,7 +79,7 @@ switched = tuple(st if st.name in ("alpha", "beta") else dataclasses.replace(st,
 defs.stage_defs = lambda: switched
 from prefect.client.orchestration import get_client
 from flows.pipeline import pipeline
-from tasks.core.config import load_config
+from tasks.core.config_load import load_config
 from tasks.store.artifacts import Store
 from tasks.store.resolve import resolve
 
