@@ -36,6 +36,15 @@ from s3server import S3Server  # noqa: E402
 # The preset's shape with a target this machine holds (the preset's own address needs Kimi-K2.5's snapshot)
 CONFIG = ROOT / "benchmarks" / "rehearsal.yaml"
 SETS = ["regenerate.enabled=true", "data.num_shards=512", "data.max_samples=600000"]
+DATA = Path(tempfile.gettempdir()) / "bench-listing-conversations.jsonl"  # the config's source (its content is addressed)
+
+
+def sets() -> list[str]:
+    """The overrides every command gets: the preset's shape and the generated source."""
+    if not DATA.exists():
+        from rehearse import conversations
+        conversations(DATA, 64)
+    return [*SETS, f"data.sources=[{{path: {DATA}, name: rehearsal}}]"]
 
 
 def hexd(*parts) -> str:
@@ -48,7 +57,7 @@ def build(uri: str, shards: int) -> str:
     from tasks.core.config import StoreConfig, load_config
     from tasks.store.artifacts import ArtifactRef, Store
 
-    cfg = load_config(CONFIG, [*SETS, f"store.uri={uri}"])
+    cfg = load_config(CONFIG, [*sets(), f"store.uri={uri}"])
     store = Store.from_config(StoreConfig(uri=uri))
 
     def commit(stage: str, digest: str, stats: dict, inputs: dict | None = None,
@@ -113,7 +122,7 @@ def main() -> None:
         cmds = {"help": ["--help"], "ls": ["ls", "--store", uri, "--json"],
                 "ls_extract": ["ls", "--store", uri, "--stage", "extract"],
                 "check": ["check", train, "--store", uri, "--json"],
-                "plan_from_store": ["plan", str(CONFIG), "--from-store", *(x for v in SETS for x in ("--set", v)),
+                "plan_from_store": ["plan", str(CONFIG), "--from-store", *(x for v in sets() for x in ("--set", v)),
                                     "--set", f"store.uri={uri}", "--json"]}
         for name, argv in cmds.items():
             res[name] = timed(argv, env, ROOT)

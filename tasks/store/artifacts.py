@@ -48,7 +48,7 @@ from tasks.core.faults import kill_point
 from tasks.store.model import (COMMITTED_HERE, MANIFEST, ArtifactCorrupt, ArtifactMissing, ArtifactRef,  # noqa: F401
                                BucketMissing, FileEntry, Manifest, NotAStore, StoreError)
 from tasks.store.manifests import read_manifests
-from tasks.store.uploads import open_for_write, upload_options
+from tasks.store.uploads import open_for_write, read_options, upload_options
 from tasks.store.trust import (MANIFEST_CAP, NAME_RE as _NAME_RE, RECORD_CAP, RefusedStoreFile, UnsafePath,  # noqa: F401
                                check_manifest_address, check_name, check_relpath, read_capped, safe_join)
 
@@ -198,7 +198,7 @@ class Artifact:
     def read_bytes(self, name: str, verify: bool = True) -> bytes:
         entry = self.manifest.file(name)
         try:
-            data = self.store.fs.cat_file(self.key(name))
+            data = self.store.fs.cat_file(self.key(name), **read_options(self.store.fs, entry.bytes))
         except FileNotFoundError:
             raise ArtifactCorrupt(f"{self.uri}: file {name} listed in the manifest is missing") from None
         if len(data) != entry.bytes:

@@ -14,6 +14,7 @@ from typing import Any
 from tasks.store.model import MANIFEST, ArtifactCorrupt, Manifest
 from tasks.store.trust import (MANIFEST_CAP, RefusedStoreFile, check_manifest_address, check_name, check_relpath,
                                read_capped)
+from tasks.store.uploads import read_options
 
 
 def read_manifests(store: Any, stage: str, digests: list[str], skip_unsafe: bool = False,
@@ -33,7 +34,7 @@ def read_manifests(store: Any, stage: str, digests: list[str], skip_unsafe: bool
                 raws[key] = exc
         strip = str
     else:
-        got = store.fs.cat(list(keys), on_error="return")
+        got = store.fs.cat(list(keys), on_error="return", **read_options(store.fs))
         if not isinstance(got, dict):  # fsspec answers one path with its bytes
             got = {next(iter(keys)): got}
         strip = store.fs._strip_protocol
