@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.errors import DraftlineError
 from tasks.store.artifacts import ArtifactMissing, ArtifactRef, Store
 
-if TYPE_CHECKING:  # torch only where tensors are made: `draftline check` compares the maps without it
+if TYPE_CHECKING:  # torch is heavy (seconds) and only made tensors need it: `draftline check` compares without
     import torch
 
 FILE = "vocab.safetensors"
