@@ -320,7 +320,8 @@ def run_lengths(cfg: RunConfig) -> Lengths:
 
     try:
         store = Store.from_config(cfg.store)
-        prep = store.find("prepare", digests.prepare(cfg))
+        # the manifests' stats only: their files are not asked for their sizes (a hero's prepare has 512)
+        prep = store.manifests("prepare", [digest := digests.prepare(cfg)], skip_unsafe=True)[digest]
     except DataIdentityError as exc:  # the data's content cannot be named here (offline, no record of a commit)
         return Lengths(source=f"this config's data has no address here ({str(exc)[:160]})")
     except Exception as exc:  # noqa: BLE001 - any store or credential failure: say it and plan on assumptions
@@ -338,9 +339,9 @@ def run_lengths(cfg: RunConfig) -> Lengths:
         out.answer = s["masked_tokens"] / samples
         return out
     out.prompt = (s["tokens"] - s["masked_tokens"]) / samples  # the data's answers are replaced
-    reg_digest = digests.regenerate(cfg, prep.ref())
+    reg_digest = digests.regenerate(cfg, prep)
     try:
-        reg = store.find("regenerate", reg_digest)
+        reg = store.manifests("regenerate", [reg_digest], skip_unsafe=True)[reg_digest]
         # else the shards committed so far: their manifests' stats, read at once (a hero run has 512)
         arts = [reg] if reg is not None else [m for m in store.manifests(digests.REGENERATE_SHARD, [
             digests.regenerate_shard(reg_digest, i) for i in range(int(s.get("num_shards") or cfg.data.num_shards))

@@ -476,7 +476,8 @@ class Store:
         if "config_kwargs" not in self.storage_options:
             return self.fs
         opts = {**self.storage_options, "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}}
-        return fsspec.filesystem(self.scheme, skip_instance_cache=True, **opts)
+        self.fs.connect()  # one botocore session for both: S3's service model loaded once, not twice (~0.3 s)
+        return fsspec.filesystem(self.scheme, skip_instance_cache=True, session=self.fs.session, **opts)
 
     # ---------------------------------------------------------------- keys
     def key(self, *parts: str) -> str:
