@@ -103,7 +103,7 @@ def timed(argv: list[str], env: dict[str, str], code: Path, metrics: int | None,
     for _ in range(repeat):
         c0, r0, t0 = store_counters(metrics) if metrics else {}, resource.getrusage(resource.RUSAGE_CHILDREN), \
             time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "cli.app", *argv], cwd=ROOT, env=env, capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "cli.app", *argv], cwd=code, env=env, capture_output=True,
                              text=True, timeout=900)
         wall = time.perf_counter() - t0
         r1, c1 = resource.getrusage(resource.RUSAGE_CHILDREN), store_counters(metrics) if metrics else {}
