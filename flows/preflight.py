@@ -8,14 +8,13 @@ the flow asks `check_head_layers` once the data stages are done, before extracti
 
 from __future__ import annotations
 
-# The train inputs are imported where used: they import torch, which is heavy (seconds), and `draftline
-# run` asks these checks before anything heavy is needed.
+# The vocab stage and the train inputs are imported where used: they import torch, which is heavy
+# (seconds), and `draftline run` asks these checks before anything heavy is needed.
 
 from pathlib import Path
 from typing import Any
 
 from tasks.core.config import head_config
-from tasks.data.vocab import VocabError, draft_size
 from tasks.engine.target import (TargetError, load_hf_config, max_model_len_problem, resolve_layer_ids, resolve_model,
                                  text_config)
 from tasks.formats.drafts import DraftError, draft_folder_of, read_config, warm_start_problem
@@ -23,6 +22,8 @@ from tasks.formats.drafts import DraftError, draft_folder_of, read_config, warm_
 
 def input_problems(cfg: Any) -> list[str]:
     """Every problem found in the config's inputs, each naming the fix; [] when there is none."""
+    from tasks.data.vocab import VocabError, draft_size
+
     problems = []
     t = cfg.target
     if t.chat_template and not Path(t.chat_template).expanduser().is_file():

@@ -29,6 +29,7 @@ from typing import Any
 
 from tasks.core.errors import DraftlineError
 from tasks.core.owners import owned_temporary_directory
+from tasks.formats.vocab_file import read_maps
 
 # The benchmark engine's booleans whose `vllm serve` default is false: left out of the line when false (every other
 # false boolean is written `--no-NAME`, vLLM's spelling for it).
@@ -200,7 +201,6 @@ def same_maps_as_training(store: Any, art: Any, folder: str) -> None:
     would be served proposing other tokens than it learned."""
     from safetensors import safe_open
 
-    from tasks.formats.vocab_maps import read_maps
     from tasks.store.artifacts import ArtifactMissing, ArtifactRef
 
     vocab = art.manifest.inputs.get("vocab")

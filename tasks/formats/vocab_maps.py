@@ -7,37 +7,15 @@ loss-masked token counts it was chosen from). The vocab stage writes it; trainin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import torch
 
-from tasks.core.errors import DraftlineError
+from tasks.formats.vocab_file import FILE, VocabFormatError, read_maps  # noqa: F401 - the file's reader, without torch
 from tasks.store.artifacts import ArtifactMissing, ArtifactRef, Store
-
-if TYPE_CHECKING:  # torch is heavy (seconds) and only made tensors need it: `draftline check` compares without
-    import torch
-
-FILE = "vocab.safetensors"
-
-
-class VocabFormatError(DraftlineError, ValueError):
-    """A vocab artifact that is missing, incomplete or inconsistent; the message says what to rerun."""
-
-
-def read_maps(store: Store, vocab_ref: ArtifactRef, framework: str = "pt") -> dict[str, Any]:
-    """Every tensor of the file, unchecked (d2t, t2d, token_counts): torch tensors, or numpy arrays with
-    FRAMEWORK "np" (no torch import: a listing command compares them)."""
-    if framework == "np":
-        from safetensors.numpy import load
-    else:
-        from safetensors.torch import load
-
-    art = store.open(vocab_ref.stage or "vocab", vocab_ref.digest)
-    return load(art.read_bytes(FILE))
 
 
 def read_vocab(store: Store, vocab_ref: ArtifactRef, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t offsets int64 [K], t2d bool [V]) from the vocab artifact, checked against each other and against the
     token counts they were chosen from (the top-K)."""
-    import torch
     from safetensors.torch import load as st_load
 
     try:
