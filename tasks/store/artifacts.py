@@ -47,7 +47,7 @@ from tasks.core.config import StoreConfig, with_scheme
 from tasks.core.faults import kill_point
 from tasks.store.model import (COMMITTED_HERE, MANIFEST, ArtifactCorrupt, ArtifactMissing, ArtifactRef,  # noqa: F401
                                BucketMissing, FileEntry, Manifest, NotAStore, StoreError)
-from tasks.store.manifests import read_manifests
+from tasks.store.manifests import file_sizes, read_manifests
 from tasks.store.uploads import open_for_write, read_options, upload_options
 from tasks.store.trust import (MANIFEST_CAP, NAME_RE as _NAME_RE, RECORD_CAP, RefusedStoreFile, UnsafePath,  # noqa: F401
                                check_manifest_address, check_name, check_relpath, read_capped, safe_join)
@@ -671,17 +671,12 @@ class Store:
 
     def find_many(self, stage: str, digests: list[str]) -> dict[str, Artifact | None]:
         """`find` for many digests, their manifests read at once (a stage's 512 shards; tasks/store/manifests.py),
-        then each found artifact's files checked by size: missing, unreadable, unsafe or corrupt reads as None."""
-        out: dict[str, Artifact | None] = {}
-        for digest, m in self.manifests(stage, digests, skip_unsafe=True).items():
-            art = Artifact(self, m) if m is not None else None
-            if art is not None:
-                try:
-                    art.verify(checksums=False)
-                except ArtifactCorrupt:
-                    art = None
-            out[digest] = art
-        return out
+        then each found artifact's files checked by size, also at once: missing, unreadable, unsafe or corrupt
+        reads as None."""
+        arts = {d: Artifact(self, m) for d, m in self.manifests(stage, digests, skip_unsafe=True).items() if m}
+        sizes = file_sizes(self, [a.key(f.path) for a in arts.values() for f in a.manifest.files])  # at once
+        return {d: a if (a := arts.get(d)) and all(sizes[a.key(f.path)] == f.bytes for f in a.manifest.files)
+                else None for d in digests}
 
     def find(self, stage: str, digest: str, checksums: bool = False) -> Artifact | None:
         """The committed, verified artifact or None (corrupt counts as missing)."""

@@ -79,3 +79,23 @@ def parse(store: Any, stage: str, digest: str, key: str, raw: bytes, skip_unsafe
             f"({exc}); draftline never writes one, so nothing was read or written from it: delete {key} "
             "(the stage is then recomputed)") from None
     return m
+
+
+def file_sizes(store: Any, keys: list[str]) -> dict[str, int | None]:
+    """The size of each of KEYS, None where the file is missing: on S3 asked at once (s3fs's concurrent
+    HEADs), not one request after another (`Store.find_many` checks a stage's 512 shards' files)."""
+    if store.is_local or not hasattr(store.fs, "_size"):
+        out: dict[str, int | None] = {}
+        for key in keys:
+            try:
+                out[key] = store.fs.size(key)
+            except FileNotFoundError:
+                out[key] = None
+        return out
+    from fsspec.asyn import _run_coros_in_chunks, sync
+
+    got = sync(store.fs.loop, _run_coros_in_chunks, [store.fs._size(k) for k in keys], return_exceptions=True)
+    for g in got:
+        if isinstance(g, BaseException) and not isinstance(g, FileNotFoundError):
+            raise g
+    return {k: None if isinstance(g, BaseException) else g for k, g in zip(keys, got)}
