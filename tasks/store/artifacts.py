@@ -47,8 +47,8 @@ from tasks.core.config import StoreConfig, with_scheme
 from tasks.core.faults import kill_point
 from tasks.store.model import (COMMITTED_HERE, MANIFEST, ArtifactCorrupt, ArtifactMissing, ArtifactRef,  # noqa: F401
                                BucketMissing, FileEntry, Manifest, NotAStore, StoreError)
-from tasks.store.manifests import file_sizes, read_manifests
-from tasks.store.uploads import open_for_write, read_options, upload_options
+from tasks.store.manifests import file_sizes, read_manifests, read_options
+from tasks.store.uploads import open_for_write, upload_options
 from tasks.store.trust import (MANIFEST_CAP, NAME_RE as _NAME_RE, RECORD_CAP, RefusedStoreFile, UnsafePath,  # noqa: F401
                                check_manifest_address, check_name, check_relpath, read_capped, safe_join)
 

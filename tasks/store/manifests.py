@@ -1,4 +1,5 @@
-"""Reading manifests, one or many at once (Store.manifest, Store.manifests, Store.list, Store.find_many).
+"""Reading manifests, one or many at once (Store.manifest, Store.manifests, Store.list, Store.find_many), and the
+sizes and whole small files they name.
 
 A store the Kimi preset fills holds 1,024 shard manifests: read one request after another, `draftline ls`,
 `check` and `plan --from-store` wait on a round trip each (benchmarks/RESULTS.md, "The store at the preset's
@@ -14,7 +15,6 @@ from typing import Any
 from tasks.store.model import MANIFEST, ArtifactCorrupt, Manifest
 from tasks.store.trust import (MANIFEST_CAP, RefusedStoreFile, check_manifest_address, check_name, check_relpath,
                                read_capped)
-from tasks.store.uploads import read_options
 
 
 def read_manifests(store: Any, stage: str, digests: list[str], skip_unsafe: bool = False,
@@ -99,3 +99,15 @@ def file_sizes(store: Any, keys: list[str]) -> dict[str, int | None]:
         if isinstance(g, BaseException) and not isinstance(g, FileNotFoundError):
             raise g
     return {k: None if isinstance(g, BaseException) else g for k, g in zip(keys, got)}
+
+
+def read_options(fs: Any, nbytes: int = 0) -> dict[str, int]:
+    """`cat`/`cat_file` options for reading whole files of NBYTES each (manifests: small, the default): one GET
+    per file. With `max_concurrency` above 1 (tasks/store/uploads.py's upload_options sets it), s3fs asks every
+    file's size first (a HEAD) to split one larger than its block over concurrent ranged GETs; for a smaller file
+    that HEAD doubles the requests (a listing's 1,024 manifests: 2,048), so it is asked only where the split can
+    happen."""
+    if not hasattr(fs, "_call_s3") or nbytes > int(getattr(fs, "default_block_size", 0) or 0):
+        return {}
+    return {"max_concurrency": 1}
+

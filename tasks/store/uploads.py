@@ -31,17 +31,6 @@ def upload_options(part_mb: int, concurrency: int) -> dict[str, int]:
     return {"default_block_size": int(part_mb) << 20, "max_concurrency": int(concurrency)}
 
 
-def read_options(fs: Any, nbytes: int = 0) -> dict[str, int]:
-    """`cat`/`cat_file` options for reading whole files of NBYTES each (manifests: small, the default): one GET
-    per file. With
-    `max_concurrency` above 1 (upload_options sets it), s3fs asks every file's size first (a HEAD) to split one
-    larger than its block over concurrent ranged GETs; for a smaller file that HEAD doubles the requests (a
-    listing's 1,024 manifests: 2,048), so it is asked only where the split can happen."""
-    if not hasattr(fs, "_call_s3") or nbytes > int(getattr(fs, "default_block_size", 0) or 0):
-        return {}
-    return {"max_concurrency": 1}
-
-
 @contextlib.contextmanager
 def open_for_write(fs: Any, path: str) -> Iterator[IO[bytes]]:
     """A binary file to write `path` on `fs`: concurrent multipart parts on S3, fsspec's `open` elsewhere."""
