@@ -64,7 +64,7 @@ def store_lengths(cfg) -> Lengths:
     """The lengths this config's prepare and regenerate stages recorded on its store (tasks/cost/lengths.py); a
     store that cannot be read, or data with no address here, plans on the assumed lengths and says why."""
     try:
-        found = resolve(cfg, Store.from_config(cfg.store), until="regenerate")
+        found = resolve(cfg, Store.from_config(cfg.store), until="regenerate", sizes=False)  # the stats only
     except DataIdentityError as exc:  # the data's content cannot be named here (offline, no record of a commit)
         return unresolved(cfg, exc, data_identity=True)
     except Exception as exc:  # noqa: BLE001 - any store or credential failure: say it and plan on assumptions

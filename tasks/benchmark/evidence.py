@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tasks.formats.vocab_file import VocabFormatError
 from tasks.store.artifacts import ArtifactMissing, ArtifactRef, Store
 
 LOW_COVERAGE = 0.90  # held-out coverage below this bounds acceptance visibly (docs/BENCHMARK.md)
@@ -76,7 +77,6 @@ def _agreement(s: dict[str, Any]) -> str:
 def maps(store: Store, train_digest: str, vocab_digest: str | None, vocab_size: int | None) -> Finding:
     """The vocab artifact's maps checked, and the draft's own equal to them."""
     from tasks.benchmark.serve import ExportError, same_maps_as_training
-    from tasks.formats.vocab_maps import VocabFormatError, read_vocab
 
     if not vocab_digest:
         return Finding("maps", "ok", "the draft predicts the whole target vocabulary (no d2t/t2d)")
@@ -85,7 +85,9 @@ def maps(store: Store, train_digest: str, vocab_digest: str | None, vocab_size: 
         return Finding("maps", "fail", f"train/{train_digest} holds no draft/model.safetensors (its files: "
                        f"{', '.join(art.files()) or 'none'}): not a trained draft", "re-run the train stage")
     try:
-        if vocab_size:
+        if vocab_size:  # checked against the target's vocabulary: torch, heavy (seconds), only here
+            from tasks.formats.vocab_maps import read_vocab
+
             read_vocab(store, ArtifactRef(stage="vocab", digest=vocab_digest, uri=""), vocab_size)  # raises if off
         from tasks.formats.drafts import draft_data_files
 

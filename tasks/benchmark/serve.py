@@ -29,6 +29,7 @@ from typing import Any
 
 from tasks.core.errors import DraftlineError
 from tasks.core.owners import owned_temporary_directory
+from tasks.formats.vocab_file import read_maps
 
 # The benchmark engine's booleans whose `vllm serve` default is false: left out of the line when false (every other
 # false boolean is written `--no-NAME`, vLLM's spelling for it).
@@ -199,25 +200,25 @@ def same_maps_as_training(store: Any, art: Any, folder: str) -> str | None:
     manifest's `vocab` input), where that artifact is on the store: a draft whose ids drifted from training's
     would be served proposing other tokens than it learned. None when they were compared (and are equal); else
     why there was nothing to compare, for the caller to say."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
-    from tasks.formats.vocab_maps import read_maps
     from tasks.store.artifacts import ArtifactMissing, ArtifactRef
 
     vocab = art.manifest.inputs.get("vocab")
-    w = load_file(os.path.join(folder, "model.safetensors"))
+    # numpy, and only the two maps read (the weights may be bf16, which numpy has not): no torch import
+    with safe_open(os.path.join(folder, "model.safetensors"), framework="np") as fh:
+        w = {name: fh.get_tensor(name) for name in ("d2t", "t2d") if name in fh.keys()}
     if not vocab:
         return "its training read no vocab artifact"
     if "d2t" not in w:
         return "the draft holds no d2t/t2d (it predicts the whole target vocabulary)"
     try:
-        maps = read_maps(store, ArtifactRef(stage="vocab", digest=vocab, uri=""))
+        maps = read_maps(store, ArtifactRef(stage="vocab", digest=vocab, uri=""), framework="np")
     except ArtifactMissing:
         return f"vocab/{vocab} is not on this store"  # a store holding the draft alone
     for name in ("d2t", "t2d"):
         a, b = w.get(name), maps.get(name)
-        if b is None or a is None or a.dtype != b.dtype or a.shape != b.shape \
-                or a.numpy().tobytes() != b.numpy().tobytes():
+        if b is None or a is None or a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
             raise ExportError(f"{art.uri}: the draft's {name} differs from the one its training read (vocab/{vocab}): "
                               "the served draft would propose other ids than it learned; re-run the train stage")
     return None

@@ -7,16 +7,15 @@ loss-masked token counts it was chosen from). The vocab stage writes it; trainin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tasks.core.config import VocabConfig
 from tasks.core.errors import DraftlineError
+from tasks.formats.vocab_file import FILE, VocabFormatError, read_maps  # noqa: F401 - the file's reader, without torch
 from tasks.store.artifacts import ArtifactMissing, ArtifactRef, Store
 
 if TYPE_CHECKING:  # torch is imported where the maps are read: the vocab stage's module stays light
     import torch
-
-FILE = "vocab.safetensors"
 
 
 class VocabError(DraftlineError, ValueError):
@@ -37,19 +36,6 @@ def draft_size(requested: int, target_vocab: int) -> int:
         f"vocab.draft_vocab_size ({requested}) is larger than the target's vocabulary ({target_vocab}); "
         f"set it to at most {target_vocab} (or remove it: the default {_DEFAULT_K} is capped automatically)"
     )
-
-
-
-class VocabFormatError(DraftlineError, ValueError):
-    """A vocab artifact that is missing, incomplete or inconsistent; the message says what to rerun."""
-
-
-def read_maps(store: Store, vocab_ref: ArtifactRef) -> dict[str, Any]:
-    """Every tensor of the file, unchecked (d2t, t2d, token_counts)."""
-    from safetensors.torch import load
-
-    art = store.open(vocab_ref.stage or "vocab", vocab_ref.digest)
-    return load(art.read_bytes(FILE))
 
 
 def read_vocab(store: Store, vocab_ref: ArtifactRef, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Reading manifests, one or many at once (Store.manifest, Store.manifests, Store.list, Store.find_many).
+"""Reading manifests, one or many at once (Store.manifest, Store.manifests, Store.list, Store.find_many), and the
+sizes and whole small files they name.
 
 A store the Kimi preset fills holds 1,024 shard manifests: read one request after another, `draftline ls`,
 `check` and `plan --from-store` wait on a round trip each (benchmarks/RESULTS.md, "The store at the preset's
@@ -33,7 +34,7 @@ def read_manifests(store: Any, stage: str, digests: list[str], skip_unsafe: bool
                 raws[key] = exc
         strip = str
     else:
-        got = store.fs.cat(list(keys), on_error="return")
+        got = store.fs.cat(list(keys), on_error="return", **read_options(store.fs))
         if not isinstance(got, dict):  # fsspec answers one path with its bytes
             got = {next(iter(keys)): got}
         strip = store.fs._strip_protocol
@@ -78,3 +79,35 @@ def parse(store: Any, stage: str, digest: str, key: str, raw: bytes, skip_unsafe
             f"({exc}); draftline never writes one, so nothing was read or written from it: delete {key} "
             "(the stage is then recomputed)") from None
     return m
+
+
+def file_sizes(store: Any, keys: list[str]) -> dict[str, int | None]:
+    """The size of each of KEYS, None where the file is missing: on S3 asked at once (s3fs's concurrent
+    HEADs), not one request after another (`Store.find_many` checks a stage's 512 shards' files)."""
+    if store.is_local or not hasattr(store.fs, "_size"):
+        out: dict[str, int | None] = {}
+        for key in keys:
+            try:
+                out[key] = store.fs.size(key)
+            except FileNotFoundError:
+                out[key] = None
+        return out
+    from fsspec.asyn import _run_coros_in_chunks, sync
+
+    got = sync(store.fs.loop, _run_coros_in_chunks, [store.fs._size(k) for k in keys], return_exceptions=True)
+    for g in got:
+        if isinstance(g, BaseException) and not isinstance(g, FileNotFoundError):
+            raise g
+    return {k: None if isinstance(g, BaseException) else g for k, g in zip(keys, got)}
+
+
+def read_options(fs: Any, nbytes: int = 0) -> dict[str, int]:
+    """`cat`/`cat_file` options for reading whole files of NBYTES each (manifests: small, the default): one GET
+    per file. With `max_concurrency` above 1 (tasks/store/uploads.py's upload_options sets it), s3fs asks every
+    file's size first (a HEAD) to split one larger than its block over concurrent ranged GETs; for a smaller file
+    that HEAD doubles the requests (a listing's 1,024 manifests: 2,048), so it is asked only where the split can
+    happen."""
+    if not hasattr(fs, "_call_s3") or nbytes > int(getattr(fs, "default_block_size", 0) or 0):
+        return {}
+    return {"max_concurrency": 1}
+

@@ -15,6 +15,7 @@ from typing import IO, Any, Iterator
 
 from tasks.core import owners
 from tasks.store.model import ArtifactCorrupt, ArtifactRef, Manifest
+from tasks.store.manifests import read_options
 from tasks.store.trust import safe_join
 
 HASH_CHUNK = 8 << 20  # a file is hashed (and copied from a local path) this many bytes at a time
@@ -60,7 +61,7 @@ class Artifact:
     def read_bytes(self, name: str, verify: bool = True) -> bytes:
         entry = self.manifest.file(name)
         try:
-            data = self.store.fs.cat_file(self.key(name))
+            data = self.store.fs.cat_file(self.key(name), **read_options(self.store.fs, entry.bytes))
         except FileNotFoundError:
             raise ArtifactCorrupt(f"{self.uri}: file {name} listed in the manifest is missing") from None
         if len(data) != entry.bytes:

@@ -79,9 +79,11 @@ def inputs_of(st: Stage | ShardedStage, made: dict[str, Any]) -> list[Any] | Non
     return None if any(x is None for x in inputs) else inputs
 
 
-def resolve(cfg: RunConfig, store: Store, until: str | None = None) -> Resolution:
+def resolve(cfg: RunConfig, store: Store, until: str | None = None, sizes: bool = True) -> Resolution:
     """Every stage's address for CFG on STORE, from the first stage up to UNTIL (default: every stage), as far
-    as the store holds the artifacts an address is made of. Reads manifests only; computes nothing."""
+    as the store holds the artifacts an address is made of. Reads manifests (and, with SIZES, checks each found
+    artifact's files by size; `plan --from-store` reads only the manifests' stats: a hero's prepare has 512
+    files); computes nothing."""
     if until is not None and until not in stage_names():
         raise ValueError(f"until={until!r}: the stages are {', '.join(stage_names())}")
     out = Resolution()
@@ -94,7 +96,7 @@ def resolve(cfg: RunConfig, store: Store, until: str | None = None) -> Resolutio
             if inputs is None:
                 out.missing = out.missing or st.name
                 break
-            addresses = [_address(st, vcfg, store, inputs, label) for label, vcfg in st.variants(cfg)]
+            addresses = [_address(st, vcfg, store, inputs, label, sizes) for label, vcfg in st.variants(cfg)]
             out.addresses[st.name] = addresses
             if all(a.artifact is not None for a in addresses):
                 made[st.name] = combine([(a.variant, a.ref) for a in addresses])
@@ -106,10 +108,12 @@ def resolve(cfg: RunConfig, store: Store, until: str | None = None) -> Resolutio
     return out
 
 
-def _address(st: Stage | ShardedStage, cfg: RunConfig, store: Store, inputs: list[Any], label: str) -> Address:
+def _address(st: Stage | ShardedStage, cfg: RunConfig, store: Store, inputs: list[Any], label: str,
+             sizes: bool = True) -> Address:
     digest, plans = st.locate(cfg, store, inputs)
-    a = Address(st.name, st.store_stage, digest, label, store.find(st.store_stage, digest), plans)
+    find = store.find_many if sizes else store.described
+    a = Address(st.name, st.store_stage, digest, label, find(st.store_stage, [digest])[digest], plans)
     if isinstance(st, ShardedStage) and a.artifact is None and plans:  # the shards committed so far, read at once
-        found = store.find_many(st.shard_stage, [p.digest for p in plans])
+        found = find(st.shard_stage, [p.digest for p in plans])
         a.shards = {p.shard: found[p.digest] for p in plans if found[p.digest] is not None}
     return a

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -286,6 +288,15 @@ def test_check_gives_one_verdict_on_a_draft_and_fails_a_drifted_one(exp):
     code, rows = check(_drifted(exp).digest)
     assert code == 1 and rows["maps"]["status"] == "fail"
     assert "the draft's d2t differs from the one its training read" in rows["maps"]["evidence"]
+    # as a user runs it (a fresh process): the same verdict on the maps, without importing torch (seconds)
+    argv = ["draftline", "check", exp.trained.digest, "--store", exp.store.uri, "--json"]
+    code = (f"import sys; sys.argv = {argv!r}\nfrom cli.app import app\ntry:\n    app()\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'prefect')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
+    rows = {c["check"]: c for c in json.loads(out.stdout[:out.stdout.rindex("\n[")])["checks"]}
+    assert rows["maps"]["status"] == "ok" and "byte for byte" in rows["maps"]["evidence"]
 
 
 def test_check_says_when_there_is_no_map_to_compare_and_names_a_draft_without_weights(exp):

@@ -234,7 +234,7 @@ def test_s3_unreachable_named(s3_server, monkeypatch):
 
 
 @pytest.mark.parametrize("n", [3, 150])
-def test_listing_reads_every_manifest_at_once_and_skips_missing_unsafe_and_unreadable_ones(store, n):
+def test_listing_reads_every_manifest_at_once_and_skips_missing_unsafe_and_unreadable_ones(store, n, monkeypatch):
     """Store.list and Store.manifests (the concurrent reads behind `draftline ls`, `check`, `plan --from-store`)
     at two counts: every committed manifest, none twice; a folder without a manifest, an unreadable manifest and
     one naming a path outside its folder list as nothing; asked for one by digest, the unsafe one is refused."""
@@ -248,8 +248,19 @@ def test_listing_reads_every_manifest_at_once_and_skips_missing_unsafe_and_unrea
     store.fs.pipe_file(store.key("extract", "unsafe", "manifest.json"), unsafe.model_dump_json().encode())
     store.fs.pipe_file(store.key("extract", "garbled", "manifest.json"), b"{not json")
     store.fs.pipe_file(store.key("extract", "uncommitted", "a1", "p.bin"), b"x")  # an attempt, no manifest
+    calls: list[str] = []  # on S3, the requests the listing makes (each goes to the real server)
+    if not store.is_local:
+        real_call = store.fs._call_s3
+
+        async def counted(method, *args, **kwargs):
+            calls.append(method)
+            return await real_call(method, *args, **kwargs)
+
+        monkeypatch.setattr(store.fs, "_call_s3", counted)
     listed = store.list("extract")
     assert sorted(m.stats["shard"] for m in listed) == list(range(n))
+    if not store.is_local:  # one GET per folder's manifest, no HEAD before it (that doubled the requests)
+        assert calls.count("get_object") == n + 3 and "head_object" not in calls, sorted(set(calls))
     assert len(store.list()) == n
     got = store.manifests("extract", [f"s{i:04d}" for i in range(n)] + ["uncommitted", "garbled", "nowhere"])
     assert [got[f"s{i:04d}"].stats["shard"] for i in range(n)] == list(range(n))
