@@ -29,7 +29,7 @@ class Spill:
 
         self.path, self.schema, self.count = str(path), schema, 0
         self._sink = pa.OSFile(self.path, "wb")
-        self._writer = pa.ipc.new_file(self._sink, schema, options=pa.ipc.IpcWriteOptions(compression="zstd"))
+        self._writer = pa.ipc.new_file(self._sink, schema, options=pa.ipc.IpcWriteOptions(compression="zstd", use_threads=False))
         self._lists = [pa.types.is_list(f.type) for f in schema]
         self._source: Any = None
         self._reader: Any = None
@@ -59,7 +59,7 @@ class Spill:
         if self._reader is None:
             self._finish_writing()
             self._source = pa.OSFile(self.path, "rb")
-            self._reader = pa.ipc.open_file(self._source)
+            self._reader = pa.ipc.open_file(self._source, options=pa.ipc.IpcReadOptions(use_threads=False))
         batch = self._reader.get_batch(i)
         return {f.name: (batch.column(k)[0].values.to_numpy(zero_copy_only=False).copy() if is_list
                          else batch.column(k)[0].as_py())

@@ -6,6 +6,7 @@ synthetic sources, at two counts."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -83,3 +84,39 @@ def test_streamed_prepare_writes_what_the_in_memory_one_wrote(tmp_path, n, overf
     store = Store(f"file://{tmp_path}/store")
     ref = run_prepare(_cfg(a, b, n, overflow), store)
     assert _fingerprint(store, ref) == PINNED[n]
+
+
+def test_the_spill_stays_in_a_local_scratch_folder_deleted_after_success_and_failure(tmp_path, monkeypatch):
+    """The spill files live in an owned temp folder of this process (never the store) and are gone after the
+    stage, also when it fails after spilling (here: more shards than samples, found after every encoding)."""
+    from tasks.core import owners
+    from tasks.data import prepare
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    os.mkdir(tmp_path / "tmp")
+    seen: list[tuple[str, list[str]]] = []
+    real = owners.owned_temporary_directory
+
+    @contextlib.contextmanager
+    def spy(kind, dir=None):
+        with real(kind, dir) as path:
+            try:
+                yield path
+            finally:
+                seen.append((path, sorted(os.listdir(path))))
+
+    monkeypatch.setattr(prepare.owners, "owned_temporary_directory", spy)
+    a, b = _sources(tmp_path, 30)
+    store = Store(f"file://{tmp_path}/store")
+    ref = run_prepare(_cfg(a, b, 30, "truncate"), store)
+    (path, files), = seen
+    assert os.path.dirname(path) == str(tmp_path / "tmp") and files == [".draftline-owner.json",
+                                                                           "conversations.arrow", "samples.arrow"]
+    assert not os.listdir(tmp_path / "tmp")
+    assert sorted(store.open("prepare", ref.digest).files()) == [HELDOUT] + [shard_name(i) for i in range(4)]
+
+    bad = _cfg(a, b, 30, "truncate")
+    bad.data.num_shards = 31
+    with pytest.raises(PrepareError, match="num_shards \\(31\\) is larger than the number of training samples \\(30\\)"):
+        run_prepare(bad, store)
+    assert len(seen) == 2 and not os.listdir(tmp_path / "tmp")
