@@ -26,10 +26,12 @@ from tasks.core.errors import DraftlineError
 from tasks.core.config import DataConfig, RunConfig
 from tasks.core import owners
 from tasks.data.sources import (
+    Conversation,
     LoadedSource,
     allocate,
     conversation_spill,
     load_sources,
+    spilled_conversation,
 )
 from tasks.data.spill import Spill
 from tasks.data.chat import (  # noqa: F401  (ChatTemplateError, SampleDropped, encode_sample: the stage's errors and API)
@@ -83,28 +85,31 @@ def write_split(w: Any, train: list[int], heldout: list[int], num_shards: int,
 # =========================================================================== the stage
 
 class _Encoded:
-    """The encoded samples: spilled to a local file (tasks/data/spill.py) as they are made; in memory only each
-    one's index there and its token and masked-token counts."""
+    """The encoded samples: their tokens spilled to a local file (tasks/data/spill.py) as they are made, with the
+    row of their conversation in the conversations' spill (its id, source and messages); in memory only each
+    one's token and masked-token counts."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, conversations: Spill):
         import pyarrow as pa
 
-        self.spill = Spill(path, pa.schema([
-            ("sample_id", pa.string()), ("source", pa.string()), ("messages", pa.string()),
-            ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))]))
+        self.conversations = conversations
+        self.spill = Spill(path, pa.schema([("conversation", pa.int64()), ("input_ids", pa.list_(pa.int32())),
+                                            ("loss_mask", pa.list_(pa.int8()))]))
         self.tokens: array = array("q")
         self.masked: array = array("q")
 
-    def add(self, s: Sample) -> int:
+    def add(self, s: Sample, conv: Conversation) -> int:
         self.tokens.append(s.tokens)
         self.masked.append(s.masked)
-        return self.spill.append({"sample_id": s.sample_id, "source": s.source, "input_ids": s.input_ids,
-                                  "messages": json.dumps(s.messages, ensure_ascii=False), "loss_mask": s.loss_mask})
+        return self.spill.append({"conversation": conv.row, "input_ids": s.input_ids, "loss_mask": s.loss_mask})
 
     def load(self, indices: list[int]) -> list[Sample]:
-        rows = [self.spill.get(i) for i in indices]
-        return [Sample(r["sample_id"], r["source"], json.loads(r["messages"]), r["input_ids"], r["loss_mask"])
-                for r in rows]
+        out = []
+        for i in indices:
+            r = self.spill.get(i)
+            c = spilled_conversation(self.conversations.get(r["conversation"]), r["conversation"])
+            out.append(Sample(c.sample_id, c.source, c.messages, r["input_ids"], r["loss_mask"]))
+        return out
 
     def stats(self, indices: list[int]) -> dict[str, Any]:
         return length_stats([self.tokens[i] for i in indices], [self.masked[i] for i in indices])
@@ -126,7 +131,8 @@ class _Mix:
         return len(self.loaded.conversations) - self.cursor
 
 
-def _fill(mix: _Mix, want: int, masker: ChatMasker, data: DataConfig, keep: Callable[[Sample], int]) -> None:
+def _fill(mix: _Mix, want: int, masker: ChatMasker, data: DataConfig,
+          keep: Callable[[Sample, Conversation], int]) -> None:
     """Encode this source's next conversations until `want` more samples or no rows are left."""
     goal = len(mix.samples) + want
     convs = mix.loaded.conversations
@@ -138,13 +144,14 @@ def _fill(mix: _Mix, want: int, masker: ChatMasker, data: DataConfig, keep: Call
         except SampleDropped as drop:
             mix.dropped[drop.reason] += 1
             continue
-        mix.samples.append(keep(sample))
+        mix.samples.append(keep(sample, conv))
         mix.truncated += truncated
 
 
-def build_samples(mixes: list[_Mix], masker: ChatMasker, data: DataConfig, keep: Callable[[Sample], int]) -> None:
+def build_samples(mixes: list[_Mix], masker: ChatMasker, data: DataConfig,
+                  keep: Callable[[Sample, Conversation], int]) -> None:
     """Fill each source's share of the mix (weights; a short source leaves its share to the others); KEEP
-    stores each sample and returns its index."""
+    stores each sample (and its conversation) and returns its index."""
     if data.max_samples is None:
         for m in mixes:
             _fill(m, m.left, masker, data, keep)
@@ -185,7 +192,7 @@ def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
     masker = make_masker(cfg)
     with owners.owned_temporary_directory("prepare") as scratch, \
             conversation_spill(os.path.join(scratch, "conversations.arrow")) as convs:
-        encoded = _Encoded(os.path.join(scratch, "samples.arrow"))
+        encoded = _Encoded(os.path.join(scratch, "samples.arrow"), convs)
         with encoded.spill:
             before = data_identity(data)
             loaded = load_sources(data.sources, seed=data.seed, keep_thinking=data.keep_thinking,

@@ -99,6 +99,7 @@ class Conversation:
     messages: list[dict[str, str]]
     source: str
     sample_id: str
+    row: int | None = None  # its row in the spill file it was read back from (`conversation_spill`)
 
 
 @dataclass
@@ -467,8 +468,10 @@ def conversation_spill(path: str) -> "Spill":
     return Spill(path, pa.schema([("sample_id", pa.string()), ("source", pa.string()), ("messages", pa.string())]))
 
 
-def _spilled_conversation(row: dict[str, Any]) -> Conversation:
-    return Conversation(messages=json.loads(row["messages"]), source=row["source"], sample_id=row["sample_id"])
+def spilled_conversation(row: dict[str, Any], index: int) -> Conversation:
+    """Row INDEX of a `conversation_spill`, as the Conversation written there."""
+    return Conversation(messages=json.loads(row["messages"]), source=row["source"], sample_id=row["sample_id"],
+                        row=index)
 
 
 def load_source(src: SourceConfig, *, keep_thinking: bool = True, require_assistant: bool = True,
@@ -513,7 +516,7 @@ def load_source(src: SourceConfig, *, keep_thinking: bool = True, require_assist
             spill.append({"sample_id": sid, "source": label, "messages": json.dumps(messages, ensure_ascii=False)})
     rows += dropped["invalid_json"] + dropped["not_english"]  # filtered while reading
     kept: Sequence[Conversation] = convs if spill is None else spill.rows(range(first, spill.count),
-                                                                           _spilled_conversation)
+                                                                           spilled_conversation)
     if not kept:
         why = ", ".join(f"{k}: {v}" for k, v in dropped.most_common()) or "the source is empty"
         if dropped["no_assistant"]:

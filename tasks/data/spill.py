@@ -5,7 +5,7 @@ memory does not grow with the sample count: it keeps only indices and token coun
 seeded shuffle depends only on the count), and gathers each shard's rows by index when it writes the shard.
 
 The file is an Arrow IPC file with one record batch per row (an IPC file's footer lists every batch, so any row
-is read alone), zstd-compressed, in a local folder the caller owns and deletes (never the store). Rows are
+is read alone), LZ4-compressed (cheaper per row than zstd), in a local folder the caller owns and deletes (never the store). Rows are
 written by this process and read back by it: nothing read from it is executed or unpickled.
 """
 
@@ -29,7 +29,7 @@ class Spill:
 
         self.path, self.schema, self.count = str(path), schema, 0
         self._sink = pa.OSFile(self.path, "wb")
-        self._writer = pa.ipc.new_file(self._sink, schema, options=pa.ipc.IpcWriteOptions(compression="zstd", use_threads=False))
+        self._writer = pa.ipc.new_file(self._sink, schema, options=pa.ipc.IpcWriteOptions(compression="lz4", use_threads=False))
         self._lists = [pa.types.is_list(f.type) for f in schema]
         self._source: Any = None
         self._reader: Any = None
@@ -65,7 +65,8 @@ class Spill:
                          else batch.column(k)[0].as_py())
                 for k, (f, is_list) in enumerate(zip(self.schema, self._lists))}
 
-    def rows(self, indices: Iterable[int], decode: Callable[[dict[str, Any]], Any]) -> "SpillRows":
+    def rows(self, indices: Iterable[int], decode: Callable[[dict[str, Any], int], Any]) -> "SpillRows":
+        """A view of the rows at INDICES, each given to DECODE (row, index) when it is read."""
         return SpillRows(self, list(indices), decode)
 
     def _finish_writing(self) -> None:
@@ -90,7 +91,7 @@ class Spill:
 class SpillRows(Sequence):
     """Some rows of a spill, in a given order, each decoded when it is read."""
 
-    def __init__(self, spill: Spill, indices: list[int], decode: Callable[[dict[str, Any]], Any]):
+    def __init__(self, spill: Spill, indices: list[int], decode: Callable[[dict[str, Any], int], Any]):
         self.spill, self.indices, self.decode = spill, indices, decode
 
     def __len__(self) -> int:
@@ -99,7 +100,8 @@ class SpillRows(Sequence):
     def __getitem__(self, k):  # type: ignore[override]
         if isinstance(k, slice):
             return SpillRows(self.spill, self.indices[k], self.decode)
-        return self.decode(self.spill.get(self.indices[k]))
+        i = self.indices[k]
+        return self.decode(self.spill.get(i), i)
 
     def take(self, order: Iterable[int]) -> "SpillRows":
         """These rows in ORDER (positions in this view)."""
