@@ -5,8 +5,9 @@ memory does not grow with the sample count: it keeps only indices and token coun
 seeded shuffle depends only on the count), and gathers each shard's rows by index when it writes the shard.
 
 The file is an Arrow IPC file with one record batch per row (an IPC file's footer lists every batch, so any row
-is read alone), LZ4-compressed (cheaper per row than zstd), in a local folder the caller owns and deletes (never the store). Rows are
-written by this process and read back by it: nothing read from it is executed or unpickled.
+is read alone), LZ4-compressed (cheaper per row than zstd), without Arrow's thread pool (its hand-offs cost more
+than one row's work), in a local folder the caller owns and deletes (never the store). Rows are written by this
+process and read back by it: nothing read from it is executed or unpickled.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class Spill:
 
         self.path, self.schema, self.count = str(path), schema, 0
         self._sink = pa.OSFile(self.path, "wb")
-        self._writer = pa.ipc.new_file(self._sink, schema, options=pa.ipc.IpcWriteOptions(compression="lz4", use_threads=False))
+        self._writer = pa.ipc.new_file(self._sink, schema,
+                                       options=pa.ipc.IpcWriteOptions(compression="lz4", use_threads=False))
         self._lists = [pa.types.is_list(f.type) for f in schema]
         self._source: Any = None
         self._reader: Any = None
