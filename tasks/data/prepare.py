@@ -181,7 +181,8 @@ def run_prepare(cfg: RunConfig, store: Store, *, digest: str | None = None) -> A
 
 def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
     """The stage, streamed: conversations and encoded samples go to local spill files in a scratch folder of
-    this process (deleted after, whatever happens); what stays in memory per sample is a few integers."""
+    this process (deleted after, whatever happens); what stays in memory per sample is a few integers and its
+    id (for dedupe), and one shard's samples while that shard is written."""
     t0 = time.time()
     data = cfg.data
     if data.max_length > cfg.target.max_model_len:

@@ -120,3 +120,15 @@ def test_the_spill_stays_in_a_local_scratch_folder_deleted_after_success_and_fai
     with pytest.raises(PrepareError, match="num_shards \\(31\\) is larger than the number of training samples \\(30\\)"):
         run_prepare(bad, store)
     assert len(seen) == 2 and not os.listdir(tmp_path / "tmp")
+
+
+def test_per_source_counts_add_up_with_dedupe_off_and_duplicate_rows(tmp_path):
+    """Each encoded sample is counted once, as training, held out or unused, even when rows repeat (dedupe off):
+    the in-memory prepare counted by sample id, so an unused copy of a used row counted as used."""
+    p = tmp_path / "thrice.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"Say {i}", "response": f"{i}!"}) + "\n" for i in range(20)) * 3)
+    cfg = RunConfig.model_validate({"regenerate": {"enabled": False}, "data": {
+        "sources": [{"path": str(p)}], "dedupe": False, "max_samples": 10, "heldout": 2, "num_shards": 2}})
+    ref = run_prepare(cfg, Store(f"file://{tmp_path}/store"))
+    e = ref.stats["per_source"]["thrice"]
+    assert (e["samples"], e["heldout"], e["unused"]) == (10, 2, 48), e
