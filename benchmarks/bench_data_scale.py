@@ -35,10 +35,14 @@ CHILD = r"""
 import json, os, resource, sys, tempfile, threading, time
 stage, rows, store_dir, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 scratch_peak = [0]
+def size_of(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:  # deleted between the listing and the look
+        return 0
 def watch_scratch():  # the stage's local spill files (its own temp folder, TMPDIR here): peak bytes on disk
     while True:
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tempfile.gettempdir())
-                   for f in fs if os.path.exists(os.path.join(d, f)))
+        size = sum(size_of(os.path.join(d, f)) for d, _, fs in os.walk(tempfile.gettempdir()) for f in fs)
         scratch_peak[0] = max(scratch_peak[0], size)
         time.sleep(0.2)
 threading.Thread(target=watch_scratch, daemon=True).start()
