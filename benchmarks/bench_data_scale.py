@@ -13,7 +13,8 @@ this offline machine): token counts are that tokenizer's.
 Each stage runs in its own fresh Python process (`run_prepare` into a file:// store with the preset's 512 shards and
 its held-out share (2,000 of 600,000), then `run_vocab` on that artifact); reported per count: the stage's own wall time and CPU time (imports and the
 tokenizer's loading excluded; on a shared machine the CPU time is the figure to compare), samples per second, and the process's peak RSS (getrusage ru_maxrss) with what it was before
-the stage started (imports), so the stage's own growth shows.
+the stage started (imports), so the stage's own growth shows, and the peak bytes of the stage's local spill files
+(tasks/data/spill.py, in its temp folder: TMPDIR is set to a folder of its own and polled every 0.2 s).
 """
 
 from __future__ import annotations
@@ -31,8 +32,20 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 CHILD = r"""
-import json, resource, sys, time
+import json, os, resource, sys, tempfile, threading, time
 stage, rows, store_dir, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+scratch_peak = [0]
+def size_of(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:  # deleted between the listing and the look
+        return 0
+def watch_scratch():  # the stage's local spill files (its own temp folder, TMPDIR here): peak bytes on disk
+    while True:
+        size = sum(size_of(os.path.join(d, f)) for d, _, fs in os.walk(tempfile.gettempdir()) for f in fs)
+        scratch_peak[0] = max(scratch_peak[0], size)
+        time.sleep(0.2)
+threading.Thread(target=watch_scratch, daemon=True).start()
 from tasks.core.config import RunConfig
 from tasks.store.artifacts import Store
 from tasks.address import digests
@@ -60,7 +73,8 @@ print("RESULT " + json.dumps({"seconds": secs,
       "cpu_seconds": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, "rss_before_mib": before / 1024,
       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
       "samples": st.get("samples"), "heldout": st.get("heldout"), "tokens": st.get("tokens"),
-      "dropped": st.get("dropped"), "masked_tokens": st.get("masked_tokens")}))
+      "dropped": st.get("dropped"), "masked_tokens": st.get("masked_tokens"),
+      "scratch_peak_mib": scratch_peak[0] / 2**20}))
 """
 
 
@@ -97,7 +111,10 @@ def write_rows(path: Path, n: int, seed: int = 0) -> None:
 
 
 def run_stage(stage: str, rows: Path, store: Path, n: int, log: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    tmp = log.parent / f"tmp-{stage}-{n}"  # the stage's temp folder, watched for its spill files
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "TMPDIR": str(tmp)}
     with open(log, "a") as fh:
         proc = subprocess.run([PY, "-c", CHILD, stage, str(rows), str(store), str(n)], stdout=subprocess.PIPE,
                               stderr=fh, text=True, env=env, cwd=str(ROOT))
@@ -131,7 +148,7 @@ def main() -> None:
         p, v = got["prepare"], got["vocab"]
         print(f"{n:>8,} samples: prepare {p['seconds']:8.1f} s ({p['samples_per_s']:6.1f} samples/s, "
               f"{p['samples_per_cpu_s']:6.1f} per CPU-second, {p['tokens'] / max(p['samples'], 1):,.0f} tok/sample), peak RSS {p['peak_rss_mib']:7.0f} MiB "
-              f"(before {p['rss_before_mib']:.0f}); vocab {v['seconds']:7.1f} s, peak RSS "
+              f"(before {p['rss_before_mib']:.0f}), scratch disk peak {p['scratch_peak_mib']:.0f} MiB; vocab {v['seconds']:7.1f} s, peak RSS "
               f"{v['peak_rss_mib']:6.0f} MiB (before {v['rss_before_mib']:.0f})", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -4,26 +4,36 @@
       -> chat template + loss mask (verified per sample) -> length limit
       -> seeded shuffle -> held-out split -> S Parquet shards on the store
 
+Streamed: the conversations read and the samples encoded go to local spill files (tasks/data/spill.py) in a
+scratch folder of this process, deleted after; memory holds indices and token counts, and each shard's rows are
+gathered from the spill by index as the shard is written, so memory stays flat as the sample count grows.
 The chat template and the verified assistant-only loss mask are tasks/data/chat.py; the Parquet sample
 format is tasks/formats/samples.py.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import time
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
-
+from typing import Any, Callable
 
 from tasks.core.errors import DraftlineError
 from tasks.core.config import DataConfig, RunConfig
+from tasks.core import owners
 from tasks.data.sources import (
+    Conversation,
     LoadedSource,
     allocate,
+    conversation_spill,
     load_sources,
+    spilled_conversation,
 )
+from tasks.data.spill import Spill
 from tasks.data.chat import (  # noqa: F401  (ChatTemplateError, SampleDropped, encode_sample: the stage's errors and API)
     ChatMasker,
     ChatTemplateError,
@@ -35,7 +45,7 @@ from tasks.data.chat import (  # noqa: F401  (ChatTemplateError, SampleDropped, 
 from tasks.address import digests
 from tasks.address.data import data_identity
 from tasks.core.digest import VERSIONS
-from tasks.formats.samples import HELDOUT, Sample, parquet_bytes, read_samples, shard_name, token_stats  # noqa: F401
+from tasks.formats.samples import HELDOUT, Sample, length_stats, parquet_bytes, read_samples, shard_name, token_stats  # noqa: F401
 from tasks.store.artifacts import ArtifactRef, Store
 from tasks.store.stages import Stage
 
@@ -46,7 +56,7 @@ class PrepareError(DraftlineError, ValueError):
     """Bad input to prepare (config, sources, sizes); the message says what to change."""
 
 
-def split_shards(samples: list[Sample], num_shards: int) -> list[list[Sample]]:
+def split_shards(samples: list, num_shards: int) -> list[list]:
     if num_shards > len(samples):
         raise PrepareError(
             f"data.num_shards ({num_shards}) is larger than the number of training samples ({len(samples)}); "
@@ -61,25 +71,58 @@ def split_shards(samples: list[Sample], num_shards: int) -> list[list[Sample]]:
     return out
 
 
-def write_split(w: Any, train: list[Sample], heldout: list[Sample], num_shards: int) -> list[int]:
-    """heldout.parquet + shard-*.parquet into an artifact writer; returns samples per shard."""
+def write_split(w: Any, train: list[int], heldout: list[int], num_shards: int,
+                load: Callable[[list[int]], list[Sample]]) -> list[int]:
+    """heldout.parquet + shard-*.parquet into an artifact writer, each file's samples gathered by `load` from
+    their indices when it is written (one shard in memory at a time); returns samples per shard."""
     shards = split_shards(train, num_shards)
-    w.write_bytes(HELDOUT, parquet_bytes(heldout))
+    w.write_bytes(HELDOUT, parquet_bytes(load(heldout)))
     for i, part in enumerate(shards):
-        w.write_bytes(shard_name(i), parquet_bytes(part))
+        w.write_bytes(shard_name(i), parquet_bytes(load(part)))
     return [len(p) for p in shards]
 
 
 # =========================================================================== the stage
 
+class _Encoded:
+    """The encoded samples: their tokens spilled to a local file (tasks/data/spill.py) as they are made, with the
+    row of their conversation in the conversations' spill (its id, source and messages); in memory only each
+    one's token and masked-token counts."""
+
+    def __init__(self, path: str, conversations: Spill):
+        import pyarrow as pa
+
+        self.conversations = conversations
+        self.spill = Spill(path, pa.schema([("conversation", pa.int64()), ("input_ids", pa.list_(pa.int32())),
+                                            ("loss_mask", pa.list_(pa.int8()))]))
+        self.tokens: array = array("q")
+        self.masked: array = array("q")
+
+    def add(self, s: Sample, conv: Conversation) -> int:
+        self.tokens.append(s.tokens)
+        self.masked.append(s.masked)
+        return self.spill.append({"conversation": conv.row, "input_ids": s.input_ids, "loss_mask": s.loss_mask})
+
+    def load(self, indices: list[int]) -> list[Sample]:
+        out = []
+        for i in indices:
+            r = self.spill.get(i)
+            c = spilled_conversation(self.conversations.get(r["conversation"]), r["conversation"])
+            out.append(Sample(c.sample_id, c.source, c.messages, r["input_ids"], r["loss_mask"]))
+        return out
+
+    def stats(self, indices: list[int]) -> dict[str, Any]:
+        return length_stats([self.tokens[i] for i in indices], [self.masked[i] for i in indices])
+
+
 @dataclass
 class _Mix:
-    """Per-source progress while filling the mix."""
+    """Per-source progress while filling the mix; `samples` are indices into the encoded samples."""
 
     loaded: LoadedSource
     weight: float
     cursor: int = 0
-    samples: list[Sample] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
     dropped: Counter = field(default_factory=Counter)
     truncated: int = 0
 
@@ -88,7 +131,8 @@ class _Mix:
         return len(self.loaded.conversations) - self.cursor
 
 
-def _fill(mix: _Mix, want: int, masker: ChatMasker, data: DataConfig) -> None:
+def _fill(mix: _Mix, want: int, masker: ChatMasker, data: DataConfig,
+          keep: Callable[[Sample, Conversation], int]) -> None:
     """Encode this source's next conversations until `want` more samples or no rows are left."""
     goal = len(mix.samples) + want
     convs = mix.loaded.conversations
@@ -100,15 +144,17 @@ def _fill(mix: _Mix, want: int, masker: ChatMasker, data: DataConfig) -> None:
         except SampleDropped as drop:
             mix.dropped[drop.reason] += 1
             continue
-        mix.samples.append(sample)
+        mix.samples.append(keep(sample, conv))
         mix.truncated += truncated
 
 
-def build_samples(mixes: list[_Mix], masker: ChatMasker, data: DataConfig) -> None:
-    """Fill each source's share of the mix (weights; a short source leaves its share to the others)."""
+def build_samples(mixes: list[_Mix], masker: ChatMasker, data: DataConfig,
+                  keep: Callable[[Sample, Conversation], int]) -> None:
+    """Fill each source's share of the mix (weights; a short source leaves its share to the others); KEEP
+    stores each sample (and its conversation) and returns its index."""
     if data.max_samples is None:
         for m in mixes:
-            _fill(m, m.left, masker, data)
+            _fill(m, m.left, masker, data, keep)
         return
     need = data.max_samples + data.heldout
     while True:
@@ -118,7 +164,7 @@ def build_samples(mixes: list[_Mix], masker: ChatMasker, data: DataConfig) -> No
             return
         for m, want in zip(mixes, allocate(remaining, [m.weight for m in mixes], left)):
             if want:
-                _fill(m, want, masker, data)
+                _fill(m, want, masker, data, keep)
 
 
 def prepare_address(cfg: RunConfig, store: Store) -> str:
@@ -134,6 +180,9 @@ def run_prepare(cfg: RunConfig, store: Store, *, digest: str | None = None) -> A
 
 
 def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
+    """The stage, streamed: conversations and encoded samples go to local spill files in a scratch folder of
+    this process (deleted after, whatever happens); what stays in memory per sample is a few integers and its
+    id (for dedupe), and one shard's samples while that shard is written."""
     t0 = time.time()
     data = cfg.data
     if data.max_length > cfg.target.max_model_len:
@@ -142,17 +191,27 @@ def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
             "the target could not read the longest samples; lower data.max_length or raise target.max_model_len"
         )
     masker = make_masker(cfg)
-    before = data_identity(data)
-    loaded = load_sources(data.sources, seed=data.seed, keep_thinking=data.keep_thinking,
-                          system_prompt=data.system_prompt, dedupe=data.dedupe,
-                          keep_prompts=cfg.regenerate.enabled)
-    if data_identity(data) != before:  # the rows read are not the content the address names
-        raise PrepareError("a data source changed while prepare read it (a file still being written, an object "
-                           "overwritten); run again once the data is complete")
-    mixes = [_Mix(ld, src.weight) for ld, src in zip(loaded, data.sources)]
-    build_samples(mixes, masker, data)
+    with owners.owned_temporary_directory("prepare") as scratch, \
+            conversation_spill(os.path.join(scratch, "conversations.arrow")) as convs:
+        encoded = _Encoded(os.path.join(scratch, "samples.arrow"), convs)
+        with encoded.spill:
+            before = data_identity(data)
+            loaded = load_sources(data.sources, seed=data.seed, keep_thinking=data.keep_thinking,
+                                  system_prompt=data.system_prompt, dedupe=data.dedupe,
+                                  keep_prompts=cfg.regenerate.enabled, spill=convs)
+            if data_identity(data) != before:  # the rows read are not the content the address names
+                raise PrepareError("a data source changed while prepare read it (a file still being written, an "
+                                   "object overwritten); run again once the data is complete")
+            mixes = [_Mix(ld, src.weight) for ld, src in zip(loaded, data.sources)]
+            build_samples(mixes, masker, data, encoded.add)
+            return _split_and_write(cfg, store, digest, mixes, masker, encoded, t0)
 
-    everything = [s for m in mixes for s in m.samples]
+
+def _split_and_write(cfg: RunConfig, store: Store, digest: str, mixes: list[_Mix], masker: ChatMasker,
+                     encoded: _Encoded, t0: float) -> ArtifactRef:
+    """Shuffle the encoded samples' indices (seeded), split off the held-out ones and write the shards."""
+    data = cfg.data
+    everything = [i for m in mixes for i in m.samples]
     for m in mixes:
         if m.loaded.conversations and not m.samples and m.cursor == len(m.loaded.conversations):
             reasons = ", ".join(f"{k}: {v}" for k, v in m.dropped.most_common())
@@ -163,7 +222,7 @@ def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
                 )
             raise PrepareError(f"source {m.loaded.label!r}: every conversation was dropped ({reasons}); "
                                "raise data.max_length or use overflow: truncate")
-    random.Random(data.seed).shuffle(everything)
+    random.Random(data.seed).shuffle(everything)  # the permutation depends only on the count
     if len(everything) <= data.heldout:
         raise PrepareError(
             f"data.heldout ({data.heldout}) leaves no training samples out of {len(everything)}; "
@@ -172,8 +231,11 @@ def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
     heldout, train = everything[: data.heldout], everything[data.heldout:]
     if data.max_samples is not None:
         train = train[: data.max_samples]
-    held_ids = {s.sample_id for s in heldout}
-    train_ids = {s.sample_id for s in train}
+    role = bytearray(encoded.spill.count)  # 0 unused, 1 train, 2 held out
+    for i in train:
+        role[i] = 1
+    for i in heldout:
+        role[i] = 2
 
     dropped: Counter = Counter()
     per_source: dict[str, Any] = {}
@@ -182,19 +244,20 @@ def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
         dropped.update(d)
         entry = per_source.setdefault(m.loaded.label, {"rows": 0, "samples": 0, "heldout": 0, "unused": 0,
                                                        "truncated": 0, "dropped": {}})
+        roles = Counter(role[i] for i in m.samples)
         entry["rows"] += m.loaded.rows
-        entry["samples"] += sum(1 for s in m.samples if s.sample_id in train_ids)
-        entry["heldout"] += sum(1 for s in m.samples if s.sample_id in held_ids)
-        entry["unused"] += m.left + sum(1 for s in m.samples if s.sample_id not in train_ids | held_ids)
+        entry["samples"] += roles[1]
+        entry["heldout"] += roles[2]
+        entry["unused"] += m.left + roles[0]
         entry["truncated"] += m.truncated
         entry["dropped"] = dict(sorted((Counter(entry["dropped"]) + d).items()))
 
     stats: dict[str, Any] = {
-        **token_stats(train),
+        **encoded.stats(train),
         "dropped": dict(sorted(dropped.items())),
         "num_shards": data.num_shards,
         "heldout": len(heldout),
-        "heldout_tokens": sum(s.tokens for s in heldout),
+        "heldout_tokens": sum(encoded.tokens[i] for i in heldout),
         "per_source": per_source,
         "truncated": sum(m.truncated for m in mixes),
         "max_length": data.max_length,
@@ -202,7 +265,7 @@ def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
     }
     config = {"target": cfg.target.model_dump(mode="json"), "data": data.model_dump(mode="json")}
     with store.write(STAGE, digest, VERSIONS[STAGE], {}, config) as w:
-        stats["shard_samples"] = write_split(w, train, heldout, data.num_shards)
+        stats["shard_samples"] = write_split(w, train, heldout, data.num_shards, encoded.load)
         stats["seconds"] = round(time.time() - t0, 2)
         stats["samples_per_s"] = round((len(train) + len(heldout)) / max(stats["seconds"], 1e-9), 1)
         art = w.commit(stats)

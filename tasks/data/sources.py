@@ -36,10 +36,14 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from tasks.core.errors import DraftlineError
 from tasks.core.config import PROMPT_ONLY_PRESETS, SourceConfig
+from tasks.data.spill import take
+
+if TYPE_CHECKING:
+    from tasks.data.spill import Spill
 
 ROLE_ALIASES = {
     "system": "system",
@@ -95,6 +99,7 @@ class Conversation:
     messages: list[dict[str, str]]
     source: str
     sample_id: str
+    row: int | None = None  # its row in the spill file it was read back from (`conversation_spill`)
 
 
 @dataclass
@@ -102,7 +107,7 @@ class LoadedSource:
     label: str
     format: str                 # the declared format, or what auto-detection saw most often
     rows: int                   # rows read
-    conversations: list[Conversation]
+    conversations: Sequence[Conversation]  # a list, or rows of a local spill file (`load_source`'s `spill`)
     dropped: Counter = field(default_factory=Counter)
 
     def summary(self) -> dict[str, Any]:
@@ -454,19 +459,37 @@ def raw_rows(src: SourceConfig, counter: Counter) -> Iterator[Any]:
 
 # --------------------------------------------------------------------------- loading and mixing
 
+def conversation_spill(path: str) -> "Spill":
+    """A local spill file (tasks/data/spill.py) for conversations: `load_source(..., spill=)` writes to it."""
+    import pyarrow as pa
+
+    from tasks.data.spill import Spill
+
+    return Spill(path, pa.schema([("sample_id", pa.string()), ("source", pa.string()), ("messages", pa.string())]))
+
+
+def spilled_conversation(row: dict[str, Any], index: int) -> Conversation:
+    """Row INDEX of a `conversation_spill`, as the Conversation written there."""
+    return Conversation(messages=json.loads(row["messages"]), source=row["source"], sample_id=row["sample_id"],
+                        row=index)
+
+
 def load_source(src: SourceConfig, *, keep_thinking: bool = True, require_assistant: bool = True,
                 system_prompt: str | None = None, seen: set[str] | None = None,
-                keep_prompts: bool = False) -> LoadedSource:
+                keep_prompts: bool = False, spill: "Spill | None" = None) -> LoadedSource:
     """Read and normalize one source.
 
     `keep_prompts`: rows with no assistant turn are kept as prompts (the regenerate stage answers them).
     `seen` holds the sample ids already taken (pass one set to several sources so a conversation
-    they share counts once); None turns deduplication off.
+    they share counts once); None turns deduplication off. `spill` (`conversation_spill`): the
+    conversations go to that local file as they are read and `conversations` reads them back one at a
+    time, so memory does not grow with the source's size; without it they are a list in memory.
     """
     label = src.label
     dropped: Counter = Counter()
     formats: Counter = Counter()
     convs: list[Conversation] = []
+    first = spill.count if spill is not None else 0
     fmt = src.format
     if fmt == "auto" and src.preset in PROMPT_ONLY_PRESETS:
         fmt = "turns"
@@ -487,9 +510,14 @@ def load_source(src: SourceConfig, *, keep_thinking: bool = True, require_assist
                 dropped["duplicate"] += 1
                 continue
             seen.add(sid)
-        convs.append(Conversation(messages=messages, source=label, sample_id=sid))
+        if spill is None:
+            convs.append(Conversation(messages=messages, source=label, sample_id=sid))
+        else:
+            spill.append({"sample_id": sid, "source": label, "messages": json.dumps(messages, ensure_ascii=False)})
     rows += dropped["invalid_json"] + dropped["not_english"]  # filtered while reading
-    if not convs:
+    kept: Sequence[Conversation] = convs if spill is None else spill.rows(range(first, spill.count),
+                                                                           spilled_conversation)
+    if not kept:
         why = ", ".join(f"{k}: {v}" for k, v in dropped.most_common()) or "the source is empty"
         if dropped["no_assistant"]:
             raise DataSourceError(
@@ -504,25 +532,26 @@ def load_source(src: SourceConfig, *, keep_thinking: bool = True, require_assist
             "OpenAI `messages` with role/content, perfectblend, prompt/response pairs)"
         )
     seen_fmt = fmt if fmt != "auto" else (formats.most_common(1)[0][0] if formats else "auto")
-    return LoadedSource(label=label, format=seen_fmt, rows=rows, conversations=convs, dropped=dropped)
+    return LoadedSource(label=label, format=seen_fmt, rows=rows, conversations=kept, dropped=dropped)
 
 
 def load_sources(sources: list[SourceConfig], *, seed: int, keep_thinking: bool = True,
                  require_assistant: bool = True, system_prompt: str | None = None,
-                 dedupe: bool = True, keep_prompts: bool = False) -> list[LoadedSource]:
+                 dedupe: bool = True, keep_prompts: bool = False, spill: "Spill | None" = None) -> list[LoadedSource]:
     """Every source loaded, deduplicated across sources, each shuffled with its own seeded RNG
     and cut to its `max_samples`. `keep_prompts` (regenerate on): a user's file or hub dataset may hold
-    prompts only (`SourceConfig.keeps_prompts`)."""
+    prompts only (`SourceConfig.keeps_prompts`). `spill`: see `load_source` (the shuffle moves indices,
+    the same permutation a list of the conversations would get: a seeded shuffle depends only on the count)."""
     seen: set[str] | None = set() if dedupe else None
     out = []
     for i, src in enumerate(sources):
         loaded = load_source(src, keep_thinking=keep_thinking,
                              require_assistant=require_assistant and not src.prompt_only,
                              system_prompt=system_prompt, seen=seen,
-                             keep_prompts=keep_prompts and src.keeps_prompts)
-        random.Random(f"{seed}/{i}/{loaded.label}").shuffle(loaded.conversations)
-        if src.max_samples is not None:
-            loaded.conversations = loaded.conversations[: src.max_samples]
+                             keep_prompts=keep_prompts and src.keeps_prompts, spill=spill)
+        order = list(range(len(loaded.conversations)))
+        random.Random(f"{seed}/{i}/{loaded.label}").shuffle(order)
+        loaded.conversations = take(loaded.conversations, order[: src.max_samples])
         out.append(loaded)
     return out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -102,7 +102,10 @@ def token_stats(samples: list[Sample]) -> dict[str, Any]:
     """Counts of a sample split, with its length distribution: samples per context-length bucket
     (tasks/formats/acceptance.py) and the longest, which `draftline check`, the benchmark report and
     `draftline plan` set against the lengths served."""
-    return {"samples": len(samples), "tokens": sum(s.tokens for s in samples),
-            "masked_tokens": sum(s.masked for s in samples),
-            "length_buckets": length_counts([s.tokens for s in samples]),
-            "longest": max((s.tokens for s in samples), default=0)}
+    return length_stats([s.tokens for s in samples], [s.masked for s in samples])
+
+
+def length_stats(tokens: Sequence[int], masked: Sequence[int]) -> dict[str, Any]:
+    """`token_stats` from each sample's token count and masked-token count (what prepare keeps of a sample)."""
+    return {"samples": len(tokens), "tokens": sum(tokens), "masked_tokens": sum(masked),
+            "length_buckets": length_counts(tokens), "longest": max(tokens, default=0)}
