@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from tasks.cost import plan as planner
 from tasks.cost import rates as cost_rates
+from tasks.cost import shape as cost_shape
 from cli.app import app
 from tasks.core.config import HeadConfig
 from tasks.core.config_load import load_config
@@ -93,14 +94,14 @@ def _draft_flops(rates: dict, cfg, layer_ids: list[int], tmp_path: Path) -> tupl
     from tasks.train.model import flops_per_token
 
     target = cost_rates.load_target(cfg, rates, tmp_path)
-    draft = planner.draft_model(cfg, target, layer_ids)
-    return flops_per_token(draft, cfg.train.ttt_steps), planner.trainable_params(draft)
+    draft = cost_shape.draft_model(cfg, target, layer_ids)
+    return flops_per_token(draft, cfg.train.ttt_steps), cost_shape.trainable_params(draft)
 
 
 def test_the_formulas_give_back_the_measured_figures(tmp_path):
     # bytes per token of an extract part: RESULTS measured 4,613 (bf16) and 2,325 (fp8) on SmolLM2's 4 x 576
-    assert planner.hidden_bytes_per_token(4, 576, "bf16") == 4613
-    assert planner.hidden_bytes_per_token(4, 576, "fp8") == 2325
+    assert cost_shape.hidden_bytes_per_token(4, 576, "bf16") == 4613
+    assert cost_shape.hidden_bytes_per_token(4, 576, "fp8") == 2325
     # the 8B-shaped draft of RESULTS' H200 training runs: 6.52 GFLOP per token (tasks.train.model.flops_per_token)
     rates = cost_rates.load_rates()
     _shape_only_target(rates, "llama-3.1-8b-shape", {
@@ -133,7 +134,7 @@ KIMI = ROOT / "configs" / "kimi-k2.5-b300.yaml"
 def kimi_shape():
     """The Kimi preset's target and draft sizes, built once (no lever of the plan changes them)."""
     cfg = load_config(KIMI)
-    return planner.make_shape(cfg, cost_rates.load_rates())
+    return cost_shape.make_shape(cfg, cost_rates.load_rates())
 
 
 ONE_HEAD = "train.heads=[{kind: eagle3}]"  # the preset with one head: the figures below are one train task's
@@ -321,7 +322,7 @@ def test_the_runs_own_stats_on_the_store_replace_the_assumed_lengths(tmp_path, m
     # the addresses hash what the target is (tasks/engine/weights.py): a local folder holding Kimi's config stands in
     # for the hub snapshot, which this offline machine cannot fingerprint
     model = tmp_path / "kimi-k2.5"
-    planner.make_shape(load_config(KIMI), cost_rates.load_rates()).target.hf_config.save_pretrained(model)
+    cost_shape.make_shape(load_config(KIMI), cost_rates.load_rates()).target.hf_config.save_pretrained(model)
     sets = [f"store.uri={uri}", f"target.model={model}"]
     cfg = load_config(KIMI, sets)
     args = ["plan", str(KIMI), "--set", sets[0], "--set", sets[1], "--json"]
@@ -393,7 +394,7 @@ def test_the_workstation_profile(kimi_shape):
     assert f"~{hours:.0f} h" in RUNBOOK.read_text()
     # slower than a B300 node at every GPU stage of the same config
     rates = cost_rates.load_rates(machine="workstation-rtx-pro-6000")
-    box = planner.make_plan(load_config(KIMI), rates, shape=planner.make_shape(load_config(KIMI), rates))
+    box = planner.make_plan(load_config(KIMI), rates, shape=cost_shape.make_shape(load_config(KIMI), rates))
     node = planner.make_plan(load_config(KIMI), cost_rates.load_rates(), shape=kimi_shape)
     for stage in ("regenerate", "extract", "train"):
         assert ({s.stage: s for s in box.stages}[stage].wall_hours
@@ -461,7 +462,7 @@ def test_the_kimi_preset_leaves_room_and_its_parts_are_the_size_its_comment_says
 def test_a_local_copy_of_a_known_target_plans_with_its_rates(tmp_path, kimi_shape):
     # the workstation's /models/kimi-k2.5 (issue 26): the same config.json under a path, no weights needed
     rates = cost_rates.load_rates()
-    planner.make_shape(load_config(KIMI), rates).target.hf_config.save_pretrained(tmp_path / "kimi-k2.5")
+    cost_shape.make_shape(load_config(KIMI), rates).target.hf_config.save_pretrained(tmp_path / "kimi-k2.5")
     out = draftline("plan", str(KIMI), "--set", f"target.model={tmp_path / 'kimi-k2.5'}", "--nodes", "4")
     assert out.exit_code == 0, out.output
     assert "has the shape of moonshotai/Kimi-K2.5" in " ".join(out.output.split())
