@@ -77,6 +77,9 @@ def stage_task(stage: str, cfg: RunConfig, digest: str, inputs: list[Any], extra
         return finished_or_run(st.store_stage, store, digest, lambda: st.assemble(
             cfg, store, as_ref(data), [as_ref(x) for x in shards], started, reused, digest=digest))
     bar: list[Progress] = []  # made when the stage computes (a found artifact shows no bar)
+    # taken here, in the task's thread: several ranks' records arrive on the thread that follows their metrics
+    # file (tasks/train/ranks.py), which has no Prefect run context of its own to look a logger up in
+    logger = get_run_logger()
 
     def on_progress(m: dict[str, Any]) -> None:
         """The stage's records, as its `tick` says the bar and the log show them."""
@@ -84,9 +87,9 @@ def stage_task(stage: str, cfg: RunConfig, digest: str, inputs: list[Any], extra
         if t.percent is not None and bar:
             bar[0].update(t.percent, t.message)
         for line in t.log:
-            get_run_logger().info(line)
+            logger.info(line)
         for line in t.warnings:
-            get_run_logger().warning(line)
+            logger.warning(line)
 
     context = {"on_metrics": on_progress, "flow_run_id": flow_run.id}  # what a stage's `context` may name
     kwargs = {k: context[k] for k in st.context}
@@ -95,8 +98,7 @@ def stage_task(stage: str, cfg: RunConfig, digest: str, inputs: list[Any], extra
         if st.tick is not None:
             bar.append(Progress(f"{stage}-progress", f"{stage}: progress"))
         if st.nodes(cfg) > 1:
-            ref = train_nodes(cfg, store, (extra or {}).get("children") or {}, *inputs, digest, get_run_logger(),
-                              on_progress)
+            ref = train_nodes(cfg, store, (extra or {}).get("children") or {}, *inputs, digest, logger, on_progress)
         else:
             ref = st.run(cfg, store, *inputs, digest=digest, **kwargs)
         for b in bar:

@@ -12,13 +12,37 @@ process and read back by it: nothing read from it is executed or unpickled.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from tasks.core.errors import DraftlineError
+
 if TYPE_CHECKING:
     import pyarrow as pa
+
+
+class SpillFull(DraftlineError, OSError):
+    """The local disk under a spill file is full (or the process is over a file-size limit)."""
+
+
+@contextlib.contextmanager
+def _local_space(path: str) -> Iterator[None]:
+    """A full local disk while a spill file is written becomes a SpillFull that names the folder and the fix."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, SpillFull) or exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        folder = os.path.dirname(path)
+        raise SpillFull(
+            f"writing the local spill file {path} failed: {os.strerror(exc.errno)} (the disk of {folder} is full "
+            "or over a size limit); nothing was committed to the store: free space there, or set TMPDIR to a "
+            "folder on a bigger local disk (prepare spills ~18 KB per sample: docs/DEPLOY.md), then retry the run "
+            "(finished work is reused)") from None
 
 
 class Spill:
@@ -29,9 +53,10 @@ class Spill:
         import pyarrow as pa
 
         self.path, self.schema, self.count = str(path), schema, 0
-        self._sink = pa.OSFile(self.path, "wb")
-        self._writer = pa.ipc.new_file(self._sink, schema,
-                                       options=pa.ipc.IpcWriteOptions(compression="lz4", use_threads=False))
+        with _local_space(self.path):
+            self._sink = pa.OSFile(self.path, "wb")
+            self._writer = pa.ipc.new_file(self._sink, schema,
+                                           options=pa.ipc.IpcWriteOptions(compression="lz4", use_threads=False))
         self._lists = [pa.types.is_list(f.type) for f in schema]
         self._source: Any = None
         self._reader: Any = None
@@ -50,7 +75,8 @@ class Spill:
                 cols.append(pa.ListArray.from_arrays(pa.array([0, len(values)], pa.int32()), values))
             else:
                 cols.append(pa.array([v], f.type))
-        self._writer.write_batch(pa.record_batch(cols, schema=self.schema))
+        with _local_space(self.path):
+            self._writer.write_batch(pa.record_batch(cols, schema=self.schema))
         self.count += 1
         return self.count - 1
 
@@ -73,9 +99,12 @@ class Spill:
 
     def _finish_writing(self) -> None:
         if self._writer is not None:
-            self._writer.close()
-            self._sink.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            try:
+                with _local_space(self.path):
+                    writer.close()
+            finally:
+                self._sink.close()
 
     def close(self) -> None:
         self._finish_writing()

@@ -416,7 +416,7 @@ def test_the_presets_dflash_head_trains_on_the_kimi_layout_and_exports_what_vllm
     from tasks.train import TrainError
     from tasks.train.stage import run_train
 
-    preset = load_config(Path(__file__).resolve().parents[3] / "configs" / "kimi-k2.5-b300.yaml")
+    preset = load_config(Path(__file__).resolve().parents[2] / "configs" / "kimi-k2.5-b300.yaml")
     head = next(h for h in preset.train.heads if h.kind == "dflash")
     assert (head.block_size, head.num_layers, head.mask_token_id) == (8, 6, 163838)
     vref = run_vocab(kimi.cfg, kimi.store, kimi.data)
