@@ -311,7 +311,9 @@ class _TransformersBackend:
     def extract(self, prompt_token_ids: list[list[int]], layer_ids: list[int], ring: bool = False) -> dict:
         """ring=False: the hidden states in a safetensors file of their own. ring=True: copied into
         the next of two reused shared buffers (no file written); the parent reads them in place and
-        must be done with them before its second-next ring call (EngineProcess.extract)."""
+        must be done with them before its second-next ring call (EngineProcess.extract). One function on purpose:
+        the hooks live until the `finally` removes them, and the copies queued without a host sync are complete
+        only at the one sync after the loop; split, both would cross functions."""
         import torch
         from safetensors.torch import save_file
 

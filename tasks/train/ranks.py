@@ -300,16 +300,7 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
         log.warning("this torch starts the workers' store on every interface (no _create_tcp_store_server to "
                     "bind it): keep the nodes' network private")
     DynamicRendezvousHandler._create_tcp_store_server = _bound_store_server
-    private = None
-    if rendezvous is None:  # like torchrun --standalone: a private rendezvous on the loopback
-        private = listening_store("127.0.0.1")
-        nodes, local_addr = 1, "127.0.0.1"
-        rdzv = {"run_id": secret_run_id(digest), "rdzv_endpoint": f"127.0.0.1:{private.port}",
-                "rdzv_configs": {"is_host": False}}
-    else:  # every node's launcher: the same rendezvous, exactly `nodes` of them (no waiting for more)
-        nodes, local_addr = rendezvous.nodes, node_address()
-        rdzv = {"run_id": rendezvous.run_id, "rdzv_endpoint": rendezvous.endpoint,
-                "rdzv_configs": {"is_host": False, "join_timeout": 600, "read_timeout": 300}}
+    private, nodes, local_addr, rdzv = _rendezvous_args(rendezvous, digest)
     launch = LaunchConfig(
         min_nodes=nodes, max_nodes=nodes, nproc_per_node=ranks, rdzv_backend="c10d", **rdzv, local_addr=local_addr,
         max_restarts=0,  # a failed rank fails the task; the retry resumes from the checkpoint
@@ -350,6 +341,20 @@ def launch_ranks(cfg: RunConfig, store: Store, vocab_ref: ArtifactRef, extract_r
         COMMITTED_HERE.add(ref.attempt)  # our ranks computed it: the run summary counts it as executed
     shutil.rmtree(folder, ignore_errors=True)
     return ref
+
+
+def _rendezvous_args(rendezvous: Rendezvous | None, digest: str) -> tuple[Any, int, str, dict[str, Any]]:
+    """Where the launcher's ranks meet: (the private store to keep alive, or None; nodes; this node's address;
+    the launcher's rdzv arguments). One node: like torchrun --standalone, a private rendezvous on the loopback;
+    several: every node's launcher at the same rendezvous, exactly `nodes` of them (no waiting for more)."""
+    if rendezvous is None:
+        private = listening_store("127.0.0.1")
+        return private, 1, "127.0.0.1", {"run_id": secret_run_id(digest),
+                                         "rdzv_endpoint": f"127.0.0.1:{private.port}",
+                                         "rdzv_configs": {"is_host": False}}
+    return None, rendezvous.nodes, node_address(), {
+        "run_id": rendezvous.run_id, "rdzv_endpoint": rendezvous.endpoint,
+        "rdzv_configs": {"is_host": False, "join_timeout": 600, "read_timeout": 300}}
 
 
 def _terminate_ranks(folder: str) -> None:
