@@ -13,6 +13,8 @@ trained draft's (`_serve_line`), and the slice flow's `stage` parameter says wha
 
 from __future__ import annotations
 
+import logging
+
 import time
 from typing import Any
 
@@ -79,7 +81,7 @@ def stage_task(stage: str, cfg: RunConfig, digest: str, inputs: list[Any], extra
     bar: list[Progress] = []  # made when the stage computes (a found artifact shows no bar)
     # taken here, in the task's thread: several ranks' records arrive on the thread that follows their metrics
     # file (tasks/train/ranks.py), which has no Prefect run context of its own to look a logger up in
-    logger = get_run_logger()
+    logger = _run_logger()
 
     def on_progress(m: dict[str, Any]) -> None:
         """The stage's records, as its `tick` says the bar and the log show them."""
@@ -106,6 +108,16 @@ def stage_task(stage: str, cfg: RunConfig, digest: str, inputs: list[Any], extra
         return ref
 
     return finished_or_run(stage, store, digest, compute)
+
+
+def _run_logger() -> Any:
+    """The run's logger, or outside a Prefect run (the stage task's body called as a function) the process's."""
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("draftline.flow")
 
 
 @task(name="shard", retries=0, **TASK_OPTIONS)
@@ -149,7 +161,7 @@ def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
     check_until(until)
     store = Store.from_config(cfg.store)
     store.check()
-    logger = get_run_logger()
+    logger = _run_logger()
     allow_remote_code(cfg, logger)  # before pinning: pinning fetches the target's small files (with its code)
     overrides = _pin_target(cfg, overrides)
     rec = announce(RunRecord(config_path=config_path, overrides=overrides, flow_run_id=str(flow_run.id or ""),
@@ -380,7 +392,7 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     cfg = load_config(config_path, list(overrides or []))
     store = Store.from_config(cfg.store)
     store.check()
-    logger = get_run_logger()
+    logger = _run_logger()
     allow_remote_code(cfg, logger)  # before pinning: pinning fetches the target's small files (with its code)
     _pin_target(cfg, [])  # the parent pinned target.revision in the overrides: this records it
     if stage == "train":
