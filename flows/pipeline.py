@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Any
 
+from prefect.exceptions import MissingContextError
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.client.orchestration import get_client
@@ -112,8 +113,6 @@ def stage_task(stage: str, cfg: RunConfig, digest: str, inputs: list[Any], extra
 
 def _run_logger() -> Any:
     """The run's logger, or outside a Prefect run (the stage task's body called as a function) the process's."""
-    from prefect.exceptions import MissingContextError
-
     try:
         return get_run_logger()
     except MissingContextError:
