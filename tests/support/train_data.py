@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
+from tasks.core.config import RunConfig
 from tasks.core.digest import VERSIONS, stage_digest
 from tasks.store.artifacts import ArtifactRef, Store
 
@@ -133,3 +134,17 @@ def extract_stage(store: Store, refs: list[ArtifactRef]) -> ArtifactRef:
     from tasks.extract.stage import assemble_extract
 
     return assemble_extract(RunConfig(), store, refs, time.time(), 0)
+
+
+def tiny_chat_run(tmp_path: Path, **sections: dict) -> tuple[Store, RunConfig]:
+    """Twelve short chats as a JSONL source, a file:// store under TMP_PATH, and a config of 2 shards that
+    prepares them (SECTIONS: whole config sections to add, e.g. regenerate={"enabled": False})."""
+    src = Path(tmp_path) / "chats.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                                      {"role": "assistant", "content": f"It is {2 * i}."}]})
+                             for i in range(12)))
+    store = Store(f"file://{tmp_path}/store")
+    cfg = RunConfig.model_validate({"store": {"uri": store.uri}, "target": {"max_model_len": 256}, **sections,
+                                    "data": {"sources": [{"path": str(src)}], "heldout": 2, "num_shards": 2,
+                                             "max_length": 256}})
+    return store, cfg

@@ -195,21 +195,14 @@ def test_the_flow_computes_each_address_once_and_the_stage_commits_there(prefect
     from flows.caching import as_ref
     from tasks.data.prepare import run_prepare
     from tasks.data.vocab import run_vocab
-    from tasks.store.artifacts import Store
     from tasks.store.stages import ShardedStage
+    from train_data import tiny_chat_run
 
     for st in pipeline.STAGE_DEFS:  # every stage takes the flow's digest, by keyword
         entry = st.assemble if isinstance(st, ShardedStage) else st.run
         assert inspect.signature(entry).parameters["digest"].kind is inspect.Parameter.KEYWORD_ONLY, st.name
 
-    src = tmp_path / "chats.jsonl"
-    src.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                                                      {"role": "assistant", "content": f"It is {2 * i}."}]})
-                             for i in range(12)))
-    store = Store(f"file://{tmp_path}/store")
-    cfg = RunConfig.model_validate({"store": {"uri": store.uri}, "target": {"max_model_len": 256},
-                                    "data": {"sources": [{"path": str(src)}], "heldout": 2, "num_shards": 2,
-                                             "max_length": 256}})
+    store, cfg = tiny_chat_run(tmp_path)
     calls: Counter = Counter()
     for name in ("prepare", "vocab"):
         real = getattr(digests, name)

@@ -3,26 +3,15 @@ store as far as the artifacts an address is made of are committed, and the first
 
 from __future__ import annotations
 
-import json
-
 from tasks.address import digests
-from tasks.core.config import RunConfig
 from tasks.data.prepare import run_prepare
 from tasks.data.vocab import run_vocab
-from tasks.store.artifacts import Store
 from tasks.store.resolve import resolve
+from train_data import tiny_chat_run
 
 
 def test_resolve_finds_what_is_committed_and_stops_at_the_first_stage_that_is_not(tmp_path):
-    src = tmp_path / "chats.jsonl"
-    src.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                                                      {"role": "assistant", "content": f"It is {2 * i}."}]})
-                             for i in range(12)))
-    store = Store(f"file://{tmp_path}/store")
-    cfg = RunConfig.model_validate({"store": {"uri": store.uri}, "target": {"max_model_len": 256},
-                                    "regenerate": {"enabled": False},
-                                    "data": {"sources": [{"path": str(src)}], "heldout": 2, "num_shards": 2,
-                                             "max_length": 256}})
+    store, cfg = tiny_chat_run(tmp_path, regenerate={"enabled": False})
     found = resolve(cfg, store)  # nothing committed: the first stage's address, no later one
     assert found.missing == "prepare" and found.of("prepare").digest == digests.prepare(cfg)
     assert found.ref("prepare") is None and found.of("vocab") is None and found.ref("data") is None
