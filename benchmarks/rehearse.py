@@ -6,7 +6,10 @@ For each shard count: a fresh real `prefect server` (SQLite, or PostgreSQL start
 `infra/local-stack.sh postgres`), a fresh SeaweedFS with its Prometheus metrics on, `draftline deploy`,
 four process-worker nodes (`prefect worker start --limit 1`, each its own Prefect home), then
 `draftline submit benchmarks/rehearsal.yaml --deployment local --until extract` with extract.nodes=4
-and 2 samples per shard. Measured, for the run from submit to Completed:
+and 2 samples per shard. The target (--target): `tiny` (default), the demo model's architecture and tokenizer
+at 4 layers of width 64 with random weights, so that a shard's compute is near zero and what is left is
+orchestration; or `demo`, the 135M demo model itself (the earlier rows of RESULTS). Measured, for the run from
+submit to Completed:
 
 - wall: seconds from submit to Completed; compute: the extraction shards' own seconds (manifests'
   `seconds`: the engine's forward passes and the shard's writes), divided by the 4 nodes;
@@ -21,7 +24,8 @@ and 2 samples per shard. Measured, for the run from submit to Completed:
 
 With --kill-after K a node is lost mid-stage (the first node running a child slice is SIGKILLed once it
 finished K shards): the run must fail naming exactly the shards not on the store, `draftline status` must
-list them, and `draftline retry --watch` must complete the run committing only those.
+list them, and `draftline retry --watch` (or, with --retry-with ui, the Prefect UI's Retry button clicked in
+headless Chromium) must complete the run committing only those.
 
 Results go to --out (a JSON list, one object per run); without --shards the script runs nothing and prints
 --out's results as benchmarks/RESULTS.md's table (--plot FILE also draws them).
@@ -53,6 +57,7 @@ from s3server import S3Server  # noqa: E402
 
 NODES = 4
 CONFIG = ROOT / "benchmarks" / "rehearsal.yaml"
+TINY = Path(tempfile.gettempdir()) / "draftline-rehearsal-tiny-target"
 TABLES = ("flow_run", "flow_run_state", "task_run", "task_run_state", "log", "events", "event_resources",
           "artifact")
 
@@ -64,6 +69,27 @@ def conversations(path: Path, n: int) -> None:
             f.write(json.dumps({"messages": [
                 {"role": "user", "content": f"What is {i} plus {i + 7}?"},
                 {"role": "assistant", "content": f"{i} plus {i + 7} is {2 * i + 7}."}]}) + "\n")
+
+
+def tiny_target(folder: Path) -> Path:
+    """The demo model's tokenizer and architecture at a stand-in's size (4 layers, width 64, random weights):
+    the engine's compute per shard is then near zero and what a shard costs is orchestration."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tasks.core.config import TargetConfig
+    from tasks.engine.target import load_tokenizer, resolve_model
+
+    if (folder / "model.safetensors").exists():
+        return folder
+    demo = TargetConfig(model="smollm2-135m-instruct")
+    cfg = AutoConfig.from_pretrained(resolve_model(demo))
+    cfg.update({"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    load_tokenizer(demo).save_pretrained(folder)
+    return folder
 
 
 def store_counters(port: int) -> dict[str, float]:
@@ -172,14 +198,39 @@ def kill_a_child_node(nodes: list, after: int, timeout: float) -> dict:
             if re.search(r"Flow run '[^']*-extract-\d+of\d+-try1' - Beginning", log) and len(done) >= after:
                 os.killpg(n.proc.pid, 9)
                 n.proc.wait(30)
-                return {"node": n.name, "done_before_kill": sorted(done)}
+                every = {s for m in nodes for s in shards_done(m.read_log())}  # on all four nodes by then
+                return {"node": n.name, "done_before_kill": sorted(done), "run_done_at_kill": len(every)}
         time.sleep(0.5)
     raise RuntimeError(f"no child node finished {after} shards in {timeout}s")
 
 
-def retry_after_loss(server, run_id: str, cli: dict, store_uri: str, shards: int, killed: dict) -> dict:
+def retry_in_ui(server, run_id: str) -> float:
+    """The Prefect UI's Retry of the failed run, clicked in headless Chromium (benchmarks/ui_page.py's browser):
+    the run's page, its Retry button, the confirmation's Retry. Returns when it was clicked."""
+    from playwright.sync_api import sync_playwright
+
+    from ui_page import CHROMIUM, seen
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.goto(f"{server.ui_url}/runs/flow-run/{run_id}", wait_until="domcontentloaded", timeout=120_000)
+        seen(page, "Failed")
+        page.get_by_role("button", name="Retry").first.click()
+        confirm = page.get_by_role("dialog").get_by_role("button", name="Retry")
+        if confirm.count():  # the UI asks to confirm
+            confirm.first.click()
+        clicked = time.time()
+        time.sleep(2)  # the request lands before the browser closes
+        browser.close()
+    return clicked
+
+
+def retry_after_loss(server, run_id: str, cli: dict, store_uri: str, shards: int, killed: dict,
+                     via: str = "cli") -> dict:
     """After a node was lost: the run failed naming its unfinished shards; `draftline status` lists them,
-    `draftline retry` runs exactly those; nothing committed before is committed again."""
+    `draftline retry` (VIA cli) or the Prefect UI's Retry button (VIA ui) runs exactly those; nothing committed
+    before is committed again."""
     from tasks.core.config import StoreConfig
     from tasks.store.artifacts import Store
 
@@ -190,17 +241,24 @@ def retry_after_loss(server, run_id: str, cli: dict, store_uri: str, shards: int
     named = re.search(r"shards not finished \(\[([\d, ]*)\]\)", status["message"] or "")
     listed = sorted(int(x) for x in named.group(1).split(",")) if named else None
     t0 = time.time()
-    out = harness.draftline("retry", run_id, "--watch", "--timeout", "3600", env=cli, timeout=3700, check=False)
+    if via == "ui":
+        clicked = retry_in_ui(server, run_id)
+        run, _ = wait_final(server, run_id, not_before=clicked)
+        rc = 0 if run.state.type.value == "COMPLETED" else 1
+    else:
+        rc = harness.draftline("retry", run_id, "--watch", "--timeout", "3600", env=cli, timeout=3700,
+                               check=False).returncode
     after = {m.stats["shard"]: m.created for m in Store.from_config(StoreConfig(uri=store_uri)).list("extract")}
     return {"killed": killed, "missing_after_kill": missing, "status_lists": listed,
-            "status_lists_exactly_missing": listed == missing, "retry_rc": out.returncode,
+            "status_lists_exactly_missing": listed == missing, "retry_via": via, "retry_rc": rc,
             "retry_s": round(time.time() - t0, 1), "all_shards_after_retry": sorted(after) == list(range(shards)),
             "recommitted": sorted(s for s in before if after.get(s) != before[s]),
             "committed_by_retry": sorted(s for s in after if s not in before)}
 
 
-def wait_final(server, run_id: str, every: float = 5.0, timeout: float = 6 * 3600):
-    """The run once it ended, and how many API requests this wait made (subtracted from the run's)."""
+def wait_final(server, run_id: str, every: float = 5.0, timeout: float = 6 * 3600, not_before: float = 0.0):
+    """The run once it ended (in a state entered after NOT_BEFORE), and how many API requests this wait made
+    (subtracted from the run's)."""
     polls, deadline = 0, time.time() + timeout
     with harness.client(server) as c:
         while time.time() < deadline:
@@ -211,13 +269,15 @@ def wait_final(server, run_id: str, every: float = 5.0, timeout: float = 6 * 360
                 print(f"poll failed ({str(exc)[:120]}); asking again", file=sys.stderr)
                 time.sleep(every)
                 continue
-            if run.state is not None and run.state.type.value in ("COMPLETED", "FAILED", "CRASHED"):
+            if run.state is not None and run.state.type.value in ("COMPLETED", "FAILED", "CRASHED") and \
+                    run.state.timestamp.timestamp() > not_before:
                 return run, polls
             time.sleep(every)
     raise RuntimeError(f"run {run_id} not finished after {timeout}s")
 
 
-def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: int | None = None) -> dict:
+def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: int | None = None,
+             target: str = "tiny", retry_via: str = "cli") -> dict:
     pg_url = start_postgres(tmp) if db == "postgres" else None
     saved = os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL")
     if pg_url:
@@ -228,7 +288,10 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: in
     metrics_port = free_port()
     s3 = S3Server(tmp / "s3", metrics_port=metrics_port)
     nodes: list[harness.Worker] = []
-    res: dict = {"shards": shards, "db": db, "nodes": NODES, "samples_per_shard": per_shard}
+    res: dict = {"shards": shards, "db": db, "nodes": NODES, "samples_per_shard": per_shard, "target": target}
+    # the demo's 135M model (earlier rows), or a stand-in of its shape at near-zero compute
+    model = ["--set", f"target.model={tiny_target(TINY)}", "--set", "extract.layer_ids=[1,2,3,4]"] \
+        if target == "tiny" else []
     try:
         server.start()
         s3.start()
@@ -258,7 +321,7 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: in
         sub = harness.draftline(
             "submit", str(CONFIG), "--deployment", "local", "--until", "extract", "--json",
             "--set", f"data.sources=[{{path: {data}, name: rehearsal}}]", "--set", f"data.num_shards={shards}",
-            "--set", f"data.max_samples={shards * per_shard + 4}", env=cli)
+            "--set", f"data.max_samples={shards * per_shard + 4}", *model, env=cli)
         run_id = json.loads(sub.stdout.strip().splitlines()[-1])["id"]
         if kill_after is not None:
             res["killed"] = kill_a_child_node(nodes, kill_after, timeout=3600)
@@ -286,7 +349,7 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: in
         res["overhead_per_shard_s"] = round(res["overhead_s"] / shards, 3)
         res["status"] = json.loads(harness.draftline("status", run_id, "--json", env=cli).stdout).get("state")
         if kill_after is not None:
-            res["fault"] = retry_after_loss(server, run_id, cli, store_uri, shards, res["killed"])
+            res["fault"] = retry_after_loss(server, run_id, cli, store_uri, shards, res["killed"], retry_via)
     finally:
         for n in nodes:
             n.stop()
@@ -302,6 +365,11 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: in
     return res
 
 
+def series(r: dict) -> tuple[str, str, str]:
+    """One line of the plot: the target (rows before --target were the demo model), the database, the code."""
+    return r.get("target", "demo"), r["db"], r.get("code", "")
+
+
 def plot(results: list[dict], path: Path) -> None:
     """Per shard, against the shard count: overhead seconds, Prefect API requests, store requests."""
     import matplotlib
@@ -315,10 +383,9 @@ def plot(results: list[dict], path: Path) -> None:
               ("store requests per shard", lambda r: sum(v for k, v in r["store"].items()
                                                          if not k.startswith("bytes")) / r["shards"]))
     for ax, (title, y) in zip(axes, panels):
-        for db, code in sorted({(r["db"], r.get("code", "")) for r in results}):
-            rows = sorted((r for r in results if (r["db"], r.get("code", "")) == (db, code) and "fault" not in r),
-                          key=lambda r: r["shards"])
-            ax.plot([r["shards"] for r in rows], [y(r) for r in rows], marker="o", label=f"{db} {code}".strip())
+        for key in sorted({series(r) for r in results if "fault" not in r}):
+            rows = sorted((r for r in results if series(r) == key and "fault" not in r), key=lambda r: r["shards"])
+            ax.plot([r["shards"] for r in rows], [y(r) for r in rows], marker="o", label=" ".join(key).strip())
         ax.set_xscale("log", base=2)
         ax.set_xlabel("shards (4 nodes)")
         ax.set_title(title, fontsize=10)
@@ -330,14 +397,14 @@ def plot(results: list[dict], path: Path) -> None:
 
 def table(results: list[dict]) -> str:
     """The results as benchmarks/RESULTS.md's markdown table, per shard where it says so."""
-    rows = ["| code | db | shards | wall s | compute s / 4 nodes | overhead s | **overhead per shard s** | API requests "
+    rows = ["| code | target | db | shards | wall s | compute s / 4 nodes | overhead s | **overhead per shard s** | API requests "
             "per shard | DB rows per shard (task-run states, events, logs) | DB growth KB per shard | parent peak "
             "RSS MB | store requests per shard (LIST, GET+HEAD, PUT, DELETE) | store KB in / out per shard |",
-            "|" + "---|" * 13]
-    for r in sorted(results, key=lambda r: (r.get("code", ""), r["shards"], r["db"])):
+            "|" + "---|" * 14]
+    for r in sorted(results, key=lambda r: (r.get("target", "demo"), r.get("code", ""), r["shards"], r["db"])):
         n, st, d = r["shards"], r["store"], r["db_rows"]
         rows.append(
-            f"| {r.get('code', '')} | {r['db']} | {n} | {r['wall_s']:.0f} | {r['compute_s'] / NODES:.0f} | {r['overhead_s']:.0f} | "
+            f"| {r.get('code', '')} | {r.get('target', 'demo')} | {r['db']} | {n} | {r['wall_s']:.0f} | {r['compute_s'] / NODES:.0f} | {r['overhead_s']:.0f} | "
             f"**{r['overhead_per_shard_s']:.2f}** | {r['api_requests'] / n:.1f} | "
             f"{d['task_run_state'] / n:.1f}, {d['events'] / n:.1f}, {d['log'] / n:.1f} | {r['db_bytes'] / n / 1024:.0f} | "
             f"{r['parent_peak_rss_mb']:.0f} | "
@@ -356,6 +423,13 @@ def main() -> None:
                     help="lose a node: SIGKILL the first node running a child slice once it finished this many "
                          "shards, then check `draftline status` and `draftline retry` (the run's figures then "
                          "cover the failed attempt)")
+    ap.add_argument("--retry-with", choices=["cli", "ui"], default="cli",
+                    help="with --kill-after: retry the failed run with `draftline retry --watch` (cli) or the Prefect "
+                         "UI's Retry button, clicked in headless Chromium (ui: playwright and Debian's chromium, "
+                         "as benchmarks/ui_page.py says)")
+    ap.add_argument("--target", choices=["tiny", "demo"], default="tiny",
+                    help="tiny: the demo model's shape at 4 layers of width 64, random weights (near-zero compute); "
+                         "demo: the 135M demo model itself")
     ap.add_argument("--plot", type=Path, default=None, help="draw --out's results to this PNG")
     a = ap.parse_args()
     results = json.loads(a.out.read_text()) if a.out.exists() else []
@@ -369,7 +443,8 @@ def main() -> None:
             tmp = Path(tempfile.mkdtemp(prefix=f"rehearse-{db}-{n}-"))
             tmp.chmod(0o755)  # PostgreSQL runs as the postgres user when we are root: it must reach its folder
             try:
-                r = rehearse(n, db, tmp, kill_after=a.kill_after)
+                r = rehearse(n, db, tmp, kill_after=a.kill_after, target=a.target,
+                             retry_via=a.retry_with)
                 r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
                 r["code"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                            text=True).stdout.strip()

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
+from tasks.core.arenas import bound_arenas
 from tasks.core.home import apply_env_defaults
 
 apply_env_defaults()  # before Prefect is imported (tasks.core.home.ENV_DEFAULTS says why)
+bound_arenas()  # before any thread starts: a local run's flow runs in this process (tasks/core/arenas.py)
 
 import httpx
 import typer

@@ -35,6 +35,7 @@ from flows.report_artifacts import Progress, show
 from flows.run_record import RunRecord, announce, finish_stage
 from flows.train_nodes import train_child, train_nodes
 from tasks.benchmark.serve import run_serve
+from tasks.core.arenas import bound_arenas
 from tasks.core.config import RunConfig, STAGES
 from tasks.core.config_load import load_config
 from tasks.core.errors import ConfigError
@@ -149,6 +150,7 @@ def _stop_after(until: str | None, stage: str) -> bool:
 def pipeline(config_path: str | None = None, overrides: list[str] | None = None, until: str | None = None) -> dict:
     """Train an EAGLE-3 draft: parameters are a config file path plus `a.b=c` overrides."""
     chain_into_flow()  # SIGTERM (a worker cancelling, a node shutting down) stops engines and waits first
+    bound_arenas()  # the flow's resident memory does not grow with the shards it runs (tasks/core/arenas.py)
     overrides = list(overrides or [])
     if not deployment.id and flow_run.id:  # a run this machine starts itself: `draftline retry` may re-run it here
         try:
@@ -386,6 +388,7 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     of the run's training, joining RENDEZVOUS; the train address in TRAIN_INPUTS picks the head
     (flows/train_nodes.py)."""
     chain_into_flow()
+    bound_arenas()
     if stage not in SHARDED and stage != "train":
         raise RuntimeError(f"stage={stage!r}: a slice runs the shards of one of {', '.join(SHARDED)}, or train")
     cfg = load_config(config_path, list(overrides or []))
