@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,8 @@ def test_the_kept_numbers_are_the_built_ones(name, home, builds):
     assert second.target.rates == built.target.rates
     assert second.target.hf_config.num_hidden_layers == built.target.hf_config.get_text_config().num_hidden_layers
     assert second.hidden == {"demo": 576, "kimi": 7168}[name]
+    shutil.rmtree(home)  # the README: the folder is safe to delete, the next plan builds again
+    assert numbers(shape_cache.cached_shape(cfg, rates)) == numbers(built) and len(builds) == 2
 
 
 def test_a_changed_draft_input_builds_again_and_another_field_does_not(home, builds):
@@ -134,3 +137,11 @@ def test_a_second_plan_imports_neither_speculators_nor_torch_and_prints_the_same
     assert imported_cold.strip() == "['speculators', 'torch', 'transformers']"  # the check sees a build's imports
     assert imported_warm.strip() == "[]"
     assert plan_warm == plan_cold and "| **total** |" in plan_warm
+
+
+def test_without_draftline_home_the_shapes_are_kept_under_the_users_cache(tmp_path, monkeypatch, builds):
+    monkeypatch.delenv("DRAFTLINE_HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shape_cache.cached_shape(load_config(CONFIGS["demo"]), cost_rates.load_rates())
+    assert len(list((tmp_path / ".cache" / "draftline" / shape_cache.FOLDER).glob("*.json"))) == 1
