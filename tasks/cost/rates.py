@@ -117,8 +117,10 @@ def load_rates(path: Path = RATES_FILE, overrides: list[str] | None = None,
 
 @dataclass
 class Target:
+    """The target a plan prices. From load_target: transformers' config and the folder its config.json was saved
+    to; from a kept shape (tasks/cost/shape_cache.py): the fields of its text config a plan reads, and no folder."""
     hf_config: Any
-    folder: str  # a folder holding its config.json (for speculators' layer config)
+    folder: str  # a folder holding its config.json (for speculators' layer config); "" for a kept shape
     rates: dict[str, Rate]
     experts: bool
     known_as: str = ""  # the rates file's target whose shape a local target.model has
