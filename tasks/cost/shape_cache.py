@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from tasks.core.config import RunConfig
 from tasks.core.home import cache_home
@@ -55,6 +55,13 @@ class ShapeEntry(BaseModel):
     experts: bool
     known_as: str
     text: dict[str, Any]
+
+    @field_validator("text")
+    @classmethod
+    def _every_text_field(cls, text: dict[str, Any]) -> dict[str, Any]:
+        if sorted(text) != sorted(TEXT_FIELDS):
+            raise ValueError(f"text holds {sorted(text)}, not the fields {sorted(TEXT_FIELDS)}")
+        return text
 
 
 def shape_key(cfg: RunConfig, src: TargetSource, rates: dict[str, Any]) -> str:

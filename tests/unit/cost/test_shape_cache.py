@@ -75,7 +75,7 @@ def test_a_changed_draft_input_builds_again_and_another_field_does_not(home, bui
 
 
 @pytest.mark.parametrize("damage", ["not json {", '{"schema_version": 1}', "extra field", "foreign key",
-                                    "schema 2", "number as text"])
+                                    "schema 2", "number as text", "a text field missing"])
 def test_a_damaged_entry_is_rebuilt(damage, home, builds):
     cfg, rates = load_config(CONFIGS["demo"]), cost_rates.load_rates()
     good = numbers(shape_cache.cached_shape(cfg, rates))
@@ -85,7 +85,9 @@ def test_a_damaged_entry_is_rebuilt(damage, home, builds):
            "extra field": json.dumps({**entry, "pickle": "x"}),
            "foreign key": json.dumps({**entry, "key": "0" * 32, "trainable": 1}),
            "schema 2": json.dumps({**entry, "schema_version": 2}),
-           "number as text": json.dumps({**entry, "trainable": str(entry["trainable"])})}[damage]
+           "number as text": json.dumps({**entry, "trainable": str(entry["trainable"])}),
+           "a text field missing": json.dumps({**entry, "text": {k: v for k, v in entry["text"].items()
+                                                                 if k != "kv_lora_rank"}})}[damage]
     path.write_text(bad)
     assert numbers(shape_cache.cached_shape(cfg, rates)) == good
     assert len(builds) == 2  # rebuilt, and written back whole
