@@ -14,7 +14,8 @@ training runs on `train.nodes` nodes (one in the presets), the benchmark on one.
 wall-clock, a schedule that rents the nodes per stage, and the busy node-hours alone.
 
 `make_plan` is a plain function (config, rates and the run's lengths in, numbers out: it reads no store; the
-rates are tasks/cost/rates.py's, the lengths tasks/cost/lengths.py's); `render` prints the markdown that
+rates are tasks/cost/rates.py's, the lengths tasks/cost/lengths.py's, the draft's shape tasks/cost/shape_cache.py's,
+built once per draft and kept in draftline's cache home); `render` prints the markdown that
 docs/kimi-k2.5.md shows verbatim (tests/unit/cost/test_plan.py keeps them equal).
 """
 
