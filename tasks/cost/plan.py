@@ -14,7 +14,8 @@ training runs on `train.nodes` nodes (one in the presets), the benchmark on one.
 wall-clock, a schedule that rents the nodes per stage, and the busy node-hours alone.
 
 `make_plan` is a plain function (config, rates and the run's lengths in, numbers out: it reads no store; the
-rates are tasks/cost/rates.py's, the lengths tasks/cost/lengths.py's); `render` prints the markdown that
+rates are tasks/cost/rates.py's, the lengths tasks/cost/lengths.py's, the draft's shape tasks/cost/shape_cache.py's,
+built once per draft and kept in draftline's cache home); `render` prints the markdown that
 docs/kimi-k2.5.md shows verbatim (tests/unit/cost/test_plan.py keeps them equal).
 """
 
@@ -27,7 +28,8 @@ from typing import Any
 from tasks.core.config import RunConfig
 from tasks.cost.lengths import Lengths, length_notes
 from tasks.cost.rates import DEFAULT_MACHINE, SHAPE_KEYS, PlanError, Rate
-from tasks.cost.shape import Shape, head_cost_rate, hidden_bytes_per_token, make_shape
+from tasks.cost.shape import Shape, head_cost_rate, hidden_bytes_per_token
+from tasks.cost.shape_cache import cached_shape
 from tasks.engine.target import text_config
 from tasks.train.preflight import head_problems
 
@@ -78,7 +80,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
     """The plan of CFG's run on `rates` (a machine's, load_rates) over NODES nodes: per stage its tokens, store
     bytes, busy node-hours and wall-clock hours; the totals and costs; the notes that say what each rests on;
     with LEVERS, the same plan with one thing changed at a time. LENGTHS: the run's own (tasks/cost/lengths.py),
-    else the rates' assumptions; SHAPE: the target's and draft's sizes (make_shape, computed when not given)."""
+    else the rates' assumptions; SHAPE: the target's and draft's sizes (when not given: tasks/cost/shape_cache.py's, built once per draft)."""
     shape = _checked_shape(cfg, rates, nodes, shape)
     lengths = lengths or Lengths()
     r = {k: v.value for k, v in rates["rates"].items()}
@@ -106,7 +108,7 @@ def make_plan(cfg: RunConfig, rates: dict[str, Any], *, nodes: int = 1, config_n
 
 
 def _checked_shape(cfg: RunConfig, rates: dict[str, Any], nodes: int, shape: Shape | None) -> Shape:
-    """SHAPE (or make_shape's), once the node count, the sample count, the heads and the target's weights pass."""
+    """SHAPE (or cached_shape's), once the node count, the sample count, the heads and the target's weights pass."""
     if nodes < 1:
         raise PlanError(f"--nodes must be 1 or more, got {nodes}")
     if rates.get("max_nodes") and nodes > rates["max_nodes"]:
@@ -115,7 +117,7 @@ def _checked_shape(cfg: RunConfig, rates: dict[str, Any], nodes: int, shape: Sha
     if not cfg.data.max_samples:
         raise PlanError("data.max_samples is not set: a plan needs the number of samples (set it, or "
                         "--set data.max_samples=N)")
-    shape = shape or make_shape(cfg, rates)
+    shape = shape or cached_shape(cfg, rates)
     # a head this target cannot train is refused as `draftline run` refuses it (tasks/train/preflight.py)
     problems = head_problems(cfg, text_config(shape.target.hf_config))
     if problems:

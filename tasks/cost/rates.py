@@ -4,6 +4,7 @@ benchmarks/RESULTS.md, a cited published figure, or an assumption); the hardware
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,8 +117,10 @@ def load_rates(path: Path = RATES_FILE, overrides: list[str] | None = None,
 
 @dataclass
 class Target:
+    """The target a plan prices. From load_target: transformers' config and the folder its config.json was saved
+    to; from a kept shape (tasks/cost/shape_cache.py): the fields of its text config a plan reads, and no folder."""
     hf_config: Any
-    folder: str  # a folder holding its config.json (for speculators' layer config)
+    folder: str  # a folder holding its config.json (for speculators' layer config); "" for a kept shape
     rates: dict[str, Rate]
     experts: bool
     known_as: str = ""  # the rates file's target whose shape a local target.model has
@@ -152,12 +155,20 @@ def _target_rate(model: str, entry: dict, name: str, overrides: dict[str, float]
     return _rate(f"target.{name}", entry[name])
 
 
-def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
-    """The target's config from the rates file's `targets` entry (no weights needed), else from target.model;
-    its rates on the plan's machine from the entry's `machines:`."""
-    from transformers import AutoConfig
+@dataclass
+class TargetSource:
+    """Where a target's shape comes from, read without transformers (or torch): its rates file entry (None for
+    a model the file does not name) and the config that entry states, or the model's own config.json."""
+    entry: dict | None
+    known_as: str  # the rates file's target a local copy (local_copies) is
+    config: dict
+    stated: bool  # the config states the target's context length (a rates entry's config is a stand-in)
 
-    from tasks.engine.target import TargetError, load_hf_config, max_model_len_problem, text_config
+
+def target_source(cfg: RunConfig, rates: dict[str, Any]) -> TargetSource:
+    """The rates file's `targets` entry of target.model (or of the preset it is a local copy of), else the
+    config.json of target.model (a folder, or a hub id's files on this node)."""
+    from tasks.engine.target import TargetError, resolve_model
 
     model = cfg.target.model
     entry = rates["targets"].get(model)
@@ -165,25 +176,56 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
     if entry is None and not Path(model).exists():  # a preset's copy on its own machine, planned elsewhere
         known_as = next((name for name, e in rates["targets"].items() if model in (e.get("local_copies") or [])), "")
         entry = rates["targets"].get(known_as)
-    # a rates entry's config is a stand-in: its context length is only known when it states one
-    stated = entry is None or "max_position_embeddings" in entry.get("config", {})
-    if entry is not None:
+    if entry is not None:  # its context length stated at the top, or in a multimodal wrapper's text_config
         conf = dict(entry["config"])
+        stated = any("max_position_embeddings" in (c or {}) for c in (conf, conf.get("text_config")))
+        return TargetSource(entry, known_as, conf, stated)
+    try:
+        config = json.loads((Path(resolve_model(cfg.target, weights=False)) / "config.json").read_text())
+    except (TargetError, OSError, ValueError) as exc:
+        raise unreadable_target(model, exc) from None
+    return TargetSource(None, "", config, True)
+
+
+def unreadable_target(model: str, exc: Exception) -> PlanError:
+    return PlanError(f"target.model {model!r}: cannot read its config ({str(exc).splitlines()[0][:160]}); add it "
+                     f"under `targets:` in {RATES_FILE.relative_to(CHECKOUT)} (its config.json fields, "
+                     f"active_params, and per machine {', '.join(TARGET_RATES)})")
+
+
+def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
+    """The target's config from the rates file's `targets` entry (no weights needed), else from target.model
+    (transformers' AutoConfig, saved to `tmp` for speculators' layer config); its rates on the plan's machine."""
+    from transformers import AutoConfig
+
+    from tasks.engine.target import TargetError, load_hf_config, max_model_len_problem, text_config
+
+    src = target_source(cfg, rates)
+    entry, known_as = src.entry, src.known_as
+    if entry is not None:
+        conf = dict(src.config)
         hf = AutoConfig.for_model(conf.pop("model_type"), **conf)
     else:
         try:
             hf = load_hf_config(cfg.target)
         except (TargetError, OSError, ValueError) as exc:
-            raise PlanError(f"target.model {model!r}: cannot read its config ({str(exc).splitlines()[0][:160]}); "
-                            f"add it under `targets:` in {RATES_FILE.relative_to(CHECKOUT)} (its config.json fields, "
-                            f"active_params, and per machine {', '.join(TARGET_RATES)})") from None
+            raise unreadable_target(cfg.target.model, exc) from None
         known_as = _same_shape(hf, rates["targets"])
         entry = rates["targets"][known_as] if known_as else {}
     hf.save_pretrained(tmp)
     tc = text_config(hf)
-    too_long = max_model_len_problem(cfg.target, tc) if stated else None
+    too_long = max_model_len_problem(cfg.target, tc) if src.stated else None
     if too_long:
         raise PlanError(too_long)
+    return Target(hf, str(tmp), target_rates(cfg, rates, entry, known_as),
+                  experts=bool(getattr(tc, "n_routed_experts", None) or getattr(tc, "num_local_experts", None)),
+                  known_as=known_as)
+
+
+def target_rates(cfg: RunConfig, rates: dict[str, Any], entry: dict, known_as: str) -> dict[str, Rate]:
+    """The target's rates on the plan's machine: its active parameters and decode rates from its rates file
+    `entry` (or --rate), the bytes of its weights from the entry or its local folder's *.safetensors."""
+    model = cfg.target.model
     machine = rates.get("machine", DEFAULT_MACHINE)
     on_machine = (entry.get("machines") or {}).get(machine, {})
     out = {"active_params": _target_rate(known_as or model, entry, "active_params", rates["overrides"], "")}
@@ -196,6 +238,4 @@ def load_target(cfg: RunConfig, rates: dict[str, Any], tmp: Path) -> Target:
         size = sum(f.stat().st_size for f in local.glob("*.safetensors"))
         out["weights_gb"] = Rate("target.weights_gb", size / 1e9, "GB of weights (*.safetensors)", "measured",
                                  f"the sizes of the *.safetensors files in {local}")
-    return Target(hf, str(tmp), out,
-                  experts=bool(getattr(tc, "n_routed_experts", None) or getattr(tc, "num_local_experts", None)),
-                  known_as=known_as)
+    return out

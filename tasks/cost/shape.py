@@ -1,7 +1,8 @@
 """The sizes the cost model prices (tasks/cost/plan.py): the draft this config would train, built on the meta
 device (shapes only: speculators' Eagle3DraftModel from the same layer config as tasks.train.model), its trainable
 parameters and training FLOPs per token, each head's cost over it, and the stored bytes per token of an extract
-part. No lever of a plan changes them, so `make_plan` builds one `Shape` and reuses it for every lever."""
+part. No lever of a plan changes them, so `make_plan` builds one `Shape` and reuses it for every lever;
+tasks/cost/shape_cache.py keeps its numbers on disk, so each draft's is built once (building imports torch)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from tasks.core.config import RunConfig
 from tasks.cost.rates import Rate, Target, load_target
 from tasks.engine.target import text_config
+from tasks.train.head_kinds import passes_per_token
 
 
 # --------------------------------------------------------------------------- the draft's size
@@ -71,12 +73,10 @@ class Shape:
 
     def head_cost(self, head: Any, train: Any) -> float:
         """A head kind's training FLOPs per token over the EAGLE-3 draft's (`train_flops`): one factor per
-        head, from its passes per token (tasks.train.model.passes_per_token: eagle3, eagle3.1 and eagle3-mla
+        head, from its passes per token (tasks.train.head_kinds.passes_per_token: eagle3, eagle3.1 and eagle3-mla
         train.ttt_steps, 1.0; dflash and dspark block_size x max_anchors / batch_tokens) with the same layers.
         Computed, not measured: DSpark's Markov and confidence heads, the MLA layer's own width and attention
         scores are left out; measured rates per kind replace it once a GPU run has them."""
-        from tasks.train.model import passes_per_token
-
         passes = passes_per_token(head, train)
         extra = self.extra_layers(head, train)
         if (passes == train.ttt_steps and not extra) or not self.flops_per_pass:
@@ -97,8 +97,6 @@ class Shape:
 def head_cost_rate(head: Any, cost: float, train: Any, mfu_rate: str) -> Rate:
     """A head kind's training cost over the EAGLE-3 draft's (Shape.head_cost), named as the assumption it is:
     computed from FLOPs per token at the EAGLE-3 draft's MFU, never measured per kind on a GPU."""
-    from tasks.train.model import passes_per_token
-
     left_out = {"dspark": "; DSpark's Markov and confidence heads left out",
                 "eagle3-mla": "; the MLA layer's own projections and attention scores left out",
                 "eagle3.1": "; its per-layer fc norms left out"}.get(head.kind, "")

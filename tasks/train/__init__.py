@@ -9,6 +9,7 @@ What every part shares (the components build on these, never on each other):
 - state.py    `RunState`: what a run carries from step to step and a checkpoint restores
 - dist.py     `DistEnv`: a rank's distributed environment (rank, world, device, the all-reduce)
 - preflight.py the checks before a run (`draftline run`, `plan`, the flow): inputs, each head against the target, remote code
+- head_kinds.py what a head kind asks of its target and its passes per token (no torch: `plan` and preflight)
 
 The parts of a run, in the order `build_trainer` and the `Trainer` (loop.py) build them:
 

@@ -31,13 +31,13 @@ from tasks.train.dist import DistEnv
 from tasks.train.evaluation import HeldOut, early_check_record
 from tasks.train.inputs import TrainInputs, resolve_inputs, train_head
 from tasks.train.metrics import Meter
+from tasks.train.head_kinds import passes_per_token
 from tasks.train.model import (
     attention_shape,
     build_draft_model,
     draft_layer_config,
     flex_attention_compiles,
     flops_per_token,
-    passes_per_token,
     resolve_attn_impl,
     resolve_precision,
     trainable_names,
@@ -140,7 +140,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- helpers
     def passes_per_token(self) -> float:
-        """Draft decoder passes per trained token (tasks.train.model.passes_per_token)."""
+        """Draft decoder passes per trained token (tasks.train.head_kinds.passes_per_token)."""
         return passes_per_token(self.head, self.t)
 
     def _autocast(self):

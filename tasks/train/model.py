@@ -1,6 +1,7 @@
 """The draft model training builds: speculators' Eagle3DraftModel for the target's layer type (or, for an
 eagle3-mla head, with DeepSeek's MLA attention layer), DFlashDraftModel and DSparkDraftModel, its attention
-kernel (flex_attention where it compiles, else sdpa), precision, and FLOPs per token for MFU.
+kernel (flex_attention where it compiles, else sdpa), precision, and FLOPs per token for MFU. What a head kind
+asks of its target, and its passes per token, are tasks/train/head_kinds.py's (no torch).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from tasks.core.config import BLOCK_KINDS, HeadConfig, TargetConfig, TrainConfig
 from tasks.engine.target import draft_arch, text_config, verifier_weights
 from tasks.train import TrainError, log
+from tasks.train.head_kinds import head_target_problem, is_mla
 
 
 # An MLA draft layer copies these keys of the target's DeepSeek-V3 text config: its attention shape (query
@@ -20,22 +22,6 @@ from tasks.train import TrainError, log
 MLA_LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                   "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "hidden_act",
                   "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_interleave", "attention_bias")
-
-
-def is_mla(tc: Any) -> bool:
-    """An MLA target (DeepSeek-V3, Kimi-K2.5): its attention compresses keys and values to a latent."""
-    return bool(getattr(tc, "kv_lora_rank", None))
-
-
-def head_target_problem(head: HeadConfig, tc: Any, model: str) -> str | None:
-    """Why head `head` cannot be trained for the target `model` (its text config `tc`), with the fix; None if
-    it can. Asked by `draftline run` and `draftline plan` before any work (tasks/train/preflight.py), and by the
-    train stage (`mla_layer_config`)."""
-    if head.kind == "eagle3-mla" and not is_mla(tc):
-        return (f"train.heads: head {head.label!r} is eagle3-mla, which needs an MLA target (kv_lora_rank in its "
-                f"config: DeepSeek-V3, Kimi-K2.5); target {model!r} has {getattr(tc, 'model_type', '?')} layers "
-                "without MLA. Fix: give that head kind eagle3 or eagle3.1 for this target, or drop it")
-    return None
 
 
 def mla_layer_config(train: TrainConfig, tc: Any, model: str = "?") -> Any:
@@ -301,15 +287,6 @@ def resolve_precision(requested: str, device: torch.device) -> str:
 
 def trainable_names(model: torch.nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
-
-
-def passes_per_token(head: HeadConfig, train: TrainConfig) -> float:
-    """Draft decoder passes per trained token: the TTT steps (the EAGLE-3 kinds), or a DFlash/DSpark block per
-    sampled anchor (at most one anchor per token)."""
-    if not head.drafts_blocks:
-        return float(train.ttt_steps)
-    s = head.dflash_settings()
-    return s["block_size"] * min(1.0, s["max_anchors"] / train.batch_tokens)
 
 
 def flops_per_token(model: Any, ttt_steps: float) -> float:

@@ -9,8 +9,8 @@ it run the target's own code.
 
 from __future__ import annotations
 
-# The train model and inputs are imported where used: they import torch, which is heavy (seconds), and
-# `draftline run` and `draftline plan` ask these checks before anything heavy is needed.
+# The train inputs are imported where used: they import torch, which is heavy (seconds), and `draftline run`
+# and `draftline plan` ask these checks before anything heavy is needed (head kinds: tasks/train/head_kinds.py).
 
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from tasks.formats.vocab_maps import VocabError, draft_size
 from tasks.engine.target import (TargetError, load_hf_config, max_model_len_problem, resolve_layer_ids, resolve_model,
                                  text_config)
 from tasks.formats.drafts import DraftError, draft_folder_of, read_config, warm_start_problem
+from tasks.train.head_kinds import head_target_problem
 
 
 def input_problems(cfg: Any) -> list[str]:
@@ -70,8 +71,6 @@ def input_problems(cfg: Any) -> list[str]:
 def head_problems(cfg: Any, text: Any) -> list[str]:
     """Each head of train.heads that this target cannot train (an eagle3-mla head on a target without MLA),
     from the target's text config `text`; [] when every head fits."""
-    from tasks.train.model import head_target_problem
-
     return [p for p in (head_target_problem(h, text, cfg.target.model) for h in cfg.train.heads) if p]
 
 
