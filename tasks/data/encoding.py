@@ -62,13 +62,18 @@ class Encoded:
     error: str = ""
 
 
+def default_workers(cores: int, conversations: int) -> int:
+    """data.workers' default for CONVERSATIONS to encode on CORES: one per core, at most AUTO_MAX_WORKERS, at most one
+    per AUTO_CONVERSATIONS_PER_WORKER (1 = in this process, no pool). `draftline plan` prices prepare with it."""
+    return max(1, min(cores, AUTO_MAX_WORKERS, conversations // AUTO_CONVERSATIONS_PER_WORKER))
+
+
 def auto_workers(data: DataConfig, conversations: int) -> int:
-    """`data.workers`, or its default for CONVERSATIONS to encode: one per core this process may use, at most
-    AUTO_MAX_WORKERS, at most one per AUTO_CONVERSATIONS_PER_WORKER (1 = in this process, no pool)."""
+    """`data.workers`, or its default for CONVERSATIONS to encode on the cores this process may use."""
     if data.workers is not None:
         return data.workers
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, AUTO_MAX_WORKERS, conversations // AUTO_CONVERSATIONS_PER_WORKER))
+    return default_workers(cores, conversations)
 
 
 def _encode_one(masker: ChatMasker, conv: Conversation, data: DataConfig) -> Encoded:
