@@ -18,7 +18,7 @@ the stage started (imports), so the stage's own growth shows, and the peak bytes
 
 `--workers N [N ...]`: prepare once per count at each `data.workers` (tasks/data/encoding.py; each into a store of
 its own, vocab on the first). With workers above 1 the CPU time adds the worker processes' (getrusage
-RUSAGE_CHILDREN: they are joined when the stage ends), their start (imports and tokenizer, ~5 CPU-seconds each)
+RUSAGE_CHILDREN: they are joined when the stage ends), their start (imports and tokenizer, ~6 CPU-seconds each)
 included, and the memory is reported three ways: the parent's peak RSS, the largest worker's (RUSAGE_CHILDREN
 ru_maxrss) and the peak of the parent's and its workers' RSS summed (psutil, polled every 0.2 s).
 """

@@ -39,7 +39,7 @@ from tasks.data.sources import Conversation, conversation_spill, spilled_convers
 from tasks.data.spill import SpillRows
 
 AUTO_MAX_WORKERS = 32
-AUTO_CONVERSATIONS_PER_WORKER = 2000  # a worker's start (imports, tokenizer) costs ~5 CPU-seconds
+AUTO_CONVERSATIONS_PER_WORKER = 2000  # a worker's start (imports, tokenizer): ~6 CPU-seconds (benchmarks/RESULTS.md)
 CHUNK = 16  # conversations per task sent to a worker
 WINDOW_PER_WORKER = 4  # chunks in flight per worker, at most
 
@@ -175,7 +175,8 @@ class PoolEncoder:
             raise EncodingWorkerError(
                 f"a prepare encoding worker process died or could not start ({exc}); nothing was committed. Look "
                 f"for its error above (or the kernel's OOM killer), lower data.workers (now {self.workers}) or set "
-                "it to 1 to encode in this process, then run again") from None
+                "it to 1 to encode in this process, then run again. The workers are spawned: a script of yours "
+                "that runs prepare needs its code under `if __name__ == \"__main__\":`") from None
 
     def _raise_again(self, convs: SpillRows, done: Encoded) -> None:
         """A worker's error, raised by encoding its conversation here: the exception a one-process run raises."""
