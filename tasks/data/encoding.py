@@ -11,8 +11,9 @@ Each worker (spawned, not forked: no copy of the parent's threads or locks) buil
 config once (`make_masker`), reads the conversations by row from the conversations' spill file (finished by the
 parent before the pool starts, tasks/data/spill.py) and returns token ids and masks; the parent writes the
 samples' spill. A worker ignores SIGINT (Ctrl-C reaches the parent, which cancels what is queued and waits for
-the chunks running, each well under a second a sample) and exits when its parent is gone (killed without a
-chance to shut the pool down). An error a worker meets while encoding (a template that raises, a row it cannot
+the chunks running: CHUNK conversations each, a fraction of a second) and exits when its parent is gone (killed
+without a chance to shut the pool down). Spawned workers import the parent's main module: a script of one's own
+that runs prepare keeps its code under `if __name__ == "__main__":`. An error a worker meets while encoding (a template that raises, a row it cannot
 read) is raised again by the parent encoding that conversation itself: the same exception, type and message,
 as a run with `data.workers: 1` raises.
 """
