@@ -144,3 +144,16 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path):
     proc.kill()
     proc.communicate(timeout=30)
     assert _gone(workers, 10), [psutil.Process(p).cmdline() for p in workers if psutil.pid_exists(p)]
+
+
+def test_a_worker_killed_mid_run_fails_prepare_with_the_fix_and_leaves_no_worker(tmp_path):
+    """A worker that dies (the OOM killer, a kill -9) fails the stage with an error that says what to do; the
+    other worker is stopped and nothing is committed."""
+    proc, workers = _start_prepare(tmp_path)
+    os.kill(workers[0], signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "FINISHED" not in out, err[-2000:]
+    assert "EncodingWorkerError: a prepare encoding worker process died or could not start" in err, err[-2000:]
+    assert "set it to 1 to encode in this process" in err
+    assert _gone(workers, 10)
+    assert not list((tmp_path / "store").rglob("manifest.json"))
