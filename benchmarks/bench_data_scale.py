@@ -1,6 +1,6 @@
 """prepare and vocab at the hero run's count: time and peak memory (RSS) as the sample count grows.
 
-    .venv/bin/python benchmarks/bench_data_scale.py --samples 10000 100000 [600000] [--json out.json]
+    .venv/bin/python benchmarks/bench_data_scale.py --samples 10000 100000 [600000] [--workers 1 2] [--json out.json]
 
 The rows are built from the offline chitchat-dataset (7,168 human conversations): each sample is one user turn
 and one assistant turn made of chitchat messages joined until they reach a drawn length, so that the mix has the
@@ -15,6 +15,12 @@ its held-out share (2,000 of 600,000), then `run_vocab` on that artifact); repor
 tokenizer's loading excluded; on a shared machine the CPU time is the figure to compare), samples per second, and the process's peak RSS (getrusage ru_maxrss) with what it was before
 the stage started (imports), so the stage's own growth shows, and the peak bytes of the stage's local spill files
 (tasks/data/spill.py, in its temp folder: TMPDIR is set to a folder of its own and polled every 0.2 s).
+
+`--workers N [N ...]`: prepare once per count at each `data.workers` (tasks/data/encoding.py; each into a store of
+its own, vocab on the first). With workers above 1 the CPU time adds the worker processes' (getrusage
+RUSAGE_CHILDREN: they are joined when the stage ends), their start (imports and tokenizer, ~6 CPU-seconds each)
+included, and the memory is reported three ways: the parent's peak RSS, the largest worker's (RUSAGE_CHILDREN
+ru_maxrss) and the peak of the parent's and its workers' RSS summed (psutil, polled every 0.2 s).
 """
 
 from __future__ import annotations
@@ -33,8 +39,21 @@ PY = sys.executable
 
 CHILD = r"""
 import json, os, resource, sys, tempfile, threading, time
-stage, rows, store_dir, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+import psutil
+stage, rows, store_dir, n, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 scratch_peak = [0]
+tree_peak = [0]
+def watch_tree():  # this process and its encoding workers: peak RSS summed
+    me = psutil.Process()
+    while True:
+        total = 0
+        for p in [me] + me.children(recursive=True):
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:  # gone between the listing and the look
+                pass
+        tree_peak[0] = max(tree_peak[0], total)
+        time.sleep(0.2)
 def size_of(path):
     try:
         return os.path.getsize(path)
@@ -46,6 +65,7 @@ def watch_scratch():  # the stage's local spill files (its own temp folder, TMPD
         scratch_peak[0] = max(scratch_peak[0], size)
         time.sleep(0.2)
 threading.Thread(target=watch_scratch, daemon=True).start()
+threading.Thread(target=watch_tree, daemon=True).start()
 from tasks.core.config import RunConfig
 from tasks.store.artifacts import Store
 from tasks.address import digests
@@ -54,11 +74,12 @@ from tasks.data.vocab import run_vocab
 cfg = RunConfig.model_validate({
     "target": {"max_model_len": 12288},
     "data": {"sources": [{"path": rows, "max_samples": n}], "heldout": max(1, n // 300), "num_shards": 512,
-             "max_length": 12287, "dedupe": True},
+             "max_length": 12287, "dedupe": True, "workers": workers},
     "regenerate": {"enabled": False}, "vocab": {"draft_vocab_size": 32000}})
 store = Store("file://" + store_dir)
 make_masker(cfg)  # the tokenizer loaded before the clock starts
 r0 = resource.getrusage(resource.RUSAGE_SELF)
+c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
 before = r0.ru_maxrss
 t = time.time()
 if stage == "prepare":
@@ -68,10 +89,14 @@ else:
     ref = run_vocab(cfg, store, data)
 secs = time.time() - t
 r1 = resource.getrusage(resource.RUSAGE_SELF)
+c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
 st = ref.stats
-print("RESULT " + json.dumps({"seconds": secs,
-      "cpu_seconds": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, "rss_before_mib": before / 1024,
+print("RESULT " + json.dumps({"seconds": secs, "workers": workers,
+      "cpu_seconds": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+                     + c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime,
+      "workers_cpu_seconds": c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime, "rss_before_mib": before / 1024,
       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+      "worker_peak_rss_mib": c1.ru_maxrss / 1024, "tree_peak_rss_mib": tree_peak[0] / 2**20,
       "samples": st.get("samples"), "heldout": st.get("heldout"), "tokens": st.get("tokens"),
       "dropped": st.get("dropped"), "masked_tokens": st.get("masked_tokens"),
       "scratch_peak_mib": scratch_peak[0] / 2**20}))
@@ -110,13 +135,13 @@ def write_rows(path: Path, n: int, seed: int = 0) -> None:
     part.rename(path)
 
 
-def run_stage(stage: str, rows: Path, store: Path, n: int, log: Path) -> dict:
-    tmp = log.parent / f"tmp-{stage}-{n}"  # the stage's temp folder, watched for its spill files
+def run_stage(stage: str, rows: Path, store: Path, n: int, log: Path, workers: int = 1) -> dict:
+    tmp = log.parent / f"tmp-{stage}-{n}-w{workers}"  # the stage's temp folder, watched for its spill files
     tmp.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "TMPDIR": str(tmp)}
     with open(log, "a") as fh:
-        proc = subprocess.run([PY, "-c", CHILD, stage, str(rows), str(store), str(n)], stdout=subprocess.PIPE,
+        proc = subprocess.run([PY, "-c", CHILD, stage, str(rows), str(store), str(n), str(workers)], stdout=subprocess.PIPE,
                               stderr=fh, text=True, env=env, cwd=str(ROOT))
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -131,6 +156,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, nargs="+", default=[10_000, 100_000])
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench_data_scale"))
+    ap.add_argument("--workers", type=int, nargs="+", default=[1],
+                    help="data.workers values to run prepare at, each count (default: 1)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -142,14 +169,25 @@ def main() -> None:
         print(f"wrote {biggest:,} rows ({rows.stat().st_size / 2**20:,.0f} MiB) in {time.time() - t:.0f} s")
     results = {}
     for n in sorted(args.samples):
-        store = args.work / f"store-{n}"
-        got = {stage: run_stage(stage, rows, store, n, args.work / "log.txt") for stage in ("prepare", "vocab")}
+        got: dict = {}
+        for w in args.workers:
+            store = args.work / (f"store-{n}" if w == 1 else f"store-{n}-w{w}")  # one address: a store each
+            p = got[f"prepare-w{w}"] = run_stage("prepare", rows, store, n, args.work / "log.txt", w)
+            print(f"{n:>8,} samples, workers {w}: prepare {p['seconds']:8.1f} s ({p['samples_per_s']:6.1f} samples/s, "
+                  f"{p['samples_per_cpu_s']:6.1f} per CPU-second, {p['tokens'] / max(p['samples'], 1):,.0f} tok/sample), "
+                  f"peak RSS {p['peak_rss_mib']:7.0f} MiB (before {p['rss_before_mib']:.0f}; largest worker "
+                  f"{p['worker_peak_rss_mib']:.0f}, all together {p['tree_peak_rss_mib']:.0f}), scratch disk peak "
+                  f"{p['scratch_peak_mib']:.0f} MiB", flush=True)
+            if w != args.workers[0]:
+                first = got[f"prepare-w{args.workers[0]}"]
+                print(f"{'':>8} workers {w} / workers {args.workers[0]}: {first['seconds'] / p['seconds']:.2f}x the "
+                      f"samples/s, {p['cpu_seconds'] / first['cpu_seconds']:.2f}x the CPU seconds", flush=True)
+        first_store = args.work / (f"store-{n}" if args.workers[0] == 1 else f"store-{n}-w{args.workers[0]}")
+        v = got["vocab"] = run_stage("vocab", rows, first_store, n, args.work / "log.txt", args.workers[0])
+        got["prepare"] = got[f"prepare-w{args.workers[0]}"]
         results[n] = got
-        p, v = got["prepare"], got["vocab"]
-        print(f"{n:>8,} samples: prepare {p['seconds']:8.1f} s ({p['samples_per_s']:6.1f} samples/s, "
-              f"{p['samples_per_cpu_s']:6.1f} per CPU-second, {p['tokens'] / max(p['samples'], 1):,.0f} tok/sample), peak RSS {p['peak_rss_mib']:7.0f} MiB "
-              f"(before {p['rss_before_mib']:.0f}), scratch disk peak {p['scratch_peak_mib']:.0f} MiB; vocab {v['seconds']:7.1f} s, peak RSS "
-              f"{v['peak_rss_mib']:6.0f} MiB (before {v['rss_before_mib']:.0f})", flush=True)
+        print(f"{n:>8,} samples: vocab {v['seconds']:7.1f} s, peak RSS {v['peak_rss_mib']:6.0f} MiB "
+              f"(before {v['rss_before_mib']:.0f})", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -117,10 +117,14 @@ def source_identity(src) -> dict[str, Any]:
     return out
 
 
+# Data keys that change how fast prepare runs, not one byte of what it writes (the encoding processes).
+DATA_SCHEDULING_KEYS = {"workers"}
+
+
 def data_identity(data) -> dict[str, Any]:
-    """The data section as the prepare address hashes it: each path source by content, each hub source at a commit.
-    A config of presets only is the section as it was (the demo keeps its addresses)."""
-    out = data.model_dump(mode="json")
+    """The data section as the prepare address hashes it: each path source by content, each hub source at a commit,
+    without the scheduling keys. A config of presets only is the section as it was (the demo keeps its addresses)."""
+    out = data.model_dump(mode="json", exclude=DATA_SCHEDULING_KEYS)
     out["sources"] = [source_identity(s) if (s.path or s.hub) else s.model_dump(mode="json") for s in data.sources]
     return out
 

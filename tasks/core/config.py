@@ -134,6 +134,12 @@ class DataConfig(Section):
     seed: int = 0
     keep_thinking: bool = True
     system_prompt: str | None = None
+    workers: int | None = Field(
+        None, ge=1,
+        description="Processes that encode the conversations (chat template, tokens, verified loss mask); 1 encodes "
+                    "in prepare's own process. Default: one per core this process may use, at most 32, and at most one "
+                    "per 2,000 conversations to encode (a worker's start costs ~6 CPU-seconds: benchmarks/RESULTS.md). "
+                    "Scheduling only: the artifact and its address are the same at any count (tasks/data/encoding.py).")
 
 
 class RegenerateConfig(Section):

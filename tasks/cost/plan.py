@@ -30,6 +30,7 @@ from tasks.cost.lengths import Lengths, length_notes
 from tasks.cost.rates import DEFAULT_MACHINE, SHAPE_KEYS, PlanError, Rate
 from tasks.cost.shape import Shape, head_cost_rate, hidden_bytes_per_token
 from tasks.cost.shape_cache import cached_shape
+from tasks.data.encoding import AUTO_CONVERSATIONS_PER_WORKER, AUTO_MAX_WORKERS, default_workers
 from tasks.engine.target import text_config
 from tasks.train.preflight import head_problems
 
@@ -131,12 +132,14 @@ def _checked_shape(cfg: RunConfig, rates: dict[str, Any], nodes: int, shape: Sha
 
 @dataclass
 class Workload:
-    """The samples and their tokens: the prompt plus the answer (the target's, or the data's), within max_length."""
+    """The samples and their tokens: the prompt plus the answer (the target's, or the data's), within max_length;
+    and the processes prepare encodes them on (data.workers, else its default on node.cpus cores)."""
     samples: int
     prompt: float
     answer: float
     per_sample: float
     tokens: float
+    prepare_workers: int = 1
 
 
 def _workload(cfg: RunConfig, r: dict[str, float], lengths: Lengths) -> Workload:
@@ -145,7 +148,8 @@ def _workload(cfg: RunConfig, r: dict[str, float], lengths: Lengths) -> Workload
     room = cfg.regenerate.max_tokens if cfg.regenerate.enabled else max(cfg.data.max_length - prompt, 0)
     answer = (min(lengths.answer, room) if lengths.answer is not None else r["regenerate.answer_fill"] * room)
     per_sample = min(cfg.data.max_length, prompt + answer)
-    return Workload(samples, prompt, per_sample - prompt, per_sample, samples * per_sample)
+    workers = cfg.data.workers or default_workers(int(r["node.cpus"]), samples + cfg.data.heldout)
+    return Workload(samples, prompt, per_sample - prompt, per_sample, samples * per_sample, workers)
 
 
 @dataclass
@@ -270,7 +274,7 @@ def _stages(cfg: RunConfig, r: dict[str, float], t: dict[str, float], nodes: int
             ex: Extraction, tr: Training, bench: BenchmarkWork | None) -> list[Stage]:
     """Each stage's row: nodes, tokens, bytes written (bf16, fp8) and kept, busy node-hours, wall-clock hours."""
     pq = r["prepare.bytes_per_token"]
-    prep_h = w.samples / r["prepare.samples_per_s"] / 3600
+    prep_h = _prepare_hours(r, w)
     prep_tokens = w.samples * (w.prompt if cfg.regenerate.enabled else w.per_sample)
     stages = [Stage("prepare", 1, prep_tokens, "prompt" if cfg.regenerate.enabled else "sample", prep_tokens * pq,
                     prep_tokens * pq, prep_tokens * pq, prep_h, prep_h)]
@@ -358,15 +362,34 @@ def _workload_notes(cfg: RunConfig, shape: Shape, lengths: Lengths, w: Workload,
     return notes
 
 
+def _prepare_hours(r: dict[str, float], w: Workload) -> float:
+    """prepare's hours: one process's rate; on several workers, the parent's own part (reading the sources,
+    writing the spill and the shards) plus the encoding shared by the workers at their efficiency."""
+    n = w.prepare_workers
+    if n == 1:
+        return w.samples / r["prepare.samples_per_s"] / 3600
+    encoding = 1 / (r["prepare.samples_per_s"] * n * r["prepare.worker_efficiency"])
+    return w.samples * (r["prepare.parent_s_per_sample"] + encoding) / 3600
+
+
 def _stage_notes(cfg: RunConfig, r: dict[str, float], t: dict[str, float], shape: Shape, w: Workload,
                  ex: Extraction, tr: Training, start_h: float, bench: BenchmarkWork | None) -> list[str]:
-    """How extraction, training and the engine starts are priced, and what binds each."""
+    """How prepare, extraction, training and the engine starts are priced, and what binds each."""
     dtype, bpt = ex.dtype, ex.bpt
     other = "fp8" if dtype == "bf16" else "bf16"
     bound = "store" if ex.store_rate[dtype] < ex.compute_rate else "compute"
     engines = bench.engines if bench is not None else 0
     decoding = bench.decoding if bench is not None else 0
+    workers = (f"data.workers {cfg.data.workers}" if cfg.data.workers else
+               f"data.workers' default on node.cpus {r['node.cpus']:g}: one per core, at most {AUTO_MAX_WORKERS}, "
+               f"one per {AUTO_CONVERSATIONS_PER_WORKER:,} samples encoded")
     return [
+        f"Prepare: {w.samples:,} samples at {r['prepare.samples_per_s']:g} samples/s per worker x "
+        f"{w.prepare_workers} encoding worker(s) ({workers})"
+        + (f" x {r['prepare.worker_efficiency']:g} (prepare.worker_efficiency), plus the parent's own "
+           f"{r['prepare.parent_s_per_sample'] * 1e3:g} ms per sample (prepare.parent_s_per_sample)"
+           if w.prepare_workers > 1 else "")
+        + f" = {_prepare_hours(r, w):,.2f} h ({w.samples / r['prepare.samples_per_s'] / 3600:,.2f} h in one process).",
         f"Extraction: {shape.n_layers} layers x hidden {shape.hidden:,} = {bpt['bf16']:,} bytes/token bf16, "
         f"{bpt['fp8']:,} fp8; compute {_count(ex.compute_rate)} tok/s per node (2 x {_count(t['active_params'])} "
         f"active params, MFU {ex.mfu:g}), store {_count(ex.store_rate[dtype])} tok/s ({dtype}): "
@@ -418,9 +441,10 @@ def _cost_notes(stages: list[Stage], totals: dict[str, float], nodes: int, tr: T
 def _listed_rates(cfg: RunConfig, rates: dict[str, Any], shape: Shape, lengths: Lengths, w: Workload,
                   ex: Extraction, tr: Training) -> list[Rate]:
     """Every rate the plan used, with its kind and source; the run's own lengths in place of the assumed ones."""
-    used = ["node.gpus", "node.matmul_tflops", "node.gpu_hour_price", "node.store_write_gb_s",
+    used = ["node.gpus", "node.cpus", "node.matmul_tflops", "node.gpu_hour_price", "node.store_write_gb_s",
             "node.store_read_gb_s", "node.cache_read_gb_s", "node.cache_tb", ex.rate_name,
-            "regenerate.answer_fill", "regenerate.prompt_tokens", "prepare.samples_per_s",
+            "regenerate.answer_fill", "regenerate.prompt_tokens", "prepare.samples_per_s", "prepare.worker_efficiency",
+            "prepare.parent_s_per_sample",
             "prepare.bytes_per_token", tr.rate_name, "train.multi_gpu_efficiency", "storage.gb_month_price",
             "engine.start_fixed_s", "engine.start_s_per_gb"]
     listed = [rates["rates"][k] for k in used] + list(shape.target.rates.values()) + [

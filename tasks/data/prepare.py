@@ -7,8 +7,9 @@
 Streamed: the conversations read and the samples encoded go to local spill files (tasks/data/spill.py) in a
 scratch folder of this process, deleted after; memory holds indices and token counts, and each shard's rows are
 gathered from the spill by index as the shard is written, so memory stays flat as the sample count grows.
-The chat template and the verified assistant-only loss mask are tasks/data/chat.py; the Parquet sample
-format is tasks/formats/samples.py.
+The chat template and the verified assistant-only loss mask are tasks/data/chat.py, encoded in this process or on
+`data.workers` processes with the same outcome (tasks/data/encoding.py); the Parquet sample format is
+tasks/formats/samples.py.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from tasks.core.errors import DraftlineError
 from tasks.core.config import DataConfig, RunConfig
 from tasks.core import owners
 from tasks.data.sources import (
-    Conversation,
     LoadedSource,
     allocate,
     conversation_spill,
     load_sources,
     spilled_conversation,
 )
+from tasks.data.encoding import Encoded, LocalEncoder, PoolEncoder, make_encoder
 from tasks.data.spill import Spill
 from tasks.data.chat import (  # noqa: F401  (ChatTemplateError, SampleDropped, encode_sample: the stage's errors and API)
     ChatMasker,
@@ -43,7 +44,7 @@ from tasks.data.chat import (  # noqa: F401  (ChatTemplateError, SampleDropped, 
     template_help,
 )
 from tasks.address import digests
-from tasks.address.data import data_identity
+from tasks.address.data import DATA_SCHEDULING_KEYS, data_identity
 from tasks.core.digest import VERSIONS
 from tasks.formats.samples import HELDOUT, Sample, length_stats, parquet_bytes, read_samples, shard_name, token_stats  # noqa: F401
 from tasks.store.artifacts import ArtifactRef, Store
@@ -98,10 +99,10 @@ class _Encoded:
         self.tokens: array = array("q")
         self.masked: array = array("q")
 
-    def add(self, s: Sample, conv: Conversation) -> int:
-        self.tokens.append(s.tokens)
-        self.masked.append(s.masked)
-        return self.spill.append({"conversation": conv.row, "input_ids": s.input_ids, "loss_mask": s.loss_mask})
+    def add(self, e: Encoded) -> int:
+        self.tokens.append(int(e.input_ids.shape[0]))
+        self.masked.append(int(e.loss_mask.sum()))
+        return self.spill.append({"conversation": e.row, "input_ids": e.input_ids, "loss_mask": e.loss_mask})
 
     def load(self, indices: list[int]) -> list[Sample]:
         out = []
@@ -131,30 +132,33 @@ class _Mix:
         return len(self.loaded.conversations) - self.cursor
 
 
-def _fill(mix: _Mix, want: int, masker: ChatMasker, data: DataConfig,
-          keep: Callable[[Sample, Conversation], int]) -> None:
-    """Encode this source's next conversations until `want` more samples or no rows are left."""
+Encoder = LocalEncoder | PoolEncoder
+
+
+def _fill(mix: _Mix, want: int, encoder: Encoder, keep: Callable[[Encoded], int]) -> None:
+    """Take this source's next conversations, encoded in order, until `want` more samples or no rows are left."""
     goal = len(mix.samples) + want
-    convs = mix.loaded.conversations
-    while len(mix.samples) < goal and mix.cursor < len(convs):
-        conv = convs[mix.cursor]
+    for done in encoder.encoded(mix.loaded.conversations, mix.cursor, lambda: goal - len(mix.samples)):
         mix.cursor += 1
-        try:
-            sample, truncated = encode_sample(masker, conv, data)
-        except SampleDropped as drop:
-            mix.dropped[drop.reason] += 1
+        if done.dropped:
+            mix.dropped[done.dropped] += 1
             continue
-        mix.samples.append(keep(sample, conv))
-        mix.truncated += truncated
+        mix.samples.append(keep(done))
+        mix.truncated += done.truncated
 
 
-def build_samples(mixes: list[_Mix], masker: ChatMasker, data: DataConfig,
-                  keep: Callable[[Sample, Conversation], int]) -> None:
+def to_encode(mixes: list[_Mix], data: DataConfig) -> int:
+    """How many conversations the mix will encode, about (what sizes the encoding pool): all, or the samples wanted."""
+    available = sum(m.left for m in mixes)
+    return available if data.max_samples is None else min(available, data.max_samples + data.heldout)
+
+
+def build_samples(mixes: list[_Mix], encoder: Encoder, data: DataConfig, keep: Callable[[Encoded], int]) -> None:
     """Fill each source's share of the mix (weights; a short source leaves its share to the others); KEEP
-    stores each sample (and its conversation) and returns its index."""
+    stores each encoded sample (and its conversation's row) and returns its index."""
     if data.max_samples is None:
         for m in mixes:
-            _fill(m, m.left, masker, data, keep)
+            _fill(m, m.left, encoder, keep)
         return
     need = data.max_samples + data.heldout
     while True:
@@ -164,7 +168,7 @@ def build_samples(mixes: list[_Mix], masker: ChatMasker, data: DataConfig,
             return
         for m, want in zip(mixes, allocate(remaining, [m.weight for m in mixes], left)):
             if want:
-                _fill(m, want, masker, data, keep)
+                _fill(m, want, encoder, keep)
 
 
 def prepare_address(cfg: RunConfig, store: Store) -> str:
@@ -203,7 +207,12 @@ def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
                 raise PrepareError("a data source changed while prepare read it (a file still being written, an "
                                    "object overwritten); run again once the data is complete")
             mixes = [_Mix(ld, src.weight) for ld, src in zip(loaded, data.sources)]
-            build_samples(mixes, masker, data, encoded.add)
+            convs.finish()  # the encoding workers read it
+            encoder = make_encoder(cfg, masker, convs.path, to_encode(mixes, data))
+            try:
+                build_samples(mixes, encoder, data, encoded.add)
+            finally:
+                encoder.close()
             return _split_and_write(cfg, store, digest, mixes, masker, encoded, t0)
 
 
@@ -263,7 +272,8 @@ def _split_and_write(cfg: RunConfig, store: Store, digest: str, mixes: list[_Mix
         "max_length": data.max_length,
         "mask_mode": masker.mode if masker.generation_tags else "+".join(sorted(masker.modes)) or "offsets",
     }
-    config = {"target": cfg.target.model_dump(mode="json"), "data": data.model_dump(mode="json")}
+    config = {"target": cfg.target.model_dump(mode="json"),
+              "data": data.model_dump(mode="json", exclude=DATA_SCHEDULING_KEYS)}  # the same at any data.workers
     with store.write(STAGE, digest, VERSIONS[STAGE], {}, config) as w:
         stats["shard_samples"] = write_split(w, train, heldout, data.num_shards, encoded.load)
         stats["seconds"] = round(time.time() - t0, 2)

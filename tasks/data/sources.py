@@ -459,13 +459,15 @@ def raw_rows(src: SourceConfig, counter: Counter) -> Iterator[Any]:
 
 # --------------------------------------------------------------------------- loading and mixing
 
-def conversation_spill(path: str) -> "Spill":
-    """A local spill file (tasks/data/spill.py) for conversations: `load_source(..., spill=)` writes to it."""
+def conversation_spill(path: str, *, write: bool = True) -> "Spill":
+    """A local spill file (tasks/data/spill.py) for conversations: `load_source(..., spill=)` writes to it;
+    WRITE false opens a finished one for reading (prepare's encoding workers)."""
     import pyarrow as pa
 
     from tasks.data.spill import Spill
 
-    return Spill(path, pa.schema([("sample_id", pa.string()), ("source", pa.string()), ("messages", pa.string())]))
+    schema = pa.schema([("sample_id", pa.string()), ("source", pa.string()), ("messages", pa.string())])
+    return Spill(path, schema) if write else Spill.open(path, schema)
 
 
 def spilled_conversation(row: dict[str, Any], index: int) -> Conversation:

@@ -7,7 +7,8 @@ seeded shuffle depends only on the count), and gathers each shard's rows by inde
 The file is an Arrow IPC file with one record batch per row (an IPC file's footer lists every batch, so any row
 is read alone), LZ4-compressed (cheaper per row than zstd), without Arrow's thread pool (its hand-offs cost more
 than one row's work), in a local folder the caller owns and deletes (never the store). Rows are written by this
-process and read back by it: nothing read from it is executed or unpickled.
+process and read back by it or by its own worker processes (prepare's encoders open a finished file with
+`Spill.open`): nothing read from it is executed or unpickled.
 """
 
 from __future__ import annotations
@@ -49,17 +50,27 @@ class Spill:
     """Rows of SCHEMA in the Arrow IPC file PATH: `append` while writing, then `get` (the first `get` ends the
     writing). List columns are given and read back as NumPy arrays; the others as Python values."""
 
-    def __init__(self, path: str | os.PathLike, schema: "pa.Schema"):
+    def __init__(self, path: str | os.PathLike, schema: "pa.Schema", *, write: bool = True):
         import pyarrow as pa
 
         self.path, self.schema, self.count = str(path), schema, 0
-        with _local_space(self.path):
-            self._sink = pa.OSFile(self.path, "wb")
-            self._writer = pa.ipc.new_file(self._sink, schema,
-                                           options=pa.ipc.IpcWriteOptions(compression="lz4", use_threads=False))
+        self._sink: Any = None
+        self._writer: Any = None
+        if write:
+            with _local_space(self.path):
+                self._sink = pa.OSFile(self.path, "wb")
+                self._writer = pa.ipc.new_file(self._sink, schema,
+                                               options=pa.ipc.IpcWriteOptions(compression="lz4", use_threads=False))
         self._lists = [pa.types.is_list(f.type) for f in schema]
         self._source: Any = None
         self._reader: Any = None
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, schema: "pa.Schema") -> "Spill":
+        """A spill file written and finished (`finish`) by another process, for reading only."""
+        spill = cls(path, schema, write=False)
+        spill.count = spill._open_reader().num_record_batches
+        return spill
 
     def append(self, row: dict[str, Any]) -> int:
         """Write one row; returns its index."""
@@ -82,22 +93,26 @@ class Spill:
 
     def get(self, i: int) -> dict[str, Any]:
         """Row I, as it was appended."""
-        import pyarrow as pa
-
-        if self._reader is None:
-            self._finish_writing()
-            self._source = pa.OSFile(self.path, "rb")
-            self._reader = pa.ipc.open_file(self._source, options=pa.ipc.IpcReadOptions(use_threads=False))
-        batch = self._reader.get_batch(i)
+        batch = self._open_reader().get_batch(i)
         return {f.name: (batch.column(k)[0].values.to_numpy(zero_copy_only=False).copy() if is_list
                          else batch.column(k)[0].as_py())
                 for k, (f, is_list) in enumerate(zip(self.schema, self._lists))}
+
+    def _open_reader(self) -> Any:
+        import pyarrow as pa
+
+        if self._reader is None:
+            self.finish()
+            self._source = pa.OSFile(self.path, "rb")
+            self._reader = pa.ipc.open_file(self._source, options=pa.ipc.IpcReadOptions(use_threads=False))
+        return self._reader
 
     def rows(self, indices: Iterable[int], decode: Callable[[dict[str, Any], int], Any]) -> "SpillRows":
         """A view of the rows at INDICES, each given to DECODE (row, index) when it is read."""
         return SpillRows(self, list(indices), decode)
 
-    def _finish_writing(self) -> None:
+    def finish(self) -> None:
+        """End the writing (the file's footer written): from here on other processes may `open` it."""
         if self._writer is not None:
             writer, self._writer = self._writer, None
             try:
@@ -107,7 +122,7 @@ class Spill:
                 self._sink.close()
 
     def close(self) -> None:
-        self._finish_writing()
+        self.finish()
         if self._source is not None:
             self._source.close()
             self._source = self._reader = None

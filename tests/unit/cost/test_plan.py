@@ -37,8 +37,8 @@ def test_the_runbook_shows_the_plan_commands_output_unchanged():
                                       f"`draftline plan {m.group(1)}` between the plan markers")
     # the prose around the table quotes figures of this output: they must be in it
     prose = doc[:m.start()] + doc[m.end():]
-    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693", "$13,638", "$5,687",
-                   "902 TB", "$2,424 per month", "63.3", "12.29"):
+    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693", "$13,221", "$5,583",
+                   "902 TB", "$2,424 per month", "61.2", "12.29"):
         assert figure in out.output, figure
         assert figure.split()[0] in prose, f"docs/kimi-k2.5.md's text no longer quotes {figure}"
     # what the issue asks of it: every stage, both dtypes, totals, and a source for every rate
@@ -490,3 +490,34 @@ def test_a_context_longer_than_the_target_allows_is_refused_by_the_plan(tmp_path
                                             "data.max_length=1000"])
     with pytest.raises(cost_rates.PlanError, match=r"target.max_model_len \(4096\) is longer than .* allows \(1024 tokens"):
         cost_rates.load_target(cfg, cost_rates.load_rates(), tmp_path / "t")
+
+
+def test_prepare_is_priced_per_encoding_worker_times_the_workers_it_runs(kimi_shape):
+    """prepare.samples_per_s is one process's; on several workers (data.workers, or its default on the node's
+    cores, node.cpus: one per core, at most 32, one per 2,000 samples) the plan prices the encoding at that rate x
+    the workers x prepare.worker_efficiency, plus the parent's serial part, and says so."""
+    rates = cost_rates.load_rates()
+    one = rates["rates"]["prepare.samples_per_s"].value
+    eff = rates["rates"]["prepare.worker_efficiency"].value
+    parent = rates["rates"]["prepare.parent_s_per_sample"].value
+    assert rates["rates"]["prepare.worker_efficiency"].kind == "assumption"
+
+    def prepare(sets=(), rate_sets=()):
+        r = cost_rates.load_rates(overrides=list(rate_sets)) if rate_sets else rates
+        plan = planner.make_plan(load_config(KIMI, list(sets)), r, shape=kimi_shape, levers=False)
+        note = next(n for n in plan.notes if n.startswith("Prepare:"))
+        return {s.stage: s for s in plan.stages}["prepare"].wall_hours, note
+
+    hours, note = prepare(["data.workers=1"])
+    assert hours == pytest.approx(600_000 / one / 3600) and "x 1 encoding worker(s) (data.workers 1) =" in note
+    hours, note = prepare(["data.workers=2"])
+    assert hours == pytest.approx(600_000 * (parent + 1 / (2 * one * eff)) / 3600)
+    assert "x 2 encoding worker(s) (data.workers 2) x 0.8 (prepare.worker_efficiency)" in note
+    # the default: the node's cores, capped at 32 (the preset's 600,000 samples allow 300)
+    for cpus, workers in ((8, 8), (112, 32)):
+        hours, note = prepare(rate_sets=[f"node.cpus={cpus}"])
+        assert hours == pytest.approx(600_000 * (parent + 1 / (workers * one * eff)) / 3600)
+        assert f"x {workers} encoding worker(s) (data.workers' default on node.cpus {cpus}" in note
+    # and one per 2,000 conversations to encode (the samples and the preset's 2,000 held out)
+    hours, note = prepare(["data.max_samples=7000"], ["node.cpus=112"])
+    assert "x 4 encoding worker(s)" in note and hours == pytest.approx(7_000 * (parent + 1 / (4 * one * eff)) / 3600)

@@ -2,7 +2,8 @@
 in-memory prepare wrote: the same rows in the same shards in the same order, and the same manifest stats.
 
 The pinned fingerprints below were taken from the in-memory prepare (commit 6ecec96, before streaming) on these
-synthetic sources, at two counts."""
+synthetic sources, at two counts; the encoding fanned out over worker processes (data.workers,
+tasks/data/encoding.py) writes them too, at the same address."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.address import digests
 from tasks.core.config import RunConfig
 from tasks.data.prepare import PrepareError, run_prepare
 from tasks.formats.samples import HELDOUT, read_samples, shard_name
@@ -41,11 +43,11 @@ def _sources(tmp_path: Path, n: int) -> tuple[Path, Path]:
     return a, b
 
 
-def _cfg(a: Path, b: Path, n: int, overflow: str) -> RunConfig:
+def _cfg(a: Path, b: Path, n: int, overflow: str, workers: int | None = None) -> RunConfig:
     return RunConfig.model_validate({"regenerate": {"enabled": False}, "data": {
         "sources": [{"path": str(a), "weight": 1}, {"path": str(b), "name": "pairs", "weight": 2}],
         "max_samples": n, "heldout": 3, "num_shards": 4, "max_length": 96, "overflow": overflow,
-        "seed": 5}})
+        "seed": 5, "workers": workers}})
 
 
 def _fingerprint(store: Store, ref) -> dict:
@@ -78,12 +80,18 @@ PINNED = {
 }
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("n,overflow", [(30, "truncate"), (150, "drop")])
-def test_streamed_prepare_writes_what_the_in_memory_one_wrote(tmp_path, n, overflow):
+def test_streamed_prepare_writes_what_the_in_memory_one_wrote(tmp_path, n, overflow, workers):
+    """In this process (workers 1) and on two encoding processes: the same rows in the same files, the same stats
+    (drop counts, per-source counts, mask mode), the same manifest config and the same address."""
     a, b = _sources(tmp_path, n)
     store = Store(f"file://{tmp_path}/store")
-    ref = run_prepare(_cfg(a, b, n, overflow), store)
+    cfg = _cfg(a, b, n, overflow, workers)
+    ref = run_prepare(cfg, store)
     assert _fingerprint(store, ref) == PINNED[n]
+    assert ref.digest == digests.prepare(_cfg(a, b, n, overflow))  # the address of the config without workers
+    assert "workers" not in store.manifest("prepare", ref.digest).config["data"]
 
 
 def test_the_spill_stays_in_a_local_scratch_folder_deleted_after_success_and_failure(tmp_path, monkeypatch):
