@@ -72,7 +72,7 @@ from tasks.address import digests
 from tasks.data.prepare import make_masker, run_prepare
 from tasks.data.vocab import run_vocab
 cfg = RunConfig.model_validate({
-    "target": {"max_model_len": 12288},
+    "target": {"max_model_len": 12288, **({"model": os.environ["BDS_TARGET"]} if os.environ.get("BDS_TARGET") else {})},
     "data": {"sources": [{"path": rows, "max_samples": n}], "heldout": max(1, n // 300), "num_shards": 512,
              "max_length": 12287, "dedupe": True, "workers": workers},
     "regenerate": {"enabled": False}, "vocab": {"draft_vocab_size": 32000}})
@@ -103,7 +103,14 @@ print("RESULT " + json.dumps({"seconds": secs, "workers": workers,
 """
 
 
-def chitchat_messages() -> list[str]:
+def chitchat_messages(texts: Path | None = None) -> list[str]:
+    """The texts rows are made of: chitchat-dataset's messages, or TEXTS (a JSON list of strings, plain or
+    gzipped: a machine without that package, e.g. a node)."""
+    if texts is not None:
+        import gzip
+
+        with (gzip.open(texts, "rt") if texts.suffix == ".gz" else texts.open()) as fh:
+            return [str(t) for t in json.load(fh)]
     sys.path.insert(0, str(ROOT))
     from tasks.core.config import SourceConfig
     from tasks.data.sources import load_source
@@ -112,9 +119,9 @@ def chitchat_messages() -> list[str]:
     return [m["content"] for c in convs for m in c.messages if m["role"] != "system"]
 
 
-def write_rows(path: Path, n: int, seed: int = 0) -> None:
+def write_rows(path: Path, n: int, seed: int = 0, texts_file: Path | None = None) -> None:
     """N distinct two-turn samples at the preset's assumed lengths (~4 characters per token)."""
-    texts = chitchat_messages()
+    texts = chitchat_messages(texts_file)
     rng = random.Random(seed)
 
     def text_of(tokens: int) -> str:
@@ -159,13 +166,19 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1],
                     help="data.workers values to run prepare at, each count (default: 1)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--target", default=None,
+                    help="a model folder whose tokenizer and chat template prepare uses (default: the demo model)")
+    ap.add_argument("--texts", type=Path, default=None,
+                    help="a JSON list of texts (.json or .json.gz) to build the rows from, instead of chitchat-dataset")
     args = ap.parse_args()
+    if args.target:
+        os.environ["BDS_TARGET"] = args.target
     args.work.mkdir(parents=True, exist_ok=True)
     biggest = max(args.samples)
     rows = args.work / f"rows-{biggest}.jsonl"
     if not rows.exists():
         t = time.time()
-        write_rows(rows, biggest)
+        write_rows(rows, biggest, texts_file=args.texts)
         print(f"wrote {biggest:,} rows ({rows.stat().st_size / 2**20:,.0f} MiB) in {time.time() - t:.0f} s")
     results = {}
     for n in sorted(args.samples):

@@ -443,11 +443,12 @@ def main() -> None:
             tmp = Path(tempfile.mkdtemp(prefix=f"rehearse-{db}-{n}-"))
             tmp.chmod(0o755)  # PostgreSQL runs as the postgres user when we are root: it must reach its folder
             try:
+                code = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                      text=True).stdout.strip()  # the code the run starts with
                 r = rehearse(n, db, tmp, kill_after=a.kill_after, target=a.target,
                              retry_via=a.retry_with)
                 r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-                r["code"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True).stdout.strip()
+                r["code"] = code
                 print(json.dumps(r), flush=True)
                 results.append(r)
                 a.out.write_text(json.dumps(results, indent=1))

@@ -278,16 +278,19 @@ def _stages(cfg: RunConfig, r: dict[str, float], t: dict[str, float], nodes: int
     prep_tokens = w.samples * (w.prompt if cfg.regenerate.enabled else w.per_sample)
     stages = [Stage("prepare", 1, prep_tokens, "prompt" if cfg.regenerate.enabled else "sample", prep_tokens * pq,
                     prep_tokens * pq, prep_tokens * pq, prep_h, prep_h)]
+    # a sharded stage's orchestration (the run's wall, whatever the nodes): measured per shard on the rehearsal
+    orch_h = cfg.data.num_shards * r["orchestration.shard_s"] / 3600
     if cfg.regenerate.enabled:
         regen_nodes = nodes if REGENERATE_FANS_OUT else 1
         gen = w.samples * w.answer
-        busy = regen_nodes * start_h + gen / t["decode_tok_s"] / 3600
-        wall = start_h + gen / (regen_nodes * t["decode_tok_s"]) / 3600
+        busy = regen_nodes * (start_h + orch_h) + gen / t["decode_tok_s"] / 3600
+        wall = start_h + orch_h + gen / (regen_nodes * t["decode_tok_s"]) / 3600
         stored = 2 * w.tokens * pq  # the shard artifacts, and the stage's artifact that copies them
         stages.append(Stage("regenerate", regen_nodes, gen, "generated", stored, stored, stored, busy, wall))
     stages.append(Stage("vocab", 1, w.tokens, "counted", 0.0, 0.0, 0.0, 0.0, 0.0))
     stages.append(Stage("extract", nodes, w.tokens, "prefilled", w.tokens * ex.bpt["bf16"], w.tokens * ex.bpt["fp8"],
-                        w.tokens * ex.bpt[ex.dtype], nodes * start_h + ex.hours, start_h + ex.hours / nodes))
+                        w.tokens * ex.bpt[ex.dtype], nodes * (start_h + orch_h) + ex.hours,
+                        start_h + orch_h + ex.hours / nodes))
     stages.append(Stage("train", tr.tnodes, tr.tokens, "trained", tr.written, tr.written, tr.kept,
                         tr.tnodes * tr.hours, tr.hours))
     if bench is not None:
@@ -390,6 +393,10 @@ def _stage_notes(cfg: RunConfig, r: dict[str, float], t: dict[str, float], shape
            f"{r['prepare.parent_s_per_sample'] * 1e3:g} ms per sample (prepare.parent_s_per_sample)"
            if w.prepare_workers > 1 else "")
         + f" = {_prepare_hours(r, w):,.2f} h ({w.samples / r['prepare.samples_per_s'] / 3600:,.2f} h in one process).",
+        f"Orchestration: {cfg.data.num_shards:,} shards x {r['orchestration.shard_s']:g} s "
+        f"(orchestration.shard_s: Prefect task runs, child runs, the store's manifests) = "
+        f"{cfg.data.num_shards * r['orchestration.shard_s'] / 60:,.1f} min of wall per sharded stage"
+        + (" (regeneration and extraction)" if cfg.regenerate.enabled else "") + ".",
         f"Extraction: {shape.n_layers} layers x hidden {shape.hidden:,} = {bpt['bf16']:,} bytes/token bf16, "
         f"{bpt['fp8']:,} fp8; compute {_count(ex.compute_rate)} tok/s per node (2 x {_count(t['active_params'])} "
         f"active params, MFU {ex.mfu:g}), store {_count(ex.store_rate[dtype])} tok/s ({dtype}): "
@@ -446,7 +453,7 @@ def _listed_rates(cfg: RunConfig, rates: dict[str, Any], shape: Shape, lengths: 
             "regenerate.answer_fill", "regenerate.prompt_tokens", "prepare.samples_per_s", "prepare.worker_efficiency",
             "prepare.parent_s_per_sample",
             "prepare.bytes_per_token", tr.rate_name, "train.multi_gpu_efficiency", "storage.gb_month_price",
-            "engine.start_fixed_s", "engine.start_s_per_gb"]
+            "engine.start_fixed_s", "engine.start_s_per_gb", "orchestration.shard_s"]
     listed = [rates["rates"][k] for k in used] + list(shape.target.rates.values()) + [
         head_cost_rate(h, c, cfg.train, tr.rate_name) for h, c in zip(tr.heads, tr.costs)
         if h.kind != "eagle3" or c != 1.0]
