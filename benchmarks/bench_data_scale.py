@@ -145,7 +145,8 @@ def write_rows(path: Path, n: int, seed: int = 0, texts_file: Path | None = None
 def run_stage(stage: str, rows: Path, store: Path, n: int, log: Path, workers: int = 1) -> dict:
     tmp = log.parent / f"tmp-{stage}-{n}-w{workers}"  # the stage's temp folder, watched for its spill files
     tmp.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "TMPDIR": str(tmp)}
     with open(log, "a") as fh:
         proc = subprocess.run([PY, "-c", CHILD, stage, str(rows), str(store), str(n), str(workers)], stdout=subprocess.PIPE,
