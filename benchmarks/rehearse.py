@@ -277,7 +277,7 @@ def wait_final(server, run_id: str, every: float = 5.0, timeout: float = 6 * 360
 
 
 def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: int | None = None,
-             target: str = "tiny", retry_via: str = "cli") -> dict:
+             target: str = "tiny", retry_via: str = "cli", sets: list[str] | None = None) -> dict:
     pg_url = start_postgres(tmp) if db == "postgres" else None
     saved = os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL")
     if pg_url:
@@ -288,7 +288,8 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: in
     metrics_port = free_port()
     s3 = S3Server(tmp / "s3", metrics_port=metrics_port)
     nodes: list[harness.Worker] = []
-    res: dict = {"shards": shards, "db": db, "nodes": NODES, "samples_per_shard": per_shard, "target": target}
+    res: dict = {"shards": shards, "db": db, "nodes": NODES, "samples_per_shard": per_shard, "target": target,
+                 "sets": list(sets or [])}
     # the demo's 135M model (earlier rows), or a stand-in of its shape at near-zero compute
     model = ["--set", f"target.model={tiny_target(TINY)}", "--set", "extract.layer_ids=[1,2,3,4]"] \
         if target == "tiny" else []
@@ -321,7 +322,8 @@ def rehearse(shards: int, db: str, tmp: Path, per_shard: int = 2, kill_after: in
         sub = harness.draftline(
             "submit", str(CONFIG), "--deployment", "local", "--until", "extract", "--json",
             "--set", f"data.sources=[{{path: {data}, name: rehearsal}}]", "--set", f"data.num_shards={shards}",
-            "--set", f"data.max_samples={shards * per_shard + 4}", *model, env=cli)
+            "--set", f"data.max_samples={shards * per_shard + 4}", *model,
+            *[a for x in sets or [] for a in ("--set", x)], env=cli)
         run_id = json.loads(sub.stdout.strip().splitlines()[-1])["id"]
         if kill_after is not None:
             res["killed"] = kill_a_child_node(nodes, kill_after, timeout=3600)
@@ -427,6 +429,8 @@ def main() -> None:
                     help="with --kill-after: retry the failed run with `draftline retry --watch` (cli) or the Prefect "
                          "UI's Retry button, clicked in headless Chromium (ui: playwright and Debian's chromium, "
                          "as benchmarks/ui_page.py says)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more config override for the submitted run (repeatable), e.g. data.workers=2")
     ap.add_argument("--target", choices=["tiny", "demo"], default="tiny",
                     help="tiny: the demo model's shape at 4 layers of width 64, random weights (near-zero compute); "
                          "demo: the 135M demo model itself")
@@ -446,7 +450,7 @@ def main() -> None:
                 code = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                       text=True).stdout.strip()  # the code the run starts with
                 r = rehearse(n, db, tmp, kill_after=a.kill_after, target=a.target,
-                             retry_via=a.retry_with)
+                             retry_via=a.retry_with, sets=a.sets)
                 r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
                 r["code"] = code
                 print(json.dumps(r), flush=True)
