@@ -43,9 +43,6 @@ from tasks.formats.samples import Sample
 _GEN_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-_WS = re.compile(r"\s+")
-
-
 _GAP_NOISE = re.compile(r"\s+|</?think>")
 
 
@@ -90,7 +87,7 @@ class _Span:
 
 
 def _ws_free(text: str) -> str:
-    return _WS.sub("", text)
+    return "".join(text.split())  # what removing `\s+` leaves (the same characters are whitespace), ~4x faster
 
 
 def _variants(content: str) -> list[str]:
@@ -255,23 +252,31 @@ class ChatMasker:
             spans.append(span)
             cursor = max(span.end, span.term_end)
 
-        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        offsets = enc["offset_mapping"]
-        mask = [0] * len(ids)
-        starts = np.fromiter((a for a, _ in offsets), dtype=np.int64, count=len(offsets))
-        ends = np.fromiter((b for _, b in offsets), dtype=np.int64, count=len(offsets))
+        ids, offsets = self._with_offsets(full)
+        bounds = np.array(offsets, dtype=np.int64).reshape(len(ids), 2)
+        starts, ends = bounds[:, 0], bounds[:, 1]
+        mask = np.zeros(len(ids), dtype=bool)
         for span in spans:
-            picked: list[int] = []
-            for s, e in span.ranges():
-                hit = np.nonzero((starts < e) & (ends > s))[0]
-                picked.extend(int(i) for i in hit)
-            picked = sorted(set(picked))
-            for i in picked:
-                mask[i] = 1
+            turn = np.zeros(len(ids), dtype=bool)
+            for s, e in span.ranges():  # every token that overlaps the answer or its end-of-turn marker
+                turn |= (starts < e) & (ends > s)
+            mask |= turn
             term = full[span.term_start:span.term_end]
-            self._verify([ids[i] for i in picked], [span.expected], term)
-        return ids, mask
+            self._verify(np.asarray(ids, dtype=np.int64)[turn].tolist(), [span.expected], term)
+        return ids, mask.astype(np.int64).tolist()
+
+    def _with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of TEXT (no special tokens added) and each token's character span. The fast tokenizer's
+        backend is called directly (transformers' wrapper converts every id and offset in Python, ~40% of a
+        long sample's encoding) when it is in the state that wrapper would put it in: no truncation, no
+        padding, special tokens split as the tokenizer says."""
+        backend = self.tok.backend_tokenizer
+        if (backend.truncation is None and backend.padding is None
+                and backend.encode_special_tokens == bool(getattr(self.tok, "split_special_tokens", False))):
+            enc = backend.encode(text, add_special_tokens=False)
+            return enc.ids, enc.offsets
+        out = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(out["input_ids"]), list(out["offset_mapping"])
 
     def _in_segment(self, full: str, s0: int, s1: int, variants: list[str]) -> _Span | None:
         """The answer inside the text turn j added: [header] content [ws] [terminator] [ws]."""
@@ -325,7 +330,7 @@ class ChatMasker:
 
     def _verify(self, token_ids: list[int], variants: list[str], terminator: str | None = None) -> None:
         """The masked tokens of one turn must decode to its content (+ its end-of-turn marker)."""
-        text = _ws_free(self.tok.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        text = _ws_free(self.tok.backend_tokenizer.decode(token_ids, skip_special_tokens=False))  # no clean-up
         terms = [terminator] if terminator is not None else [self.terminator, ""]
         for v in variants:
             for t in terms:

@@ -20,6 +20,7 @@ as a run with `data.workers: 1` raises.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -43,6 +44,8 @@ AUTO_MAX_WORKERS = 32
 AUTO_CONVERSATIONS_PER_WORKER = 2000  # a worker's start (imports, tokenizer): ~6 CPU-seconds (benchmarks/RESULTS.md)
 CHUNK = 16  # conversations per task sent to a worker
 WINDOW_PER_WORKER = 4  # chunks in flight per worker, at most
+
+log = logging.getLogger("draftline.data")
 
 
 class EncodingWorkerError(DraftlineError, RuntimeError):
@@ -196,6 +199,9 @@ def make_encoder(cfg: RunConfig, masker: ChatMasker, spill_path: str, conversati
                  ) -> LocalEncoder | PoolEncoder:
     """The encoder for CONVERSATIONS to encode at the config's `data.workers` (auto_workers)."""
     workers = auto_workers(cfg.data, conversations)
+    how = "set by data.workers" if cfg.data.workers is not None else "data.workers' default for this machine's cores"
+    log.info(f"prepare: encoding up to {conversations:,} conversations "
+             f"{'in this process' if workers == 1 else f'on {workers} worker processes'} ({how})")
     if workers == 1:
         return LocalEncoder(masker, cfg.data)
     return PoolEncoder(cfg, masker, spill_path, workers)

@@ -8,6 +8,7 @@ tests/unit/data/test_prepare_stream.py's pinned test, run at workers 1 and 2."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -55,12 +56,17 @@ def _workers_of(proc: psutil.Process) -> list[psutil.Process]:
             and "resource_tracker" not in " ".join(c.cmdline())]
 
 
-def test_an_error_in_a_worker_surfaces_as_in_one_process_and_leaves_no_worker(tmp_path):
+def test_an_error_in_a_worker_surfaces_as_in_one_process_and_leaves_no_worker(tmp_path, caplog):
     raised = {}
     for workers in (1, 2):
-        with pytest.raises(jinja2.exceptions.TemplateError) as got:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="draftline.data"), \
+                pytest.raises(jinja2.exceptions.TemplateError) as got:
             run_prepare(_prompt_cfg(tmp_path, workers), Store(f"file://{tmp_path}/store-{workers}"))
         raised[workers] = (type(got.value), str(got.value))
+        said = "in this process" if workers == 1 else "on 2 worker processes"  # the log says how it encoded
+        assert any(f"prepare: encoding up to 60 conversations {said} (set by data.workers)" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
         assert not _workers_of(psutil.Process()), "a worker process outlived the failed prepare"
         assert not (tmp_path / f"store-{workers}" / "prepare").exists() or not any(
             (tmp_path / f"store-{workers}" / "prepare").rglob("manifest.json"))  # nothing committed
