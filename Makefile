@@ -50,15 +50,17 @@ chromium:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
-# Two pytest-xdist workers: the tests wait (servers, engines starting, Prefect workers polling) more than they
-# compute, so two share a 2-core machine. A group (xdist_group) runs on one worker; tests/conftest.py says which.
+# Three pytest-xdist workers: the tests wait (servers, engines starting, Prefect workers polling) as well as
+# compute, so three keep a 2-core machine busy where two left it idle at times (benchmarks/RESULTS.md, "The test
+# suite's time"). A group (xdist_group) runs on one worker; tests/conftest.py says which, and which core each uses.
+TEST_WORKERS ?= 3
 test: venv chromium
 	@mkdir -p $(PREFECT_HOME)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 test-fast: venv
 	@mkdir -p $(PREFECT_HOME)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" tests
 
 lock:
 	$(PY) -m venv /tmp/draftline-lock && /tmp/draftline-lock/bin/pip install -q $(TORCH_INDEX) -r requirements/cpu.in || $(NO_TORCH)

@@ -142,6 +142,12 @@ def shard_task(stage: str, cfg: RunConfig, digest: str, shard: int, plan: Any, p
 
 # --------------------------------------------------------------------------- the flow
 
+def _as_a_flow_process() -> None:
+    """First thing in each flow body (the pipeline and a node's slice), whoever started the process."""
+    chain_into_flow()  # SIGTERM (a worker cancelling, a node shutting down) stops engines and waits first
+    bound_arenas()  # the flow's resident memory does not grow with the shards it runs (tasks/core/arenas.py)
+
+
 def _stop_after(until: str | None, stage: str) -> bool:
     return until is not None and STAGES.index(stage) >= STAGES.index(until)
 
@@ -149,8 +155,7 @@ def _stop_after(until: str | None, stage: str) -> bool:
 @flow(name="draftline", log_prints=True, persist_result=False)
 def pipeline(config_path: str | None = None, overrides: list[str] | None = None, until: str | None = None) -> dict:
     """Train an EAGLE-3 draft: parameters are a config file path plus `a.b=c` overrides."""
-    chain_into_flow()  # SIGTERM (a worker cancelling, a node shutting down) stops engines and waits first
-    bound_arenas()  # the flow's resident memory does not grow with the shards it runs (tasks/core/arenas.py)
+    _as_a_flow_process()
     overrides = list(overrides or [])
     if not deployment.id and flow_run.id:  # a run this machine starts itself: `draftline retry` may re-run it here
         try:
@@ -387,8 +392,7 @@ def extract_slice(config_path: str | None = None, overrides: list[str] | None = 
     and checks them against the data the parent named (`data_*`). With stage=train (train.nodes > 1): one node
     of the run's training, joining RENDEZVOUS; the train address in TRAIN_INPUTS picks the head
     (flows/train_nodes.py)."""
-    chain_into_flow()
-    bound_arenas()
+    _as_a_flow_process()
     if stage not in SHARDED and stage != "train":
         raise RuntimeError(f"stage={stage!r}: a slice runs the shards of one of {', '.join(SHARDED)}, or train")
     cfg = load_config(config_path, list(overrides or []))

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))  # the helpers, by th
 # and a child run no node takes is taken back by its parent after 10 s instead of 30 (five of those workers' polls)
 apply_env_defaults(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", PREFECT_WORKER_QUERY_SECONDS="2",
                    DRAFTLINE_TAKE_BACK_S="10")
-# On pytest-xdist's workers (`make test` runs two: -n 2), each worker its own Prefect home, set before Prefect is
+# On pytest-xdist's workers (`make test` runs three: -n 3), each worker its own Prefect home, set before Prefect is
 # imported: the in-process flow runs' ephemeral Prefect server keeps its SQLite database there, and two processes
 # migrating and writing one database fail ("database is locked"). A subfolder of the home the Makefile exports
 # (else of Prefect's default, ~/.prefect), kept between runs like that one. Everything else a worker's tests start
@@ -45,12 +45,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # OpenMP threads on the first core and keeps the last for its scheduler (engine log: `core ids=[0]`,
     # `reserved_cpus=[1]` on 2 cores), so two workers' engines would spin on one core while the other idles; torch
     # would start one thread per core in each worker. A worker's engines and torch get its slice of the allowed
-    # cores instead (gw0 core 0, gw1 core 1 on 2 cores), unless the environment names a binding; an engine group
-    # pinned by draftline (tasks/engine/settings.py) still sets its own.
+    # cores instead (gw0 core 0, gw1 core 1 on 2 cores; with more workers than cores they take turns, gw2 on core
+    # 0 again), unless the environment names a binding; an engine group pinned by draftline (tasks/engine/settings.py)
+    # still sets its own.
     _cpus = sorted(os.sched_getaffinity(0))
     _n = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     _i = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
-    _mine = _cpus[_i * len(_cpus) // _n:(_i + 1) * len(_cpus) // _n] if len(_cpus) >= _n else _cpus
+    _mine = (_cpus[_i * len(_cpus) // _n:(_i + 1) * len(_cpus) // _n] if len(_cpus) >= _n
+             else [_cpus[_i % len(_cpus)]])  # more workers than cores: they take turns on one core each
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, _mine)))
     os.environ.setdefault("OMP_NUM_THREADS", str(len(_mine)))
 
@@ -164,9 +166,9 @@ def prefect_server(tmp_path_factory):
             os.environ[k] = v
 
 
-# =========================================================================== two workers (pytest-xdist, `make test`)
-# `make test` runs the suite on two worker processes (`-n 2 --dist loadgroup`); on a 2-core machine the tests wait
-# (servers, engines starting, Prefect workers polling, crash-detection delays) more than they compute. xdist sends a
+# =========================================================================== xdist workers (pytest-xdist, `make test`)
+# `make test` runs the suite on three worker processes (`-n 3 --dist loadgroup`); on a 2-core machine the tests wait
+# (servers, engines starting, Prefect workers polling, crash-detection delays) as well as compute. xdist sends a
 # worker one unit at a time: a test, or all the tests of one `xdist_group`, which run on that worker in file order.
 
 def pytest_configure(config):

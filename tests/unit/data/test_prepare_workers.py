@@ -97,19 +97,20 @@ from tasks.core.config import RunConfig
 from tasks.data.prepare import run_prepare
 from tasks.store.artifacts import Store
 rows, store = sys.argv[1], sys.argv[2]
-cfg = RunConfig.model_validate({"regenerate": {"enabled": False}, "data": {
-    "sources": [{"path": rows}], "heldout": 2, "num_shards": 2, "workers": 2, "max_length": 2000}})
+cfg = RunConfig.model_validate({"regenerate": {"enabled": False}, "target": {"max_model_len": 8192}, "data": {
+    "sources": [{"path": rows}], "heldout": 2, "num_shards": 2, "workers": 2, "max_length": 6000}})
 run_prepare(cfg, Store("file://" + store))
 print("FINISHED")
 """
 
 
 def _start_prepare(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
-    """A prepare of 5,000 long chats on two workers in its own process group; returns once both workers run."""
+    """A prepare of 5,000 long chats (~4,000 tokens each: ~20 s of encoding per worker after their start, so the
+    run is still encoding when the test acts) on two workers in its own process group; returns once both run."""
     rows = tmp_path / "chats.jsonl"
     with open(rows, "w") as fh:
         for i in range(5_000):
-            fh.write(json.dumps({"prompt": f"Tell me about {i}.", "response": f"{i} is a number. " * 200}) + "\n")
+            fh.write(json.dumps({"prompt": f"Tell me about {i}.", "response": f"{i} is a number. " * 800}) + "\n")
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(rows), str(tmp_path / "store")], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
