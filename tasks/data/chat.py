@@ -87,7 +87,7 @@ class _Span:
 
 
 def _ws_free(text: str) -> str:
-    return "".join(text.split())  # what removing `\s+` leaves (the same characters are whitespace), ~4x faster
+    return "".join(text.split())  # what removing `\s+` leaves (str.split's whitespace is re's `\s`), without re
 
 
 def _variants(content: str) -> list[str]:
@@ -267,9 +267,9 @@ class ChatMasker:
 
     def _with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of TEXT (no special tokens added) and each token's character span. The fast tokenizer's
-        backend is called directly (transformers' wrapper converts every id and offset in Python, ~40% of a
-        long sample's encoding) when it is in the state that wrapper would put it in: no truncation, no
-        padding, special tokens split as the tokenizer says."""
+        backend is called directly (transformers' wrapper converts every id and offset in Python: prepare ran
+        1.10x the samples per CPU-second without it, benchmarks/RESULTS.md) when it is in the state that wrapper
+        would put it in: no truncation, no padding, special tokens split as the tokenizer says."""
         backend = self.tok.backend_tokenizer
         if (backend.truncation is None and backend.padding is None
                 and backend.encode_special_tokens == bool(getattr(self.tok, "split_special_tokens", False))):
