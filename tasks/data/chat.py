@@ -255,6 +255,7 @@ class ChatMasker:
         ids, offsets = self._with_offsets(full)
         bounds = np.array(offsets, dtype=np.int64).reshape(len(ids), 2)
         starts, ends = bounds[:, 0], bounds[:, 1]
+        id_array = np.asarray(ids, dtype=np.int64)
         mask = np.zeros(len(ids), dtype=bool)
         for span in spans:
             turn = np.zeros(len(ids), dtype=bool)
@@ -262,7 +263,7 @@ class ChatMasker:
                 turn |= (starts < e) & (ends > s)
             mask |= turn
             term = full[span.term_start:span.term_end]
-            self._verify(np.asarray(ids, dtype=np.int64)[turn].tolist(), [span.expected], term)
+            self._verify(id_array[turn].tolist(), [span.expected], term)
         return ids, mask.astype(np.int64).tolist()
 
     def _with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
