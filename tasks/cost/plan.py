@@ -367,12 +367,22 @@ def _workload_notes(cfg: RunConfig, shape: Shape, lengths: Lengths, w: Workload,
 
 def _prepare_hours(r: dict[str, float], w: Workload) -> float:
     """prepare's hours: one process's rate; on several workers, the parent's own part (reading the sources,
-    writing the spill and the shards) plus the encoding shared by the workers at their efficiency."""
+    writing the spill and the shards: serial) plus the encoding shared by the workers at their efficiency."""
     n = w.prepare_workers
     if n == 1:
         return w.samples / r["prepare.samples_per_s"] / 3600
-    encoding = 1 / (r["prepare.samples_per_s"] * n * r["prepare.worker_efficiency"])
-    return w.samples * (r["prepare.parent_s_per_sample"] + encoding) / 3600
+    return w.samples * (r["prepare.parent_s_per_sample"] + _worker_s_per_sample(r) / (n * r["prepare.worker_efficiency"])) / 3600
+
+
+def _worker_s_per_sample(r: dict[str, float]) -> float:
+    """An encoding worker's seconds per sample: what one process spends on a sample less the parent's own part,
+    which stays in the parent when workers encode."""
+    one = 1 / r["prepare.samples_per_s"]
+    if r["prepare.parent_s_per_sample"] >= one:
+        raise PlanError(f"prepare.parent_s_per_sample ({r['prepare.parent_s_per_sample']:g} s) is not below one "
+                        f"process's time per sample (1 / prepare.samples_per_s = {one:g} s): the parent's part is a "
+                        "share of that time; set the two from one measurement (benchmarks/bench_data_scale.py)")
+    return one - r["prepare.parent_s_per_sample"]
 
 
 def _stage_notes(cfg: RunConfig, r: dict[str, float], t: dict[str, float], shape: Shape, w: Workload,
@@ -387,11 +397,12 @@ def _stage_notes(cfg: RunConfig, r: dict[str, float], t: dict[str, float], shape
                f"data.workers' default on node.cpus {r['node.cpus']:g}: one per core, at most {AUTO_MAX_WORKERS}, "
                f"one per {AUTO_CONVERSATIONS_PER_WORKER:,} samples encoded")
     return [
-        f"Prepare: {w.samples:,} samples at {r['prepare.samples_per_s']:g} samples/s per worker x "
-        f"{w.prepare_workers} encoding worker(s) ({workers})"
-        + (f" x {r['prepare.worker_efficiency']:g} (prepare.worker_efficiency), plus the parent's own "
-           f"{r['prepare.parent_s_per_sample'] * 1e3:g} ms per sample (prepare.parent_s_per_sample)"
-           if w.prepare_workers > 1 else "")
+        f"Prepare: {w.samples:,} samples at {r['prepare.samples_per_s']:g} samples/s in one process"
+        + (f"; on {w.prepare_workers} encoding workers ({workers}) the parent's own "
+           f"{r['prepare.parent_s_per_sample'] * 1e3:g} ms per sample (prepare.parent_s_per_sample) plus a "
+           f"worker's {_worker_s_per_sample(r) * 1e3:.2f} ms (one process's less the parent's) / ({w.prepare_workers} "
+           f"x {r['prepare.worker_efficiency']:g} (prepare.worker_efficiency))"
+           if w.prepare_workers > 1 else f" ({workers})")
         + f" = {_prepare_hours(r, w):,.2f} h ({w.samples / r['prepare.samples_per_s'] / 3600:,.2f} h in one process).",
         f"Orchestration: {cfg.data.num_shards:,} shards x {r['orchestration.shard_s']:g} s "
         f"(orchestration.shard_s: Prefect task runs, child runs, the store's manifests) = "

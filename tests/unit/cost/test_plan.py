@@ -37,8 +37,8 @@ def test_the_runbook_shows_the_plan_commands_output_unchanged():
                                       f"`draftline plan {m.group(1)}` between the plan markers")
     # the prose around the table quotes figures of this output: they must be in it
     prose = doc[:m.start()] + doc[m.end():]
-    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693", "$13,232", "$5,594",
-                   "902 TB", "$2,424 per month", "61.2", "12.32"):
+    for figure in ("18.67 GFLOP per token", "1.47B generated", "105 TB", "57,349", "28,693", "$13,211", "$5,589",
+                   "902 TB", "$2,424 per month", "61.1", "12.32"):
         assert figure in out.output, figure
         assert figure.split()[0] in prose, f"docs/kimi-k2.5.md's text no longer quotes {figure}"
     # what the issue asks of it: every stage, both dtypes, totals, and a source for every rate
@@ -494,13 +494,18 @@ def test_a_context_longer_than_the_target_allows_is_refused_by_the_plan(tmp_path
 
 def test_prepare_is_priced_per_encoding_worker_times_the_workers_it_runs(kimi_shape):
     """prepare.samples_per_s is one process's; on several workers (data.workers, or its default on the node's
-    cores, node.cpus: one per core, at most 32, one per 2,000 samples) the plan prices the encoding at that rate x
-    the workers x prepare.worker_efficiency, plus the parent's serial part, and says so."""
+    cores, node.cpus: one per core, at most 32, one per 2,000 samples) the plan prices the parent's serial part
+    plus a worker's part (one process's time per sample less the parent's) shared by the workers at
+    prepare.worker_efficiency, and says so."""
     rates = cost_rates.load_rates()
     one = rates["rates"]["prepare.samples_per_s"].value
     eff = rates["rates"]["prepare.worker_efficiency"].value
     parent = rates["rates"]["prepare.parent_s_per_sample"].value
-    assert rates["rates"]["prepare.worker_efficiency"].kind == "assumption"
+    for name in ("samples_per_s", "worker_efficiency", "parent_s_per_sample"):  # each cites its RESULTS section
+        r = rates["rates"][f"prepare.{name}"]
+        assert r.kind == "measured" and "RESULTS \"prepare over a node's cores\"" in r.source, name
+    worker = 1 / one - parent
+    assert 0 < worker < 1 / one
 
     def prepare(sets=(), rate_sets=()):
         r = cost_rates.load_rates(overrides=list(rate_sets)) if rate_sets else rates
@@ -509,15 +514,29 @@ def test_prepare_is_priced_per_encoding_worker_times_the_workers_it_runs(kimi_sh
         return {s.stage: s for s in plan.stages}["prepare"].wall_hours, note
 
     hours, note = prepare(["data.workers=1"])
-    assert hours == pytest.approx(600_000 / one / 3600) and "x 1 encoding worker(s) (data.workers 1) =" in note
+    assert hours == pytest.approx(600_000 / one / 3600) and "in one process (data.workers 1) =" in note
     hours, note = prepare(["data.workers=2"])
-    assert hours == pytest.approx(600_000 * (parent + 1 / (2 * one * eff)) / 3600)
-    assert "x 2 encoding worker(s) (data.workers 2) x 0.8 (prepare.worker_efficiency)" in note
+    assert hours == pytest.approx(600_000 * (parent + worker / (2 * eff)) / 3600)
+    assert f"on 2 encoding workers (data.workers 2) the parent's own {parent * 1e3:g} ms" in note
+    assert f"/ (2 x {eff:g} (prepare.worker_efficiency))" in note
     # the default: the node's cores, capped at 32 (the preset's 600,000 samples allow 300)
     for cpus, workers in ((8, 8), (112, 32)):
         hours, note = prepare(rate_sets=[f"node.cpus={cpus}"])
-        assert hours == pytest.approx(600_000 * (parent + 1 / (workers * one * eff)) / 3600)
-        assert f"x {workers} encoding worker(s) (data.workers' default on node.cpus {cpus}" in note
+        assert hours == pytest.approx(600_000 * (parent + worker / (workers * eff)) / 3600)
+        assert f"on {workers} encoding workers (data.workers' default on node.cpus {cpus}" in note
+    # more workers never cost more time, and the parent's part bounds it however many there are
+    assert prepare(rate_sets=["node.cpus=112"])[0] < prepare(rate_sets=["node.cpus=8"])[0]
+    assert prepare(rate_sets=["node.cpus=112"])[0] > 600_000 * parent / 3600
     # and one per 2,000 conversations to encode (the samples and the preset's 2,000 held out)
     hours, note = prepare(["data.max_samples=7000"], ["node.cpus=112"])
-    assert "x 4 encoding worker(s)" in note and hours == pytest.approx(7_000 * (parent + 1 / (4 * one * eff)) / 3600)
+    assert "on 4 encoding workers" in note and hours == pytest.approx(7_000 * (parent + worker / (4 * eff)) / 3600)
+
+
+
+def test_a_parent_part_longer_than_one_process_is_refused(kimi_shape):
+    """The parent's part is a share of one process's time per sample: a rates file (or --rate) that makes it the
+    larger is two figures from different measurements, and the plan says which to set, not a negative time."""
+    r = cost_rates.load_rates(overrides=["prepare.parent_s_per_sample=0.02", "node.cpus=8"])
+    with pytest.raises(cost_rates.PlanError, match=r"prepare.parent_s_per_sample \(0.02 s\) is not below .*"
+                                                   r"1 / prepare.samples_per_s"):
+        planner.make_plan(load_config(KIMI), r, shape=kimi_shape, levers=False)
