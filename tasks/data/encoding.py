@@ -10,7 +10,10 @@ so nothing is thrown away, and at most `WINDOW_PER_WORKER` chunks per worker are
 Each worker (spawned, not forked: no copy of the parent's threads or locks) builds its own masker from the run's
 config once (`make_masker`), reads the conversations by row from the conversations' spill file (finished by the
 parent before the pool starts, tasks/data/spill.py) and returns token ids and masks; the parent writes the
-samples' spill. A worker ignores SIGINT (Ctrl-C reaches the parent, which cancels what is queued and waits for
+samples' spill. Then the same workers build the shards' Parquet bytes from the two finished spills
+(`shard_files`: at most SHARDS_IN_FLIGHT shards at once), which the parent writes to the store in order: the
+parent's own part per sample (reading the sources, the spill, the writes) is what bounds prepare on many cores
+(benchmarks/RESULTS.md, "prepare over a node's cores"), and a shard's Parquet bytes were ~40% of it. A worker ignores SIGINT (Ctrl-C reaches the parent, which cancels what is queued and waits for
 the chunks running: CHUNK conversations each, a fraction of a second) and exits when its parent is gone (killed
 without a chance to shut the pool down). Spawned workers import the parent's main module: a script of one's own
 that runs prepare keeps its code under `if __name__ == "__main__":`. An error a worker meets while encoding (a template that raises, a row it cannot
@@ -38,12 +41,14 @@ from tasks.core.config import DataConfig, RunConfig
 from tasks.core.errors import DraftlineError
 from tasks.data.chat import ChatMasker, SampleDropped, encode_sample, make_masker
 from tasks.data.sources import Conversation, conversation_spill, spilled_conversation
-from tasks.data.spill import SpillRows
+from tasks.data.spill import Spill, SpillRows
+from tasks.formats.samples import Sample, parquet_bytes
 
 AUTO_MAX_WORKERS = 32
 AUTO_CONVERSATIONS_PER_WORKER = 2000  # a worker's start (imports, tokenizer): ~6 CPU-seconds (benchmarks/RESULTS.md)
 CHUNK = 16  # conversations per task sent to a worker
 WINDOW_PER_WORKER = 4  # chunks in flight per worker, at most
+SHARDS_IN_FLIGHT = 8  # shards' Parquet bytes being built or waiting to be written, at most (each ~1/512 of the data)
 
 log = logging.getLogger("draftline.data")
 
@@ -89,6 +94,24 @@ def _encode_one(masker: ChatMasker, conv: Conversation, data: DataConfig) -> Enc
     return Encoded(conv.row, sample.input_ids, sample.loss_mask, truncated)
 
 
+def samples_schema() -> Any:
+    """The samples' spill (prepare's encoded samples): each one's conversation row, token ids and loss mask."""
+    import pyarrow as pa
+
+    return pa.schema([("conversation", pa.int64()), ("input_ids", pa.list_(pa.int32())),
+                      ("loss_mask", pa.list_(pa.int8()))])
+
+
+def gather(samples: Spill, convs: Spill, indices: Sequence[int]) -> list[Sample]:
+    """The samples at INDICES of the samples' spill, each with its conversation's id, source and messages."""
+    out = []
+    for i in indices:
+        r = samples.get(i)
+        c = spilled_conversation(convs.get(r["conversation"]), r["conversation"])
+        out.append(Sample(c.sample_id, c.source, c.messages, r["input_ids"], r["loss_mask"]))
+    return out
+
+
 class LocalEncoder:
     """Encoding in this process, one conversation at a time (data.workers 1)."""
 
@@ -101,6 +124,11 @@ class LocalEncoder:
             if wanted() <= 0:
                 return
             yield _encode_one(self.masker, convs[i], self.data)
+
+    def shard_files(self, samples: Spill, convs: Spill, parts: Sequence[Sequence[int]]) -> Iterator[bytes]:
+        """Each of PARTS (indices into the samples' spill) as a shard's Parquet bytes, in order."""
+        for part in parts:
+            yield parquet_bytes(gather(samples, convs, part))
 
     def close(self) -> None:
         pass
@@ -121,6 +149,13 @@ def _start_worker(cfg: RunConfig, spill_path: str, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it shuts the pool down
     threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
     _WORKER.update(masker=make_masker(cfg), data=cfg.data, convs=conversation_spill(spill_path, write=False))
+
+
+def _shard_file(samples_path: str, indices: list[int]) -> bytes:
+    """In a worker: the Parquet bytes of the samples at INDICES of the finished samples' spill at SAMPLES_PATH."""
+    if _WORKER.get("samples_path") != samples_path:
+        _WORKER.update(samples=Spill.open(samples_path, samples_schema()), samples_path=samples_path)
+    return parquet_bytes(gather(_WORKER["samples"], _WORKER["convs"], indices))
 
 
 def _encode_rows(rows: list[int]) -> list[Encoded]:
@@ -172,7 +207,22 @@ class PoolEncoder:
                 self.masker.modes.update(done.modes)
                 yield done
 
-    def _result(self, future: Future) -> list[Encoded]:
+    def shard_files(self, samples: Spill, convs: Spill, parts: Sequence[Sequence[int]]) -> Iterator[bytes]:
+        """Each of PARTS (indices into the samples' spill) as a shard's Parquet bytes, in order, built on the
+        workers (the same bytes as LocalEncoder's), SHARDS_IN_FLIGHT at most at once."""
+        samples.finish()  # the workers read it
+        pending: deque[Future] = deque()
+        todo = iter(parts)
+        while True:
+            for part in todo:
+                pending.append(self.pool.submit(_shard_file, samples.path, list(part)))
+                if len(pending) >= SHARDS_IN_FLIGHT:
+                    break
+            if not pending:
+                return
+            yield self._result(pending.popleft())
+
+    def _result(self, future: Future) -> Any:
         try:
             return future.result()
         except BrokenProcessPool as exc:

@@ -21,7 +21,7 @@ import time
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from tasks.core.errors import DraftlineError
 from tasks.core.config import DataConfig, RunConfig
@@ -31,9 +31,8 @@ from tasks.data.sources import (
     allocate,
     conversation_spill,
     load_sources,
-    spilled_conversation,
 )
-from tasks.data.encoding import Encoded, LocalEncoder, PoolEncoder, make_encoder
+from tasks.data.encoding import Encoded, LocalEncoder, PoolEncoder, gather, make_encoder, samples_schema
 from tasks.data.spill import Spill
 from tasks.data.chat import (  # noqa: F401  (ChatTemplateError, SampleDropped, encode_sample: the stage's errors and API)
     ChatMasker,
@@ -73,13 +72,14 @@ def split_shards(samples: list, num_shards: int) -> list[list]:
 
 
 def write_split(w: Any, train: list[int], heldout: list[int], num_shards: int,
-                load: Callable[[list[int]], list[Sample]]) -> list[int]:
-    """heldout.parquet + shard-*.parquet into an artifact writer, each file's samples gathered by `load` from
-    their indices when it is written (one shard in memory at a time); returns samples per shard."""
+                files: Callable[[list[list[int]]], Iterable[bytes]]) -> list[int]:
+    """heldout.parquet + shard-*.parquet into an artifact writer, each file's Parquet bytes made by `files` from
+    its samples' indices (in order, a few at a time: tasks/data/encoding.py `shard_files`); returns samples per
+    shard."""
     shards = split_shards(train, num_shards)
-    w.write_bytes(HELDOUT, parquet_bytes(load(heldout)))
-    for i, part in enumerate(shards):
-        w.write_bytes(shard_name(i), parquet_bytes(load(part)))
+    names = [HELDOUT] + [shard_name(i) for i in range(len(shards))]
+    for name, data in zip(names, files([heldout, *shards]), strict=True):
+        w.write_bytes(name, data)
     return [len(p) for p in shards]
 
 
@@ -91,11 +91,8 @@ class _Encoded:
     one's token and masked-token counts."""
 
     def __init__(self, path: str, conversations: Spill):
-        import pyarrow as pa
-
         self.conversations = conversations
-        self.spill = Spill(path, pa.schema([("conversation", pa.int64()), ("input_ids", pa.list_(pa.int32())),
-                                            ("loss_mask", pa.list_(pa.int8()))]))
+        self.spill = Spill(path, samples_schema())
         self.tokens: array = array("q")
         self.masked: array = array("q")
 
@@ -105,12 +102,7 @@ class _Encoded:
         return self.spill.append({"conversation": e.row, "input_ids": e.input_ids, "loss_mask": e.loss_mask})
 
     def load(self, indices: list[int]) -> list[Sample]:
-        out = []
-        for i in indices:
-            r = self.spill.get(i)
-            c = spilled_conversation(self.conversations.get(r["conversation"]), r["conversation"])
-            out.append(Sample(c.sample_id, c.source, c.messages, r["input_ids"], r["loss_mask"]))
-        return out
+        return gather(self.spill, self.conversations, indices)
 
     def stats(self, indices: list[int]) -> dict[str, Any]:
         return length_stats([self.tokens[i] for i in indices], [self.masked[i] for i in indices])
@@ -211,14 +203,15 @@ def _prepare(cfg: RunConfig, store: Store, digest: str) -> ArtifactRef:
             encoder = make_encoder(cfg, masker, convs.path, to_encode(mixes, data))
             try:
                 build_samples(mixes, encoder, data, encoded.add)
+                return _split_and_write(cfg, store, digest, mixes, masker, encoded, encoder, t0)
             finally:
                 encoder.close()
-            return _split_and_write(cfg, store, digest, mixes, masker, encoded, t0)
 
 
 def _split_and_write(cfg: RunConfig, store: Store, digest: str, mixes: list[_Mix], masker: ChatMasker,
-                     encoded: _Encoded, t0: float) -> ArtifactRef:
-    """Shuffle the encoded samples' indices (seeded), split off the held-out ones and write the shards."""
+                     encoded: _Encoded, encoder: Encoder, t0: float) -> ArtifactRef:
+    """Shuffle the encoded samples' indices (seeded), split off the held-out ones and write the shards (their
+    Parquet bytes built by the encoder: on its workers when there are some)."""
     data = cfg.data
     everything = [i for m in mixes for i in m.samples]
     for m in mixes:
@@ -275,7 +268,9 @@ def _split_and_write(cfg: RunConfig, store: Store, digest: str, mixes: list[_Mix
     config = {"target": cfg.target.model_dump(mode="json"),
               "data": data.model_dump(mode="json", exclude=DATA_SCHEDULING_KEYS)}  # the same at any data.workers
     with store.write(STAGE, digest, VERSIONS[STAGE], {}, config) as w:
-        stats["shard_samples"] = write_split(w, train, heldout, data.num_shards, encoded.load)
+        stats["shard_samples"] = write_split(
+            w, train, heldout, data.num_shards,
+            lambda parts: encoder.shard_files(encoded.spill, encoded.conversations, parts))
         stats["seconds"] = round(time.time() - t0, 2)
         stats["samples_per_s"] = round((len(train) + len(heldout)) / max(stats["seconds"], 1e-9), 1)
         art = w.commit(stats)
