@@ -11,7 +11,11 @@ timed in CPU seconds of this process (time.process_time: a shared machine's othe
 - a worker reads a conversation back from that spill and encodes it (template, tokens, the verified mask),
   and pickles its chunk's results;                                                       [workers]
 - the parent unpickles them and appends each to the samples' spill;                     [parent, serial]
-- the parent gathers a shard's samples from the two spills and writes its Parquet bytes. [parent, serial]
+- a worker gathers a shard's samples from the two spills and builds its Parquet bytes,
+  which the parent writes to the store (its write is not timed here).                   [workers]
+
+With data.workers 1 every part runs in the one process. Until e4a901d the parent built the shards' Parquet bytes
+itself (benchmarks/RESULTS.md, "prepare over a node's cores").
 """
 
 from __future__ import annotations
@@ -81,8 +85,8 @@ def main() -> None:
         timed("append to the samples' spill", "parent", lambda: [encoded.add(e) for e in done if e.input_ids is not None])
         encoded.spill.finish()
         kept = encoded.spill.count
-        samples = timed("gather a shard's samples from the spills", "parent", lambda: encoded.load(list(range(kept))))
-        timed("the shard's Parquet bytes", "parent", lambda: parquet_bytes(samples))
+        samples = timed("gather a shard's samples from the spills", "worker", lambda: encoded.load(list(range(kept))))
+        timed("the shard's Parquet bytes", "worker", lambda: parquet_bytes(samples))
         encoded.spill.close()
         convs.close()
 
