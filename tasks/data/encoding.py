@@ -45,7 +45,7 @@ from tasks.data.spill import Spill, SpillRows
 from tasks.formats.samples import Sample, parquet_bytes
 
 AUTO_MAX_WORKERS = 32
-AUTO_CONVERSATIONS_PER_WORKER = 2000  # a worker's start (imports, tokenizer): ~6 CPU-seconds (benchmarks/RESULTS.md)
+AUTO_CONVERSATIONS_PER_WORKER = 2000  # a worker's start (imports, tokenizer): ~4-6 CPU-s alone, ~17 with 16 at once (RESULTS)
 CHUNK = 16  # conversations per task sent to a worker
 WINDOW_PER_WORKER = 4  # chunks in flight per worker, at most
 SHARDS_IN_FLIGHT = 8  # shards' Parquet bytes being built or waiting to be written, at most (each ~1/512 of the data)
