@@ -371,7 +371,8 @@ def _prepare_hours(r: dict[str, float], w: Workload) -> float:
     n = w.prepare_workers
     if n == 1:
         return w.samples / r["prepare.samples_per_s"] / 3600
-    return w.samples * (r["prepare.parent_s_per_sample"] + _worker_s_per_sample(r) / (n * r["prepare.worker_efficiency"])) / 3600
+    shared = _worker_s_per_sample(r) / (n * r["prepare.worker_efficiency"])
+    return w.samples * (r["prepare.parent_s_per_sample"] + shared) / 3600
 
 
 def _worker_s_per_sample(r: dict[str, float]) -> float:

@@ -13,8 +13,10 @@ parent before the pool starts, tasks/data/spill.py) and returns token ids and ma
 samples' spill. Then the same workers build the shards' Parquet bytes from the two finished spills
 (`shard_files`: at most SHARDS_IN_FLIGHT shards at once), which the parent writes to the store in order: the
 parent's own part per sample (reading the sources, the spill, the writes) is what bounds prepare on many cores
-(benchmarks/RESULTS.md, "prepare over a node's cores"), and a shard's Parquet bytes were ~40% of it. A worker ignores SIGINT (Ctrl-C reaches the parent, which cancels what is queued and waits for
-the chunks running: CHUNK conversations each, a fraction of a second) and exits when its parent is gone (killed
+(benchmarks/RESULTS.md, "prepare over a node's cores"), and a shard's Parquet bytes were ~40% of it.
+
+A worker ignores SIGINT (Ctrl-C reaches the parent, which cancels what is queued and waits for the chunks
+running: CHUNK conversations each, a fraction of a second) and exits when its parent is gone (killed
 without a chance to shut the pool down). Spawned workers import the parent's main module: a script of one's own
 that runs prepare keeps its code under `if __name__ == "__main__":`. An error a worker meets while encoding (a template that raises, a row it cannot
 read) is raised again by the parent encoding that conversation itself: the same exception, type and message,
