@@ -8,13 +8,14 @@ ROWS: a JSONL of conversations (benchmarks/bench_data_scale.py writes one at the
 timed in CPU seconds of this process (time.process_time: a shared machine's other work is not counted):
 
 - the parent reads the rows (JSON, normalize, the conversation id) and spills them;   [parent, serial]
-- a worker reads a conversation back from that spill and encodes it (template, tokens, the verified mask),
-  and pickles its chunk's results;                                                       [workers]
-- the parent unpickles them and appends each to the samples' spill;                     [parent, serial]
+- a worker reads a conversation back from that spill and encodes it (template, tokens, the verified mask);
+                                                                                         [workers]
+- the parent appends each result to the samples' spill;                                 [parent, serial]
 - a worker gathers a shard's samples from the two spills and builds its Parquet bytes,
   which the parent writes to the store (its write is not timed here).                   [workers]
 
-With data.workers 1 every part runs in the one process. Until e4a901d the parent built the shards' Parquet bytes
+The pool's hand-off of each chunk's results (concurrent.futures pickles them) is not timed here. With
+data.workers 1 every part runs in the one process. Until e4a901d the parent built the shards' Parquet bytes
 itself (benchmarks/RESULTS.md, "prepare over a node's cores").
 """
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import sys
 import tempfile
 import time
@@ -41,7 +41,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from tasks.core.config import RunConfig
     from tasks.data.chat import make_masker
-    from tasks.data.encoding import CHUNK, _encode_one
+    from tasks.data.encoding import _encode_one
     from tasks.data.prepare import _Encoded
     from tasks.data.sources import conversation_id, conversation_spill, normalize_row, spilled_conversation
     from tasks.formats.samples import parquet_bytes
@@ -77,10 +77,6 @@ def main() -> None:
                     lambda: [spilled_conversation(convs.get(i), i) for i in range(n)])
         done = timed("encode (template, tokens, verified mask)", "worker",
                      lambda: [_encode_one(masker, c, cfg.data) for c in got])
-        chunks = [done[i:i + CHUNK] for i in range(0, n, CHUNK)]
-        blobs = timed("pickle a chunk's results", "worker",
-                      lambda: [pickle.dumps(c, pickle.HIGHEST_PROTOCOL) for c in chunks])
-        timed("unpickle them", "parent", lambda: [pickle.loads(b) for b in blobs])
         encoded = _Encoded(os.path.join(tmp, "samples.arrow"), convs)
         timed("append to the samples' spill", "parent", lambda: [encoded.add(e) for e in done if e.input_ids is not None])
         encoded.spill.finish()
