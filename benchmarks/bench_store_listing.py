@@ -8,8 +8,8 @@ folder) the store is built through the store's own writer (Store.writer, tiny fi
 commits, stats included), 16 commits at a time: the prepare artifact of benchmarks/rehearsal.yaml with
 regeneration on and SHARDS/2 shards (one file per shard, as prepare writes them; at 1,024 the preset's 512),
 its SHARDS/2 regeneration shards at their addresses (as a run killed before the regenerate artifact leaves
-them), SHARDS extraction shards with their self-check figures, and a train artifact naming every extraction
-shard. Then each command runs as a user runs it (a fresh process, so the import time is in the figure;
+them), SHARDS extraction shards with their self-check figures and the index of their manifests that the stage's end
+writes (tasks/store/manifest_index.py), and a train artifact naming every extraction shard. Then each command runs as a user runs it (a fresh process, so the import time is in the figure;
 `draftline --help` is timed beside it as that floor), three times: the median wall seconds, the CPU seconds
 of that run, and (on S3) the store's requests by kind (SeaweedFS's counters; it counts HEAD as GET). With
 --baseline DIR (a checkout of the code before a change, e.g. `git archive BASE | tar -x -C DIR`) each
@@ -86,6 +86,8 @@ def build(uri: str, shards: int) -> str:
         list(pool.map(lambda i: commit("extract", ext[i], {
             "shard": i, "samples": per // 2, "tokens": per * 1500, "seconds": 60.0,
             "verified": {"positions": 256, "agree": 254, "rate": 0.992}}, {"data": prep.digest}), range(shards)))
+    if getattr(store, "write_index", None):  # as the extract stage's end writes it (flows/shard_nodes.py); the
+        store.write_index("extract", ext)     # regeneration shards have none: their run was killed before its end
     train = hexd("train", shards)
     import numpy as np
     from safetensors.numpy import save

@@ -34,6 +34,11 @@ def finish_sharded(stage: str, record: StageRecord, store: Store, plans: list, r
     done = {int(x.stats.get("shard", 0)) for x in refs}
     lost = sorted(p.shard for p in plans if p.shard not in done)
     finish_stage(record, t0, refs, failed=len(lost), executed=executed)
+    try:  # what a listing of the shards' folder reads in one GET (`draftline ls`, `check`, the next run's start)
+        store.write_index(kind.shard_stage, [x.digest for x in refs])
+    except Exception as exc:  # only a listing's speed depends on it: never the stage
+        logger.warning(f"{stage}: the index of its shards' manifests was not written ({exc}); listings read "
+                       "each manifest instead")
     record.artifact = f"{store.uri}/{kind.shard_stage}/"
     record.stats = {"shards": len(plans), kind.tokens: sum(int(x.stats.get(kind.tokens, 0)) for x in refs)}
     if kind.show_shards is not None:

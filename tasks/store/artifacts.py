@@ -35,6 +35,7 @@ import fsspec
 from tasks.core.config import StoreConfig, canonical_uri
 from tasks.store import gc as _gc
 from tasks.store.location import resolve_credentials
+from tasks.store import manifest_index
 from tasks.store.manifests import file_sizes, read_manifests
 from tasks.store.opened import opened
 from tasks.store.model import (MANIFEST, ArtifactCorrupt, ArtifactMissing, ArtifactRef,
@@ -282,6 +283,16 @@ class Store:
         return {d: a if (a := arts.get(d)) and all(sizes[a.key(f.path)] == f.bytes for f in a.manifest.files)
                 else None for d in digests}
 
+    def write_index(self, stage: str, digests: list[str]) -> str | None:
+        """Index the committed manifests of DIGESTS in STAGE's folder, so that a listing of that folder reads
+        them in one GET (tasks/store/manifest_index.py); its key, or None where none is written (a file://
+        store, or the same index already there)."""
+        if not manifest_index.listable(self) or not digests:
+            return None
+        folder = manifest_index.list_folder(self, stage)
+        found = {d: m for d, m in read_manifests(self, stage, digests, True, folder).items() if m}
+        return manifest_index.write_index(self, stage, found, folder)
+
     def described(self, stage: str, digests: list[str]) -> dict[str, Artifact | None]:
         """The artifacts whose manifests are committed, as their manifests describe them, their files not
         checked (what `plan --from-store` reads: the manifests' stats)."""
@@ -298,7 +309,10 @@ class Store:
         out: list[Manifest] = []
         stages = [stage] if stage else self._dirs(self.root)
         for s in stages:  # an unsafe manifest is listed as nothing
-            out += [m for m in self.manifests(s, self._dirs(self.key(s)), skip_unsafe=True).values() if m]
+            folder = manifest_index.list_folder(self, s) if manifest_index.usable(self) else None
+            digests = self._dirs(self.key(s))  # the plain LIST too: the rolled-up one may miss a folder
+            digests = sorted(set(digests) | folder.digests()) if folder is not None else digests
+            out += [m for m in read_manifests(self, s, digests, True, folder).values() if m]
         return sorted(out, key=lambda m: (m.stage, m.created))
 
     def _dirs(self, key: str) -> list[str]:

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from tasks.store import manifest_index
 from tasks.store.model import MANIFEST, ArtifactCorrupt, Manifest
 from tasks.store.trust import (MANIFEST_CAP, RefusedStoreFile, check_manifest_address, check_name, check_relpath,
                                read_capped)
 
 
 def read_manifests(store: Any, stage: str, digests: list[str], skip_unsafe: bool = False,
-                   ) -> dict[str, Manifest | None]:
+                   folder: manifest_index.Folder | None = None) -> dict[str, Manifest | None]:
     """The committed manifest of each of DIGESTS under STAGE, None where there is none or it is unreadable.
     A manifest naming a path outside its folder raises ArtifactCorrupt, or, with SKIP_UNSAFE (a listing),
-    reads as None."""
+    reads as None. On S3, many at once come from the folder's LIST and its indexes where they can
+    (tasks/store/manifest_index.py; FOLDER: that LIST, when the caller made it), the rest by concurrent GETs."""
     keys = {store.key(check_name("stage", stage), check_name("digest", d), MANIFEST): d for d in digests}
     if not keys:
         return {}
@@ -34,11 +36,19 @@ def read_manifests(store: Any, stage: str, digests: list[str], skip_unsafe: bool
                 raws[key] = exc
         strip = str
     else:
-        got = store.fs.cat(list(keys), on_error="return", **read_options(store.fs))
-        if not isinstance(got, dict):  # fsspec answers one path with its bytes
-            got = {next(iter(keys)): got}
         strip = store.fs._strip_protocol
-        raws = {strip(k): v for k, v in got.items()}
+        raws = {}
+        if folder is None and manifest_index.usable(store, len(keys)):
+            folder = manifest_index.list_folder(store, stage)
+        if folder is not None:  # what an index holds as the LIST saw it; any other manifest is read by a GET
+            held = manifest_index.from_indexes(store, folder, set(keys.values()))
+            raws = {strip(key): held[d] for key, d in keys.items() if d in held}
+        todo = [key for key in keys if strip(key) not in raws]
+        if todo:
+            got = store.fs.cat(todo, on_error="return", **read_options(store.fs))
+            if not isinstance(got, dict):  # fsspec answers one path with its bytes
+                got = {todo[0]: got}
+            raws |= {strip(k): v for k, v in got.items()}
     out: dict[str, Manifest | None] = {}
     for key, digest in keys.items():
         raw = raws.get(strip(key))

@@ -30,6 +30,7 @@ import pytest
 import deploy_harness as harness
 from tasks.core.config import StoreConfig
 from tasks.store.artifacts import Store
+from tasks.store import manifest_index
 
 CRASH_AFTER = 60  # the automation's silence before Crashed (heartbeats every 30 s; the default is 90)
 SHARDS = 6  # node A extracts 0, 2, 4; node B 1, 3, 5 and dies after the first of them
@@ -81,6 +82,12 @@ def pool_env(prefect_server, s3_server, tmp_path: Path, prefix: str) -> tuple[st
 
 @pytest.mark.slow
 @pytest.mark.s3
+def newest_index(store: Store, stage: str) -> dict[str, str]:
+    """The manifests (digest -> bytes) of the newest index in STAGE's folder (tasks/store/manifest_index.py)."""
+    folder = manifest_index.list_folder(store, stage)
+    return json.loads(store.fs.cat_file(folder.indexes[0]))["manifests"]
+
+
 def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_shards(
         prefect_server, s3_server, tmp_path):
     t0 = time.time()
@@ -142,6 +149,9 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
         store = Store.from_config(StoreConfig(uri=store_uri))
         assert sorted(m.stats["shard"] for m in store.list("extract")) == sorted(set(range(SHARDS)) - set(lost))
         assert sorted(m.stats["shard"] for m in store.list("regenerate-shard")) == list(range(SHARDS))
+        # the stage's end indexed what it found (the next listing reads them in one GET), lost shards or not
+        assert sorted(newest_index(store, "extract")) == sorted(m.digest for m in store.list("extract"))
+        assert len(newest_index(store, "regenerate-shard")) == SHARDS
         (regen,) = store.list("regenerate")
         assert regen.stats["num_shards"] == SHARDS and regen.stats["samples"] > 0, regen.stats
         assert f"shards {lost}" in status["message"] and "draftline retry" in status["message"], status["message"]
@@ -173,6 +183,8 @@ def test_shards_spread_over_two_nodes_and_a_lost_node_costs_only_its_unfinished_
         assert ran == {f"extract-shard-{s}" for s in lost} | {"extract"}, done["tasks"]
         shards = {m.stats["shard"]: m for m in store.list("extract")}
         assert sorted(shards) == list(range(SHARDS))
+        assert {d: json.loads(raw)["stats"]["shard"] for d, raw in newest_index(store, "extract").items()} == \
+            {m.digest: s for s, m in shards.items()}
         for s, m in shards.items():
             store.open("extract", m.digest).verify(checksums=True)
             assert (m.created >= t_retry.isoformat()[:19]) == (s in lost), (s, m.created)
