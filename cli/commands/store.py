@@ -3,6 +3,7 @@ machine), and a new store made ready."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ from tasks.address.digests import STAGE_FOLDERS
 from tasks.core.stages import check_stage
 from tasks.store.artifacts import Store
 
+FOLD = 20  # a folder with more artifacts than this is one row of `ls`'s table (1,024 rows: seconds of rendering)
+
 
 def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to list (default store otherwise)."),
        overrides: list[str] = SetOpt, store_uri: Optional[str] = StoreOpt,
@@ -24,8 +27,10 @@ def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to
                                                        "stage, its shards' (" + "; ".join(
                                                            f"{s}: {', then '.join(f)}" for s, f in STAGE_FOLDERS.items()
                                                            if len(f) > 1) + ")."),
+       all_rows: bool = typer.Option(False, "--all", help=f"A row for every artifact: the table folds a folder of "
+                                                           f"more than {FOLD} (a sharded stage's shards) into one row."),
        as_json: bool = JsonOpt):
-    """List committed artifacts in the store (read-only keys are enough)."""
+    """List committed artifacts in the store (read-only keys are enough). --json lists every one."""
     cfg = load_cfg(config, overrides, store_uri)
     check_stage(stage, "--stage")
     store = open_store(cfg, write=False)
@@ -38,13 +43,19 @@ def ls(config: Optional[Path] = typer.Argument(None, help="Config whose store to
     table = Table()
     for col in ("stage", "digest", "created", "files", "bytes", "stats"):
         table.add_column(col)
-    trained = []
-    for m in manifests:
-        size = sum(f.bytes for f in m.files)
-        brief = ", ".join(f"{k}={v}" for k, v in m.stats.items() if isinstance(v, (int, float, str)) and len(str(v)) < 24)
-        table.add_row(m.stage, m.digest, m.created, str(len(m.files)), f"{size:,}", brief[:80])
-        if m.stage == "train":
-            trained.append(m)
+    for folder, group in itertools.groupby(manifests, key=lambda m: m.stage):  # each folder's are together
+        rows = list(group)
+        if len(rows) > FOLD and not all_rows:
+            table.add_row(folder, f"{len(rows):,} artifacts", f"{rows[0].created} to {rows[-1].created}",
+                          f"{sum(len(m.files) for m in rows):,}", f"{sum(f.bytes for m in rows for f in m.files):,}",
+                          "folded: --all lists each")
+            continue
+        for m in rows:
+            size = sum(f.bytes for f in m.files)
+            brief = ", ".join(f"{k}={v}" for k, v in m.stats.items()
+                              if isinstance(v, (int, float, str)) and len(str(v)) < 24)
+            table.add_row(m.stage, m.digest, m.created, str(len(m.files)), f"{size:,}", brief[:80])
+    trained = [m for m in manifests if m.stage == "train"]
     console.print(table)
     for m in trained:  # where each draft is: the attempt folder the manifest names
         print(f"train {m.digest}: attempt {m.attempt}, draft {store.uri.rstrip('/')}/train/{m.digest}/{m.attempt}/draft/")

@@ -177,6 +177,30 @@ def test_ls_stage_lists_the_stages_own_artifact_then_its_shards(tmp_path):
     assert "num_shards=2" in lines[0] and "prepare" not in out.output
 
 
+@pytest.mark.parametrize("n", [20, 21, 64])
+def test_ls_folds_a_folder_of_many_shards_into_one_row_and_all_lists_each(tmp_path, n):
+    """A table of 1,024 shard rows is unreadable and takes seconds to render: `ls` shows a folder of more than 20
+    artifacts as one row (how many, when, files and bytes in all); `--all` and `--json` list each."""
+    from cli.commands.store import FOLD
+
+    store = Store(f"file://{tmp_path}/store")
+    commit(store, "prepare", {"x": 1}, samples=3)
+    shards = [commit(store, "extract", {"shard": i}, shard=i) for i in range(n)]
+    out = draftline("ls", "--store", store.uri)
+    assert out.exit_code == 0, out.output
+    rows = [line for line in out.output.splitlines() if line.startswith("│ extract")]
+    if n > FOLD:
+        assert len(rows) == 1 and f"{n} artifacts" in rows[0] and "--all lists each" in rows[0], out.output
+        total = sum(store.open("extract", d).manifest.files[0].bytes for d in shards)
+        assert f"{total:,}" in rows[0], (total, rows[0])
+    else:
+        assert sorted(r.split()[3] for r in rows) == sorted(shards), out.output
+    assert "samples=3" in out.output  # the prepare artifact, alone in its folder, as before
+    every = draftline("ls", "--store", store.uri, "--all")
+    assert sorted(r.split()[3] for r in every.output.splitlines() if r.startswith("│ extract")) == sorted(shards)
+    assert len(json.loads(draftline("ls", "--store", store.uri, "--json").output)) == n + 1
+
+
 def test_config_typos_get_did_you_mean_and_broken_set_yaml_is_shown():
     out = draftline("config", "show", CONFIG, "--set", "train.max_step=5")
     text = flat(out.output)
