@@ -120,7 +120,7 @@ def timed(argv: list[str], env: dict[str, str], code: Path, metrics: int | None,
 
 
 def commands(uri: str, train: str, shards: int) -> dict[str, list[str]]:
-    return {"help": ["--help"], "ls": ["ls", "--store", uri, "--json"],
+    return {"help": ["--help"], "ls": ["ls", "--store", uri, "--json"], "ls_table": ["ls", "--store", uri],
             "ls_extract": ["ls", "--store", uri, "--stage", "extract"],
             "check": ["check", train, "--store", uri, "--json"],
             "plan_from_store": ["plan", str(CONFIG), "--from-store", *(x for v in sets(shards) for x in ("--set", v)),
