@@ -116,10 +116,15 @@ def from_indexes(store: Any, folder: Folder, wanted: set[str]) -> dict[str, byte
             continue
         for digest in list(left):
             raw = held.get(digest)
-            if isinstance(raw, str) and hashlib.md5(raw.encode()).hexdigest() == folder.etags[digest]:
+            if isinstance(raw, str) and etag_of(raw.encode()) == folder.etags[digest]:
                 out[digest] = raw.encode()
                 left.discard(digest)
     return out
+
+
+def etag_of(body: bytes) -> str:
+    """S3's ETag of an object put in one request: the MD5 of its bytes (a checksum here, not a secret)."""
+    return hashlib.md5(body, usedforsecurity=False).hexdigest()
 
 
 def index_key(store: Any, stage: str, digests: list[str]) -> str:
