@@ -8,8 +8,12 @@ it is the run being asked to stop, not a mistake.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Iterable
+import errno
+from collections.abc import Callable, Iterable, Iterator
+
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a full disk, a file-size limit, a quota
 
 
 class DraftlineError(Exception):
@@ -18,6 +22,18 @@ class DraftlineError(Exception):
 
 class ConfigError(DraftlineError, ValueError):
     """A config (or an option naming part of one) that cannot be used; the message names each field and the fix."""
+
+
+@contextlib.contextmanager
+def full_disk_as(error: Callable[[OSError], BaseException]) -> Iterator[None]:
+    """A full disk (DISK_FULL) inside becomes ERROR(the OSError), raised without the OSError's traceback: a message
+    that names the disk and the fix (the store's, a spill file's, the part cache's). Other errors pass as they are."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, DraftlineError) or exc.errno not in DISK_FULL:
+            raise
+        raise error(exc) from None
 
 
 def closest(word: str, choices: Iterable[str]) -> str | None:

@@ -14,13 +14,12 @@ process and read back by it or by its own worker processes (prepare's encoders o
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from tasks.core.errors import DraftlineError
+from tasks.core.errors import DraftlineError, full_disk_as
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -30,20 +29,13 @@ class SpillFull(DraftlineError, OSError):
     """The local disk under a spill file is full (or the process is over a file-size limit)."""
 
 
-@contextlib.contextmanager
-def _local_space(path: str) -> Iterator[None]:
+def _local_space(path: str) -> contextlib.AbstractContextManager[None]:
     """A full local disk while a spill file is written becomes a SpillFull that names the folder and the fix."""
-    try:
-        yield
-    except OSError as exc:
-        if isinstance(exc, SpillFull) or exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            raise
-        folder = os.path.dirname(path)
-        raise SpillFull(
-            f"writing the local spill file {path} failed: {os.strerror(exc.errno)} (the disk of {folder} is full "
-            "or over a size limit); nothing was committed to the store: free space there, or set TMPDIR to a "
-            "folder on a bigger local disk (prepare spills ~18 KB per sample: docs/DEPLOY.md), then retry the run "
-            "(finished work is reused)") from None
+    return full_disk_as(lambda exc: SpillFull(
+        f"writing the local spill file {path} failed: {os.strerror(exc.errno)} (the disk of {os.path.dirname(path)} "
+        "is full or over a size limit); nothing was committed to the store: free space there, or set TMPDIR to a "
+        "folder on a bigger local disk (prepare spills ~18 KB per sample: docs/DEPLOY.md), then retry the run "
+        "(finished work is reused)"))
 
 
 class Spill:

@@ -32,7 +32,6 @@ The cap and the folder are scheduling: they never enter an artifact's address.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import logging
@@ -45,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
-from tasks.core.errors import DraftlineError
+from tasks.core.errors import DraftlineError, full_disk_as
 from tasks.core import owners
 from tasks.core.home import cache_home, lock_fd, unlock_fd
 from tasks.core.faults import kill_point
@@ -249,23 +248,21 @@ class PartCache:
             self._make_room(size, keep=sha256)
             st = owners._stat(os.getpid())
             tmp = self.tmp / f"{sha256}.{os.getpid()}-{st[1] if st else 0}.tmp"
+            full = full_disk_as(lambda exc: PartCacheError(
+                f"the part cache's disk ({self.root}) is full while caching a {size / 1e9:.2f} GB part: lower "
+                f"train.cache_gib (now {self.cap / (1 << 30):.1f} GiB), free space there, or point {CACHE_DIR_ENV} "
+                "at a bigger disk"))
             try:
-                with open(tmp, "wb") as fh:
-                    fill(_KillPointWriter(fh))
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                if os.path.getsize(tmp) != size:
-                    raise PartCacheError(f"filling {sha256} wrote {os.path.getsize(tmp)} bytes, expected {size}")
-                path.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(tmp, path)  # atomic publish: the entry is whole or absent
-                _fsync_dir(path.parent)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    cap = self.cap / (1 << 30)
-                    raise PartCacheError(f"the part cache's disk ({self.root}) is full while caching a "
-                                         f"{size / 1e9:.2f} GB part: lower train.cache_gib (now {cap:.1f} GiB), "
-                                         f"free space there, or point {CACHE_DIR_ENV} at a bigger disk") from None
-                raise
+                with full:
+                    with open(tmp, "wb") as fh:
+                        fill(_KillPointWriter(fh))
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                    if os.path.getsize(tmp) != size:
+                        raise PartCacheError(f"filling {sha256} wrote {os.path.getsize(tmp)} bytes, expected {size}")
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(tmp, path)  # atomic publish: the entry is whole or absent
+                    _fsync_dir(path.parent)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import errno
 import hashlib
 import io
 import json
@@ -18,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, Iterator
 
 from tasks.core import owners
+from tasks.core.errors import full_disk_as
 from tasks.core.faults import kill_point
 from tasks.store.model import COMMITTED_HERE, FileEntry, Manifest, StoreError
 from tasks.store.reader import HASH_CHUNK, Artifact
@@ -49,19 +49,13 @@ def _forget_hasher() -> None:
 os.register_at_fork(after_in_child=_forget_hasher)
 
 
-@contextlib.contextmanager
-def space_errors(store_uri: str, key: str) -> Iterator[None]:
+def space_errors(store_uri: str, key: str) -> contextlib.AbstractContextManager[None]:
     """A full disk (or a file-size limit) while writing to the store becomes a StoreError that says so."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            raise
-        raise StoreError(
-            f"writing {key} failed: {exc.strerror} (the store's disk is full or over a size limit); nothing was "
-            f"committed: free space on {store_uri} or point store.uri at a bigger store, then retry the run "
-            "(finished work is reused)"
-        ) from None
+    return full_disk_as(lambda exc: StoreError(
+        f"writing {key} failed: {exc.strerror} (the store's disk is full or over a size limit); nothing was "
+        f"committed: free space on {store_uri} or point store.uri at a bigger store, then retry the run "
+        "(finished work is reused)"))
+
 
 def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

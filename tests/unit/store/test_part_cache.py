@@ -250,3 +250,30 @@ def test_a_part_corrupted_on_the_store_is_never_cached(tmp_path, s3):
         cache.lease(entry.sha256, entry.bytes, lambda fh: art.copy_to("f0.bin", fh, chunk=64 * 1024))
     assert cache.entries() == [] and list((tmp_path / "tmp").iterdir()) == []
     assert s3.find("extract", art.digest) is None
+
+
+FULL_DISK_CHILD = """
+import json, resource, sys
+from tasks.store.part_cache import PartCache, PartCacheError
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # a write past 4 KiB fails (EFBIG), as a full disk's would
+cache = PartCache(sys.argv[1], cap_gib=1)
+try:
+    cache.lease("ab" * 32, 65536, lambda fh: fh.write(b"x" * 65536))
+    print(json.dumps({"error": None}))
+except PartCacheError as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+def test_a_full_cache_disk_names_the_setting_and_leaves_no_entry(tmp_path):
+    """A part that does not fit the cache's disk fails with what to change (train.cache_gib, the cache's folder),
+    and neither an entry nor its temp file is left (tasks/core/errors.py full_disk_as, as the store's writer and
+    prepare's spill use it)."""
+    out = subprocess.run([sys.executable, "-c", FULL_DISK_CHILD, str(tmp_path / "cache")], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[3])
+    assert out.returncode == 0, out.stderr[-2000:]
+    msg = json.loads(out.stdout.strip().splitlines()[-1])["error"]
+    assert msg and "the part cache's disk" in msg and "is full while caching a 0.00 GB part" in msg, msg
+    assert "lower train.cache_gib (now 1.0 GiB)" in msg and "or point DRAFTLINE_CACHE_DIR at a bigger disk" in msg
+    left = sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file() and "ab" * 32 in p.name)
+    assert left == ["ab" * 32 + ".fill", "ab" * 32 + ".lease"], left  # its two locks only: no entry, no temp file
