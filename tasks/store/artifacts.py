@@ -289,8 +289,8 @@ class Store:
         store, or the same index already there)."""
         if not manifest_index.listable(self) or not digests:
             return None
-        folder = manifest_index.list_folder(self, stage)
-        found = {d: m for d, m in read_manifests(self, stage, digests, True, folder).items() if m}
+        folder, found = manifest_index.list_folder(self, stage), {}
+        read_manifests(self, stage, digests, True, folder, as_read=found)
         return manifest_index.write_index(self, stage, found, folder)
 
     def described(self, stage: str, digests: list[str]) -> dict[str, Artifact | None]:

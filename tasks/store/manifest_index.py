@@ -11,7 +11,7 @@ spot), ~4 s in all (benchmarks/RESULTS.md, "Listing commands on the preset's sto
   does not roll up as asked (it ignores the delimiter, or knows only `/`) is noticed and the caller reads every
   manifest as before.
 - An index, `STAGE/draftline-index-<32 hex>.json`: `{"stage": STAGE, "manifests": {DIGEST: the manifest's
-  bytes}}`, written by `write_index` (flows/shard_nodes.py, at a sharded stage's end). An entry is used only
+  bytes, as read}}`, written by `write_index` (flows/shard_nodes.py, at a sharded stage's end). An entry is used only
   where the MD5 of its bytes is the ETag the LIST gave for that digest's manifest (S3's ETag of an object put in
   one request), so an index, stale or planted, can never show other bytes than the manifest on the store: it
   saves the GET, nothing else; the bytes are then checked as a GET's would be (tasks/store/manifests.py
@@ -133,14 +133,17 @@ def index_key(store: Any, stage: str, digests: list[str]) -> str:
     return store.key(check_name("stage", stage), f"{INDEX_PREFIX}{name}.json")
 
 
-def write_index(store: Any, stage: str, manifests: dict[str, Any], folder: Folder | None) -> str | None:
-    """Write the index of MANIFESTS (digest -> Manifest, as committed: their bytes are what the store's writer
-    published, tasks/store/artifacts.py `_publish`) in STAGE's folder (FOLDER: its LIST); its key, or None where
-    none is written: nothing to index, too big, or the same index already there (a cached run writes nothing)."""
+def write_index(store: Any, stage: str, manifests: dict[str, bytes], folder: Folder | None) -> str | None:
+    """Write the index of MANIFESTS (digest -> the manifest's bytes as read from the store, whichever draftline
+    version wrote them) in STAGE's folder (FOLDER: its LIST); its key, or None where none is written: nothing to
+    index, one not UTF-8, too big, or the same index already there (a cached run writes nothing)."""
     if not manifests:
         return None
-    body = json.dumps({"stage": stage, "manifests": {d: m.model_dump_json(indent=2)
-                                                     for d, m in sorted(manifests.items())}}).encode()
+    try:
+        held = {d: raw.decode() for d, raw in sorted(manifests.items())}
+    except UnicodeDecodeError:
+        return None
+    body = json.dumps({"stage": stage, "manifests": held}).encode()
     key = index_key(store, stage, list(manifests))
     if len(body) > INDEX_CAP:
         return None

@@ -19,11 +19,13 @@ from tasks.store.trust import (MANIFEST_CAP, RefusedStoreFile, check_manifest_ad
 
 
 def read_manifests(store: Any, stage: str, digests: list[str], skip_unsafe: bool = False,
-                   folder: manifest_index.Folder | None = None) -> dict[str, Manifest | None]:
+                   folder: manifest_index.Folder | None = None, as_read: dict[str, bytes] | None = None,
+                   ) -> dict[str, Manifest | None]:
     """The committed manifest of each of DIGESTS under STAGE, None where there is none or it is unreadable.
     A manifest naming a path outside its folder raises ArtifactCorrupt, or, with SKIP_UNSAFE (a listing),
     reads as None. On S3, many at once come from the folder's LIST and its indexes where they can
-    (tasks/store/manifest_index.py; FOLDER: that LIST, when the caller made it), the rest by concurrent GETs."""
+    (tasks/store/manifest_index.py; FOLDER: that LIST, when the caller made it), the rest by concurrent GETs.
+    AS_READ, when given, gets each usable manifest's bytes as the store holds them (what an index keeps)."""
     keys = {store.key(check_name("stage", stage), check_name("digest", d), MANIFEST): d for d in digests}
     if not keys:
         return {}
@@ -63,6 +65,8 @@ def read_manifests(store: Any, stage: str, digests: list[str], skip_unsafe: bool
             raise raw
         else:
             out[digest] = parse(store, stage, digest, key, raw, skip_unsafe)
+            if out[digest] is not None and as_read is not None:
+                as_read[digest] = raw
     return out
 
 

@@ -23,7 +23,8 @@ def s3_store(s3_server) -> Store:
 
 def plant(store: Store, n: int) -> list[str]:
     """N committed shards as the writer leaves them (an attempt folder with a file, the manifest naming it),
-    put in one batch of concurrent PUTs (committing 600 through the writer takes minutes on SeaweedFS)."""
+    put in one batch of concurrent PUTs (committing 600 through the writer takes minutes on SeaweedFS); two in three
+    manifests formatted otherwise, as another draftline version may have written them."""
     digests = [f"{i:064x}" for i in range(n)]
     objects = {}
     for i, d in enumerate(digests):
@@ -31,7 +32,8 @@ def plant(store: Store, n: int) -> list[str]:
         m = Manifest(stage="extract", digest=d, version="v1", attempt=attempt, created=f"2026-12-07T00:00:{i % 60:02d}",
                      files=[{"path": "p.bin", "bytes": 1, "sha256": "0" * 64}], stats={"shard": i, "rate": 0.992})
         objects[store.key("extract", d, attempt, "p.bin")] = b"x"
-        objects[store.key("extract", d, "manifest.json")] = m.model_dump_json(indent=2).encode()
+        # two in three as compact JSON, bytes the writer of today would not make: indexed as read all the same
+        objects[store.key("extract", d, "manifest.json")] = m.model_dump_json(indent=None if i % 3 else 2).encode()
     store.fs.pipe(objects)
     return digests
 
