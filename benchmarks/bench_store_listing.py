@@ -1,7 +1,7 @@
 """`draftline ls`, `check` and `plan --from-store` on a store the size of the Kimi preset's (issue 43, item 4).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_store_listing.py [--shards 128 1024] [--stores s3 file]
-        [--baseline DIR] [--out FILE]
+        [--baseline DIR] [--out FILE] [--index-regenerate]
 
 For each count SHARDS and each kind of store (a real SeaweedFS with its request counters on, and a file://
 folder) the store is built through the store's own writer (Store.writer, tiny files, the manifests what a run
@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from s3server import S3Server  # noqa: E402
 
 # The preset's shape with a target this machine holds (the preset's own address needs Kimi-K2.5's snapshot)
 CONFIG = ROOT / "benchmarks" / "rehearsal.yaml"
+INDEX_REGENERATE = False  # --index-regenerate
 DATA = Path(tempfile.gettempdir()) / "bench-listing-conversations.jsonl"  # the config's source (its content is addressed)
 
 
@@ -88,6 +88,8 @@ def build(uri: str, shards: int) -> str:
             "verified": {"positions": 256, "agree": 254, "rate": 0.992}}, {"data": prep.digest}), range(shards)))
     if getattr(store, "write_index", None):  # as the extract stage's end writes it (flows/shard_nodes.py); the
         store.write_index("extract", ext)     # regeneration shards have none: their run was killed before its end
+        if INDEX_REGENERATE:                  # ... unless asked: a run whose regeneration stage ended
+            store.write_index(digests.REGENERATE_SHARD, [digests.regenerate_shard(reg, i) for i in range(data_shards)])
     train = hexd("train", shards)
     import numpy as np
     from safetensors.numpy import save
@@ -133,7 +135,11 @@ def main() -> None:
     ap.add_argument("--stores", nargs="+", default=["s3", "file"], choices=["s3", "file"])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--baseline", type=Path, default=None, help="a checkout of the code to compare with")
+    ap.add_argument("--index-regenerate", action="store_true",
+                    help="also index the regeneration shards, as a run whose regeneration stage ended leaves them")
     a = ap.parse_args()
+    global INDEX_REGENERATE
+    INDEX_REGENERATE = a.index_regenerate
     tmp = Path(tempfile.mkdtemp(prefix="bench-listing-"))
     metrics = free_port()
     s3 = S3Server(tmp / "s3", metrics_port=metrics).start()
