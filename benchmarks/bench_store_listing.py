@@ -8,8 +8,10 @@ folder) the store is built through the store's own writer (Store.writer, tiny fi
 commits, stats included), 16 commits at a time: the prepare artifact of benchmarks/rehearsal.yaml with
 regeneration on and SHARDS/2 shards (one file per shard, as prepare writes them; at 1,024 the preset's 512),
 its SHARDS/2 regeneration shards at their addresses (as a run killed before the regenerate artifact leaves
-them), SHARDS extraction shards with their self-check figures and the index of their manifests that the stage's end
-writes (tasks/store/manifest_index.py), and a train artifact naming every extraction shard. Then each command runs as a user runs it (a fresh process, so the import time is in the figure;
+them; with --index-regenerate also the index a regeneration stage's end writes), SHARDS extraction shards with
+their self-check figures and the index of their manifests that the stage's end writes
+(tasks/store/manifest_index.py), and a train artifact naming every extraction shard. Then each command runs as a
+user runs it (a fresh process, so the import time is in the figure;
 `draftline --help` is timed beside it as that floor), three times: the median wall seconds, the CPU seconds
 of that run, and (on S3) the store's requests by kind (SeaweedFS's counters; it counts HEAD as GET). With
 --baseline DIR (a checkout of the code before a change, e.g. `git archive BASE | tar -x -C DIR`) each
@@ -40,7 +42,6 @@ from s3server import S3Server  # noqa: E402
 
 # The preset's shape with a target this machine holds (the preset's own address needs Kimi-K2.5's snapshot)
 CONFIG = ROOT / "benchmarks" / "rehearsal.yaml"
-INDEX_REGENERATE = False  # --index-regenerate
 DATA = Path(tempfile.gettempdir()) / "bench-listing-conversations.jsonl"  # the config's source (its content is addressed)
 
 
@@ -56,8 +57,8 @@ def hexd(*parts) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
-def build(uri: str, shards: int) -> str:
-    """The store; returns the train digest."""
+def build(uri: str, shards: int, index_regenerate: bool = False) -> str:
+    """The store; returns the train digest. INDEX_REGENERATE: the regeneration shards indexed too."""
     from tasks.address import digests
     from tasks.core.config import StoreConfig
     from tasks.core.config_load import load_config
@@ -86,10 +87,9 @@ def build(uri: str, shards: int) -> str:
         list(pool.map(lambda i: commit("extract", ext[i], {
             "shard": i, "samples": per // 2, "tokens": per * 1500, "seconds": 60.0,
             "verified": {"positions": 256, "agree": 254, "rate": 0.992}}, {"data": prep.digest}), range(shards)))
-    if getattr(store, "write_index", None):  # as the extract stage's end writes it (flows/shard_nodes.py); the
-        store.write_index("extract", ext)     # regeneration shards have none: their run was killed before its end
-        if INDEX_REGENERATE:                  # ... unless asked: a run whose regeneration stage ended
-            store.write_index(digests.REGENERATE_SHARD, [digests.regenerate_shard(reg, i) for i in range(data_shards)])
+    store.write_index("extract", ext)  # as the extract stage's end writes it (flows/shard_nodes.py); the regeneration
+    if index_regenerate:  # shards have none (their run was killed before its end) unless asked: that stage ended
+        store.write_index(digests.REGENERATE_SHARD, [digests.regenerate_shard(reg, i) for i in range(data_shards)])
     train = hexd("train", shards)
     import numpy as np
     from safetensors.numpy import save
@@ -138,8 +138,6 @@ def main() -> None:
     ap.add_argument("--index-regenerate", action="store_true",
                     help="also index the regeneration shards, as a run whose regeneration stage ended leaves them")
     a = ap.parse_args()
-    global INDEX_REGENERATE
-    INDEX_REGENERATE = a.index_regenerate
     tmp = Path(tempfile.mkdtemp(prefix="bench-listing-"))
     metrics = free_port()
     s3 = S3Server(tmp / "s3", metrics_port=metrics).start()
@@ -154,7 +152,7 @@ def main() -> None:
                 uri = (f"s3://draftline-test/listing-{uuid.uuid4().hex[:8]}" if kind == "s3"
                        else f"file://{tmp}/store-{shards}")
                 t0 = time.perf_counter()
-                train = build(uri, shards)
+                train = build(uri, shards, a.index_regenerate)
                 res = {"shards": shards, "store": kind, "build_s": round(time.perf_counter() - t0, 1),
                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
                 for name, argv in commands(uri, train, shards).items():
